@@ -1,0 +1,187 @@
+"""``acp-proxy``: serve ACP on stdio (the default), or operate on a config.
+
+    acp-proxy [--config PATH] [--backend NAME]      serve with a TOML config
+    acp-proxy [options] -- CMD ARG...                 serve one ad-hoc backend, no config needed
+    acp-proxy config check [--config PATH]           validate a config, exit 2 on error
+
+Everything after the first ``--`` is the adapter's argv, taken literally.
+Exit status 2 means bad input (usage, config); the message says what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from acp_proxy import __version__
+from acp_proxy import config as configuration
+from acp_proxy.config import Config, ConfigError
+
+EXIT_USAGE = 2
+ASYNC_BACKENDS = ("asyncio", "trio")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class UsageError(Exception):
+    """Bad input from the command line or a config: printed, then exit 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="acp-proxy",
+        description="ACP sidecar: serves ACP on stdio in front of coding-agent adapters.",
+        epilog="Run an adapter without a config: acp-proxy -- codex-acp",
+    )
+    parser.add_argument("--version", action="version", version=f"acp-proxy {__version__}")
+    _add_config_option(parser)
+    _add_serve_options(parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser("serve", help="serve ACP on stdio (the default)")
+    _add_config_option(serve)
+    _add_serve_options(serve)
+    config_cmd = commands.add_parser("config", help="inspect configuration")
+    config_actions = config_cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = config_actions.add_parser("check", help="validate a config file")
+    _add_config_option(check)
+    return parser
+
+
+def _add_config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="TOML config (default: $ACP_PROXY_CONFIG, then the platform config file)",
+    )
+
+
+def _add_serve_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", metavar="NAME", default=argparse.SUPPRESS, help="backend to serve"
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,
+        help="stderr log level (default: $ACP_PROXY_LOG_LEVEL or info)",
+    )
+    parser.add_argument(
+        "--async-backend",
+        choices=ASYNC_BACKENDS,
+        default=argparse.SUPPRESS,
+        help="event loop (default: $ACP_PROXY_ASYNC_BACKEND or asyncio)",
+    )
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Options before the first ``--``, the adapter's argv after it."""
+    args = list(argv)
+    if "--" in args:
+        cut = args.index("--")
+        return args[:cut], args[cut + 1 :]
+    return args, []
+
+
+def _choice_from_env(name: str, choices: Sequence[str], default: str) -> str:
+    value = os.environ.get(name, default).lower()
+    if value not in choices:
+        raise UsageError(f"${name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def load_config(explicit: str | None, command: list[str]) -> Config:
+    """The config to serve with: ``-- CMD`` replaces the configured backends."""
+    path = configuration.find_config_path(explicit)
+    if path is None and not command:
+        raise UsageError(
+            "no backend to run: pass the adapter command after '--' (acp-proxy -- codex-acp), "
+            f"or a config with --config, $ACP_PROXY_CONFIG or {configuration.default_config_path()}"
+        )
+    if path is None:
+        return configuration.adhoc(command)
+    loaded = configuration.load(path)
+    if not command:
+        return loaded
+    adhoc = configuration.adhoc(command)
+    return Config(
+        backends=adhoc.backends,
+        state_dir=loaded.state_dir,
+        max_line_bytes=loaded.max_line_bytes,
+        pool=loaded.pool,
+        shutdown=loaded.shutdown,
+        source=loaded.source,
+    )
+
+
+def _serve(args: argparse.Namespace, command: list[str]) -> int:
+    level = getattr(args, "log_level", None) or _choice_from_env(
+        "ACP_PROXY_LOG_LEVEL", LOG_LEVELS, "info"
+    )
+    async_backend = getattr(args, "async_backend", None) or _choice_from_env(
+        "ACP_PROXY_ASYNC_BACKEND", ASYNC_BACKENDS, "asyncio"
+    )
+    config = load_config(getattr(args, "config", None), command)
+    backend = getattr(args, "backend", None)
+    try:
+        config.backend(backend)
+    except KeyError as exc:
+        raise UsageError(f"--backend: {exc.args[0]}") from None
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="acp-proxy[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    import anyio
+
+    from acp_proxy.proxy import serve
+
+    return anyio.run(serve, config, backend, backend=async_backend)
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    path = configuration.find_config_path(getattr(args, "config", None))
+    if path is None:
+        raise UsageError(
+            f"no config found: pass --config PATH, set $ACP_PROXY_CONFIG, "
+            f"or create {configuration.default_config_path()}"
+        )
+    try:
+        config = configuration.load(path)
+    except ConfigError as exc:
+        count = len(exc.problems)
+        print(f"{path}: {count} problem{'s' if count != 1 else ''}", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{path}: OK")
+    default = config.default_backend or (next(iter(config.backends)) if len(config.backends) == 1 else None)
+    for name, backend in sorted(config.backends.items()):
+        mark = " (default)" if name == default else ""
+        print(f"  backend {name}{mark}: {' '.join(backend.command)}")
+    print(f"  state dir: {configuration.state_dir(config)}")
+    unset = sorted(v for v in configuration.referenced_variables(config) if v not in os.environ)
+    for name in unset:
+        print(f"  note: ${{{name}}} is not set in this environment; the adapter will not start without it")
+    return 0
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"acp-proxy: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options, command = split_command(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(options)
+    try:
+        if args.command == "config":
+            return _config_check(args)
+        return _serve(args, command)
+    except ConfigError as exc:
+        _fail(str(exc))
+    except UsageError as exc:
+        _fail(str(exc))

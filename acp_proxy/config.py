@@ -1,0 +1,357 @@
+"""Configuration: TOML in, frozen msgspec Structs out, every error with its key path.
+
+Validation collects *all* problems in one pass, each as ``path: what was expected,
+what was found`` (``backends.codex.max_live: expected int >= 1, got "two"``), so a
+user fixes a config in one edit rather than one error per run. The checks are
+plain functions over plain data; nothing here touches a process or a socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import msgspec
+
+from acp_proxy.jsonrpc import DEFAULT_MAX_LINE_BYTES
+
+ResumeStrategy = Literal["auto", "resume", "load", "new", "never"]
+RESUME_STRATEGIES: Final = ("auto", "resume", "load", "new", "never")
+
+
+class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_live: int = 4
+    idle_ttl: float = 15 * 60.0
+    acquire_timeout: float = 30.0
+
+
+class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
+    close_timeout: float = 1.5
+    stdin_grace: float = 1.0
+    term_grace: float = 3.0
+
+
+class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    command: tuple[str, ...]
+    env: Mapping[str, str] = msgspec.field(default_factory=dict)
+    cwd: str | None = None
+    resume: ResumeStrategy = "auto"
+    max_live: int | None = None
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    backends: Mapping[str, BackendConfig]
+    default_backend: str | None = None
+    state_dir: str | None = None
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    pool: PoolConfig = PoolConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
+    source: str | None = None
+
+    def backend(self, name: str | None = None) -> BackendConfig:
+        """The named backend, else the default one. Raises ``KeyError`` naming the choices."""
+        chosen = name or self.default_backend
+        if chosen is None and len(self.backends) == 1:
+            chosen = next(iter(self.backends))
+        if chosen is None or chosen not in self.backends:
+            configured = ", ".join(sorted(self.backends)) or "none"
+            what = f"unknown backend {chosen!r}" if chosen else "no default_backend set"
+            raise KeyError(f"{what} (configured: {configured})")
+        return self.backends[chosen]
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; ``problems`` lists every ``path: message``."""
+
+    def __init__(self, problems: list[str], source: str | None = None) -> None:
+        self.problems = problems
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(where + "; ".join(problems))
+
+
+# --- value checks: each returns the converted value or raises _Invalid --------
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _show(value: object) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _expect(what: str, value: object) -> _Invalid:
+    return _Invalid(f"expected {what}, got {_show(value)}")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: object) -> float:
+    """``"150ms"``, ``"3s"``, ``"15m"``, ``"4h"`` or a number of seconds, as seconds."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    if isinstance(value, str) and (m := _DURATION.match(value)):
+        return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+    raise _expect('a duration such as "150ms", "3s", "15m", "4h" or seconds >= 0', value)
+
+
+def _int_at_least(minimum: int) -> Callable[[object], int]:
+    def check(value: object) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
+            return value
+        raise _expect(f"int >= {minimum}", value)
+
+    return check
+
+
+def _string(value: object) -> str:
+    if isinstance(value, str) and value:
+        return value
+    raise _expect("a non-empty string", value)
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[object], str]:
+    def check(value: object) -> str:
+        if value in choices:
+            return str(value)
+        raise _expect("one of " + ", ".join(f'"{c}"' for c in choices), value)
+
+    return check
+
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$\{")
+
+
+def _check_template(text: str) -> None:
+    for m in _VAR.finditer(text):
+        if m.group(0) == "${":
+            raise _Invalid(f"unterminated or invalid ${{...}} in {_show(text)}")
+
+
+def _templated_string(value: object) -> str:
+    if not isinstance(value, str):
+        raise _expect("a string", value)
+    _check_template(value)
+    return value
+
+
+def _command(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise _expect('an argv list such as ["codex-acp", "--flag"] (no shell is used)', value)
+    if not (isinstance(value, list) and value and all(isinstance(a, str) for a in value)):
+        raise _expect("a non-empty list of strings", value)
+    if not value[0]:
+        raise _expect("a non-empty program name", value[0])
+    for arg in value:
+        _check_template(arg)
+    return tuple(value)
+
+
+class _Checker:
+    """Walks a TOML document, converting known keys and recording every problem."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def fail(self, path: str, message: str) -> None:
+        self.problems.append(f"{path}: {message}")
+
+    def table(
+        self, doc: object, path: str, fields: Mapping[str, Callable[[object], Any]]
+    ) -> dict[str, Any]:
+        if not isinstance(doc, dict):
+            self.fail(path, str(_expect("a table", doc)))
+            return {}
+        out: dict[str, Any] = {}
+        for key, value in doc.items():
+            key_path = f"{path}.{key}" if path else key
+            check = fields.get(key)
+            if check is None:
+                self.fail(key_path, "unknown key (expected one of: " + ", ".join(sorted(fields)) + ")")
+                continue
+            try:
+                out[key] = check(value)
+            except _Invalid as exc:
+                self.fail(key_path, str(exc))
+        return out
+
+
+def _identity(value: object) -> object:
+    return value
+
+
+def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
+    """Turn a parsed TOML document into a ``Config`` or raise ``ConfigError`` with all problems."""
+    checker = _Checker()
+    top = checker.table(
+        dict(doc),
+        "",
+        {
+            "default_backend": _string,
+            "state_dir": _string,
+            "max_line_bytes": _int_at_least(1024),
+            "pool": _identity,
+            "shutdown": _identity,
+            "backends": _identity,
+        },
+    )
+    pool = PoolConfig(
+        **checker.table(
+            top.get("pool", {}),
+            "pool",
+            {
+                "max_live": _int_at_least(1),
+                "idle_ttl": parse_duration,
+                "acquire_timeout": parse_duration,
+            },
+        )
+    )
+    shutdown = ShutdownConfig(
+        **checker.table(
+            top.get("shutdown", {}),
+            "shutdown",
+            {
+                "close_timeout": parse_duration,
+                "stdin_grace": parse_duration,
+                "term_grace": parse_duration,
+            },
+        )
+    )
+    backends: dict[str, BackendConfig] = {}
+    raw_backends = top.get("backends", {})
+    if not isinstance(raw_backends, dict):
+        checker.fail("backends", str(_expect("a table of backends", raw_backends)))
+        raw_backends = {}
+    for name, raw in raw_backends.items():
+        path = f"backends.{name}"
+        fields = checker.table(
+            raw,
+            path,
+            {
+                "command": _command,
+                "env": _identity,
+                "cwd": _string,
+                "resume": _one_of(RESUME_STRATEGIES),
+                "max_live": _int_at_least(1),
+            },
+        )
+        if isinstance(raw, dict) and "command" not in raw:
+            checker.fail(f"{path}.command", "required key is missing")
+        env = fields.pop("env", {})
+        if not isinstance(env, dict):
+            checker.fail(f"{path}.env", str(_expect("a table of strings", env)))
+            env = {}
+        checked_env = checker.table(env, f"{path}.env", dict.fromkeys(env, _templated_string))
+        if "command" in fields:
+            backends[name] = BackendConfig(name=name, env=checked_env, **fields)
+    if not raw_backends and not checker.problems:
+        checker.fail("backends", "at least one backend is required, e.g. [backends.codex]")
+    default = top.get("default_backend")
+    if default is not None and raw_backends and default not in raw_backends:
+        configured = ", ".join(sorted(raw_backends))
+        checker.fail("default_backend", f"{_show(default)} is not a backend (configured: {configured})")
+    if checker.problems:
+        raise ConfigError(checker.problems, source)
+    rest = {k: v for k, v in top.items() if k not in ("pool", "shutdown", "backends")}
+    return Config(backends=backends, pool=pool, shutdown=shutdown, source=source, **rest)
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a TOML config file."""
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as fh:
+            doc = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(["file not found"], source) from None
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror}"], source) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"not valid TOML: {exc}"], source) from None
+    return validate(doc, source)
+
+
+def adhoc(command: list[str]) -> Config:
+    """The config for ``acp-proxy -- CMD ARG...``: one backend named after the program."""
+    name = Path(command[0]).name or "adapter"
+    return Config(backends={name: BackendConfig(name=name, command=tuple(command))})
+
+
+# --- locations -----------------------------------------------------------------
+
+
+def _platform_dir(xdg_var: str, xdg_default: str) -> Path:
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support"
+    base = os.environ.get(xdg_var)
+    return Path(base) if base and os.path.isabs(base) else Path.home() / xdg_default
+
+
+def default_config_path() -> Path:
+    return _platform_dir("XDG_CONFIG_HOME", ".config") / "acp-proxy" / "config.toml"
+
+
+def find_config_path(explicit: str | None) -> Path | None:
+    """``--config``, else ``$ACP_PROXY_CONFIG``, else the platform file if it exists."""
+    if explicit:
+        return Path(explicit)
+    from_env = os.environ.get("ACP_PROXY_CONFIG")
+    if from_env:
+        return Path(from_env)
+    candidate = default_config_path()
+    return candidate if candidate.is_file() else None
+
+
+def state_dir(config: Config | None = None) -> Path:
+    """``$ACP_PROXY_STATE_DIR``, else ``state_dir`` from the config, else the platform dir."""
+    from_env = os.environ.get("ACP_PROXY_STATE_DIR")
+    if from_env:
+        return Path(from_env)
+    if config is not None and config.state_dir:
+        return Path(os.path.expanduser(config.state_dir))
+    return _platform_dir("XDG_STATE_HOME", ".local/state") / "acp-proxy"
+
+
+# --- ${VAR} expansion (done here, never by a shell) ------------------------------
+
+
+class MissingVariable(Exception):
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"environment variable {name} is not set")
+
+
+def expand(text: str, environ: Mapping[str, str]) -> str:
+    """Expand ``${NAME}`` from ``environ``; ``$$`` is a literal ``$``; nothing else is special."""
+
+    def substitute(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1)
+        if name is None or name not in environ:
+            raise MissingVariable(name or m.group(0))
+        return environ[name]
+
+    return _VAR.sub(substitute, text)
+
+
+def referenced_variables(config: Config) -> set[str]:
+    """Every ``${NAME}`` a config refers to, for ``config check`` to report unset ones."""
+    names: set[str] = set()
+    for backend in config.backends.values():
+        for text in (*backend.command, *backend.env.values()):
+            names.update(m.group(1) for m in _VAR.finditer(text) if m.group(1))
+    return names

@@ -1,0 +1,142 @@
+"""A small ACP agent that needs no API key: it streams your prompt back, word by word.
+
+Run it behind the proxy with ``acp-proxy -- python -m acp_proxy.examples.echo_agent``.
+It supports ``initialize``, ``session/new``, ``session/load`` (replaying the
+session's history from memory), ``session/prompt`` (streaming), ``session/cancel``,
+and asks the client for permission when a prompt contains the word "permission".
+Standard library only, one thread per turn, so a cancel can interrupt a turn.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+WORD_DELAY = float(os.environ.get("ECHO_AGENT_WORD_DELAY", "0.03"))
+
+
+class EchoAgent:
+    def __init__(self) -> None:
+        self._out = threading.Lock()
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._cancelled: set[str] = set()
+        self._history: dict[str, list[dict[str, Any]]] = {}
+        self._turns: list[threading.Thread] = []
+
+    def send(self, message: dict[str, Any]) -> None:
+        line = json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":"))
+        with self._out:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    def update(self, session_id: str, update: dict[str, Any]) -> None:
+        self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
+
+    def ask(self, method: str, params: dict[str, Any]) -> Any:
+        request_id = next(self._ids)
+        done, box = threading.Event(), []
+        self._waiting[request_id] = (done, box)
+        self.send({"id": request_id, "method": method, "params": params})
+        done.wait()
+        return box[0]
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        method, params, request_id = msg.get("method"), msg.get("params") or {}, msg.get("id")
+        if method is None:
+            waiter = self._waiting.pop(request_id, None) if isinstance(request_id, int) else None
+            if waiter is not None:
+                waiter[1].append(msg.get("result", msg.get("error")))
+                waiter[0].set()
+            return
+        if method == "session/cancel":
+            self._cancelled.add(params.get("sessionId", ""))
+            return
+        if request_id is None:
+            return
+        if method == "session/prompt":
+            turn = threading.Thread(target=self.prompt, args=(request_id, params), daemon=True)
+            self._turns.append(turn)
+            turn.start()
+            return
+        try:
+            result = self.answer(method, params)
+        except LookupError as exc:
+            self.send({"id": request_id, "error": {"code": exc.args[0], "message": exc.args[1]}})
+            return
+        self.send({"id": request_id, "result": result})
+
+    def answer(self, method: str, params: dict[str, Any]) -> Any:
+        if method == "initialize":
+            return {
+                "protocolVersion": 1,
+                "agentCapabilities": {"loadSession": True},
+                "agentInfo": {"name": "echo-agent", "version": "1.0.0"},
+                "authMethods": [],
+            }
+        if method == "session/new":
+            session_id = f"echo-{os.getpid()}-{len(self._history) + 1}"
+            self._history[session_id] = []
+            return {"sessionId": session_id}
+        if method == "session/load":
+            session_id = params.get("sessionId", "")
+            if session_id not in self._history:
+                raise LookupError(-32002, f"unknown session {session_id}")
+            for update in self._history[session_id]:
+                self.update(session_id, update)
+            return {}
+        raise LookupError(-32601, f"method not found: {method}")
+
+    def prompt(self, request_id: int, params: dict[str, Any]) -> None:
+        session_id = params.get("sessionId", "")
+        text = " ".join(b.get("text", "") for b in params.get("prompt", []) if b.get("type") == "text")
+        history = self._history.setdefault(session_id, [])
+        user = {"sessionUpdate": "user_message_chunk", "content": {"type": "text", "text": text}}
+        history.append(user)
+        self._cancelled.discard(session_id)
+        if "permission" in text.lower():
+            outcome = self.ask(
+                "session/request_permission",
+                {
+                    "sessionId": session_id,
+                    "toolCall": {"toolCallId": f"call-{request_id}", "title": "Echo the prompt"},
+                    "options": [
+                        {"optionId": "allow", "name": "Allow", "kind": "allow_once"},
+                        {"optionId": "reject", "name": "Reject", "kind": "reject_once"},
+                    ],
+                },
+            )
+            chosen = (outcome or {}).get("outcome", {}).get("optionId")
+            if chosen != "allow":
+                self.send({"id": request_id, "result": {"stopReason": "refusal"}})
+                return
+        for word in text.split():
+            if session_id in self._cancelled:
+                self.send({"id": request_id, "result": {"stopReason": "cancelled"}})
+                return
+            chunk = {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": word + " "}}
+            history.append(chunk)
+            self.update(session_id, chunk)
+            time.sleep(WORD_DELAY)
+        self.send({"id": request_id, "result": {"stopReason": "end_turn"}})
+
+    def run(self) -> None:
+        for line in sys.stdin:
+            if line.strip():
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(msg, dict):
+                    self.handle(msg)
+        for turn in self._turns:  # stdin closed: finish the turns already started
+            turn.join(timeout=5)
+
+
+if __name__ == "__main__":
+    EchoAgent().run()

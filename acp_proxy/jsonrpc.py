@@ -1,0 +1,326 @@
+"""JSON-RPC 2.0 over newline-delimited JSON: framing, envelopes, encoding.
+
+Only the envelope is ever decoded. ``params``, ``result`` and ``error.data`` stay
+``msgspec.Raw`` so that what the proxy does not need to read it forwards as the
+exact bytes it received. The reader hands out *batches* of complete lines, so a
+relay can decode a whole read with one call and, when nothing needs rewriting,
+write the block it read without splitting or joining it.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import msgspec
+from anyio.abc import ByteReceiveStream, ByteSendStream
+from msgspec import UNSET, Raw, UnsetType
+
+DEFAULT_MAX_LINE_BYTES: Final = 64 * 1024 * 1024
+READ_SIZE: Final = 256 * 1024
+
+PARSE_ERROR: Final = -32700
+INVALID_REQUEST: Final = -32600
+METHOD_NOT_FOUND: Final = -32601
+INVALID_PARAMS: Final = -32602
+INTERNAL_ERROR: Final = -32603
+REQUEST_CANCELLED: Final = -32800
+AUTH_REQUIRED: Final = -32000
+RESOURCE_NOT_FOUND: Final = -32002
+
+RequestId = int | str | None
+"""A JSON-RPC id. ``0`` and ``""`` are ids like any other; ``None`` is JSON null."""
+
+
+class ErrorObject(msgspec.Struct, gc=False, omit_defaults=True):
+    code: int
+    message: str
+    data: Raw | UnsetType = UNSET
+
+
+class Message(msgspec.Struct, gc=False, omit_defaults=True):
+    """The envelope of any JSON-RPC message. Absent members are ``UNSET``."""
+
+    jsonrpc: str | UnsetType = UNSET
+    id: int | str | None | UnsetType = UNSET
+    method: str | UnsetType = UNSET
+    params: Raw | UnsetType = UNSET
+    result: Raw | UnsetType = UNSET
+    error: ErrorObject | UnsetType = UNSET
+
+
+class Kind(enum.Enum):
+    REQUEST = "request"
+    NOTIFICATION = "notification"
+    RESPONSE = "response"
+
+
+def classify(msg: Message) -> Kind | None:
+    """What a decoded envelope is, or ``None`` if it is not valid JSON-RPC 2.0."""
+    if msg.method is not UNSET:
+        if msg.result is not UNSET or msg.error is not UNSET:
+            return None
+        return Kind.NOTIFICATION if msg.id is UNSET else Kind.REQUEST
+    if msg.id is UNSET or (msg.result is UNSET) == (msg.error is UNSET):
+        return None
+    return Kind.RESPONSE
+
+
+class BadLine(enum.Enum):
+    PARSE = PARSE_ERROR
+    INVALID = INVALID_REQUEST
+
+
+_decoder: Final = msgspec.json.Decoder(Message)
+_encoder: Final = msgspec.json.Encoder()
+
+
+class _IdOnly(msgspec.Struct, gc=False):
+    id: Any = None
+
+
+_id_decoder: Final = msgspec.json.Decoder(_IdOnly)
+
+
+def decode_line(line: bytes) -> tuple[Message, Kind] | BadLine:
+    """Decode one line; a bad line says whether it was not JSON or not JSON-RPC."""
+    try:
+        msg = _decoder.decode(line)
+    except msgspec.ValidationError:
+        return BadLine.INVALID
+    except msgspec.DecodeError:
+        return BadLine.PARSE
+    kind = classify(msg)
+    if kind is None:
+        return BadLine.INVALID
+    return msg, kind
+
+
+def salvage_id(line: bytes) -> RequestId:
+    """The id of an invalid request if one can be read, so its error can name it."""
+    try:
+        raw_id = _id_decoder.decode(line).id
+    except msgspec.DecodeError:
+        return None
+    return raw_id if isinstance(raw_id, int | str) and not isinstance(raw_id, bool) else None
+
+
+_BLANK_LINE: Final = re.compile(rb"(?:^|\n)[ \t\r]*\n")
+
+
+def decode_block(block: bytes, line_count: int) -> list[Message] | None:
+    """Decode a block of ``line_count`` complete lines with one call.
+
+    Returns one envelope per line, or ``None`` when the block needs line-by-line
+    handling: a line that is not JSON or not an object, a blank line, or a line
+    holding two values (which would shift every envelope after it).
+    """
+    if _BLANK_LINE.search(block):
+        return None
+    try:
+        msgs = _decoder.decode_lines(block)
+    except msgspec.DecodeError:
+        return None
+    # With no blank line every line yields at least one value, so equal counts
+    # mean exactly one value per line.
+    return msgs if len(msgs) == line_count else None
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg) + b"\n"
+
+
+def encode_json(value: object) -> bytes:
+    return _encoder.encode(value)
+
+
+def with_id(msg: Message, new_id: RequestId) -> bytes:
+    """Re-encode ``msg`` under another id; params/result/error pass through as they came."""
+    return encode(
+        Message(
+            jsonrpc="2.0",
+            id=new_id,
+            method=msg.method,
+            params=msg.params,
+            result=msg.result,
+            error=msg.error,
+        )
+    )
+
+
+def request(request_id: RequestId, method: str, params: object = UNSET) -> bytes:
+    raw = params if isinstance(params, Raw | UnsetType) else Raw(_encoder.encode(params))
+    return encode(Message(jsonrpc="2.0", id=request_id, method=method, params=raw))
+
+
+def notification(method: str, params: object = UNSET) -> bytes:
+    raw = params if isinstance(params, Raw | UnsetType) else Raw(_encoder.encode(params))
+    return encode(Message(jsonrpc="2.0", method=method, params=raw))
+
+
+def result_response(request_id: RequestId, result: object) -> bytes:
+    raw = result if isinstance(result, Raw) else Raw(_encoder.encode(result))
+    return encode(Message(jsonrpc="2.0", id=request_id, result=raw))
+
+
+def error_response(
+    request_id: RequestId, code: int, message: str, data: object = UNSET
+) -> bytes:
+    raw_data = data if isinstance(data, Raw | UnsetType) else Raw(_encoder.encode(data))
+    return encode(
+        Message(
+            jsonrpc="2.0",
+            id=request_id,
+            error=ErrorObject(code=code, message=message, data=raw_data),
+        )
+    )
+
+
+def bad_line_response(bad: BadLine, line: bytes) -> bytes:
+    if bad is BadLine.PARSE:
+        return error_response(None, PARSE_ERROR, "Parse error: the line is not valid JSON")
+    return error_response(
+        salvage_id(line),
+        INVALID_REQUEST,
+        "Invalid request: not a JSON-RPC 2.0 request, notification or response",
+    )
+
+
+def decode_object(raw: Raw | UnsetType) -> dict[str, Any] | None:
+    """Decode params/result that must be a JSON object; anything else is ``None``."""
+    if raw is UNSET:
+        return None
+    try:
+        value = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# --- framing -----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Batch:
+    """Complete lines from one read.
+
+    ``block`` is exactly the bytes of ``lines`` with their newlines, in order, so a
+    relay that forwards every line unchanged can send ``block`` as it is.
+    ``overlong`` counts lines dropped for exceeding the size limit *before* these.
+    """
+
+    lines: list[bytes]
+    block: bytes
+    overlong: int = 0
+
+
+class LineReader:
+    """Splits a byte stream into lines, never holding more than ``max_line_bytes``.
+
+    A line longer than the limit is discarded as it streams past (only the count
+    of such lines is reported), so a peer cannot make the proxy buffer without
+    bound. At end of stream an unterminated last line is delivered as a line.
+    """
+
+    def __init__(
+        self,
+        stream: ByteReceiveStream,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        read_size: int = READ_SIZE,
+    ) -> None:
+        self._stream = stream
+        self._max = max_line_bytes
+        self._read_size = read_size
+        self._partial: list[bytes] = []
+        self._partial_len = 0
+        self._discarding = False
+        self._eof = False
+
+    async def receive_batch(self) -> Batch:
+        """The next batch of lines; raises ``anyio.EndOfStream`` when none are left."""
+        overlong = 0
+        while True:
+            if self._eof:
+                raise anyio.EndOfStream
+            try:
+                chunk = await self._stream.receive(self._read_size)
+            except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+                self._eof = True
+                tail = b"".join(self._partial)
+                self._partial.clear()
+                if tail.strip():
+                    return Batch([tail], tail + b"\n", overlong)
+                if overlong:
+                    return Batch([], b"", overlong)
+                raise anyio.EndOfStream from None
+            batch, overlong = self._feed(chunk, overlong)
+            if batch is not None:
+                return batch
+            if overlong:
+                return Batch([], b"", overlong)
+
+    def _feed(self, chunk: bytes, overlong: int) -> tuple[Batch | None, int]:
+        if self._discarding:
+            cut = chunk.find(b"\n")
+            if cut < 0:
+                return None, overlong
+            self._discarding = False
+            chunk = chunk[cut + 1 :]
+        last_nl = chunk.rfind(b"\n")
+        if last_nl < 0:
+            self._keep_partial(chunk)
+            if self._discarding:
+                overlong += 1
+            return None, overlong
+        if self._partial:
+            self._partial.append(chunk[: last_nl + 1])
+            block = b"".join(self._partial)
+            self._partial.clear()
+            self._partial_len = 0
+        else:
+            block = chunk[: last_nl + 1] if last_nl + 1 < len(chunk) else chunk
+        rest = chunk[last_nl + 1 :]
+        if rest:
+            self._keep_partial(rest)
+            if self._discarding:
+                overlong += 1
+        lines = block.split(b"\n")
+        lines.pop()
+        if len(block) > self._max:
+            kept = [line for line in lines if len(line) <= self._max]
+            if len(kept) != len(lines):
+                overlong += len(lines) - len(kept)
+                lines = kept
+                block = b"".join(line + b"\n" for line in kept)
+        return Batch(lines, block, overlong), 0
+
+    def _keep_partial(self, piece: bytes) -> None:
+        self._partial.append(piece)
+        self._partial_len += len(piece)
+        if self._partial_len > self._max:
+            self._partial.clear()
+            self._partial_len = 0
+            self._discarding = True
+
+
+class LineWriter:
+    """Writes whole lines to a stream; concurrent writers never interleave."""
+
+    def __init__(self, stream: ByteSendStream) -> None:
+        self._stream = stream
+        self._lock = anyio.Lock()
+
+    async def send(self, data: bytes) -> None:
+        async with self._lock:
+            await self._stream.send(data)
+
+    async def send_many(self, pieces: Sequence[bytes]) -> None:
+        if pieces:
+            await self.send(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
