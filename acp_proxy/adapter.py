@@ -8,8 +8,10 @@ in ``pending`` next to the id it was sent under.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import signal
 import subprocess
 from collections.abc import Mapping
@@ -25,6 +27,16 @@ from acp_proxy.jsonrpc import LineReader, Message, RequestId
 from acp_proxy.ownership.signals import OwnedGroup
 
 log = logging.getLogger("acp_proxy.adapter")
+
+MARKER_VARIABLE = "ACP_PROXY_LEASE"
+KILL_WAIT = 2.0
+"""How long to wait for SIGKILLed processes to disappear before giving up on them."""
+GROUP_POLL_INTERVAL = 0.02
+
+
+def new_marker() -> str:
+    """``ACP_PROXY_LEASE=<random>``: put in the adapter's environment, inherited by its tree."""
+    return f"{MARKER_VARIABLE}={secrets.token_hex(8)}.{secrets.token_hex(8)}"
 
 
 class SpawnError(Exception):
@@ -83,16 +95,21 @@ class Adapter:
         backend: BackendConfig,
         process: anyio.abc.Process,
         max_line_bytes: int,
+        marker: str,
     ) -> None:
-        assert process.stdin is not None and process.stdout is not None
+        assert process.stdin is not None
+        assert process.stdout is not None
         self.backend = backend
         self.process = process
-        self.group = OwnedGroup(process.pid)
+        self.marker = marker
+        self.group = OwnedGroup(process.pid, marker)
         self.lines = LineReader(process.stdout, max_line_bytes)
         self.pending: dict[int, PendingCall] = {}
         self.returncode: int | None = None
         self.gone = False
         self.drained = anyio.Event()
+        self._stop_lock = anyio.Lock()
+        self._stopped = False
         self._stdin = jsonrpc.LineWriter(process.stdin)
         self._next_id = 0
 
@@ -114,9 +131,12 @@ class Adapter:
         stderr is the proxy's stderr, so its logs reach whoever reads ours.
         """
         base = dict(os.environ if environ is None else environ)
+        marker = new_marker()
         try:
             argv = [expand(arg, base) for arg in backend.command]
             env = spawn_environment(backend, base)
+            key, _, value = marker.partition("=")
+            env[key] = value
         except MissingVariable as exc:
             raise SpawnError(f"backend {backend.name!r}: {exc}") from None
         try:
@@ -133,7 +153,7 @@ class Adapter:
             reason = exc.strerror or str(exc)
             raise SpawnError(f"cannot start backend {backend.name!r} ({argv[0]}): {reason}") from exc
         log.info("adapter started: backend=%s pid=%d argv=%s", backend.name, process.pid, argv)
-        return cls(backend, process, max_line_bytes)
+        return cls(backend, process, max_line_bytes, marker)
 
     # --- requests ---------------------------------------------------------------
 
@@ -205,35 +225,53 @@ class Adapter:
         return self.returncode
 
     async def stop(self, shutdown: ShutdownConfig) -> int | None:
-        """End the adapter: close its stdin, then SIGTERM its group, then SIGKILL it.
+        """End the adapter and its process group: stdin EOF, then SIGTERM, then SIGKILL.
 
-        Each step waits its grace first; an adapter that exits on EOF is never
-        signalled. Shielded: this is teardown and must finish once begun.
+        The adapter gets ``stdin_grace`` to exit on EOF; whatever is left of its
+        group then (the adapter itself, or children it left behind) gets SIGTERM
+        and ``term_grace``, then SIGKILL. Idempotent, and shielded: teardown must
+        finish once begun.
         """
         with anyio.CancelScope(shield=True):
-            await self._close_stdin()
-            status = await self.wait_exit(shutdown.stdin_grace)
-            if status is None and self.group.signal(signal.SIGTERM):
-                self.group.signal(signal.SIGCONT)
-                log.info("adapter pid=%d ignored stdin EOF: sent SIGTERM", self.pid)
-                status = await self.wait_exit(shutdown.term_grace)
-            if status is None and self.group.signal(signal.SIGKILL):
-                log.warning("adapter pid=%d ignored SIGTERM: sent SIGKILL", self.pid)
-                status = await self.wait_exit(shutdown.term_grace)
-            self.group.close()
-            log.info("adapter pid=%d stopped (%s)", self.pid, describe_exit(status))
-            return status
+            async with self._stop_lock:
+                if not self._stopped:
+                    await self._close_stdin()
+                    await self.wait_exit(shutdown.stdin_grace)
+                    await self._terminate_group(shutdown.term_grace)
+                    await self.wait_exit(KILL_WAIT)
+                    self.group.close()
+                    self._stopped = True
+                    log.info("adapter pid=%d stopped (%s)", self.pid, describe_exit(self.returncode))
+        return self.returncode
+
+    async def _terminate_group(self, term_grace: float) -> None:
+        leader_running = self.returncode is None
+        if not self.group.signal(signal.SIGTERM):
+            return
+        self.group.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        if leader_running:
+            log.info("adapter pid=%d still running after stdin EOF: sent SIGTERM", self.pid)
+        else:
+            log.info("adapter pid=%d left processes in its group: sent SIGTERM", self.pid)
+        if await self._group_gone_within(term_grace):
+            return
+        if self.group.signal(signal.SIGKILL):
+            log.warning("adapter pid=%d group ignored SIGTERM: sent SIGKILL", self.pid)
+            await self._group_gone_within(KILL_WAIT)
+
+    async def _group_gone_within(self, timeout: float) -> bool:
+        with anyio.move_on_after(timeout):
+            while self.group.provably_ours():
+                await anyio.sleep(GROUP_POLL_INTERVAL)
+            return True
+        return False
 
     async def _close_stdin(self) -> None:
-        try:
+        with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
             await self._stdin.aclose()
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
 
     async def close_output(self) -> None:
         """Stop reading the adapter's stdout (a lingering descendant may hold it open)."""
         if self.process.stdout is not None:
-            try:
+            with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await self.process.stdout.aclose()
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass

@@ -60,9 +60,7 @@ def _add_config_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--backend", metavar="NAME", default=argparse.SUPPRESS, help="backend to serve"
-    )
+    parser.add_argument("--backend", metavar="NAME", default=argparse.SUPPRESS, help="backend to serve")
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -118,9 +116,7 @@ def load_config(explicit: str | None, command: list[str]) -> Config:
 
 
 def _serve(args: argparse.Namespace, command: list[str]) -> int:
-    level = getattr(args, "log_level", None) or _choice_from_env(
-        "ACP_PROXY_LOG_LEVEL", LOG_LEVELS, "info"
-    )
+    level = getattr(args, "log_level", None) or _choice_from_env("ACP_PROXY_LOG_LEVEL", LOG_LEVELS, "info")
     async_backend = getattr(args, "async_backend", None) or _choice_from_env(
         "ACP_PROXY_ASYNC_BACKEND", ASYNC_BACKENDS, "asyncio"
     )

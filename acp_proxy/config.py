@@ -169,9 +169,7 @@ class _Checker:
     def fail(self, path: str, message: str) -> None:
         self.problems.append(f"{path}: {message}")
 
-    def table(
-        self, doc: object, path: str, fields: Mapping[str, Callable[[object], Any]]
-    ) -> dict[str, Any]:
+    def table(self, doc: object, path: str, fields: Mapping[str, Callable[[object], Any]]) -> dict[str, Any]:
         if not isinstance(doc, dict):
             self.fail(path, str(_expect("a table", doc)))
             return {}

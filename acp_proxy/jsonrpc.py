@@ -46,7 +46,7 @@ class Message(msgspec.Struct, gc=False, omit_defaults=True):
     """The envelope of any JSON-RPC message. Absent members are ``UNSET``."""
 
     jsonrpc: str | UnsetType = UNSET
-    id: int | str | None | UnsetType = UNSET
+    id: int | str | UnsetType | None = UNSET
     method: str | UnsetType = UNSET
     params: Raw | UnsetType = UNSET
     result: Raw | UnsetType = UNSET
@@ -167,9 +167,7 @@ def result_response(request_id: RequestId, result: object) -> bytes:
     return encode(Message(jsonrpc="2.0", id=request_id, result=raw))
 
 
-def error_response(
-    request_id: RequestId, code: int, message: str, data: object = UNSET
-) -> bytes:
+def error_response(request_id: RequestId, code: int, message: str, data: object = UNSET) -> bytes:
     raw_data = data if isinstance(data, Raw | UnsetType) else Raw(_encoder.encode(data))
     return encode(
         Message(

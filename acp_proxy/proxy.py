@@ -211,9 +211,7 @@ class Proxy:
             if adapter is not None:
                 await adapter.stop(self.config.shutdown)
             try:
-                adapter = await Adapter.spawn(
-                    self.backend, max_line_bytes=self.config.max_line_bytes
-                )
+                adapter = await Adapter.spawn(self.backend, max_line_bytes=self.config.max_line_bytes)
             except SpawnError as exc:
                 log.error("%s", exc)
                 if msg.id is not UNSET:
@@ -232,7 +230,8 @@ class Proxy:
             return adapter
 
     async def _forward_request(self, msg: Message) -> None:
-        assert isinstance(msg.method, str) and msg.id is not UNSET
+        assert isinstance(msg.method, str)
+        assert msg.id is not UNSET
         adapter = await self._adapter_for(msg)
         if adapter is None:
             return
@@ -314,8 +313,11 @@ class Proxy:
     ) -> bytes | None:
         """What to send the gateway for one adapter line (``None``: nothing)."""
         if isinstance(decoded, BadLine):
-            log.warning("adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s",
-                        adapter.pid, _preview(line))
+            log.warning(
+                "adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s",
+                adapter.pid,
+                _preview(line),
+            )
             return None
         msg, kind = decoded
         if kind is Kind.NOTIFICATION:
@@ -354,8 +356,12 @@ class Proxy:
         returncode = await adapter.wait_exit(1.0)
         failed = adapter.mark_gone()
         if self._stop_reason is None and failed:
-            log.error("adapter pid=%d %s with %d request(s) unanswered",
-                      adapter.pid, describe_exit(returncode), len(failed))
+            log.error(
+                "adapter pid=%d %s with %d request(s) unanswered",
+                adapter.pid,
+                describe_exit(returncode),
+                len(failed),
+            )
         await self._fail_calls(
             failed,
             jsonrpc.INTERNAL_ERROR,
@@ -365,9 +371,8 @@ class Proxy:
         orphaned = [uid for uid, (owner, _) in self._upstream.items() if owner is adapter]
         for upstream_id in orphaned:
             del self._upstream[upstream_id]
-            await self._send_gateway(
-                jsonrpc.notification(CANCEL_REQUEST, {"requestId": upstream_id})
-            )
+            await self._send_gateway(jsonrpc.notification(CANCEL_REQUEST, {"requestId": upstream_id}))
+        await adapter.stop(self.config.shutdown)
 
     def _exited_error(self, request_id: RequestId, method: str, adapter: Adapter) -> bytes:
         return jsonrpc.error_response(

@@ -9,6 +9,7 @@ restored on close: the descriptors may be shared with a terminal or a parent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -30,10 +31,8 @@ class _FdStreamBase:
         if not self._closed:
             self._closed = True
             if self._saved_blocking is not None:
-                try:
+                with contextlib.suppress(OSError):
                     os.set_blocking(self._fd, self._saved_blocking)
-                except OSError:
-                    pass
 
 
 class FdReceiveStream(_FdStreamBase, ByteReceiveStream):

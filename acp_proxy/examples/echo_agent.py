@@ -40,7 +40,7 @@ class EchoAgent:
 
     def ask(self, method: str, params: dict[str, Any]) -> Any:
         request_id = next(self._ids)
-        done, box = threading.Event(), []
+        done, box = threading.Event(), list[Any]()
         self._waiting[request_id] = (done, box)
         self.send({"id": request_id, "method": method, "params": params})
         done.wait()
@@ -119,7 +119,10 @@ class EchoAgent:
             if session_id in self._cancelled:
                 self.send({"id": request_id, "result": {"stopReason": "cancelled"}})
                 return
-            chunk = {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": word + " "}}
+            chunk = {
+                "sessionUpdate": "agent_message_chunk",
+                "content": {"type": "text", "text": word + " "},
+            }
             history.append(chunk)
             self.update(session_id, chunk)
             time.sleep(WORD_DELAY)

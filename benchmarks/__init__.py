@@ -1,0 +1,1 @@
+"""Benchmarks for acp-proxy: run them with scripts/bench."""

@@ -1,0 +1,943 @@
+"""The acp-proxy benchmark suite: every figure is a ratio against the same work without the proxy.
+
+    scripts/bench                  full run (1,000,000 updates, 10,000 round trips, 20 cold starts)
+    scripts/bench --quick          a fast check (100,000 updates, 1,000 round trips, 5 cold starts)
+
+One synchronous client (``Peer``) talks newline-delimited JSON-RPC over pipes to
+one of these, so that only the middle differs between rows:
+
+* ``direct``: the client spawns ``benchmarks/stream_agent.py`` itself;
+* ``cat``: the agent's stdout goes through a ``cat`` process (a plain byte relay;
+  the client's few requests go to the agent directly);
+* ``proxy (asyncio)`` / ``proxy (trio)``: ``acp-proxy --async-backend B -- python stream_agent.py``.
+
+Measured: streaming throughput (one ``session/prompt`` answered by N
+``session/update`` lines, read by a counting client and by a decoding client),
+request latency (``_bench/ping`` round trips), cold start (spawn to the
+``initialize`` answer) and the proxy's peak RSS. The figures are reported, never
+asserted: a missed target is printed, it does not fail the run. A run fails only
+when a relay loses, reorders or corrupts messages, or a process hangs.
+
+Prints a markdown report and writes ``bench-results/bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENT = ROOT / "benchmarks" / "stream_agent.py"
+RESULTS = ROOT / "bench-results" / "bench.json"
+
+READ_SIZE = 1 << 20
+LATENCY_WARMUP = 200
+RSS_SAMPLE_INTERVAL = 0.05
+CLOSE_GRACE = 10.0
+
+TARGET_THROUGHPUT_VS_CAT = 1.5
+TARGET_LATENCY_ADDED_US = 100.0
+TARGET_COLD_START_ADDED_MS = 80.0
+TARGET_RSS_MB = 35.0
+
+DIRECT = "direct"
+CAT = "cat"
+CLIENTS = ("counting", "decoding")
+CLIENT_LABELS = {
+    "counting": "counting client (bytes.count of newlines)",
+    "decoding": "decoding client (msgspec.json.decode of every line)",
+}
+
+
+class BenchError(Exception):
+    """A relay misbehaved (lost or corrupted a message, exited, hung): the run is invalid."""
+
+
+def proxy_mode(backend: str) -> str:
+    return f"proxy-{backend}"
+
+
+def mode_label(mode: str) -> str:
+    if mode.startswith("proxy-"):
+        return f"proxy ({mode.removeprefix('proxy-')})"
+    return {DIRECT: "direct", CAT: "cat relay"}[mode]
+
+
+def agent_argv() -> list[str]:
+    return [sys.executable, str(AGENT)]
+
+
+def proxy_argv(backend: str) -> list[str]:
+    return [sys.executable, "-m", "acp_proxy", "--async-backend", backend, "--", *agent_argv()]
+
+
+# --- the client ------------------------------------------------------------------
+
+
+class Peer:
+    """The client end of one connection: the processes behind it and the two pipes to them.
+
+    ``middle`` is the process whose resources are reported: the proxy, ``cat``,
+    or (direct) the agent itself.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.expired = False
+        self._buf = b""
+        self._next_id = 0
+        self._descendants: list[psutil.Process] = []
+        # Closed in close(): the peer's processes write their logs here for error reports.
+        self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
+        common: dict[str, Any] = {"stderr": self._stderr, "cwd": ROOT, "bufsize": 0}
+        if mode == CAT:
+            agent = subprocess.Popen(agent_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, **common)
+            assert agent.stdout is not None
+            try:
+                cat = subprocess.Popen(["cat"], stdin=agent.stdout, stdout=subprocess.PIPE, **common)
+            except OSError:
+                agent.kill()
+                agent.wait()
+                raise
+            agent.stdout.close()
+            self.procs = [agent, cat]
+            self.middle = cat
+            stdin, stdout = agent.stdin, cat.stdout
+        else:
+            argv = agent_argv() if mode == DIRECT else proxy_argv(mode.removeprefix("proxy-"))
+            process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **common)
+            self.procs = [process]
+            self.middle = process
+            stdin, stdout = process.stdin, process.stdout
+        assert stdin is not None
+        assert stdout is not None
+        self._stdin, self._stdout = stdin, stdout
+        self.write_fd, self.read_fd = stdin.fileno(), stdout.fileno()
+
+    # --- messages ---------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self.write_fd, view) :]
+        except (BrokenPipeError, OSError) as exc:
+            raise BenchError(f"{mode_label(self.mode)}: cannot write: {exc}") from None
+
+    def read_chunk(self) -> bytes:
+        chunk = os.read(self.read_fd, READ_SIZE)
+        if not chunk:
+            raise BenchError(f"{mode_label(self.mode)} closed its output{self._status()}")
+        return chunk
+
+    def read_line(self) -> bytes:
+        while True:
+            cut = self._buf.find(b"\n")
+            if cut >= 0:
+                line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
+                return line
+            self._buf += self.read_chunk()
+
+    def take_buffered(self) -> bytes:
+        data, self._buf = self._buf, b""
+        return data
+
+    def request_bytes(self, method: str, params: object) -> tuple[int, bytes]:
+        request_id = self._next_id
+        self._next_id += 1
+        message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+        return request_id, msgspec.json.encode(message) + b"\n"
+
+    def receive_response(self, request_id: int) -> Any:
+        """The result for ``request_id``; other lines are not expected before it."""
+        return self.check_response(self.read_line(), request_id)
+
+    def check_response(self, line: bytes, request_id: int) -> Any:
+        try:
+            msg = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            raise BenchError(f"{mode_label(self.mode)} sent invalid JSON: {line[:200]!r}") from None
+        if not isinstance(msg, dict) or msg.get("id") != request_id or "result" not in msg:
+            raise BenchError(
+                f"{mode_label(self.mode)}: expected the answer to request {request_id}, got {line[:300]!r}"
+            )
+        return msg["result"]
+
+    def call(self, method: str, params: object) -> Any:
+        request_id, data = self.request_bytes(method, params)
+        self.send(data)
+        return self.receive_response(request_id)
+
+    def initialize(self) -> Any:
+        result = self.call("initialize", INITIALIZE_PARAMS)
+        self._discover_descendants()
+        return result
+
+    def new_session(self) -> str:
+        result = self.call("session/new", {"cwd": str(ROOT), "mcpServers": []})
+        session_id = result.get("sessionId") if isinstance(result, dict) else None
+        if not isinstance(session_id, str):
+            raise BenchError(f"{mode_label(self.mode)}: session/new returned {result!r}")
+        return session_id
+
+    # --- processes --------------------------------------------------------------
+
+    def _discover_descendants(self) -> None:
+        """Remember the proxy's adapter: it runs in its own session, so cleanup checks it."""
+        try:
+            found = psutil.Process(self.middle.pid).children(recursive=True)
+        except psutil.Error:
+            return
+        known = {p.pid for p in self._descendants}
+        self._descendants.extend(p for p in found if p.pid not in known)
+
+    def _status(self) -> str:
+        codes = [p.poll() for p in self.procs]
+        stderr = self.stderr_tail()
+        return f" (exit status {codes}){': ' + stderr if stderr else ''}"
+
+    def stderr_tail(self, limit: int = 2000) -> str:
+        try:
+            self._stderr.seek(0)
+            text = self._stderr.read().decode("utf-8", "replace")
+        except (OSError, ValueError):
+            return ""
+        return text[-limit:].strip()
+
+    def kill(self) -> None:
+        for process in self.procs:
+            if process.poll() is None:
+                process.kill()
+        for process in self._descendants:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+    @contextlib.contextmanager
+    def deadline(self, seconds: float, what: str) -> Iterator[None]:
+        """Kill everything if ``what`` takes longer than ``seconds`` (blocked reads then end)."""
+
+        def expire() -> None:
+            self.expired = True
+            self.kill()
+
+        timer = threading.Timer(seconds, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        except BenchError as exc:
+            if self.expired:
+                raise BenchError(f"{mode_label(self.mode)}: {what} took over {seconds:.0f} s") from exc
+            raise
+        finally:
+            timer.cancel()
+
+    def close(self) -> list[int | None]:
+        """Close both pipes, wait for every process (killing stragglers); the exit statuses."""
+        self._discover_descendants()
+        for pipe in (self._stdin, self._stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+        for process in self.procs:
+            try:
+                process.wait(CLOSE_GRACE)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for process in self._descendants:
+            try:
+                process.wait(CLOSE_GRACE)
+            except psutil.TimeoutExpired:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            except psutil.Error:
+                pass
+        self._stderr.close()
+        return [process.returncode for process in self.procs]
+
+
+INITIALIZE_PARAMS = {
+    "protocolVersion": 1,
+    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
+    "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
+}
+
+
+@contextlib.contextmanager
+def connected(mode: str) -> Iterator[Peer]:
+    peer = Peer(mode)
+    try:
+        yield peer
+    except BaseException:
+        peer.kill()
+        raise
+    finally:
+        peer.close()
+
+
+# --- resource sampling -------------------------------------------------------------
+
+
+class RssSampler:
+    """The highest RSS of one process, sampled every ``RSS_SAMPLE_INTERVAL`` seconds."""
+
+    def __init__(self, pid: int) -> None:
+        self.max_rss = 0
+        self._process = psutil.Process(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def _sample(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            self.max_rss = max(self.max_rss, self._process.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(RSS_SAMPLE_INTERVAL):
+            self._sample()
+
+
+def proc_status_kb(pid: int, field_name: str) -> int | None:
+    """A ``kB`` field of ``/proc/PID/status`` (``VmHWM`` is the peak RSS)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system
+
+
+def mb(value_bytes: float | None) -> float | None:
+    return None if value_bytes is None else value_bytes / (1024 * 1024)
+
+
+# --- (a) throughput ----------------------------------------------------------------
+
+
+def receive_counting(peer: Peer, updates: int, prompt_id: int) -> None:
+    """Count newlines until all ``updates`` lines and the answer are in; check the answer."""
+    expected = updates + 1
+    data = peer.take_buffered()
+    lines = data.count(b"\n")
+    tail = data[-512:]
+    while lines < expected:
+        chunk = peer.read_chunk()
+        lines += chunk.count(b"\n")
+        tail = chunk[-512:] if len(chunk) >= 512 else (tail + chunk)[-512:]
+    if lines != expected or not tail.endswith(b"\n"):
+        raise BenchError(f"{mode_label(peer.mode)}: expected {expected} lines, got {lines}+")
+    check_prompt_answer(peer, tail[:-1].rsplit(b"\n", 1)[-1], prompt_id)
+
+
+def receive_decoding(peer: Peer, updates: int, prompt_id: int) -> None:
+    """Decode every line to Python objects, as a gateway would, until the prompt's answer."""
+    decode = msgspec.json.decode
+    pending = peer.take_buffered()
+    seen = 0
+    answer: Any = None
+    while answer is None:
+        chunk = peer.read_chunk()
+        if pending:
+            chunk = pending + chunk
+        cut = chunk.rfind(b"\n")
+        if cut < 0:
+            pending = chunk
+            continue
+        pending = chunk[cut + 1 :]
+        try:
+            for line in chunk[:cut].split(b"\n"):
+                msg = decode(line)
+                if "id" in msg:
+                    if answer is not None:
+                        raise BenchError(f"{mode_label(peer.mode)}: a second answer: {line!r}")
+                    answer = msg
+                elif msg.get("method") == "session/update" and answer is None:
+                    seen += 1
+                else:
+                    raise BenchError(f"{mode_label(peer.mode)}: unexpected line {line[:200]!r}")
+        except (msgspec.DecodeError, TypeError) as exc:
+            raise BenchError(f"{mode_label(peer.mode)}: a line is not a JSON object: {exc}") from None
+    if seen != updates or pending:
+        raise BenchError(f"{mode_label(peer.mode)}: expected {updates} updates, got {seen}")
+    check_prompt_answer(peer, msgspec.json.encode(answer), prompt_id)
+
+
+def check_prompt_answer(peer: Peer, line: bytes, prompt_id: int) -> None:
+    try:
+        msg = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        msg = None
+    ok = (
+        isinstance(msg, dict)
+        and msg.get("id") == prompt_id
+        and msg.get("result") == {"stopReason": "end_turn"}
+    )
+    if not ok:
+        raise BenchError(f"{mode_label(peer.mode)}: the last line is not the answer: {line!r}")
+
+
+RECEIVERS: dict[str, Callable[[Peer, int, int], None]] = {
+    "counting": receive_counting,
+    "decoding": receive_decoding,
+}
+
+
+def throughput_run(mode: str, client: str, updates: int, timeout: float) -> dict[str, Any]:
+    with connected(mode) as peer, peer.deadline(timeout, f"streaming {updates} updates"):
+        peer.initialize()
+        session_id = peer.new_session()
+        rss_at_idle = proc_status_kb(peer.middle.pid, "VmRSS")
+        cpu_before = cpu_seconds(peer.middle.pid)
+        prompt = {
+            "sessionId": session_id,
+            "prompt": [{"type": "text", "text": "stream"}],
+            "_meta": {"bench": {"updates": updates}},
+        }
+        prompt_id, data = peer.request_bytes("session/prompt", prompt)
+        with RssSampler(peer.middle.pid) as sampler:
+            start = time.perf_counter()
+            peer.send(data)
+            RECEIVERS[client](peer, updates, prompt_id)
+            seconds = time.perf_counter() - start
+        hwm = proc_status_kb(peer.middle.pid, "VmHWM")
+        cpu_after = cpu_seconds(peer.middle.pid)
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    return {
+        "seconds": seconds,
+        "middle_cpu_s": cpu,
+        "middle_peak_rss_mb": None if hwm is None else hwm / 1024,
+        "middle_sampled_max_rss_mb": mb(sampler.max_rss),
+        "middle_idle_rss_mb": None if rss_at_idle is None else rss_at_idle / 1024,
+    }
+
+
+# --- (b) latency -------------------------------------------------------------------
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    index = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+def latency_run(mode: str, round_trips: int, timeout: float) -> dict[str, Any]:
+    samples: list[float] = []
+    with connected(mode) as peer, peer.deadline(timeout, f"{round_trips} round trips"):
+        peer.initialize()
+        clock = time.perf_counter_ns
+        for i in range(LATENCY_WARMUP + round_trips):
+            request_id, data = peer.request_bytes("_bench/ping", {})
+            start = clock()
+            peer.send(data)
+            line = peer.read_line()
+            elapsed = clock() - start
+            peer.check_response(line, request_id)
+            if i >= LATENCY_WARMUP:
+                samples.append(elapsed / 1000)
+    samples.sort()
+    return {
+        "round_trips": round_trips,
+        "p50_us": percentile(samples, 50),
+        "p90_us": percentile(samples, 90),
+        "p99_us": percentile(samples, 99),
+        "mean_us": statistics.fmean(samples),
+        "max_us": samples[-1],
+    }
+
+
+# --- (c) cold start ----------------------------------------------------------------
+
+
+def cold_start_once(mode: str, timeout: float) -> float:
+    start = time.perf_counter()
+    with connected(mode) as peer, peer.deadline(timeout, "initialize"):
+        peer.initialize()
+        return (time.perf_counter() - start) * 1000
+
+
+# --- the run -----------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    options: dict[str, Any]
+    machine: dict[str, Any]
+    throughput: list[dict[str, Any]] = field(default_factory=list)
+    latency: list[dict[str, Any]] = field(default_factory=list)
+    cold_start: list[dict[str, Any]] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def attempt(report: Report, what: str, action: Callable[[], Any]) -> Any:
+    try:
+        return action()
+    except (BenchError, OSError) as exc:
+        report.errors.append(f"{what}: {exc}")
+        print(f"  FAILED {what}: {exc}", file=sys.stderr)
+        return None
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def measure_throughput(report: Report, modes: list[str], args: argparse.Namespace) -> None:
+    timeout = 60 + args.updates / 10_000
+    for client in CLIENTS:
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        # Interleave the modes so that drift on the machine hits them alike.
+        for repeat in range(args.repeat):
+            for mode in modes:
+                progress(
+                    f"throughput: {client} client, {mode_label(mode)}, run {repeat + 1}/{args.repeat} ..."
+                )
+                run = attempt(
+                    report,
+                    f"throughput {client} {mode_label(mode)}",
+                    lambda m=mode, c=client: throughput_run(m, c, args.updates, timeout),
+                )
+                if run is not None:
+                    runs[mode].append(run)
+        for mode in modes:
+            if not runs[mode]:
+                continue
+            seconds = [run["seconds"] for run in runs[mode]]
+            median = statistics.median(seconds)
+
+            def worst(key: str, mode_runs: list[dict[str, Any]] = runs[mode]) -> float | None:
+                values = [run[key] for run in mode_runs if run[key] is not None]
+                return max(values) if values else None
+
+            cpu = [run["middle_cpu_s"] for run in runs[mode] if run["middle_cpu_s"] is not None]
+            report.throughput.append(
+                {
+                    "client": client,
+                    "mode": mode,
+                    "updates": args.updates,
+                    "line_bytes": 180,
+                    "seconds": median,
+                    "all_seconds": seconds,
+                    "lines_per_s": args.updates / median,
+                    "mb_per_s": args.updates * 180 / median / 1e6,
+                    "middle_cpu_s": statistics.median(cpu) if cpu else None,
+                    "middle_peak_rss_mb": worst("middle_peak_rss_mb"),
+                    "middle_sampled_max_rss_mb": worst("middle_sampled_max_rss_mb"),
+                    "middle_idle_rss_mb": worst("middle_idle_rss_mb"),
+                }
+            )
+    by_key = {(row["client"], row["mode"]): row for row in report.throughput}
+    for row in report.throughput:
+        direct = by_key.get((row["client"], DIRECT))
+        cat = by_key.get((row["client"], CAT))
+        row["vs_direct"] = row["seconds"] / direct["seconds"] if direct else None
+        row["vs_cat"] = row["seconds"] / cat["seconds"] if cat else None
+
+
+def measure_latency(report: Report, modes: list[str], args: argparse.Namespace) -> None:
+    timeout = 60 + args.round_trips / 200
+    for mode in modes:
+        progress(f"latency: {mode_label(mode)}, {args.round_trips} round trips ...")
+        row = attempt(
+            report,
+            f"latency {mode_label(mode)}",
+            lambda m=mode: latency_run(m, args.round_trips, timeout),
+        )
+        if row is not None:
+            report.latency.append({"mode": mode, **row})
+    direct = next((row for row in report.latency if row["mode"] == DIRECT), None)
+    for row in report.latency:
+        row["added_p50_us"] = row["p50_us"] - direct["p50_us"] if direct else None
+        row["added_p99_us"] = row["p99_us"] - direct["p99_us"] if direct else None
+
+
+def measure_cold_start(report: Report, modes: list[str], args: argparse.Namespace) -> None:
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    progress(f"cold start: {args.cold_starts} x {', '.join(mode_label(m) for m in modes)} ...")
+    for _ in range(args.cold_starts):
+        for mode in modes:
+            ms = attempt(report, f"cold start {mode_label(mode)}", lambda m=mode: cold_start_once(m, 30))
+            if ms is not None:
+                times[mode].append(ms)
+    for mode in modes:
+        if times[mode]:
+            values = sorted(times[mode])
+            report.cold_start.append(
+                {
+                    "mode": mode,
+                    "runs": len(values),
+                    "median_ms": statistics.median(values),
+                    "min_ms": values[0],
+                    "p90_ms": percentile(values, 90),
+                    "max_ms": values[-1],
+                    "all_ms": times[mode],
+                }
+            )
+    direct = next((row for row in report.cold_start if row["mode"] == DIRECT), None)
+    for row in report.cold_start:
+        row["added_ms"] = row["median_ms"] - direct["median_ms"] if direct else None
+
+
+def evaluate_targets(report: Report, backends: list[str]) -> None:
+    def target(name: str, value: float | None, limit: float, unit: str) -> None:
+        report.targets.append(
+            {
+                "name": name,
+                "value": value,
+                "target": limit,
+                "unit": unit,
+                "met": None if value is None else value <= limit,
+            }
+        )
+
+    for backend in backends:
+        mode = proxy_mode(backend)
+        label = mode_label(mode)
+        for row in report.throughput:
+            if row["mode"] == mode:
+                target(
+                    f"throughput {label} / cat relay, {row['client']} client",
+                    row["vs_cat"],
+                    TARGET_THROUGHPUT_VS_CAT,
+                    "x",
+                )
+        for row in report.latency:
+            if row["mode"] == mode:
+                target(f"latency added p50, {label}", row["added_p50_us"], TARGET_LATENCY_ADDED_US, "us")
+        for row in report.cold_start:
+            if row["mode"] == mode:
+                target(f"cold start added, {label}", row["added_ms"], TARGET_COLD_START_ADDED_MS, "ms")
+        peaks = [
+            row["middle_peak_rss_mb"]
+            for row in report.throughput
+            if row["mode"] == mode and row["middle_peak_rss_mb"] is not None
+        ]
+        target(f"peak RSS during throughput, {label}", max(peaks) if peaks else None, TARGET_RSS_MB, "MB")
+
+
+# --- reporting -----------------------------------------------------------------------
+
+
+def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}{suffix}"
+
+
+def verdict(value: float | None, limit: float) -> str:
+    if value is None:
+        return ""
+    return "met" if value <= limit else "MISSED"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def render(report: Report) -> str:
+    opts, machine = report.options, report.machine
+    out = [
+        "# acp-proxy benchmarks",
+        "",
+        f"Machine: {machine['cpu_model']}, {machine['cpus_usable']} usable cores "
+        f"({machine['cpu_count']} online), Linux {machine['kernel']}, "
+        f"Python {machine['python']}, msgspec {machine['versions'].get('msgspec')}, "
+        f"anyio {machine['versions'].get('anyio')}, trio {machine['versions'].get('trio')}",
+        "",
+    ]
+    if report.throughput:
+        out += [
+            f"## Throughput: one session/prompt, {opts['updates']:,} session/update lines "
+            f"of 180 B, then the answer",
+            "",
+            f"Wall time from sending the prompt to receiving its answer; median of "
+            f"{opts['repeat']} run(s). Target: proxy <= {TARGET_THROUGHPUT_VS_CAT}x the cat relay. "
+            "CPU and peak RSS are the middle process's (for direct: the agent's).",
+            "",
+        ]
+        rows = []
+        for row in report.throughput:
+            is_proxy = row["mode"].startswith("proxy-")
+            rows.append(
+                [
+                    row["client"],
+                    mode_label(row["mode"]),
+                    fmt(row["seconds"], 3),
+                    fmt(row["lines_per_s"] / 1000, 0, "k"),
+                    fmt(row["mb_per_s"], 0),
+                    fmt(row["vs_direct"], 2, "x"),
+                    fmt(row["vs_cat"], 2, "x"),
+                    verdict(row["vs_cat"], TARGET_THROUGHPUT_VS_CAT) if is_proxy else "",
+                    fmt(row["middle_cpu_s"], 2),
+                    fmt(row["middle_peak_rss_mb"], 1),
+                ]
+            )
+        header = [
+            "client",
+            "relay",
+            "wall s",
+            "lines/s",
+            "MB/s",
+            "vs direct",
+            "vs cat",
+            f"target <= {TARGET_THROUGHPUT_VS_CAT}x cat",
+            "middle CPU s",
+            "middle peak RSS MB",
+        ]
+        out += table(header, rows)
+        out += ["", *(f"* {name}: {label}" for name, label in CLIENT_LABELS.items()), ""]
+    if report.latency:
+        out += [
+            f"## Latency: {opts['round_trips']:,} sequential _bench/ping round trips "
+            f"(after {LATENCY_WARMUP} warm-up)",
+            "",
+        ]
+        rows = []
+        for row in report.latency:
+            is_proxy = row["mode"].startswith("proxy-")
+            rows.append(
+                [
+                    mode_label(row["mode"]),
+                    fmt(row["p50_us"], 1),
+                    fmt(row["p90_us"], 1),
+                    fmt(row["p99_us"], 1),
+                    fmt(row["mean_us"], 1),
+                    fmt(row["added_p50_us"], 1) if row["mode"] != DIRECT else "",
+                    fmt(row["added_p99_us"], 1) if row["mode"] != DIRECT else "",
+                    verdict(row["added_p50_us"], TARGET_LATENCY_ADDED_US) if is_proxy else "",
+                ]
+            )
+        header = [
+            "relay",
+            "p50 us",
+            "p90 us",
+            "p99 us",
+            "mean us",
+            "added p50 us",
+            "added p99 us",
+            f"target added p50 <= {TARGET_LATENCY_ADDED_US:.0f} us",
+        ]
+        out += table(header, rows)
+        out += [""]
+    if report.cold_start:
+        out += [
+            f"## Cold start: spawn to the initialize answer, {opts['cold_starts']} runs each (interleaved)",
+            "",
+        ]
+        rows = []
+        for row in report.cold_start:
+            is_proxy = row["mode"].startswith("proxy-")
+            rows.append(
+                [
+                    mode_label(row["mode"]),
+                    fmt(row["median_ms"], 1),
+                    fmt(row["min_ms"], 1),
+                    fmt(row["p90_ms"], 1),
+                    fmt(row["added_ms"], 1) if row["mode"] != DIRECT else "",
+                    verdict(row["added_ms"], TARGET_COLD_START_ADDED_MS) if is_proxy else "",
+                ]
+            )
+        header = [
+            "command",
+            "median ms",
+            "min ms",
+            "p90 ms",
+            "added ms (median)",
+            f"target added <= {TARGET_COLD_START_ADDED_MS:.0f} ms",
+        ]
+        out += table(header, rows)
+        out += [""]
+    proxy_rows = [row for row in report.throughput if row["mode"].startswith("proxy-")]
+    if proxy_rows:
+        out += ["## Proxy memory during the throughput runs", ""]
+        rows = []
+        for row in proxy_rows:
+            rows.append(
+                [
+                    mode_label(row["mode"]),
+                    row["client"],
+                    fmt(row["middle_idle_rss_mb"], 1),
+                    fmt(row["middle_sampled_max_rss_mb"], 1),
+                    fmt(row["middle_peak_rss_mb"], 1),
+                    verdict(row["middle_peak_rss_mb"], TARGET_RSS_MB),
+                ]
+            )
+        header = [
+            "proxy",
+            "client",
+            "RSS before the prompt MB",
+            f"max sampled RSS MB (every {RSS_SAMPLE_INTERVAL * 1000:.0f} ms)",
+            "peak RSS MB (VmHWM)",
+            f"target <= {TARGET_RSS_MB:.0f} MB",
+        ]
+        out += table(header, rows)
+        out += [""]
+    if report.targets:
+        out += ["## Targets", ""]
+        rows = [
+            [
+                t["name"],
+                fmt(t["value"], 2, " " + t["unit"]),
+                f"<= {t['target']:g} {t['unit']}",
+                "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED"),
+            ]
+            for t in report.targets
+        ]
+        out += table(["figure", "value", "target", "result"], rows)
+        out += [""]
+    if report.errors:
+        out += ["## Errors", "", *(f"* {error}" for error in report.errors), ""]
+    return "\n".join(out)
+
+
+def machine_info() -> dict[str, Any]:
+    cpu_model = platform.processor() or "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    versions = {}
+    for package in ("acp-proxy", "msgspec", "anyio", "trio", "psutil"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    commit = None
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    return {
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "kernel": platform.release(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "git": commit,
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="scripts/bench",
+        description="Benchmark acp-proxy against the same work without it (direct, cat relay).",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts",
+    )
+    parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
+    parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
+    parser.add_argument("--cold-starts", type=int, help="cold starts per command (20)")
+    parser.add_argument(
+        "--repeat", type=int, help="throughput runs per relay and client, median reported (1)"
+    )
+    parser.add_argument(
+        "--backends",
+        default="asyncio,trio",
+        help="proxy event loops to measure, comma-separated (default: asyncio,trio)",
+    )
+    parser.add_argument(
+        "--only",
+        default="throughput,latency,cold-start",
+        help="what to measure, comma-separated (default: throughput,latency,cold-start)",
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results (default: {RESULTS})")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.updates = args.updates if args.updates is not None else (100_000 if quick else 1_000_000)
+    args.round_trips = args.round_trips if args.round_trips is not None else (1_000 if quick else 10_000)
+    args.cold_starts = args.cold_starts if args.cold_starts is not None else (5 if quick else 20)
+    args.repeat = args.repeat if args.repeat is not None else 1
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    args.only = {o.strip() for o in args.only.split(",") if o.strip()}
+    for backend in args.backends:
+        if backend not in ("asyncio", "trio"):
+            parser.error(f"--backends: unknown event loop {backend!r} (asyncio, trio)")
+    unknown = args.only - {"throughput", "latency", "cold-start"}
+    if unknown:
+        parser.error(f"--only: unknown measurement(s) {', '.join(sorted(unknown))}")
+    if min(args.updates, args.round_trips, args.cold_starts, args.repeat) < 1:
+        parser.error("--updates, --round-trips, --cold-starts and --repeat must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    proxies = [proxy_mode(backend) for backend in args.backends]
+    report = Report(
+        options={
+            "quick": args.quick,
+            "updates": args.updates,
+            "round_trips": args.round_trips,
+            "cold_starts": args.cold_starts,
+            "repeat": args.repeat,
+            "backends": args.backends,
+            "only": sorted(args.only),
+        },
+        machine=machine_info(),
+    )
+    started = time.perf_counter()
+    if "throughput" in args.only:
+        measure_throughput(report, [DIRECT, CAT, *proxies], args)
+    if "latency" in args.only:
+        measure_latency(report, [DIRECT, CAT, *proxies], args)
+    if "cold-start" in args.only:
+        measure_cold_start(report, [DIRECT, *proxies], args)
+    evaluate_targets(report, args.backends)
+    report.options["elapsed_s"] = time.perf_counter() - started
+    print(render(report), flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report.__dict__, indent=2) + "\n")
+    progress(f"wrote {args.output} ({report.options['elapsed_s']:.0f} s)")
+    return 1 if report.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import MARKER_VARIABLE, kill_marked, marked_processes
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def proc_env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for a test that starts processes; at its end none of them may survive.
+
+    Every process the test starts (the proxy, the adapter, their descendants)
+    inherits a unique marker. Teardown waits briefly for stragglers, then fails
+    the test naming any that are left (and kills them so the next test starts clean).
+    """
+    marker = uuid.uuid4().hex
+    env = dict(os.environ)
+    env[MARKER_VARIABLE] = marker
+    env["ACP_PROXY_STATE_DIR"] = str(tmp_path / "state")
+    env.pop("ACP_PROXY_CONFIG", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    yield env
+    deadline = time.monotonic() + 5
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        kill_marked(marker)
+        pytest.fail(f"processes survived the test: {left}")

@@ -1,0 +1,309 @@
+"""A scriptable ACP adapter for tests. Standard library only.
+
+Startup behaviour comes from one JSON object in argv[1] (all keys optional):
+
+    caps               agentCapabilities to advertise (default {"loadSession": true})
+    ignore_sigterm     ignore SIGTERM
+    ignore_eof         keep running after stdin closes
+    noise              lines of non-JSON text to print on stdout at startup
+    record             path: append {"in": line} / {"out": line} for every line read / written
+    init_delay         seconds to wait before answering initialize
+    load_replay        number of history updates to replay on session/load (default: all)
+    load_result        what session/load answers (default {}; null is allowed)
+    title              rewrite argv[0]/comm as seen in /proc (where supported)
+
+Per-turn behaviour comes from the prompt text: commands separated by ";" run in order,
+then the turn ends with end_turn unless a command ended it first.
+
+    stream N           N agent_message_chunk updates
+    permission         ask session/request_permission; refusal unless "allow" is chosen
+    read PATH          fs/read_text_file, the content is echoed as a message chunk
+    spawn_tree         start a child that starts a grandchild (same process group)
+    escape             start a grandchild that leaves with setsid + double fork
+    crash N            exit immediately with status N
+    sleep S            sleep S seconds
+    wait_cancel        stream until session/cancel arrives, then stop with "cancelled"
+    ext                send a "_fake/notice" extension notification with _meta
+    ask_then_cancel    ask permission, then withdraw it with $/cancel_request
+    meta               echo the prompt's _meta back in a message chunk
+
+Other requests: "_fake/echo" answers its params; "_fake/slow" {"seconds": S} answers
+after S seconds unless cancelled with $/cancel_request (then -32800); "_fake/pids"
+answers the pids it started. Anything unknown gets -32601.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
+
+
+class FakeAdapter:
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.out_lock = threading.Lock()
+        self.ids = itertools.count(100)
+        self.waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self.cancelled_sessions: set[str] = set()
+        self.cancelled_requests: set[Any] = set()
+        self.history: dict[str, list[dict[str, Any]]] = {}
+        self.children: list[int] = []
+        self.sessions = itertools.count(1)
+        record = options.get("record")
+        self.record = open(record, "a", buffering=1) if record else None  # noqa: SIM115
+
+    # --- io -------------------------------------------------------------------
+
+    def log(self, direction: str, line: str) -> None:
+        if self.record is not None:
+            self.record.write(json.dumps({direction: line}) + "\n")
+
+    def send(self, message: dict[str, Any]) -> None:
+        line = json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":"), ensure_ascii=False)
+        with self.out_lock:
+            self.log("out", line)
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    def update(self, session_id: str, update: dict[str, Any]) -> None:
+        self.history.setdefault(session_id, []).append(update)
+        self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
+
+    def say(self, session_id: str, text: str) -> None:
+        self.update(
+            session_id, {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": text}}
+        )
+
+    def ask(self, method: str, params: dict[str, Any]) -> tuple[int, threading.Event, list[Any]]:
+        request_id = next(self.ids)
+        done, box = threading.Event(), list[Any]()
+        self.waiting[request_id] = (done, box)
+        self.send({"id": request_id, "method": method, "params": params})
+        return request_id, done, box
+
+    # --- dispatch -------------------------------------------------------------------
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        method, params, request_id = msg.get("method"), msg.get("params") or {}, msg.get("id")
+        if method is None:
+            waiter = self.waiting.pop(request_id, None)
+            if waiter is not None:
+                waiter[1].append(msg)
+                waiter[0].set()
+            return
+        if method == "session/cancel":
+            self.cancelled_sessions.add(params.get("sessionId"))
+            return
+        if method == "$/cancel_request":
+            self.cancelled_requests.add(params.get("requestId"))
+            return
+        if "id" not in msg:
+            return  # other notifications (extensions included) are only recorded
+        threading.Thread(target=self.answer, args=(request_id, method, params), daemon=True).start()
+
+    def answer(self, request_id: Any, method: str, params: dict[str, Any]) -> None:
+        try:
+            result = self.dispatch(request_id, method, params)
+        except RpcError as exc:
+            self.send({"id": request_id, "error": {"code": exc.code, "message": exc.message}})
+            return
+        if result is not NO_ANSWER:
+            self.send({"id": request_id, "result": result})
+
+    def dispatch(self, request_id: Any, method: str, params: dict[str, Any]) -> Any:
+        if method == "initialize":
+            time.sleep(float(self.options.get("init_delay", 0)))
+            return {
+                "protocolVersion": 1,
+                "agentCapabilities": self.options.get("caps", {"loadSession": True}),
+                "authMethods": [],
+                "agentInfo": {"name": "fake-adapter", "version": "0.0.1"},
+            }
+        if method == "session/new":
+            session_id = f"fake-{next(self.sessions)}"
+            self.history[session_id] = []
+            return {"sessionId": session_id}
+        if method == "session/load":
+            session_id = params.get("sessionId")
+            replay = self.history.get(session_id, [])
+            limit = self.options.get("load_replay")
+            for update in replay if limit is None else replay[:limit]:
+                self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
+            return self.options.get("load_result", {})
+        if method == "session/resume":
+            return {}
+        if method == "session/prompt":
+            return self.prompt(request_id, params)
+        if method == "_fake/echo":
+            return params
+        if method == "_fake/slow":
+            deadline = time.monotonic() + float(params.get("seconds", 1))
+            while time.monotonic() < deadline:
+                if request_id in self.cancelled_requests:
+                    raise RpcError(-32800, "Request cancelled")
+                time.sleep(0.01)
+            return {"slept": params.get("seconds", 1)}
+        if method == "_fake/pids":
+            return {"adapter": os.getpid(), "children": self.children}
+        raise RpcError(-32601, f"Method not found: {method}")
+
+    # --- turns -------------------------------------------------------------------
+
+    def prompt(self, request_id: Any, params: dict[str, Any]) -> Any:
+        session_id = params.get("sessionId", "")
+        self.cancelled_sessions.discard(session_id)
+        text = " ".join(b.get("text", "") for b in params.get("prompt", []) if b.get("type") == "text")
+        for command in filter(None, (c.strip() for c in text.split(";"))):
+            verb, _, arg = command.partition(" ")
+            stop = self.run_command(session_id, verb, arg.strip(), params)
+            if stop is not None:
+                return {"stopReason": stop}
+        return {"stopReason": "end_turn"}
+
+    def run_command(self, session_id: str, verb: str, arg: str, params: dict[str, Any]) -> str | None:
+        if verb == "stream":
+            for i in range(int(arg)):
+                self.say(session_id, f"chunk {i} ")
+        elif verb == "permission":
+            _, done, box = self.ask("session/request_permission", self.permission_params(session_id))
+            done.wait()
+            outcome = box[0].get("result", {}).get("outcome", {})
+            if outcome.get("optionId") != "allow":
+                return "refusal"
+            self.say(session_id, "permission granted")
+        elif verb == "ask_then_cancel":
+            request_id, done, box = self.ask("session/request_permission", self.permission_params(session_id))
+            time.sleep(0.05)
+            self.send({"method": "$/cancel_request", "params": {"requestId": request_id}})
+            done.wait()
+            self.say(session_id, "withdrawn: " + json.dumps(box[0], sort_keys=True))
+        elif verb == "read":
+            _, done, box = self.ask("fs/read_text_file", {"sessionId": session_id, "path": arg})
+            done.wait()
+            self.say(session_id, box[0].get("result", {}).get("content", "<error>"))
+        elif verb == "spawn_tree":
+            self.spawn_tree()
+            self.say(session_id, "spawned " + json.dumps(self.children))
+        elif verb == "escape":
+            self.escape()
+            self.say(session_id, "escaped " + json.dumps(self.children))
+        elif verb == "crash":
+            sys.stdout.flush()
+            os._exit(int(arg or 1))
+        elif verb == "sleep":
+            time.sleep(float(arg))
+        elif verb == "wait_cancel":
+            for i in itertools.count():
+                if session_id in self.cancelled_sessions:
+                    return "cancelled"
+                if i % 10 == 0:
+                    self.say(session_id, ".")
+                time.sleep(0.01)
+        elif verb == "ext":
+            self.send(
+                {
+                    "method": "_fake/notice",
+                    "params": {"sessionId": session_id, "_meta": {"traceparent": "00-abc-def-01"}},
+                }
+            )
+        elif verb == "meta":
+            self.say(session_id, json.dumps(params.get("_meta"), sort_keys=True))
+        return None
+
+    @staticmethod
+    def permission_params(session_id: str) -> dict[str, Any]:
+        return {
+            "sessionId": session_id,
+            "toolCall": {"toolCallId": "call-1", "title": "Run the tool"},
+            "options": [
+                {"optionId": "allow", "name": "Allow", "kind": "allow_once"},
+                {"optionId": "reject", "name": "Reject", "kind": "reject_once"},
+            ],
+        }
+
+    def spawn_tree(self) -> None:
+        # The child starts a grandchild and reports its pid on stdout; both sleep.
+        code = (
+            "import subprocess, sys, time;"
+            f"g = subprocess.Popen({SLEEPER!r});"
+            "print(g.pid, flush=True); time.sleep(3600)"
+        )
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert child.stdout is not None
+        grandchild = int(child.stdout.readline())
+        self.children += [child.pid, grandchild]
+
+    def escape(self) -> None:
+        # setsid + double fork: the grandchild is in its own session and reparented away.
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.setsid()
+            grandchild = os.fork()
+            if grandchild == 0:
+                os.close(read_fd)
+                os.close(write_fd)
+                os.execv(SLEEPER[0], SLEEPER)
+            os.write(write_fd, str(grandchild).encode())
+            os._exit(0)
+        os.close(write_fd)
+        escaped = int(os.read(read_fd, 64))
+        os.close(read_fd)
+        os.waitpid(pid, 0)
+        self.children.append(escaped)
+
+    def run(self) -> None:
+        for text in self.options.get("noise", []):
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        for raw in sys.stdin.buffer:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.log("in", line)
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict):
+                self.handle(msg)
+        if self.options.get("ignore_eof"):
+            while True:
+                time.sleep(3600)
+
+
+class RpcError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        self.code, self.message = code, message
+
+
+NO_ANSWER = object()
+
+
+def set_title(title: str) -> None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, title.encode(), 0, 0, 0)  # PR_SET_NAME: what /proc/PID/comm shows
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> None:
+    options = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    if options.get("ignore_sigterm"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if options.get("title"):
+        set_title(options["title"])
+    FakeAdapter(options).run()
+
+
+if __name__ == "__main__":
+    main()
