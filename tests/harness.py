@@ -16,7 +16,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +59,8 @@ def marked_processes(marker: str) -> dict[int, str]:
 
 def kill_marked(marker: str) -> None:
     for pid in marked_processes(marker):
-        try:
+        with suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -145,10 +143,8 @@ class Gateway:
     async def close(self, timeout: float = 15) -> int | None:
         """Close the proxy's stdin (gateway EOF) and wait for it to exit."""
         assert self.process.stdin is not None
-        try:
+        with suppress(OSError, anyio.BrokenResourceError):
             await self.process.stdin.aclose()
-        except (OSError, anyio.BrokenResourceError):
-            pass
         with anyio.move_on_after(timeout):
             return await self.process.wait()
         return None
