@@ -1,0 +1,284 @@
+"""Configuration: every problem reported with its key path; CLI behaviour around configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from acp_proxy import config as configuration
+from acp_proxy.config import ConfigError, parse_duration, validate
+
+
+def problems(doc: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        validate(doc)
+    return caught.value.problems
+
+
+GOOD = {"backends": {"codex": {"command": ["codex-acp"]}}}
+
+
+def test_defaults_fill_a_minimal_config() -> None:
+    config = validate(GOOD)
+    assert config.backend().command == ("codex-acp",)
+    assert config.pool.max_live == 4
+    assert config.shutdown.term_grace == 3.0
+    assert config.max_line_bytes == 64 * 1024 * 1024
+
+
+def test_design_example_is_valid() -> None:
+    doc = {
+        "default_backend": "claude",
+        "pool": {"max_live": 4, "idle_ttl": "15m", "acquire_timeout": "30s"},
+        "shutdown": {"close_timeout": "1.5s", "stdin_grace": "1s", "term_grace": "3s"},
+        "backends": {
+            "claude": {
+                "command": ["claude-agent-acp"],
+                "env": {"ANTHROPIC_API_KEY": "${ANTHROPIC_API_KEY}"},
+                "resume": "auto",
+                "max_live": 2,
+            },
+            "codex": {"command": ["codex-acp"]},
+        },
+    }
+    config = validate(doc)
+    assert config.backend().name == "claude"
+    assert config.pool.idle_ttl == 900.0
+    assert config.shutdown.close_timeout == 1.5
+    assert config.backends["claude"].max_live == 2
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        (
+            {"backends": {"codex": {"command": ["codex-acp"], "max_live": "two"}}},
+            'backends.codex.max_live: expected int >= 1, got "two"',
+        ),
+        (
+            {"backends": {"codex": {"command": ["codex-acp"], "max_live": 0}}},
+            "backends.codex.max_live: expected int >= 1, got 0",
+        ),
+        (
+            {"backends": {"codex": {"command": "codex-acp --fast"}}},
+            "backends.codex.command: expected an argv list such as "
+            '["codex-acp", "--flag"] (no shell is used), got "codex-acp --fast"',
+        ),
+        (
+            {"backends": {"codex": {"command": []}}},
+            "backends.codex.command: expected a non-empty list of strings, got []",
+        ),
+        ({"backends": {"codex": {}}}, "backends.codex.command: required key is missing"),
+        ({"backends": {"codex": {"command": ["x"], "comand": 1}}}, "backends.codex.comand: unknown key"),
+        (
+            {"backends": {"codex": {"command": ["x"], "resume": "maybe"}}},
+            'backends.codex.resume: expected one of "auto"',
+        ),
+        (
+            {"backends": {"codex": {"command": ["x"], "env": {"K": 1}}}},
+            "backends.codex.env.K: expected a string, got 1",
+        ),
+        (
+            {"backends": {"codex": {"command": ["x"], "env": {"K": "${OOPS"}}}},
+            "backends.codex.env.K: unterminated",
+        ),
+        ({**GOOD, "pool": {"idle_ttl": "soon"}}, 'pool.idle_ttl: expected a duration such as "150ms"'),
+        (
+            {**GOOD, "pool": {"max_lve": 3}},
+            "pool.max_lve: unknown key (expected one of: acquire_timeout, idle_ttl, max_live)",
+        ),
+        ({**GOOD, "shutdown": {"term_grace": -1}}, "shutdown.term_grace: expected a duration"),
+        ({**GOOD, "pool": 5}, "pool: expected a table, got 5"),
+        (
+            {**GOOD, "default_backend": "claude"},
+            'default_backend: "claude" is not a backend (configured: codex)',
+        ),
+        ({**GOOD, "max_line_bytes": 10}, "max_line_bytes: expected int >= 1024, got 10"),
+        ({**GOOD, "colour": "blue"}, "colour: unknown key"),
+        ({}, "backends: at least one backend is required"),
+    ],
+)
+def test_each_problem_names_its_key_path(doc: dict[str, Any], expected: str) -> None:
+    found = problems(doc)
+    assert any(p.startswith(expected) for p in found), found
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    found = problems(
+        {
+            "pool": {"max_live": 0, "idle_ttl": "x"},
+            "backends": {"a": {"command": "sh"}, "b": {"command": ["b"], "max_live": "two"}},
+        }
+    )
+    assert [p.split(":")[0] for p in found] == [
+        "pool.max_live",
+        "pool.idle_ttl",
+        "backends.a.command",
+        "backends.b.max_live",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("150ms", 0.15), ("3s", 3.0), ("1.5s", 1.5), ("15m", 900.0), ("4h", 14400.0), (2, 2.0), (0.25, 0.25)],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["3", "3 days", "-1s", "", True, [1]])
+def test_bad_durations(text: object) -> None:
+    with pytest.raises(Exception, match="expected a duration"):
+        parse_duration(text)
+
+
+def test_variable_expansion_is_literal_and_shell_free() -> None:
+    env = {"KEY": "s3cr3t; rm -rf /", "EMPTY": ""}
+    assert configuration.expand("${KEY}", env) == "s3cr3t; rm -rf /"
+    assert configuration.expand("a$$b ${EMPTY}$HOME `x` $(y)", env) == "a$b $HOME `x` $(y)"
+    with pytest.raises(configuration.MissingVariable, match="UNSET_VAR"):
+        configuration.expand("${UNSET_VAR}", env)
+
+
+def test_backend_choice() -> None:
+    config = validate(
+        {"default_backend": "b", "backends": {"a": {"command": ["a"]}, "b": {"command": ["b"]}}}
+    )
+    assert config.backend().name == "b"
+    assert config.backend("a").name == "a"
+    with pytest.raises(KeyError, match=r"unknown backend 'zzz' \(configured: a, b\)"):
+        config.backend("zzz")
+    no_default = validate({"backends": {"a": {"command": ["a"]}, "b": {"command": ["b"]}}})
+    with pytest.raises(KeyError, match="no default_backend"):
+        no_default.backend()
+
+
+def test_state_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ACP_PROXY_STATE_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert configuration.state_dir() == tmp_path / "xdg" / "acp-proxy"
+    config = validate({**GOOD, "state_dir": str(tmp_path / "from-config")})
+    assert configuration.state_dir(config) == tmp_path / "from-config"
+    monkeypatch.setenv("ACP_PROXY_STATE_DIR", str(tmp_path / "from-env"))
+    assert configuration.state_dir(config) == tmp_path / "from-env"
+
+
+# --- the CLI -----------------------------------------------------------------------------
+
+
+def run_cli(
+    *args: str, env: dict[str, str], stdin: bytes = b"", cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "acp_proxy", *args],
+        input=stdin.decode(),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=30,
+    )
+
+
+@pytest.fixture
+def cli_env(proc_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in proc_env.items() if not k.startswith("ACP_PROXY_CONFIG")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config-home")
+    return env
+
+
+def test_config_check_reports_every_error_and_exits_2(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            [pool]
+            max_live = 0
+            [backends.codex]
+            command = ["codex-acp"]
+            max_live = "two"
+            """
+        )
+    )
+    result = run_cli("config", "check", "--config", str(path), env=cli_env)
+    assert result.returncode == 2
+    assert "2 problems" in result.stderr
+    assert "pool.max_live: expected int >= 1, got 0" in result.stderr
+    assert 'backends.codex.max_live: expected int >= 1, got "two"' in result.stderr
+
+
+def test_config_check_ok_names_backends_and_unset_variables(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    path = tmp_path / "good.toml"
+    path.write_text(
+        '[backends.claude]\ncommand = ["claude-agent-acp"]\nenv = { KEY = "${NOT_SET_ANYWHERE}" }\n'
+    )
+    result = run_cli("config", "check", "--config", str(path), env=cli_env)
+    assert result.returncode == 0, result.stderr
+    assert "backend claude (default): claude-agent-acp" in result.stdout
+    assert f"state dir: {cli_env['ACP_PROXY_STATE_DIR']}" in result.stdout
+    assert "${NOT_SET_ANYWHERE} is not set" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [("[backends\n", "not valid TOML"), (None, "file not found")],
+)
+def test_unreadable_configs_exit_2(
+    tmp_path: Path, cli_env: dict[str, str], content: str | None, message: str
+) -> None:
+    path = tmp_path / "c.toml"
+    if content is not None:
+        path.write_text(content)
+    for args in (["config", "check", "--config", str(path)], ["--config", str(path)]):
+        result = run_cli(*args, env=cli_env)
+        assert result.returncode == 2
+        assert message in result.stderr
+
+
+def test_config_from_environment_and_platform_dir(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    platform_file = Path(cli_env["XDG_CONFIG_HOME"]) / "acp-proxy" / "config.toml"
+    platform_file.parent.mkdir(parents=True)
+    platform_file.write_text('[backends.platform]\ncommand = ["p"]\n')
+    assert "backend platform" in run_cli("config", "check", env=cli_env).stdout
+    env_file = tmp_path / "env.toml"
+    env_file.write_text('[backends.fromenv]\ncommand = ["e"]\n')
+    result = run_cli("config", "check", env={**cli_env, "ACP_PROXY_CONFIG": str(env_file)})
+    assert "backend fromenv" in result.stdout
+
+
+def test_serving_without_any_backend_is_a_usage_error(cli_env: dict[str, str]) -> None:
+    result = run_cli(env=cli_env)
+    assert result.returncode == 2
+    assert "acp-proxy -- codex-acp" in result.stderr
+
+
+def test_unknown_backend_is_a_usage_error(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[backends.a]\ncommand = ["a"]\n')
+    result = run_cli("--config", str(path), "--backend", "zzz", env=cli_env)
+    assert result.returncode == 2
+    assert "unknown backend 'zzz' (configured: a)" in result.stderr
+
+
+def test_bad_async_backend_variable_is_a_usage_error(cli_env: dict[str, str]) -> None:
+    result = run_cli("--", "true", env={**cli_env, "ACP_PROXY_ASYNC_BACKEND": "curio"})
+    assert result.returncode == 2
+    assert "ACP_PROXY_ASYNC_BACKEND" in result.stderr
+
+
+def test_adhoc_command_is_taken_literally(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    """Arguments after -- reach the adapter verbatim: no shell, no option parsing."""
+    out = tmp_path / "argv.txt"
+    script = "import sys, pathlib; pathlib.Path(sys.argv[1]).write_text(repr(sys.argv[2:]))"
+    args = [str(out), "--config", "x y", "$(touch pwned)", "; echo hi", "--"]
+    request = b'{"jsonrpc":"2.0","id":0,"method":"initialize","params":{"protocolVersion":1}}\n'
+    result = run_cli("--", sys.executable, "-c", script, *args, env=cli_env, stdin=request, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert out.read_text() == repr(args[1:])
+    assert not (tmp_path / "pwned").exists()
+    assert '"reason":"adapter_exited"' in result.stdout
