@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import signal
-import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -24,19 +22,10 @@ from msgspec import UNSET
 from acp_proxy import jsonrpc
 from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, expand
 from acp_proxy.jsonrpc import LineReader, Message, RequestId
-from acp_proxy.ownership.signals import OwnedGroup
+from acp_proxy.ownership.owner import Owner
+from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
 
 log = logging.getLogger("acp_proxy.adapter")
-
-MARKER_VARIABLE = "ACP_PROXY_LEASE"
-KILL_WAIT = 2.0
-"""How long to wait for SIGKILLed processes to disappear before giving up on them."""
-GROUP_POLL_INTERVAL = 0.02
-
-
-def new_marker() -> str:
-    """``ACP_PROXY_LEASE=<random>``: put in the adapter's environment, inherited by its tree."""
-    return f"{MARKER_VARIABLE}={secrets.token_hex(8)}.{secrets.token_hex(8)}"
 
 
 class SpawnError(Exception):
@@ -88,72 +77,70 @@ def spawn_environment(backend: BackendConfig, base: Mapping[str, str]) -> dict[s
 
 
 class Adapter:
-    """A running adapter: its process, its stdin, its stdout lines, its pending calls."""
+    """A running adapter: its supervised process, its stdin, its stdout lines, its pending calls."""
 
-    def __init__(
-        self,
-        backend: BackendConfig,
-        process: anyio.abc.Process,
-        max_line_bytes: int,
-        marker: str,
-    ) -> None:
+    def __init__(self, backend: BackendConfig, supervised: SupervisedProcess, max_line_bytes: int) -> None:
+        process = supervised.process
         assert process.stdin is not None
         assert process.stdout is not None
         self.backend = backend
+        self.supervised = supervised
         self.process = process
-        self.marker = marker
-        self.group = OwnedGroup(process.pid, marker)
         self.lines = LineReader(process.stdout, max_line_bytes)
         self.pending: dict[int, PendingCall] = {}
-        self.returncode: int | None = None
         self.gone = False
         self.drained = anyio.Event()
-        self._stop_lock = anyio.Lock()
-        self._stopped = False
         self._stdin = jsonrpc.LineWriter(process.stdin)
         self._next_id = 0
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        """The adapter's own pid (its wrapper's until the wrapper has reported)."""
+        return self.supervised.adapter_pid or self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.supervised.returncode
 
     @classmethod
     async def spawn(
         cls,
         backend: BackendConfig,
         *,
+        owner: Owner,
+        shutdown: ShutdownConfig,
         max_line_bytes: int,
         environ: Mapping[str, str] | None = None,
+        session_key: str | None = None,
     ) -> Adapter:
-        """Start the backend's command in a new session (own process group).
+        """Start the backend's command under a wrapper and a lease.
 
         The argv list is executed directly, never through a shell. The adapter's
         stderr is the proxy's stderr, so its logs reach whoever reads ours.
         """
         base = dict(os.environ if environ is None else environ)
-        marker = new_marker()
         try:
             argv = [expand(arg, base) for arg in backend.command]
             env = spawn_environment(backend, base)
-            key, _, value = marker.partition("=")
-            env[key] = value
         except MissingVariable as exc:
             raise SpawnError(f"backend {backend.name!r}: {exc}") from None
         try:
-            process = await anyio.open_process(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=None,
-                cwd=backend.cwd,
+            supervised = await SupervisedProcess.start(
+                owner,
+                backend=backend.name,
+                argv=argv,
                 env=env,
-                start_new_session=True,
+                cwd=backend.cwd,
+                term_grace=shutdown.term_grace,
+                session_key=session_key,
             )
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-            raise SpawnError(f"cannot start backend {backend.name!r} ({argv[0]}): {reason}") from exc
-        log.info("adapter started: backend=%s pid=%d argv=%s", backend.name, process.pid, argv)
-        return cls(backend, process, max_line_bytes, marker)
+        except WrapperFailed as exc:
+            raise SpawnError(f"cannot start backend {backend.name!r} ({argv[0]}): {exc}") from None
+        lease = supervised.lease
+        log.info(
+            "adapter started: backend=%s pid=%s lease=%s argv=%s", backend.name, lease.adapter_pid, lease.lease_id, argv
+        )
+        return cls(backend, supervised, max_line_bytes)
 
     # --- requests ---------------------------------------------------------------
 
@@ -218,57 +205,12 @@ class Adapter:
     # --- process ----------------------------------------------------------------
 
     async def wait_exit(self, timeout: float) -> int | None:
-        """The exit status, waiting at most ``timeout`` seconds for it."""
-        if self.returncode is None:
-            with anyio.move_on_after(timeout):
-                self.returncode = await self.process.wait()
-        return self.returncode
+        """The adapter's exit status, waiting at most ``timeout`` seconds for it."""
+        return await self.supervised.wait_exit(timeout)
 
     async def stop(self, shutdown: ShutdownConfig) -> int | None:
-        """End the adapter and its process group: stdin EOF, then SIGTERM, then SIGKILL.
-
-        The adapter gets ``stdin_grace`` to exit on EOF; whatever is left of its
-        group then (the adapter itself, or children it left behind) gets SIGTERM
-        and ``term_grace``, then SIGKILL. Idempotent, and shielded: teardown must
-        finish once begun.
-        """
-        with anyio.CancelScope(shield=True):
-            async with self._stop_lock:
-                if not self._stopped:
-                    await self._close_stdin()
-                    await self.wait_exit(shutdown.stdin_grace)
-                    await self._terminate_group(shutdown.term_grace)
-                    await self.wait_exit(KILL_WAIT)
-                    self.group.close()
-                    self._stopped = True
-                    log.info("adapter pid=%d stopped (%s)", self.pid, describe_exit(self.returncode))
-        return self.returncode
-
-    async def _terminate_group(self, term_grace: float) -> None:
-        leader_running = self.returncode is None
-        if not self.group.signal(signal.SIGTERM):
-            return
-        self.group.signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-        if leader_running:
-            log.info("adapter pid=%d still running after stdin EOF: sent SIGTERM", self.pid)
-        else:
-            log.info("adapter pid=%d left processes in its group: sent SIGTERM", self.pid)
-        if await self._group_gone_within(term_grace):
-            return
-        if self.group.signal(signal.SIGKILL):
-            log.warning("adapter pid=%d group ignored SIGTERM: sent SIGKILL", self.pid)
-            await self._group_gone_within(KILL_WAIT)
-
-    async def _group_gone_within(self, timeout: float) -> bool:
-        with anyio.move_on_after(timeout):
-            while self.group.provably_ours():
-                await anyio.sleep(GROUP_POLL_INTERVAL)
-            return True
-        return False
-
-    async def _close_stdin(self) -> None:
-        with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            await self._stdin.aclose()
+        """End the adapter and its whole tree (see ``SupervisedProcess.stop``); idempotent."""
+        return await self.supervised.stop(stdin_grace=shutdown.stdin_grace, term_grace=shutdown.term_grace)
 
     async def close_output(self) -> None:
         """Stop reading the adapter's stdout (a lingering descendant may hold it open)."""

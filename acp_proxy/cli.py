@@ -20,6 +20,7 @@ from typing import NoReturn
 from acp_proxy import __version__
 from acp_proxy import config as configuration
 from acp_proxy.config import Config, ConfigError
+from acp_proxy.state import StateError
 
 EXIT_USAGE = 2
 ASYNC_BACKENDS = ("asyncio", "trio")
@@ -133,9 +134,17 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
     )
     import anyio
 
+    from acp_proxy.ownership.owner import Owner
     from acp_proxy.proxy import serve
 
-    return anyio.run(serve, config, backend, backend=async_backend)
+    try:
+        owner = Owner.start(configuration.state_dir(config), grace=config.shutdown.term_grace)
+    except StateError as exc:
+        raise UsageError(f"state: {exc}") from None
+    try:
+        return anyio.run(serve, config, owner, backend, backend=async_backend)
+    finally:
+        owner.close()
 
 
 def _config_check(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ decoded with one call and written back as the very block that was read.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 from collections.abc import Iterator
 from typing import Final
@@ -33,6 +34,7 @@ from acp_proxy.jsonrpc import (
     Message,
     RequestId,
 )
+from acp_proxy.ownership.owner import Owner
 
 log = logging.getLogger("acp_proxy.proxy")
 
@@ -112,9 +114,11 @@ class Proxy:
         config: Config,
         gateway_out: anyio.abc.ByteSendStream,
         *,
+        owner: Owner,
         backend: str | None = None,
     ) -> None:
         self.config = config
+        self.owner = owner
         self.backend = config.backend(backend)
         self.adapter: Adapter | None = None
         self._gateway = LineWriter(gateway_out)
@@ -211,7 +215,12 @@ class Proxy:
             if adapter is not None:
                 await adapter.stop(self.config.shutdown)
             try:
-                adapter = await Adapter.spawn(self.backend, max_line_bytes=self.config.max_line_bytes)
+                adapter = await Adapter.spawn(
+                    self.backend,
+                    owner=self.owner,
+                    shutdown=self.config.shutdown,
+                    max_line_bytes=self.config.max_line_bytes,
+                )
             except SpawnError as exc:
                 log.error("%s", exc)
                 if msg.id is not UNSET:
@@ -227,7 +236,17 @@ class Proxy:
             self.adapter = adapter
             assert self._tasks is not None
             self._tasks.start_soon(self._relay_from_adapter, adapter)
+            self._tasks.start_soon(self._watch_adapter_exit, adapter)
             return adapter
+
+    async def _watch_adapter_exit(self, adapter: Adapter) -> None:
+        """When the wrapper exits, make sure its whole tree is gone and its lease settled.
+
+        A wrapper exits on its own only after tearing its tree down; if it was
+        killed instead, this is what finds the orphans (by marker) and ends them.
+        """
+        await adapter.wait_exit(math.inf)
+        await adapter.stop(self.config.shutdown)
 
     async def _forward_request(self, msg: Message) -> None:
         assert isinstance(msg.method, str)
@@ -378,8 +397,7 @@ class Proxy:
         return jsonrpc.error_response(
             request_id,
             jsonrpc.INTERNAL_ERROR,
-            f"The agent process has exited ({describe_exit(adapter.returncode)}); "
-            "send initialize to start a new one",
+            f"The agent process has exited ({describe_exit(adapter.returncode)}); send initialize to start a new one",
             {
                 "reason": "adapter_exited",
                 "exitStatus": adapter.returncode,
@@ -388,9 +406,7 @@ class Proxy:
             },
         )
 
-    async def _fail_calls(
-        self, calls: list[PendingCall], code: int, message: str, data: dict[str, object]
-    ) -> None:
+    async def _fail_calls(self, calls: list[PendingCall], code: int, message: str, data: dict[str, object]) -> None:
         if calls:
             await self._send_gateway(
                 b"".join(
@@ -416,12 +432,12 @@ async def stop_on_signals(proxy: Proxy) -> None:
             proxy.stop(f"received {signal.Signals(signum).name}")
 
 
-async def serve(config: Config, backend: str | None = None) -> int:
+async def serve(config: Config, owner: Owner, backend: str | None = None) -> int:
     """Serve ACP on this process's stdin/stdout until the gateway leaves or a signal."""
     from acp_proxy.stdio import FdReceiveStream, FdSendStream
 
     gateway_in, gateway_out = FdReceiveStream(0), FdSendStream(1)
-    proxy = Proxy(config, gateway_out, backend=backend)
+    proxy = Proxy(config, gateway_out, owner=owner, backend=backend)
     try:
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(stop_on_signals, proxy)

@@ -78,9 +78,7 @@ class Conversation:
         try:
             self._check(msg)
         except jsonschema.ValidationError as exc:
-            raise ConformanceError(
-                f"{exc.message} in message to {self.to}: {json.dumps(msg)[:400]}"
-            ) from None
+            raise ConformanceError(f"{exc.message} in message to {self.to}: {json.dumps(msg)[:400]}") from None
         self.checked += 1
 
     def _check(self, msg: Any) -> None:

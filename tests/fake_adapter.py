@@ -80,9 +80,7 @@ class FakeAdapter:
         self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
 
     def say(self, session_id: str, text: str) -> None:
-        self.update(
-            session_id, {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": text}}
-        )
+        self.update(session_id, {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": text}})
 
     def ask(self, method: str, params: dict[str, Any]) -> tuple[int, threading.Event, list[Any]]:
         request_id = next(self.ids)
@@ -234,9 +232,7 @@ class FakeAdapter:
     def spawn_tree(self) -> None:
         # The child starts a grandchild and reports its pid on stdout; both sleep.
         code = (
-            "import subprocess, sys, time;"
-            f"g = subprocess.Popen({SLEEPER!r});"
-            "print(g.pid, flush=True); time.sleep(3600)"
+            f"import subprocess, sys, time;g = subprocess.Popen({SLEEPER!r});print(g.pid, flush=True); time.sleep(3600)"
         )
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
         assert child.stdout is not None

@@ -219,18 +219,14 @@ class Gateway:
 
     async def response_to(self, request_id: Any, timeout: float = 10) -> dict[str, Any]:
         return await self.expect(
-            lambda m: (
-                "method" not in m and m.get("id") == request_id and type(m.get("id")) is type(request_id)
-            ),
+            lambda m: "method" not in m and m.get("id") == request_id and type(m.get("id")) is type(request_id),
             timeout=timeout,
         )
 
     async def notify(self, method: str, params: Any) -> None:
         await self.send({"jsonrpc": "2.0", "method": method, "params": params})
 
-    async def expect(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10
-    ) -> dict[str, Any]:
+    async def expect(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10) -> dict[str, Any]:
         """The first message (stashed or new) matching ``predicate``; others are stashed."""
         for msg in list(self._stash):
             if predicate(msg):
@@ -243,9 +239,7 @@ class Gateway:
                 if "method" in msg and "id" in msg and self.answer_agent_requests is not None:
                     answer = self.answer_agent_requests(msg)
                     if answer is not None:
-                        await self.send_raw(
-                            json.dumps({"jsonrpc": "2.0", "id": msg["id"], **answer}).encode() + b"\n"
-                        )
+                        await self.send_raw(json.dumps({"jsonrpc": "2.0", "id": msg["id"], **answer}).encode() + b"\n")
                         continue
                 self._stash.append(msg)
         raise AssertionError("the proxy closed its output while a message was still expected")

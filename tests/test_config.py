@@ -146,9 +146,7 @@ def test_variable_expansion_is_literal_and_shell_free() -> None:
 
 
 def test_backend_choice() -> None:
-    config = validate(
-        {"default_backend": "b", "backends": {"a": {"command": ["a"]}, "b": {"command": ["b"]}}}
-    )
+    config = validate({"default_backend": "b", "backends": {"a": {"command": ["a"]}, "b": {"command": ["b"]}}})
     assert config.backend().name == "b"
     assert config.backend("a").name == "a"
     with pytest.raises(KeyError, match=r"unknown backend 'zzz' \(configured: a, b\)"):
@@ -214,9 +212,7 @@ def test_config_check_reports_every_error_and_exits_2(tmp_path: Path, cli_env: d
 
 def test_config_check_ok_names_backends_and_unset_variables(tmp_path: Path, cli_env: dict[str, str]) -> None:
     path = tmp_path / "good.toml"
-    path.write_text(
-        '[backends.claude]\ncommand = ["claude-agent-acp"]\nenv = { KEY = "${NOT_SET_ANYWHERE}" }\n'
-    )
+    path.write_text('[backends.claude]\ncommand = ["claude-agent-acp"]\nenv = { KEY = "${NOT_SET_ANYWHERE}" }\n')
     result = run_cli("config", "check", "--config", str(path), env=cli_env)
     assert result.returncode == 0, result.stderr
     assert "backend claude (default): claude-agent-acp" in result.stdout
@@ -228,9 +224,7 @@ def test_config_check_ok_names_backends_and_unset_variables(tmp_path: Path, cli_
     ("content", "message"),
     [("[backends\n", "not valid TOML"), (None, "file not found")],
 )
-def test_unreadable_configs_exit_2(
-    tmp_path: Path, cli_env: dict[str, str], content: str | None, message: str
-) -> None:
+def test_unreadable_configs_exit_2(tmp_path: Path, cli_env: dict[str, str], content: str | None, message: str) -> None:
     path = tmp_path / "c.toml"
     if content is not None:
         path.write_text(content)

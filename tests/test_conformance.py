@@ -74,9 +74,7 @@ def test_responses_are_checked_against_their_request_method() -> None:
 
 def test_messages_to_the_agent_use_agent_side_definitions() -> None:
     to_agent = Conversation("agent")
-    to_agent.check(
-        {"jsonrpc": "2.0", "id": 1, "method": "session/new", "params": {"cwd": "/", "mcpServers": []}}
-    )
+    to_agent.check({"jsonrpc": "2.0", "id": 1, "method": "session/new", "params": {"cwd": "/", "mcpServers": []}})
     to_agent.check({"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": "s"}})
     with pytest.raises(ConformanceError):
         to_agent.check({"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"mcpServers": []}})

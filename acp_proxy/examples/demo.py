@@ -87,9 +87,7 @@ class DemoGateway:
 def agent_text(msg: dict[str, Any]) -> str:
     update = msg.get("params", {}).get("update", {})
     return (
-        str(update.get("content", {}).get("text", ""))
-        if update.get("sessionUpdate") == "agent_message_chunk"
-        else ""
+        str(update.get("content", {}).get("text", "")) if update.get("sessionUpdate") == "agent_message_chunk" else ""
     )
 
 

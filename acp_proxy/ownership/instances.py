@@ -1,0 +1,111 @@
+"""Proxy instances and their liveness locks.
+
+Each running proxy holds an exclusive ``flock`` on ``instances/<instance_id>.lock``
+for its whole life. The kernel drops the lock when the process dies, however it
+dies, so "can I take this lock?" is an exact liveness test that no pid reuse can
+fool. The lock's descriptor is close-on-exec: adapters must not inherit it, or
+a dead proxy would look alive for as long as its orphans run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from acp_proxy.state import StateDB, ensure_private_dir, now
+
+
+@dataclass(slots=True)
+class Instance:
+    instance_id: str
+    lock_fd: int
+    boot_id: str
+
+
+def instances_dir(db: StateDB) -> Path:
+    return db.state_dir / "instances"
+
+
+def lock_path(db: StateDB, instance_id: str) -> Path:
+    return instances_dir(db) / f"{instance_id}.lock"
+
+
+def _open_lock(path: Path) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def start_instance(db: StateDB, boot_id: str) -> Instance:
+    """Register this process as a live instance and take its lock for life."""
+    ensure_private_dir(instances_dir(db))
+    instance_id = secrets.token_hex(6)
+    fd = _open_lock(lock_path(db, instance_id))
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with db.transaction() as conn:
+        conn.execute(
+            "INSERT INTO instances (instance_id, pid, boot_id, uid, started_at) VALUES (?, ?, ?, ?, ?)",
+            (instance_id, os.getpid(), boot_id, os.getuid(), now()),
+        )
+    return Instance(instance_id, fd, boot_id)
+
+
+def end_instance(db: StateDB, instance: Instance, reason: str = "exited") -> None:
+    """Mark the instance ended and release its lock (last thing a proxy does)."""
+    with db.transaction() as conn:
+        conn.execute(
+            "UPDATE instances SET ended_at = ?, end_reason = ? WHERE instance_id = ?",
+            (now(), reason, instance.instance_id),
+        )
+    lock_path(db, instance.instance_id).unlink(missing_ok=True)
+    os.close(instance.lock_fd)
+
+
+def instance_alive(db: StateDB, instance_id: str) -> bool:
+    """True if the instance's lock is held (by a live proxy)."""
+    with lock_if_dead(db, instance_id) as dead:
+        return not dead
+
+
+@contextmanager
+def lock_if_dead(db: StateDB, instance_id: str) -> Iterator[bool]:
+    """Hold a dead instance's lock for the block (``True``), or ``False`` if it is alive.
+
+    Holding the lock while reaping keeps two reapers from working on the same
+    dead instance at once.
+    """
+    path = lock_path(db, instance_id)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        yield True  # no lock file: nobody can be holding it
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def other_instances(db: StateDB, own_id: str | None) -> list[str]:
+    """Instances of this install that have not been marked ended, except ``own_id``."""
+    rows = db.conn.execute(
+        "SELECT instance_id FROM instances WHERE ended_at IS NULL AND instance_id != ?", (own_id or "",)
+    )
+    return [row[0] for row in rows]
+
+
+def mark_reaped(db: StateDB, instance_id: str) -> None:
+    with db.transaction() as conn:
+        conn.execute(
+            "UPDATE instances SET ended_at = ?, end_reason = 'reaped' WHERE instance_id = ? AND ended_at IS NULL",
+            (now(), instance_id),
+        )
+    lock_path(db, instance_id).unlink(missing_ok=True)

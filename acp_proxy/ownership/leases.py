@@ -1,0 +1,188 @@
+"""Leases: the persisted record of every adapter tree a proxy starts.
+
+A lease is written *before* anything is spawned, so a proxy that dies at any
+moment leaves a record for the next one to act on. States:
+
+    starting -> open -> closing -> closed
+    (any active state) -> lost          gone before it could be cleaned up
+    (any active state) -> unverifiable  ownership could not be proved: left alone, reported
+
+The marker ``ACP_PROXY_LEASE=<install>.<lease>.<random>`` goes into the
+wrapper's environment and so into every descendant's; together with start
+times it is what lets a later sweep recognise the tree without trusting pids.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+import secrets
+import sqlite3
+from dataclasses import dataclass
+from typing import Final
+
+from acp_proxy.ownership.verify import Claim
+from acp_proxy.state import StateDB, now
+
+MARKER_VARIABLE: Final = "ACP_PROXY_LEASE"
+
+
+class LeaseState(enum.StrEnum):
+    STARTING = "starting"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+    LOST = "lost"
+    UNVERIFIABLE = "unverifiable"
+
+
+ACTIVE_STATES: Final = (LeaseState.STARTING, LeaseState.OPEN, LeaseState.CLOSING)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    install_id: str
+    instance_id: str
+    session_key: str | None
+    backend: str
+    marker: str
+    argv: tuple[str, ...]
+    command_hash: str
+    boot_id: str
+    uid: int
+    wrapper_pid: int | None
+    wrapper_start_ticks: int | None
+    adapter_pid: int | None
+    adapter_start_ticks: int | None
+    pgid: int | None
+    state: LeaseState
+    reason: str | None
+    created_at: float
+    updated_at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> Lease:
+        values = dict(row)
+        values["argv"] = tuple(json.loads(values["argv"]))
+        values["state"] = LeaseState(values["state"])
+        return cls(**values)
+
+    @property
+    def marker_key(self) -> str:
+        return self.marker.partition("=")[0]
+
+    @property
+    def marker_value(self) -> str:
+        return self.marker.partition("=")[2]
+
+    def wrapper_claim(self) -> Claim | None:
+        if self.wrapper_pid is None or self.wrapper_start_ticks is None:
+            return None
+        return Claim(self.wrapper_pid, self.boot_id, self.uid, self.marker, start_ticks=self.wrapper_start_ticks)
+
+    def adapter_claim(self) -> Claim | None:
+        if self.adapter_pid is None or self.adapter_start_ticks is None:
+            return None
+        return Claim(self.adapter_pid, self.boot_id, self.uid, self.marker, start_ticks=self.adapter_start_ticks)
+
+    def descendant_claim(self, pid: int) -> Claim:
+        """A process found by a marker sweep: ours only if it started no earlier than the wrapper."""
+        return Claim(pid, self.boot_id, self.uid, self.marker, not_before_ticks=self.wrapper_start_ticks or 0)
+
+
+def command_hash(argv: tuple[str, ...]) -> str:
+    """A fingerprint of the command, for diagnostics only: never used to decide ownership."""
+    return hashlib.sha256(json.dumps(list(argv)).encode()).hexdigest()[:16]
+
+
+def create_lease(
+    db: StateDB,
+    *,
+    instance_id: str,
+    boot_id: str,
+    backend: str,
+    argv: tuple[str, ...],
+    session_key: str | None = None,
+) -> Lease:
+    """Record a lease in state ``starting``; call before spawning anything."""
+    lease_id = secrets.token_hex(6)
+    marker = f"{MARKER_VARIABLE}={db.install_id}.{lease_id}.{secrets.token_hex(6)}"
+    stamp = now()
+    with db.transaction() as conn:
+        conn.execute(
+            """INSERT INTO leases (lease_id, install_id, instance_id, session_key, backend, marker, argv,
+                   command_hash, boot_id, uid, state, created_at, updated_at)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'starting', ?, ?)""",
+            (
+                lease_id,
+                db.install_id,
+                instance_id,
+                session_key,
+                backend,
+                marker,
+                json.dumps(list(argv)),
+                command_hash(argv),
+                boot_id,
+                os.getuid(),
+                stamp,
+                stamp,
+            ),
+        )
+    return get_lease(db, lease_id)
+
+
+def get_lease(db: StateDB, lease_id: str) -> Lease:
+    row = db.conn.execute("SELECT * FROM leases WHERE lease_id = ?", (lease_id,)).fetchone()
+    if row is None:
+        raise KeyError(lease_id)
+    return Lease.from_row(row)
+
+
+def record_spawn(
+    db: StateDB,
+    lease_id: str,
+    *,
+    wrapper_pid: int,
+    wrapper_start_ticks: int | None,
+    adapter_pid: int | None = None,
+    adapter_start_ticks: int | None = None,
+    pgid: int | None = None,
+) -> None:
+    """Fill in process identities as they become known (the wrapper first, then the adapter)."""
+    with db.transaction() as conn:
+        conn.execute(
+            """UPDATE leases SET wrapper_pid = ?, wrapper_start_ticks = ?,
+                   adapter_pid = COALESCE(?, adapter_pid), adapter_start_ticks = COALESCE(?, adapter_start_ticks),
+                   pgid = COALESCE(?, pgid), updated_at = ?
+               WHERE lease_id = ?""",
+            (wrapper_pid, wrapper_start_ticks, adapter_pid, adapter_start_ticks, pgid, now(), lease_id),
+        )
+
+
+def set_state(db: StateDB, lease_id: str, state: LeaseState, reason: str | None = None) -> None:
+    """Move a lease to ``state``; a lease already closed, lost or unverifiable stays as it is."""
+    with db.transaction() as conn:
+        conn.execute(
+            """UPDATE leases SET state = ?, reason = COALESCE(?, reason), updated_at = ?
+               WHERE lease_id = ? AND state IN ('starting', 'open', 'closing')""",
+            (state.value, reason, now(), lease_id),
+        )
+
+
+def leases_of_instance(db: StateDB, instance_id: str, *, active_only: bool = True) -> list[Lease]:
+    query = "SELECT * FROM leases WHERE instance_id = ?"
+    if active_only:
+        query += " AND state IN ('starting', 'open', 'closing')"
+    return [Lease.from_row(row) for row in db.conn.execute(query + " ORDER BY created_at", (instance_id,))]
+
+
+def all_leases(db: StateDB, *, limit: int = 200) -> list[Lease]:
+    """Active leases first, then the most recent others."""
+    rows = db.conn.execute(
+        """SELECT * FROM leases ORDER BY state NOT IN ('starting', 'open', 'closing'), updated_at DESC LIMIT ?""",
+        (limit,),
+    )
+    return [Lease.from_row(row) for row in rows]

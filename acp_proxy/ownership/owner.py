@@ -1,0 +1,89 @@
+"""A running proxy's ownership context: state database, live instance, process table.
+
+``Owner.start`` is the first thing a serving proxy does: open the state database,
+register as a live instance (taking its lock), then reap whatever dead proxies of
+the same install left behind. It runs before the event loop starts: nothing is
+being served yet, and SQLite stays on one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from acp_proxy.ownership import instances
+from acp_proxy.ownership.proctable import ProcessTable
+from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
+from acp_proxy.ownership.verify import process_table
+from acp_proxy.state import StateDB
+
+log = logging.getLogger("acp_proxy.ownership")
+
+WRAPPER_PATH = Path(__file__).with_name("wrapper.py")
+
+
+@dataclass(slots=True)
+class Platform:
+    """Which ownership primitives this system has, for operators to see."""
+
+    table: str
+    pidfd: bool
+    subreaper: bool
+
+    @property
+    def degraded(self) -> bool:
+        return not (self.pidfd and self.subreaper)
+
+    def describe(self) -> str:
+        if not self.degraded:
+            return "full: /proc identity checks, pidfd signals, subreaper wrapper"
+        return (
+            f"degraded ({self.table}): no pidfd/subreaper; process-group kill by the wrapper "
+            "plus a verified marker sweep (descendants that leave the group are found by marker only)"
+        )
+
+
+def detect_platform(table: ProcessTable) -> Platform:
+    return Platform(table=table.name, pidfd=table.has_pidfd, subreaper=sys.platform.startswith("linux"))
+
+
+@dataclass(slots=True)
+class Owner:
+    db: StateDB
+    instance: instances.Instance
+    table: ProcessTable
+    reaped: list[ReapAction] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, state_dir: Path, *, grace: float) -> Owner:
+        db = StateDB(state_dir)
+        table = process_table()
+        instance = instances.start_instance(db, table.boot_id())
+        owner = cls(db, instance, table)
+        owner.reaped = reap_dead_instances(db, instance.instance_id, grace=grace, table=table)
+        for action in owner.reaped:
+            log.info(
+                "startup reaping: lease %s (%s, instance %s) %s -> %s: %s%s",
+                action.lease_id,
+                action.backend,
+                action.instance_id,
+                action.before,
+                action.after,
+                action.reason,
+                f"; killed {action.signalled}" if action.signalled else "",
+            )
+        return owner
+
+    @property
+    def instance_id(self) -> str:
+        return self.instance.instance_id
+
+    @property
+    def boot_id(self) -> str:
+        return self.instance.boot_id
+
+    def close(self, reason: str = "exited") -> None:
+        instances.end_instance(self.db, self.instance, reason)
+        self.db.close()

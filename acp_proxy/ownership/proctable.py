@@ -1,0 +1,154 @@
+"""What the kernel says about a process: identity facts for ownership checks.
+
+Two implementations, chosen once per platform:
+
+* ``ProcFS`` reads ``/proc`` (Linux). Start time is field 22 of ``/proc/PID/stat``
+  in clock ticks since boot; the boot id comes from the kernel. The root is a
+  parameter so tests can present a table that is missing or unreadable.
+* ``PsutilTable`` is the degraded path for systems without ``/proc`` (macOS):
+  start time is psutil's creation time in hundredths of a second, and there is
+  no boot id (a stand-in derived from the boot time is used).
+
+A method returns ``None`` only when the process is certainly gone. When the
+table itself cannot be read, it raises ``TableUnavailable``: callers must then
+treat ownership as unprovable, never as absent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import psutil
+
+
+class TableUnavailable(Exception):
+    """The process table could not be read; ownership can be neither proved nor disproved."""
+
+
+class ProcessInfo(NamedTuple):
+    pid: int
+    ppid: int
+    pgid: int
+    state: str
+    start_ticks: int
+    uid: int
+
+    @property
+    def zombie(self) -> bool:
+        return self.state in ("Z", "X", psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+class ProcessTable(Protocol):
+    name: str
+    has_pidfd: bool
+
+    def boot_id(self) -> str: ...
+
+    def info(self, pid: int) -> ProcessInfo | None: ...
+
+    def environ_has(self, pid: int, marker: str) -> bool | None:
+        """Whether the process environment holds ``marker`` exactly; ``None`` if unreadable."""
+        ...
+
+    def pids(self) -> Iterator[int]: ...
+
+
+class ProcFS:
+    name = "procfs"
+
+    def __init__(self, root: str | Path = "/proc") -> None:
+        self.root = Path(root)
+        self.has_pidfd = hasattr(os, "pidfd_open") and str(root) == "/proc"
+
+    def boot_id(self) -> str:
+        try:
+            return (self.root / "sys/kernel/random/boot_id").read_text().strip()
+        except OSError as exc:
+            raise TableUnavailable(f"cannot read the boot id: {exc.strerror}") from None
+
+    def info(self, pid: int) -> ProcessInfo | None:
+        try:
+            raw = (self.root / str(pid) / "stat").read_bytes()
+            uid = (self.root / str(pid)).stat().st_uid
+        except (FileNotFoundError, ProcessLookupError):
+            if not self.root.is_dir():
+                raise TableUnavailable(f"{self.root} is not available") from None
+            return None
+        except OSError as exc:
+            raise TableUnavailable(f"cannot read {self.root}/{pid}/stat: {exc.strerror}") from None
+        # The command (field 2) may contain spaces and parentheses: split after the last ')'.
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        try:
+            return ProcessInfo(
+                pid=pid,
+                state=fields[0].decode(),
+                ppid=int(fields[1]),
+                pgid=int(fields[2]),
+                start_ticks=int(fields[19]),
+                uid=uid,
+            )
+        except (IndexError, ValueError):
+            raise TableUnavailable(f"unexpected format in {self.root}/{pid}/stat") from None
+
+    def environ_has(self, pid: int, marker: str) -> bool | None:
+        try:
+            data = (self.root / str(pid) / "environ").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        except OSError:
+            return None
+        return marker.encode() in data.split(b"\0")
+
+    def pids(self) -> Iterator[int]:
+        try:
+            names = os.listdir(self.root)
+        except OSError as exc:
+            raise TableUnavailable(f"cannot list {self.root}: {exc.strerror}") from None
+        return (int(name) for name in names if name.isdigit())
+
+
+class PsutilTable:
+    name = "psutil"
+    has_pidfd = False
+
+    def boot_id(self) -> str:
+        return f"boot-time-{int(psutil.boot_time())}"
+
+    def info(self, pid: int) -> ProcessInfo | None:
+        try:
+            proc = psutil.Process(pid)
+            with proc.oneshot():
+                return ProcessInfo(
+                    pid=pid,
+                    ppid=proc.ppid(),
+                    pgid=os.getpgid(pid),
+                    state=proc.status(),
+                    start_ticks=round(proc.create_time() * 100),
+                    uid=proc.uids().real,
+                )
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            return None
+        except (psutil.Error, OSError) as exc:
+            raise TableUnavailable(f"cannot inspect pid {pid}: {exc}") from None
+
+    def environ_has(self, pid: int, marker: str) -> bool | None:
+        key, _, value = marker.partition("=")
+        try:
+            return psutil.Process(pid).environ().get(key) == value
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return None
+
+    def pids(self) -> Iterator[int]:
+        return iter(psutil.pids())
+
+
+def default_table() -> ProcessTable:
+    if sys.platform == "linux" and os.path.isdir("/proc/self"):
+        return ProcFS()
+    return PsutilTable()

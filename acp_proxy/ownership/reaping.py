@@ -1,0 +1,214 @@
+"""Cleaning up after leases: marker sweeps, reaping one lease, reaping dead instances.
+
+Everything here acts only through ``send_verified_signal``. A lease ends as
+
+* ``closed``: its tree is verifiably gone and it ended under control: its wrapper
+  left a tombstone (written only once the tree was empty), or we killed what was
+  left and a final sweep found nothing carrying the marker;
+* ``lost``: it was gone before anyone could clean it up (another boot, the
+  wrapper's pid now names someone else, or nothing was left and no tombstone);
+* ``unverifiable``: something could not be proved ours (or could not be killed);
+  it is left alone and reported with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from acp_proxy.ownership import instances
+from acp_proxy.ownership.leases import Lease, LeaseState, leases_of_instance, set_state
+from acp_proxy.ownership.proctable import ProcessTable, TableUnavailable
+from acp_proxy.ownership.verify import Claim, Verdict, check_claim, process_table, send_verified_signal
+from acp_proxy.state import StateDB, ensure_private_dir
+
+POLL_INTERVAL: Final = 0.02
+SWEEP_ROUNDS: Final = 10
+
+
+@dataclass(slots=True)
+class ReapAction:
+    """What was (or, in a dry run, would be) done about one lease."""
+
+    lease_id: str
+    instance_id: str
+    backend: str
+    before: str
+    after: str
+    reason: str = ""
+    signalled: list[int] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "lease": self.lease_id,
+            "instance": self.instance_id,
+            "backend": self.backend,
+            "before": self.before,
+            "after": self.after,
+            "reason": self.reason,
+            "signalled": self.signalled,
+            "refused": self.refused,
+        }
+
+
+def tombstone_path(db: StateDB, lease_id: str) -> Path:
+    return db.state_dir / "leases" / f"{lease_id}.exited"
+
+
+def prepare_tombstone(db: StateDB, lease_id: str) -> Path:
+    ensure_private_dir(db.state_dir / "leases")
+    return tombstone_path(db, lease_id)
+
+
+def read_tombstone(db: StateDB, lease_id: str) -> dict[str, object] | None:
+    try:
+        value = json.loads(tombstone_path(db, lease_id).read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def forget_tombstone(db: StateDB, lease_id: str) -> None:
+    with contextlib.suppress(OSError):
+        tombstone_path(db, lease_id).unlink()
+
+
+def marked_pids(lease: Lease, table: ProcessTable) -> list[int]:
+    """Every process whose environment carries the lease's exact marker."""
+    return [pid for pid in table.pids() if table.environ_has(pid, lease.marker)]
+
+
+@dataclass(slots=True)
+class SweepResult:
+    signalled: list[int] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    remaining: list[int] = field(default_factory=list)
+    unverifiable: str = ""
+
+
+def sweep(lease: Lease, table: ProcessTable, *, dry_run: bool = False) -> SweepResult:
+    """SIGKILL every verified process carrying the marker, until none is left (bounded)."""
+    result = SweepResult()
+    try:
+        for _ in range(SWEEP_ROUNDS):
+            targets = marked_pids(lease, table)
+            if not targets:
+                return result
+            progress = False
+            for pid in targets:
+                claim = lease.descendant_claim(pid)
+                if dry_run:
+                    outcome = check_claim(claim, table)
+                    if outcome.verdict is Verdict.OURS:
+                        result.signalled.append(pid)
+                else:
+                    outcome = send_verified_signal(claim, signal.SIGKILL, table)
+                    if outcome.signalled:
+                        result.signalled.append(pid)
+                        progress = True
+                if outcome.verdict in (Verdict.NOT_OURS, Verdict.UNVERIFIABLE):
+                    result.refused.append(f"pid {pid}: {outcome.reason}")
+                    if outcome.verdict is Verdict.UNVERIFIABLE:
+                        result.unverifiable = outcome.reason
+            if dry_run:
+                result.remaining = targets
+                return result
+            time.sleep(POLL_INTERVAL if progress else POLL_INTERVAL * 5)
+        result.remaining = marked_pids(lease, table)
+    except TableUnavailable as exc:
+        result.unverifiable = str(exc)
+    return result
+
+
+def wait_gone(claim: Claim | None, timeout: float, table: ProcessTable) -> Verdict:
+    """Poll until ``claim`` no longer names a live process of ours, or ``timeout`` passes."""
+    if claim is None:
+        return Verdict.GONE
+    deadline = time.monotonic() + timeout
+    while True:
+        verdict = check_claim(claim, table).verdict
+        if verdict is not Verdict.OURS or time.monotonic() >= deadline:
+            return verdict
+        time.sleep(POLL_INTERVAL)
+
+
+def reap_lease(
+    db: StateDB, lease: Lease, *, grace: float, table: ProcessTable | None = None, dry_run: bool = False
+) -> ReapAction:
+    """Make sure nothing of a dead instance's lease survives, then record how it ended."""
+    table = table or process_table()
+    action = ReapAction(lease.lease_id, lease.instance_id, lease.backend, lease.state.value, lease.state.value)
+
+    def finish(state: LeaseState, reason: str) -> ReapAction:
+        action.after, action.reason = state.value, reason
+        if not dry_run:
+            set_state(db, lease.lease_id, state, reason)
+            forget_tombstone(db, lease.lease_id)
+        return action
+
+    try:
+        current_boot = table.boot_id()
+    except TableUnavailable as exc:
+        return finish(LeaseState.UNVERIFIABLE, str(exc))
+    if lease.boot_id != current_boot:
+        return finish(LeaseState.LOST, "recorded during another boot")
+    wrapper = lease.wrapper_claim()
+    if dry_run:
+        verdict = check_claim(wrapper, table).verdict if wrapper else Verdict.GONE
+    else:
+        # The wrapper saw its lifeline close and is tearing its tree down: give it the grace.
+        verdict = wait_gone(wrapper, grace, table)
+    for claim in (wrapper, lease.adapter_claim()):
+        if claim is None:
+            continue
+        outcome = check_claim(claim, table) if dry_run else send_verified_signal(claim, signal.SIGKILL, table)
+        if outcome.verdict is Verdict.OURS:
+            action.signalled.append(claim.pid)
+        elif outcome.verdict is Verdict.UNVERIFIABLE:
+            action.refused.append(f"pid {claim.pid}: {outcome.reason}")
+    swept = sweep(lease, table, dry_run=dry_run)
+    action.signalled += swept.signalled
+    action.refused += swept.refused
+    if swept.unverifiable or verdict is Verdict.UNVERIFIABLE:
+        return finish(LeaseState.UNVERIFIABLE, swept.unverifiable or "could not verify the wrapper")
+    if swept.remaining and not dry_run:
+        return finish(LeaseState.UNVERIFIABLE, f"processes carrying the marker survived: {swept.remaining}")
+    if action.signalled:
+        return finish(LeaseState.CLOSED, "reaped after its proxy died")
+    if read_tombstone(db, lease.lease_id) is not None:
+        return finish(LeaseState.CLOSED, "its wrapper tore the tree down after its proxy died")
+    if verdict is Verdict.NOT_OURS:
+        return finish(LeaseState.LOST, "its wrapper's pid now belongs to another process")
+    return finish(LeaseState.LOST, "gone before cleanup")
+
+
+def reap_dead_instances(
+    db: StateDB,
+    own_instance_id: str | None,
+    *,
+    grace: float,
+    table: ProcessTable | None = None,
+    dry_run: bool = False,
+) -> list[ReapAction]:
+    """Reap the active leases of every dead instance of this install.
+
+    An instance is dead when its lock can be taken; it is held while its leases
+    are reaped, so two proxies starting together never reap the same one. An
+    instance whose lock is held is alive and is never touched.
+    """
+    actions: list[ReapAction] = []
+    for instance_id in instances.other_instances(db, own_instance_id):
+        with instances.lock_if_dead(db, instance_id) as dead:
+            if not dead:
+                continue
+            for lease in leases_of_instance(db, instance_id):
+                actions.append(reap_lease(db, lease, grace=grace, table=table, dry_run=dry_run))
+            if not dry_run:
+                instances.mark_reaped(db, instance_id)
+    return actions

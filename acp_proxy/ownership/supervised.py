@@ -1,0 +1,246 @@
+"""An adapter process run under a wrapper and a lease, from spawn to verified reaping.
+
+Spawn: write the lease (``starting``) -> start the wrapper in a new session with
+the adapter's argv, the marker in its environment, a lifeline pipe and a report
+pipe -> record the wrapper's identity -> read the adapter's identity from the
+report -> ``open``.
+
+Stop (``stop``, the order DESIGN.md §4 fixes): close the adapter's stdin, wait
+``stdin_grace`` -> SIGTERM the wrapper (it tears the tree down) -> after
+``term_grace`` SIGKILL the wrapper (our own unreaped child) -> verified marker
+sweep -> ``closed`` only after a clean sweep. Every signal is verified first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import msgspec
+
+from acp_proxy.ownership import leases
+from acp_proxy.ownership.leases import Lease, LeaseState
+from acp_proxy.ownership.owner import WRAPPER_PATH, Owner
+from acp_proxy.ownership.reaping import forget_tombstone, prepare_tombstone, sweep
+from acp_proxy.ownership.verify import send_verified_signal
+
+log = logging.getLogger("acp_proxy.ownership")
+
+REPORT_TIMEOUT: Final = 30.0
+"""How long the wrapper may take to report the adapter's identity (it is stdlib-only and fast)."""
+KILL_WAIT: Final = 2.0
+
+
+class WrapperReport(msgspec.Struct, frozen=True):
+    """What the wrapper says once the adapter is forked (one JSON line on the report pipe)."""
+
+    adapter_pid: int
+    pgid: int
+    start_ticks: int | None = None
+    subreaper: bool = False
+    error: str | None = None
+
+
+class WrapperFailed(Exception):
+    """The adapter could not be started under its wrapper; the message says why."""
+
+
+def wrapper_grace(term_grace: float) -> float:
+    """The wrapper's own TERM->KILL grace: inside ours, so it finishes before we SIGKILL it."""
+    return max(0.0, term_grace - min(0.5, term_grace / 4))
+
+
+class SupervisedProcess:
+    def __init__(self, owner: Owner, lease: Lease, process: anyio.abc.Process, lifeline: int) -> None:
+        self.owner = owner
+        self.lease = lease
+        self.process = process
+        self.returncode: int | None = None
+        self.stopping = False
+        self._lifeline = lifeline
+        self._stop_lock = anyio.Lock()
+        self._stopped = False
+
+    @property
+    def adapter_pid(self) -> int | None:
+        return self.lease.adapter_pid
+
+    @classmethod
+    async def start(
+        cls,
+        owner: Owner,
+        *,
+        backend: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        term_grace: float,
+        session_key: str | None = None,
+    ) -> SupervisedProcess:
+        db = owner.db
+        lease = leases.create_lease(
+            db,
+            instance_id=owner.instance_id,
+            boot_id=owner.boot_id,
+            backend=backend,
+            argv=tuple(argv),
+            session_key=session_key,
+        )
+        tombstone = prepare_tombstone(db, lease.lease_id)
+        lifeline_r, lifeline_w = os.pipe()
+        report_r, report_w = os.pipe()
+        command = [
+            sys.executable,
+            "-I",
+            "-S",
+            str(WRAPPER_PATH),
+            "--lifeline",
+            str(lifeline_r),
+            "--report",
+            str(report_w),
+            "--grace",
+            f"{wrapper_grace(term_grace):.3f}",
+            "--tombstone",
+            str(tombstone),
+            "--",
+            *argv,
+        ]
+        try:
+            process = await anyio.open_process(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=None,
+                cwd=cwd,
+                env={**env, lease.marker_key: lease.marker_value},
+                start_new_session=True,
+                pass_fds=(lifeline_r, report_w),
+            )
+        except OSError as exc:
+            os.close(lifeline_w)
+            os.close(report_r)
+            leases.set_state(db, lease.lease_id, LeaseState.CLOSED, f"spawn failed: {exc.strerror or exc}")
+            raise WrapperFailed(exc.strerror or str(exc)) from None
+        finally:
+            os.close(lifeline_r)  # the wrapper has its copies now
+            os.close(report_w)
+        info = owner.table.info(process.pid)
+        leases.record_spawn(
+            db, lease.lease_id, wrapper_pid=process.pid, wrapper_start_ticks=info.start_ticks if info else None
+        )
+        supervised = cls(owner, leases.get_lease(db, lease.lease_id), process, lifeline_w)
+        try:
+            report = await supervised._read_report(report_r)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await supervised.stop(stdin_grace=0, term_grace=term_grace)
+            raise
+        if report.error:
+            with anyio.CancelScope(shield=True):
+                await supervised.stop(stdin_grace=KILL_WAIT, term_grace=term_grace)
+            raise WrapperFailed(report.error)
+        adapter_pid = report.adapter_pid
+        ticks = report.start_ticks
+        if ticks is None:  # no /proc in the wrapper: ask our own process table
+            adapter_info = owner.table.info(adapter_pid)
+            ticks = adapter_info.start_ticks if adapter_info else None
+        leases.record_spawn(
+            db,
+            lease.lease_id,
+            wrapper_pid=process.pid,
+            wrapper_start_ticks=supervised.lease.wrapper_start_ticks,
+            adapter_pid=adapter_pid,
+            adapter_start_ticks=ticks,
+            pgid=report.pgid,
+        )
+        leases.set_state(db, lease.lease_id, LeaseState.OPEN)
+        supervised.lease = leases.get_lease(db, lease.lease_id)
+        return supervised
+
+    async def _read_report(self, fd: int) -> WrapperReport:
+        from acp_proxy.stdio import FdReceiveStream
+
+        stream = FdReceiveStream(fd)
+        data = b""
+        try:
+            with anyio.fail_after(REPORT_TIMEOUT):
+                while not data.endswith(b"\n"):
+                    try:
+                        data += await stream.receive(4096)
+                    except anyio.EndOfStream:
+                        break
+        finally:
+            await stream.aclose()
+            os.close(fd)
+        if not data:
+            raise WrapperFailed(f"the wrapper exited without reporting (status {self.process.returncode})")
+        try:
+            return msgspec.json.decode(data, type=WrapperReport)
+        except msgspec.DecodeError as exc:
+            raise WrapperFailed(f"the wrapper sent a malformed report: {exc}") from None
+
+    async def wait_exit(self, timeout: float) -> int | None:
+        """The wrapper's exit status (the adapter's), waiting at most ``timeout`` seconds."""
+        if self.returncode is None:
+            with anyio.move_on_after(timeout):
+                self.returncode = await self.process.wait()
+        return self.returncode
+
+    async def stop(self, *, stdin_grace: float, term_grace: float) -> int | None:
+        """Tear the tree down in the fixed order; idempotent; shielded once begun."""
+        with anyio.CancelScope(shield=True):
+            async with self._stop_lock:
+                if not self._stopped:
+                    self.stopping = True
+                    await self._stop(stdin_grace, term_grace)
+                    self._stopped = True
+        return self.returncode
+
+    async def _stop(self, stdin_grace: float, term_grace: float) -> None:
+        db, lease = self.owner.db, self.lease
+        leases.set_state(db, lease.lease_id, LeaseState.CLOSING)
+        if self.process.stdin is not None:
+            with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                await self.process.stdin.aclose()
+        if await self.wait_exit(stdin_grace) is None:
+            self._signal_wrapper(signal.SIGTERM, "still running after stdin EOF")
+            if await self.wait_exit(term_grace) is None:
+                self._signal_wrapper(signal.SIGKILL, "ignored SIGTERM")
+                await self.wait_exit(KILL_WAIT)
+        os.close(self._lifeline)
+        swept = await anyio.to_thread.run_sync(sweep, lease, self.owner.table)
+        if swept.signalled:
+            log.warning("lease %s: killed %d leftover process(es) by marker", lease.lease_id, len(swept.signalled))
+        if swept.unverifiable or swept.remaining:
+            reason = swept.unverifiable or f"processes carrying the marker survived: {swept.remaining}"
+            log.error("lease %s left unverifiable: %s", lease.lease_id, reason)
+            leases.set_state(db, lease.lease_id, LeaseState.UNVERIFIABLE, reason)
+        else:
+            leases.set_state(db, lease.lease_id, LeaseState.CLOSED)
+        forget_tombstone(db, lease.lease_id)
+        log.info(
+            "lease %s closed: adapter pid %s exited (status %s)", lease.lease_id, lease.adapter_pid, self.returncode
+        )
+
+    def _signal_wrapper(self, sig: signal.Signals, why: str) -> None:
+        claim = self.lease.wrapper_claim()
+        if claim is None:
+            return
+        outcome = send_verified_signal(claim, sig, self.owner.table)
+        log.info(
+            "lease %s: wrapper pid %d %s: %s %s",
+            self.lease.lease_id,
+            claim.pid,
+            why,
+            sig.name,
+            "sent" if outcome.signalled else f"not sent ({outcome.verdict.value}: {outcome.reason})",
+        )

@@ -1,0 +1,252 @@
+"""The per-lease wrapper: one per adapter, owning the adapter's whole process tree.
+
+Run as ``python -I -S wrapper.py --lifeline FD --report FD --grace S [--tombstone PATH] -- ARGV...``
+(standard library only, so it starts fast and cannot be broken by site packages).
+acp-proxy starts it with ``start_new_session=True``, the adapter's stdin/stdout as
+its own, a lifeline pipe and a report pipe. The wrapper:
+
+* marks itself a child subreaper (Linux), so every orphaned descendant of the
+  adapter, even one that ``setsid``-ed and double-forked away, becomes its child;
+* forks the adapter into a process group of its own, hands it stdin/stdout and
+  drops its own copies (the bytes never pass through here);
+* reports ``{"adapter_pid", "pgid", "start_ticks"}`` on the report pipe;
+* reaps with ``waitpid(-1)``, and tears the tree down when the adapter exits
+  leaving descendants, on SIGTERM/SIGINT/SIGHUP, or when the lifeline reaches
+  EOF (acp-proxy died, however it died);
+* once nothing is left, writes the tombstone file (proof for a later reaper that
+  the tree ended under control) and exits with the adapter's status,
+  re-raising the signal that killed it.
+
+It never uses ``PR_SET_PDEATHSIG``: that fires when the *thread* that spawned the
+process exits, and trio spawns processes from worker threads.
+
+Teardown: SIGTERM + SIGCONT to the adapter's group and SIGTERM to every other
+descendant; wait up to the grace; then, until no descendant is left, SIGSTOP
+top-down (so nothing can fork or reap while it is being killed) and SIGKILL
+deepest-first, and reap. The wrapper signals only its own descendants, found by
+walking parent links down from itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+POLL_INTERVAL = 0.02
+FATAL_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def set_subreaper() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def read_stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, ppid, pgid, start_ticks) from /proc, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def descendants(root: int) -> list[tuple[int, int]]:
+    """Live descendants of ``root`` as (pid, depth), parents before children."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for name in names:
+        if name.isdigit():
+            stat = read_stat(int(name))
+            if stat is not None and stat[0] not in ("Z", "X"):
+                children.setdefault(stat[1], []).append(int(name))
+    found: list[tuple[int, int]] = []
+    frontier = [(root, 0)]
+    while frontier:
+        pid, depth = frontier.pop(0)
+        for child in children.get(pid, []):
+            found.append((child, depth + 1))
+            frontier.append((child, depth + 1))
+    return found
+
+
+def send(pid: int, sig: int, group: bool = False) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+class Wrapper:
+    def __init__(self, lifeline: int, grace: float) -> None:
+        self.lifeline = lifeline
+        self.grace = grace
+        self.adapter_pid = 0
+        self.adapter_status: int | None = None
+        self.stop_requested = False
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(self.wake_r, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        for sig in FATAL_SIGNALS:
+            signal.signal(sig, self._request_stop)
+
+    def _request_stop(self, signum: int, frame: object) -> None:
+        self.stop_requested = True
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.adapter_pid:
+                self.adapter_status = status
+
+    def wait_events(self, timeout: float | None) -> None:
+        watched = [self.wake_r] + ([self.lifeline] if self.lifeline >= 0 else [])
+        try:
+            readable, _, _ = select.select(watched, [], [], timeout)
+        except InterruptedError:
+            return
+        if self.wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.wake_r, 512)
+        if self.lifeline in readable and not os.read(self.lifeline, 512):
+            os.close(self.lifeline)
+            self.lifeline = -1
+            self.stop_requested = True  # EOF: acp-proxy is gone
+
+    def run(self) -> int:
+        while True:
+            self.reap()
+            if self.adapter_status is not None:
+                if descendants(os.getpid()):
+                    self.teardown()
+                return self.adapter_status
+            if self.stop_requested:
+                self.teardown()
+                return self.adapter_status if self.adapter_status is not None else 0
+            self.wait_events(None)
+
+    def teardown(self) -> None:
+        me = os.getpid()
+        send(self.adapter_pid, signal.SIGTERM, group=True)
+        send(self.adapter_pid, signal.SIGCONT, group=True)
+        for pid, _ in descendants(me):
+            send(pid, signal.SIGTERM)
+            send(pid, signal.SIGCONT)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline:
+            self.reap()
+            if not descendants(me):
+                return
+            self.wait_events(POLL_INTERVAL)
+        while True:
+            tree = descendants(me)
+            if not tree:
+                break
+            for pid, _ in tree:
+                send(pid, signal.SIGSTOP)
+            for pid, _ in sorted(tree, key=lambda entry: -entry[1]):
+                send(pid, signal.SIGKILL)
+            time.sleep(POLL_INTERVAL)
+            self.reap()
+        self.reap()
+
+
+def exit_like(status: int) -> None:
+    """Leave with the adapter's status: its exit code, or death by the same signal."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.set_wakeup_fd(-1)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
+def spawn_adapter(argv: list[str], keep_closed: list[int]) -> tuple[int, str | None]:
+    """Fork and exec the adapter in its own process group; the error text if exec failed."""
+    err_r, err_w = os.pipe()  # close-on-exec: EOF without data means exec succeeded
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)
+            for fd in keep_closed:
+                os.close(fd)
+            os.execvp(argv[0], argv)
+        except OSError as exc:
+            os.write(err_w, f"cannot run {argv[0]!r}: {exc.strerror}".encode())
+        os._exit(127)
+    os.close(err_w)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # also from this side, so the group exists before we report it
+    error = os.read(err_r, 4096).decode(errors="replace") or None
+    os.close(err_r)
+    return pid, error
+
+
+def write_tombstone(path: str, status: int) -> None:
+    """Leave proof that this tree ended under control: written only once no descendant is left."""
+    if path:
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as fh:
+                json.dump({"status": status, "at": time.time()}, fh)
+            os.replace(path + ".tmp", path)
+
+
+def parse(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    cut = args.index("--")
+    return dict(zip(args[:cut:2], args[1:cut:2], strict=True)), args[cut + 1 :]
+
+
+def main() -> None:
+    options, argv = parse(sys.argv[1:])
+    lifeline, report, grace = int(options["--lifeline"]), int(options["--report"]), float(options["--grace"])
+    subreaper = set_subreaper()
+    wrapper = Wrapper(lifeline, grace)  # handlers first: a SIGTERM must never find us defenceless
+    adapter_pid, error = spawn_adapter(argv, [lifeline, report])
+    wrapper.adapter_pid = adapter_pid
+    stat = read_stat(adapter_pid)
+    message = {
+        "adapter_pid": adapter_pid,
+        "pgid": adapter_pid,
+        "start_ticks": stat[3] if stat else None,
+        "subreaper": subreaper,
+        "error": error,
+    }
+    os.write(report, json.dumps(message).encode() + b"\n")
+    os.close(report)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)  # the adapter holds stdin/stdout now; our copies would delay EOF
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    status = wrapper.run()
+    write_tombstone(options.get("--tombstone", ""), status)
+    exit_like(status)
+
+
+if __name__ == "__main__":
+    main()

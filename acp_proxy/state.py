@@ -1,0 +1,151 @@
+"""The state database: one SQLite file per state dir, shared by every proxy of an install.
+
+WAL mode lets readers (the operator CLI) run beside writers (proxies); a busy
+timeout serialises concurrent writers instead of failing them; ``BEGIN
+IMMEDIATE`` takes the write lock up front so read-modify-write sequences cannot
+interleave. The schema carries a version and is brought up to date by ordered
+migrations, each in its own transaction. The state dir is created ``0700`` and
+the database ``0600``: it names processes and commands, never secrets.
+
+Writes happen at process lifecycle events (spawn, close, reap), not per message;
+with ``synchronous=NORMAL`` in WAL mode a commit does not wait for the disk, so
+they are made directly from the event loop thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sqlite3
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+DB_NAME: Final = "state.db"
+BUSY_TIMEOUT_MS: Final = 10_000
+
+MIGRATIONS: Final[tuple[str, ...]] = (
+    # 1: install identity, proxy instances, leases
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE instances (
+        instance_id TEXT PRIMARY KEY,
+        pid INTEGER NOT NULL,
+        boot_id TEXT NOT NULL,
+        uid INTEGER NOT NULL,
+        started_at REAL NOT NULL,
+        ended_at REAL,
+        end_reason TEXT
+    );
+    CREATE TABLE leases (
+        lease_id TEXT PRIMARY KEY,
+        install_id TEXT NOT NULL,
+        instance_id TEXT NOT NULL,
+        session_key TEXT,
+        backend TEXT NOT NULL,
+        marker TEXT NOT NULL,
+        argv TEXT NOT NULL,
+        command_hash TEXT NOT NULL,
+        boot_id TEXT NOT NULL,
+        uid INTEGER NOT NULL,
+        wrapper_pid INTEGER,
+        wrapper_start_ticks INTEGER,
+        adapter_pid INTEGER,
+        adapter_start_ticks INTEGER,
+        pgid INTEGER,
+        state TEXT NOT NULL CHECK (
+            state IN ('starting', 'open', 'closing', 'closed', 'lost', 'unverifiable')
+        ),
+        reason TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX leases_by_instance ON leases (instance_id, state);
+    CREATE INDEX leases_by_state ON leases (state);
+    """,
+)
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+
+class StateError(Exception):
+    """The state dir or database cannot be used; the message says what to do."""
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create ``path`` (0700) if missing; refuse one that others could write to."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        raise StateError(f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); refusing to use it")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StateError(f"{path} is writable by other users; run: chmod 700 {path}")
+
+
+class StateDB:
+    """A connection to the state database, with the install's identity."""
+
+    def __init__(self, state_dir: Path, *, create: bool = True) -> None:
+        self.state_dir = state_dir
+        self.path = state_dir / DB_NAME
+        if create:
+            ensure_private_dir(state_dir)
+        elif not self.path.exists():
+            raise StateError(f"no state database at {self.path}")
+        old_umask = os.umask(0o077)
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StateError(f"cannot open {self.path}: {exc}") from None
+        finally:
+            os.umask(old_umask)
+        self.conn.row_factory = sqlite3.Row
+        try:
+            self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self.conn.execute("PRAGMA journal_mode = WAL")
+            self.conn.execute("PRAGMA synchronous = NORMAL")
+            self._migrate()
+            self.install_id = self._install_id()
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            raise StateError(
+                f"{self.path} is not a usable state database ({exc}); move it aside to start afresh"
+            ) from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction that holds the database's write lock from its start."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self.transaction() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StateError(
+                    f"{self.path} has schema version {version}, newer than this acp-proxy "
+                    f"understands ({SCHEMA_VERSION}); upgrade acp-proxy"
+                )
+            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                for statement in filter(str.strip, script.split(";")):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {number}")
+
+    def _install_id(self) -> str:
+        with self.transaction() as conn:
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('install_id', ?)", (secrets.token_hex(8),))
+            return str(conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()[0])
+
+
+def now() -> float:
+    return time.time()
