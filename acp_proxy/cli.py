@@ -3,6 +3,8 @@
     acp-proxy [--config PATH] [--backend NAME]      serve with a TOML config
     acp-proxy [options] -- CMD ARG...                 serve one ad-hoc backend, no config needed
     acp-proxy config check [--config PATH]           validate a config, exit 2 on error
+    acp-proxy leases [--json] [--all]                leases and the process trees they own
+    acp-proxy reap [--dry-run] [--json]              reap what dead proxies left running
 
 Everything after the first ``--`` is the adapter's argv, taken literally.
 Exit status 2 means bad input (usage, config); the message says what to fix.
@@ -48,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     config_actions = config_cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = config_actions.add_parser("check", help="validate a config file")
     _add_config_option(check)
+    leases = commands.add_parser("leases", help="list leases and the process trees they own")
+    _add_config_option(leases)
+    leases.add_argument("--json", action="store_true", help="machine-readable output")
+    leases.add_argument("--all", action="store_true", help="every lease, not only the 50 most recent")
+    reap = commands.add_parser("reap", help="reap what dead proxies of this install left running")
+    _add_config_option(reap)
+    reap.add_argument("--dry-run", action="store_true", help="say what would be done, signal nothing")
+    reap.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
@@ -174,6 +184,27 @@ def _config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operator_config(args: argparse.Namespace) -> Config | None:
+    """The config, if one is found, for the state dir and grace periods of operator commands."""
+    path = configuration.find_config_path(getattr(args, "config", None))
+    return configuration.load(path) if path is not None else None
+
+
+def _leases(args: argparse.Namespace) -> int:
+    from acp_proxy.commands import leases_command
+
+    state = configuration.state_dir(_operator_config(args))
+    return leases_command(state, as_json=args.json, show_all=args.all)
+
+
+def _reap(args: argparse.Namespace) -> int:
+    from acp_proxy.commands import reap_command
+
+    config = _operator_config(args)
+    grace = config.shutdown.term_grace if config else configuration.ShutdownConfig().term_grace
+    return reap_command(configuration.state_dir(config), grace=grace, dry_run=args.dry_run, as_json=args.json)
+
+
 def _fail(message: str) -> NoReturn:
     print(f"acp-proxy: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
@@ -185,8 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "config":
             return _config_check(args)
+        if args.command == "leases":
+            return _leases(args)
+        if args.command == "reap":
+            return _reap(args)
         return _serve(args, command)
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         _fail(str(exc))
-    except UsageError as exc:
-        _fail(str(exc))
+    except StateError as exc:
+        _fail(f"state: {exc}")

@@ -20,6 +20,7 @@ then the turn ends with end_turn unless a command ended it first.
     read PATH          fs/read_text_file, the content is echoed as a message chunk
     spawn_tree         start a child that starts a grandchild (same process group)
     escape             start a grandchild that leaves with setsid + double fork
+    fork_loop          start a child that keeps forking short-lived and long-lived children
     crash N            exit immediately with status N
     sleep S            sleep S seconds
     wait_cancel        stream until session/cancel arrives, then stop with "cancelled"
@@ -195,6 +196,19 @@ class FakeAdapter:
         elif verb == "escape":
             self.escape()
             self.say(session_id, "escaped " + json.dumps(self.children))
+        elif verb == "fork_loop":
+            code = (
+                "import os, time\n"
+                "for i in range(100000):\n"
+                "    if os.fork() == 0:\n"
+                "        time.sleep(3600 if i % 10 == 0 else 0.05); os._exit(0)\n"
+                "    time.sleep(0.005)\n"
+                "    try: os.waitpid(-1, os.WNOHANG)\n"
+                "    except ChildProcessError: pass\n"
+            )
+            self.children.append(subprocess.Popen([sys.executable, "-c", code]).pid)
+            time.sleep(0.3)
+            self.say(session_id, "forking")
         elif verb == "crash":
             sys.stdout.flush()
             os._exit(int(arg or 1))

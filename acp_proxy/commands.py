@@ -1,0 +1,151 @@
+"""Operator commands over the state database: ``acp-proxy leases`` and ``acp-proxy reap``.
+
+They read the database directly, so they work with no proxy running. Human
+output is a plain table; ``--json`` is for scripts. Nothing here is imported by
+the relay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from acp_proxy.ownership import instances
+from acp_proxy.ownership.leases import ACTIVE_STATES, Lease, all_leases
+from acp_proxy.ownership.owner import detect_platform
+from acp_proxy.ownership.reaping import marked_pids, reap_dead_instances
+from acp_proxy.ownership.verify import Verdict, check_claim, process_table
+from acp_proxy.state import StateDB, StateError
+
+
+def open_existing(state_dir: Path) -> StateDB | None:
+    """The state database if one exists; ``None`` when no proxy has used this state dir yet."""
+    if not (state_dir / "state.db").exists():
+        return None
+    return StateDB(state_dir, create=False)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def owned_tree(lease: Lease) -> list[dict[str, Any]]:
+    """Live processes carrying the lease's marker and proved ours, with what an operator needs."""
+    table = process_table()
+    tree = []
+    for pid in marked_pids(lease, table):
+        if check_claim(lease.descendant_claim(pid), table).verdict is not Verdict.OURS:
+            continue
+        try:
+            proc = psutil.Process(pid)
+            with proc.oneshot():
+                rss = proc.memory_info().rss
+                command = " ".join(proc.cmdline()) or proc.name()
+        except psutil.Error:
+            continue
+        tree.append({"pid": pid, "pgid": os.getpgid(pid), "rssBytes": rss, "command": command})
+    return sorted(tree, key=lambda entry: entry["pid"])
+
+
+def lease_view(db: StateDB, lease: Lease, alive: dict[str, bool]) -> dict[str, Any]:
+    if lease.instance_id not in alive:
+        alive[lease.instance_id] = instances.instance_alive(db, lease.instance_id)
+    view: dict[str, Any] = {
+        "lease": lease.lease_id,
+        "state": lease.state.value,
+        "backend": lease.backend,
+        "session": lease.session_key,
+        "instance": lease.instance_id,
+        "instanceAlive": alive[lease.instance_id],
+        "wrapperPid": lease.wrapper_pid,
+        "adapterPid": lease.adapter_pid,
+        "pgid": lease.pgid,
+        "argv": list(lease.argv),
+        "commandHash": lease.command_hash,
+        "createdAt": lease.created_at,
+        "updatedAt": lease.updated_at,
+        "reason": lease.reason,
+        "processes": [],
+    }
+    if lease.state in ACTIVE_STATES:
+        claim = lease.wrapper_claim()
+        verdict = check_claim(claim).verdict if claim else None
+        if verdict is Verdict.UNVERIFIABLE:
+            view["reason"] = check_claim(claim).reason if claim else None
+        view["processes"] = owned_tree(lease)
+    return view
+
+
+def leases_command(state_dir: Path, *, as_json: bool, show_all: bool) -> int:
+    platform = detect_platform(process_table())
+    db = open_existing(state_dir)
+    views: list[dict[str, Any]] = []
+    if db is not None:
+        alive: dict[str, bool] = {}
+        try:
+            rows = all_leases(db, limit=10_000 if show_all else 50)
+            views = [lease_view(db, lease, alive) for lease in rows]
+        finally:
+            db.close()
+    if as_json:
+        print(json.dumps({"stateDir": str(state_dir), "ownership": platform.describe(), "leases": views}, indent=2))
+        return 0
+    print(f"state dir: {state_dir}")
+    print(f"ownership: {platform.describe()}")
+    if not views:
+        print("no leases" + ("" if db is not None else " (no proxy has used this state dir yet)"))
+        return 0
+    now = time.time()
+    header = f"{'LEASE':<13} {'STATE':<12} {'BACKEND':<12} {'INSTANCE':<20} {'WRAPPER':>8} {'ADAPTER':>8} {'AGE':>5}"
+    print(header)
+    for view in views:
+        instance = f"{view['instance']} ({'alive' if view['instanceAlive'] else 'dead'})"
+        print(
+            f"{view['lease']:<13} {view['state']:<12} {view['backend'][:12]:<12} {instance:<20} "
+            f"{view['wrapperPid'] or '-':>8} {view['adapterPid'] or '-':>8} {_age(now - view['createdAt']):>5}"
+        )
+        if view["reason"]:
+            print(f"    {view['reason']}")
+        for proc in view["processes"]:
+            print(
+                f"    pid {proc['pid']:<7} pgid {proc['pgid']:<7} rss {proc['rssBytes'] / 1e6:7.1f} MB  "
+                f"{proc['command'][:80]}"
+            )
+    return 0
+
+
+def reap_command(state_dir: Path, *, grace: float, dry_run: bool, as_json: bool) -> int:
+    db = open_existing(state_dir)
+    actions = []
+    if db is not None:
+        try:
+            actions = reap_dead_instances(db, None, grace=grace, dry_run=dry_run)
+        finally:
+            db.close()
+    if as_json:
+        print(json.dumps({"dryRun": dry_run, "actions": [a.to_json() for a in actions]}, indent=2))
+        return 0
+    if not actions:
+        print("nothing to reap: no dead proxy left an active lease")
+        return 0
+    prefix, verb = ("[dry run] ", "would kill") if dry_run else ("", "killed")
+    for action in actions:
+        kills = f"; {verb} {action.signalled}" if action.signalled else ""
+        print(
+            f"{prefix}lease {action.lease_id} ({action.backend}, dead instance {action.instance_id}): "
+            f"{action.before} -> {action.after} ({action.reason}){kills}"
+        )
+        for refusal in action.refused:
+            print(f"    left alone: {refusal}")
+    return 0
+
+
+__all__ = ["StateError", "leases_command", "reap_command"]
