@@ -1,0 +1,212 @@
+"""The state database, instance locks, and the operator views over them."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from acp_proxy.ownership import instances
+from acp_proxy.ownership.leases import LeaseState, all_leases, create_lease, set_state
+from acp_proxy.ownership.proctable import ProcFS, PsutilTable
+from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
+from acp_proxy.state import SCHEMA_VERSION, StateDB, StateError
+
+
+def test_state_dir_and_database_are_private(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    db = StateDB(state)
+    db.close()
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / "state.db").stat().st_mode) == 0o600
+    conn = sqlite3.connect(state / "state.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_install_id_is_created_once(tmp_path: Path) -> None:
+    first = StateDB(tmp_path)
+    second = StateDB(tmp_path)
+    assert first.install_id == second.install_id
+    assert StateDB(tmp_path / "other").install_id != first.install_id
+
+
+def test_a_world_writable_state_dir_is_refused(tmp_path: Path) -> None:
+    state = tmp_path / "shared"
+    state.mkdir()
+    state.chmod(0o777)
+    with pytest.raises(StateError, match="writable by other users"):
+        StateDB(state)
+
+
+def test_a_newer_schema_is_refused_not_rewritten(tmp_path: Path) -> None:
+    StateDB(tmp_path).close()
+    conn = sqlite3.connect(tmp_path / "state.db")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    conn.close()
+    with pytest.raises(StateError, match="upgrade acp-proxy"):
+        StateDB(tmp_path)
+
+
+def test_a_corrupt_database_is_reported_with_a_way_out(tmp_path: Path) -> None:
+    tmp_path.chmod(0o700)
+    (tmp_path / "state.db").write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(StateError, match="move it aside"):
+        StateDB(tmp_path)
+    assert (tmp_path / "state.db").read_bytes().startswith(b"this is not sqlite"), "data must never be wiped"
+
+
+def _write_leases(state_dir: str, count: int) -> None:
+    db = StateDB(Path(state_dir))
+    instance = instances.start_instance(db, "boot")
+    for n in range(count):
+        lease = create_lease(db, instance_id=instance.instance_id, boot_id="boot", backend="b", argv=(str(n),))
+        set_state(db, lease.lease_id, LeaseState.OPEN)
+    instances.end_instance(db, instance)
+
+
+def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
+    StateDB(tmp_path).close()
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_write_leases, args=(str(tmp_path), 50)) for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+        assert writer.exitcode == 0
+    db = StateDB(tmp_path)
+    assert len(all_leases(db, limit=1000)) == 200
+    assert db.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_instance_lock_proves_liveness(tmp_path: Path) -> None:
+    db = StateDB(tmp_path)
+    mine = instances.start_instance(db, "boot")
+    assert instances.instance_alive(db, mine.instance_id)
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[2]);"
+        "from pathlib import Path; from acp_proxy.state import StateDB; from acp_proxy.ownership import instances;"
+        "db = StateDB(Path(sys.argv[1])); i = instances.start_instance(db, 'boot');"
+        "print(i.instance_id, flush=True); time.sleep(60)"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent.parent)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert other.stdout is not None
+    other_id = other.stdout.readline().strip()
+    assert instances.instance_alive(db, other_id)
+    with instances.lock_if_dead(db, other_id) as dead:
+        assert not dead
+    other.send_signal(signal.SIGKILL)
+    other.wait()
+    assert not instances.instance_alive(db, other_id)
+    assert set(instances.other_instances(db, mine.instance_id)) == {other_id}
+    instances.end_instance(db, mine)
+
+
+def test_lease_state_machine_never_reopens_a_closed_lease(tmp_path: Path) -> None:
+    db = StateDB(tmp_path)
+    lease = create_lease(db, instance_id="i", boot_id="b", backend="x", argv=("x", "a b"))
+    assert lease.state is LeaseState.STARTING
+    assert lease.marker.startswith(f"ACP_PROXY_LEASE={db.install_id}.{lease.lease_id}.")
+    assert lease.argv == ("x", "a b")
+    set_state(db, lease.lease_id, LeaseState.OPEN)
+    set_state(db, lease.lease_id, LeaseState.CLOSED)
+    set_state(db, lease.lease_id, LeaseState.OPEN)
+    assert all_leases(db)[0].state is LeaseState.CLOSED
+
+
+def test_degraded_psutil_path_verifies_the_same_way(proc_env: dict[str, str]) -> None:
+    """The no-/proc path (macOS): psutil identity, then os.kill; fail closed likewise."""
+    table = PsutilTable()
+    marker_value = "degraded.lease.1"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={**proc_env, "ACP_PROXY_LEASE": marker_value}
+    )
+    try:
+        time.sleep(0.1)
+        info = table.info(proc.pid)
+        assert info is not None
+        claim = Claim(proc.pid, table.boot_id(), os.getuid(), f"ACP_PROXY_LEASE={marker_value}", info.start_ticks)
+        assert check_claim(claim, table).verdict is Verdict.OURS
+        reused = Claim(proc.pid, claim.boot_id, os.getuid(), claim.marker, info.start_ticks + 1)
+        assert not send_verified_signal(reused, signal.SIGTERM, table).signalled
+        assert proc.poll() is None
+        assert send_verified_signal(claim, signal.SIGTERM, table).signalled
+        assert proc.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_leases_command_shows_the_owned_tree(proc_env: dict[str, str], tmp_path: Path) -> None:
+    fake = [sys.executable, str(Path(__file__).parent / "fake_adapter.py"), "{}"]
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "acp_proxy", "--", *fake], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=proc_env
+    )
+    assert proxy.stdin is not None
+    assert proxy.stdout is not None
+    try:
+        for n, (method, params) in enumerate(
+            [
+                ("initialize", {"protocolVersion": 1}),
+                ("session/new", {"cwd": "/tmp", "mcpServers": []}),
+            ]
+        ):
+            proxy.stdin.write(
+                json.dumps({"jsonrpc": "2.0", "id": n, "method": method, "params": params}).encode() + b"\n"
+            )
+            proxy.stdin.flush()
+            proxy.stdout.readline()
+        shown = subprocess.run(
+            [sys.executable, "-m", "acp_proxy", "leases", "--json"], env=proc_env, capture_output=True, text=True
+        )
+        assert shown.returncode == 0, shown.stderr
+        view = json.loads(shown.stdout)
+        (lease,) = view["leases"]
+        assert lease["state"] == "open"
+        assert lease["instanceAlive"] is True
+        pids = {p["pid"] for p in lease["processes"]}
+        assert {lease["wrapperPid"], lease["adapterPid"]} <= pids
+        assert all(p["rssBytes"] > 0 and p["command"] for p in lease["processes"])
+        human = subprocess.run(
+            [sys.executable, "-m", "acp_proxy", "leases"], env=proc_env, capture_output=True, text=True
+        )
+        assert lease["lease"] in human.stdout
+        assert "(alive)" in human.stdout
+        assert "ownership: full" in human.stdout
+    finally:
+        proxy.stdin.close()
+        proxy.wait(timeout=30)
+    after = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "acp_proxy", "leases", "--json"], env=proc_env, capture_output=True
+        ).stdout
+    )
+    assert after["leases"][0]["state"] == "closed"
+    assert after["leases"][0]["processes"] == []
+
+
+@pytest.mark.parametrize("command", [["leases"], ["leases", "--json"], ["reap"], ["reap", "--dry-run", "--json"]])
+def test_operator_commands_on_an_empty_state_dir(proc_env: dict[str, str], command: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "acp_proxy", *command], env=proc_env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    if "--json" in command:
+        json.loads(result.stdout)
+    assert not Path(proc_env["ACP_PROXY_STATE_DIR"]).exists(), "read-only commands must not create state"
+
+
+def test_boot_id_is_read_from_the_kernel() -> None:
+    assert len(ProcFS().boot_id()) == 36
