@@ -8,7 +8,6 @@ in ``pending`` next to the id it was sent under.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -80,23 +79,19 @@ class Adapter:
     """A running adapter: its supervised process, its stdin, its stdout lines, its pending calls."""
 
     def __init__(self, backend: BackendConfig, supervised: SupervisedProcess, max_line_bytes: int) -> None:
-        process = supervised.process
-        assert process.stdin is not None
-        assert process.stdout is not None
         self.backend = backend
         self.supervised = supervised
-        self.process = process
-        self.lines = LineReader(process.stdout, max_line_bytes)
+        self.lines = LineReader(supervised.stdout, max_line_bytes)
         self.pending: dict[int, PendingCall] = {}
         self.gone = False
         self.drained = anyio.Event()
-        self._stdin = jsonrpc.LineWriter(process.stdin)
+        self._stdin = jsonrpc.LineWriter(supervised.stdin)
         self._next_id = 0
 
     @property
     def pid(self) -> int:
         """The adapter's own pid (its wrapper's until the wrapper has reported)."""
-        return self.supervised.adapter_pid or self.process.pid
+        return self.supervised.adapter_pid or self.supervised.process.pid
 
     @property
     def returncode(self) -> int | None:
@@ -214,6 +209,4 @@ class Adapter:
 
     async def close_output(self) -> None:
         """Stop reading the adapter's stdout (a lingering descendant may hold it open)."""
-        if self.process.stdout is not None:
-            with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await self.process.stdout.aclose()
+        await self.supervised.stdout.aclose()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
@@ -109,7 +108,26 @@ def salvage_id(line: bytes) -> RequestId:
     return raw_id if isinstance(raw_id, int | str) and not isinstance(raw_id, bool) else None
 
 
-_BLANK_LINE: Final = re.compile(rb"(?:^|\n)[ \t\r]*\n")
+class _PlainNotification(msgspec.Struct, gc=False):
+    """Decodes only a notification: an ``id``, ``result`` or ``error`` member fails validation."""
+
+    method: str
+    jsonrpc: str | UnsetType = UNSET
+    params: Raw | UnsetType = UNSET
+    id: UnsetType = UNSET
+    result: UnsetType = UNSET
+    error: UnsetType = UNSET
+
+
+_notification_decoder: Final = msgspec.json.Decoder(_PlainNotification)
+# A line that is empty or only whitespace. Searched from each newline rather than with a
+# leading (^|\n) alternation, which would make the engine try every byte position.
+_BLANK_AFTER_NEWLINE: Final = re.compile(rb"\n[ \t\r]*\n")
+_BLANK_AT_START: Final = re.compile(rb"[ \t\r]*\n")
+
+
+def _has_blank_line(block: bytes) -> bool:
+    return bool(_BLANK_AT_START.match(block) or _BLANK_AFTER_NEWLINE.search(block))
 
 
 def decode_block(block: bytes, line_count: int) -> list[Message] | None:
@@ -119,7 +137,7 @@ def decode_block(block: bytes, line_count: int) -> list[Message] | None:
     handling: a line that is not JSON or not an object, a blank line, or a line
     holding two values (which would shift every envelope after it).
     """
-    if _BLANK_LINE.search(block):
+    if _has_blank_line(block):
         return None
     try:
         msgs = _decoder.decode_lines(block)
@@ -128,6 +146,20 @@ def decode_block(block: bytes, line_count: int) -> list[Message] | None:
     # With no blank line every line yields at least one value, so equal counts
     # mean exactly one value per line.
     return msgs if len(msgs) == line_count else None
+
+
+def is_notification_block(block: bytes, line_count: int) -> bool:
+    """True when each of the block's ``line_count`` lines is exactly one notification.
+
+    The streaming hot path: one decode call over the whole block, into a struct
+    that only a notification satisfies, so no per-line Python code runs at all.
+    """
+    if _has_blank_line(block):
+        return False
+    try:
+        return len(_notification_decoder.decode_lines(block)) == line_count
+    except msgspec.DecodeError:
+        return False
 
 
 def encode(msg: Message) -> bytes:
@@ -202,18 +234,32 @@ def decode_object(raw: Raw | UnsetType) -> dict[str, Any] | None:
 # --- framing -----------------------------------------------------------------
 
 
-@dataclass(slots=True)
 class Batch:
     """Complete lines from one read.
 
     ``block`` is exactly the bytes of ``lines`` with their newlines, in order, so a
-    relay that forwards every line unchanged can send ``block`` as it is.
-    ``overlong`` counts lines dropped for exceeding the size limit *before* these.
+    relay that forwards every line unchanged can send ``block`` as it is; the lines
+    are only split out when someone asks for them. ``overlong`` counts lines
+    dropped for exceeding the size limit *before* these.
     """
 
-    lines: list[bytes]
-    block: bytes
-    overlong: int = 0
+    __slots__ = ("_lines", "block", "overlong")
+
+    def __init__(self, block: bytes, overlong: int = 0, lines: list[bytes] | None = None) -> None:
+        self.block = block
+        self.overlong = overlong
+        self._lines = lines
+
+    @property
+    def lines(self) -> list[bytes]:
+        if self._lines is None:
+            self._lines = self.block.split(b"\n")
+            self._lines.pop()
+        return self._lines
+
+    @property
+    def count(self) -> int:
+        return len(self._lines) if self._lines is not None else self.block.count(b"\n")
 
 
 class LineReader:
@@ -251,15 +297,15 @@ class LineReader:
                 tail = b"".join(self._partial)
                 self._partial.clear()
                 if tail.strip():
-                    return Batch([tail], tail + b"\n", overlong)
+                    return Batch(tail + b"\n", overlong)
                 if overlong:
-                    return Batch([], b"", overlong)
+                    return Batch(b"", overlong)
                 raise anyio.EndOfStream from None
             batch, overlong = self._feed(chunk, overlong)
             if batch is not None:
                 return batch
             if overlong:
-                return Batch([], b"", overlong)
+                return Batch(b"", overlong)
 
     def _feed(self, chunk: bytes, overlong: int) -> tuple[Batch | None, int]:
         if self._discarding:
@@ -286,15 +332,15 @@ class LineReader:
             self._keep_partial(rest)
             if self._discarding:
                 overlong += 1
+        if len(block) <= self._max:  # no line in it can be over the limit
+            return Batch(block, overlong), 0
         lines = block.split(b"\n")
         lines.pop()
-        if len(block) > self._max:
-            kept = [line for line in lines if len(line) <= self._max]
-            if len(kept) != len(lines):
-                overlong += len(lines) - len(kept)
-                lines = kept
-                block = b"".join(line + b"\n" for line in kept)
-        return Batch(lines, block, overlong), 0
+        kept = [line for line in lines if len(line) <= self._max]
+        if len(kept) != len(lines):
+            overlong += len(lines) - len(kept)
+            block = b"".join(line + b"\n" for line in kept)
+        return Batch(block, overlong, kept), 0
 
     def _keep_partial(self, piece: bytes) -> None:
         self._partial.append(piece)
@@ -310,7 +356,7 @@ class LineWriter:
 
     def __init__(self, stream: ByteSendStream) -> None:
         self._stream = stream
-        self._lock = anyio.Lock()
+        self._lock = anyio.Lock(fast_acquire=True)
 
     async def send(self, data: bytes) -> None:
         async with self._lock:

@@ -52,7 +52,7 @@ def _preview(line: bytes) -> str:
 
 def decoded_lines(batch: Batch) -> Iterator[tuple[bytes, tuple[Message, Kind] | BadLine]]:
     """Each line of a batch with its envelope; one decode call when the block allows."""
-    msgs = jsonrpc.decode_block(batch.block, len(batch.lines)) if batch.lines else None
+    msgs = jsonrpc.decode_block(batch.block, batch.count) if batch.block else None
     if msgs is None:
         for line in batch.lines:
             if line.strip():
@@ -69,12 +69,9 @@ def is_plain_notification_block(batch: Batch) -> bool:
     This is the streaming hot path: one decode call for the block, one cheap
     scan, and the block is written on as it was read.
     """
-    if not batch.lines or _CANCEL_REQUEST_BYTES in batch.block:
+    if not batch.block or _CANCEL_REQUEST_BYTES in batch.block:
         return False
-    msgs = jsonrpc.decode_block(batch.block, len(batch.lines))
-    if msgs is None:
-        return False
-    return all(m.id is UNSET and m.method is not UNSET for m in msgs)
+    return jsonrpc.is_notification_block(batch.block, batch.count)
 
 
 def annotate_initialize(result: Raw, backend: str) -> Raw:
@@ -221,7 +218,12 @@ class Proxy:
                     shutdown=self.config.shutdown,
                     max_line_bytes=self.config.max_line_bytes,
                 )
-            except SpawnError as exc:
+            except Exception as exc:
+                # Whatever went wrong (a missing binary, an unusable state database), the
+                # gateway gets an answer and the proxy keeps serving.
+                if not isinstance(exc, SpawnError):
+                    log.exception("starting backend %r failed", self.backend.name)
+                    exc = SpawnError(f"cannot start backend {self.backend.name!r}: {exc}")
                 log.error("%s", exc)
                 if msg.id is not UNSET:
                     await self._send_gateway(

@@ -325,6 +325,7 @@ async def test_gateway_eof_stops_the_adapter_and_its_children(proc_env: dict[str
         assert all(pid_alive(p) for p in [pids["adapter"], *pids["children"]])
         assert await gw.close() == 0
     assert not any(pid_alive(p) for p in [pids["adapter"], *pids["children"]])
+    assert b"still running after stdin EOF" not in gw.stderr, "a cooperative adapter got SIGTERM"
 
 
 @pytest.mark.parametrize(

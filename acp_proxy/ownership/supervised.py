@@ -13,11 +13,9 @@ sweep -> ``closed`` only after a clean sweep. Every signal is verified first.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Final
@@ -32,6 +30,7 @@ from acp_proxy.ownership.leases import Lease, LeaseState
 from acp_proxy.ownership.owner import WRAPPER_PATH, Owner
 from acp_proxy.ownership.reaping import forget_tombstone, prepare_tombstone, sweep
 from acp_proxy.ownership.verify import send_verified_signal
+from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
 
 log = logging.getLogger("acp_proxy.ownership")
 
@@ -60,10 +59,21 @@ def wrapper_grace(term_grace: float) -> float:
 
 
 class SupervisedProcess:
-    def __init__(self, owner: Owner, lease: Lease, process: anyio.abc.Process, lifeline: int) -> None:
+    def __init__(
+        self,
+        owner: Owner,
+        lease: Lease,
+        process: anyio.abc.Process,
+        lifeline: int,
+        *,
+        stdin: FdSendStream,
+        stdout: FdReceiveStream,
+    ) -> None:
         self.owner = owner
         self.lease = lease
         self.process = process
+        self.stdin = stdin
+        self.stdout = stdout
         self.returncode: int | None = None
         self.stopping = False
         self._lifeline = lifeline
@@ -98,6 +108,9 @@ class SupervisedProcess:
         tombstone = prepare_tombstone(db, lease.lease_id)
         lifeline_r, lifeline_w = os.pipe()
         report_r, report_w = os.pipe()
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        enlarge_pipe(stdout_w)
         command = [
             sys.executable,
             "-I",
@@ -117,8 +130,8 @@ class SupervisedProcess:
         try:
             process = await anyio.open_process(
                 command,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
+                stdin=stdin_r,
+                stdout=stdout_w,
                 stderr=None,
                 cwd=cwd,
                 env={**env, lease.marker_key: lease.marker_value},
@@ -126,18 +139,25 @@ class SupervisedProcess:
                 pass_fds=(lifeline_r, report_w),
             )
         except OSError as exc:
-            os.close(lifeline_w)
-            os.close(report_r)
+            for fd in (lifeline_w, report_r, stdin_w, stdout_r):
+                os.close(fd)
             leases.set_state(db, lease.lease_id, LeaseState.CLOSED, f"spawn failed: {exc.strerror or exc}")
             raise WrapperFailed(exc.strerror or str(exc)) from None
         finally:
-            os.close(lifeline_r)  # the wrapper has its copies now
-            os.close(report_w)
+            for fd in (lifeline_r, report_w, stdin_r, stdout_w):
+                os.close(fd)  # the wrapper has its copies now
         info = owner.table.info(process.pid)
         leases.record_spawn(
             db, lease.lease_id, wrapper_pid=process.pid, wrapper_start_ticks=info.start_ticks if info else None
         )
-        supervised = cls(owner, leases.get_lease(db, lease.lease_id), process, lifeline_w)
+        supervised = cls(
+            owner,
+            leases.get_lease(db, lease.lease_id),
+            process,
+            lifeline_w,
+            stdin=FdSendStream(stdin_w, owned=True),
+            stdout=FdReceiveStream(stdout_r, owned=True),
+        )
         try:
             report = await supervised._read_report(report_r)
         except BaseException:
@@ -167,9 +187,7 @@ class SupervisedProcess:
         return supervised
 
     async def _read_report(self, fd: int) -> WrapperReport:
-        from acp_proxy.stdio import FdReceiveStream
-
-        stream = FdReceiveStream(fd)
+        stream = FdReceiveStream(fd, owned=True)
         data = b""
         try:
             with anyio.fail_after(REPORT_TIMEOUT):
@@ -180,7 +198,6 @@ class SupervisedProcess:
                         break
         finally:
             await stream.aclose()
-            os.close(fd)
         if not data:
             raise WrapperFailed(f"the wrapper exited without reporting (status {self.process.returncode})")
         try:
@@ -208,9 +225,7 @@ class SupervisedProcess:
     async def _stop(self, stdin_grace: float, term_grace: float) -> None:
         db, lease = self.owner.db, self.lease
         leases.set_state(db, lease.lease_id, LeaseState.CLOSING)
-        if self.process.stdin is not None:
-            with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                await self.process.stdin.aclose()
+        await self.stdin.aclose()
         if await self.wait_exit(stdin_grace) is None:
             self._signal_wrapper(signal.SIGTERM, "still running after stdin EOF")
             if await self.wait_exit(term_grace) is None:
