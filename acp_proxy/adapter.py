@@ -97,18 +97,16 @@ class Adapter:
     def returncode(self) -> int | None:
         return self.supervised.returncode
 
-    @classmethod
-    async def spawn(
-        cls,
+    @staticmethod
+    def launch(
         backend: BackendConfig,
         *,
         owner: Owner,
         shutdown: ShutdownConfig,
-        max_line_bytes: int,
         environ: Mapping[str, str] | None = None,
         session_key: str | None = None,
-    ) -> Adapter:
-        """Start the backend's command under a wrapper and a lease.
+    ) -> SupervisedProcess:
+        """Start the backend's command under a wrapper and a lease; needs no event loop.
 
         The argv list is executed directly, never through a shell. The adapter's
         stderr is the proxy's stderr, so its logs reach whoever reads ours.
@@ -120,7 +118,7 @@ class Adapter:
         except MissingVariable as exc:
             raise SpawnError(f"backend {backend.name!r}: {exc}") from None
         try:
-            supervised = await SupervisedProcess.start(
+            return SupervisedProcess.launch(
                 owner,
                 backend=backend.name,
                 argv=argv,
@@ -131,11 +129,37 @@ class Adapter:
             )
         except WrapperFailed as exc:
             raise SpawnError(f"cannot start backend {backend.name!r} ({argv[0]}): {exc}") from None
+
+    @classmethod
+    async def attach(cls, backend: BackendConfig, supervised: SupervisedProcess, max_line_bytes: int) -> Adapter:
+        """Wait until a launched adapter is running, and connect to it."""
+        try:
+            await supervised.ready()
+        except WrapperFailed as exc:
+            raise SpawnError(f"cannot start backend {backend.name!r} ({supervised.lease.argv[0]}): {exc}") from None
         lease = supervised.lease
         log.info(
-            "adapter started: backend=%s pid=%s lease=%s argv=%s", backend.name, lease.adapter_pid, lease.lease_id, argv
+            "adapter started: backend=%s pid=%s lease=%s argv=%s",
+            backend.name,
+            lease.adapter_pid,
+            lease.lease_id,
+            list(lease.argv),
         )
         return cls(backend, supervised, max_line_bytes)
+
+    @classmethod
+    async def spawn(
+        cls,
+        backend: BackendConfig,
+        *,
+        owner: Owner,
+        shutdown: ShutdownConfig,
+        max_line_bytes: int,
+        environ: Mapping[str, str] | None = None,
+        session_key: str | None = None,
+    ) -> Adapter:
+        supervised = cls.launch(backend, owner=owner, shutdown=shutdown, environ=environ, session_key=session_key)
+        return await cls.attach(backend, supervised, max_line_bytes)
 
     # --- requests ---------------------------------------------------------------
 

@@ -142,17 +142,25 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
         stream=sys.stderr,
         format="acp-proxy[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
-    import anyio
-
+    from acp_proxy.adapter import Adapter, SpawnError
     from acp_proxy.ownership.owner import Owner
-    from acp_proxy.proxy import serve
 
     try:
         owner = Owner.start(configuration.state_dir(config), grace=config.shutdown.term_grace)
     except StateError as exc:
         raise UsageError(f"state: {exc}") from None
     try:
-        return anyio.run(serve, config, owner, backend, backend=async_backend)
+        # Launch the adapter now, before the event loop and the relay are even imported:
+        # its start-up then overlaps ours. Nearly every gateway's first request needs it.
+        try:
+            warm = Adapter.launch(config.backend(backend), owner=owner, shutdown=config.shutdown)
+        except SpawnError:
+            warm = None  # the first request retries and reports the error to the gateway
+        import anyio
+
+        from acp_proxy.proxy import serve
+
+        return anyio.run(serve, config, owner, backend, warm, backend=async_backend)
     finally:
         owner.close()
 

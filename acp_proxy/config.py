@@ -12,7 +12,6 @@ import json
 import os
 import re
 import sys
-import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -269,6 +268,8 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
 
 def load(path: str | os.PathLike[str]) -> Config:
     """Read and validate a TOML config file."""
+    import tomllib  # not needed at all for `acp-proxy -- CMD`
+
     source = os.fspath(path)
     try:
         with open(source, "rb") as fh:

@@ -20,7 +20,7 @@ from anyio.abc import ByteReceiveStream, ByteSendStream
 from msgspec import UNSET, Raw, UnsetType
 
 DEFAULT_MAX_LINE_BYTES: Final = 64 * 1024 * 1024
-READ_SIZE: Final = 256 * 1024
+READ_SIZE: Final = 128 * 1024
 
 PARSE_ERROR: Final = -32700
 INVALID_REQUEST: Final = -32600

@@ -35,6 +35,7 @@ from acp_proxy.jsonrpc import (
     RequestId,
 )
 from acp_proxy.ownership.owner import Owner
+from acp_proxy.ownership.supervised import SupervisedProcess
 
 log = logging.getLogger("acp_proxy.proxy")
 
@@ -113,9 +114,11 @@ class Proxy:
         *,
         owner: Owner,
         backend: str | None = None,
+        warm: SupervisedProcess | None = None,
     ) -> None:
         self.config = config
         self.owner = owner
+        self._warm = warm
         self.backend = config.backend(backend)
         self.adapter: Adapter | None = None
         self._gateway = LineWriter(gateway_out)
@@ -156,6 +159,10 @@ class Proxy:
         in-flight requests are answered at once.
         """
         with anyio.CancelScope(shield=True):
+            if self._warm is not None:  # launched at startup, never asked for
+                await self._warm.stop(
+                    stdin_grace=self.config.shutdown.stdin_grace, term_grace=self.config.shutdown.term_grace
+                )
             adapter = self.adapter
             if adapter is None:
                 return
@@ -211,13 +218,11 @@ class Proxy:
                 return adapter
             if adapter is not None:
                 await adapter.stop(self.config.shutdown)
+            warm, self._warm = self._warm, None
             try:
-                adapter = await Adapter.spawn(
-                    self.backend,
-                    owner=self.owner,
-                    shutdown=self.config.shutdown,
-                    max_line_bytes=self.config.max_line_bytes,
-                )
+                if warm is None:
+                    warm = Adapter.launch(self.backend, owner=self.owner, shutdown=self.config.shutdown)
+                adapter = await Adapter.attach(self.backend, warm, self.config.max_line_bytes)
             except Exception as exc:
                 # Whatever went wrong (a missing binary, an unusable state database), the
                 # gateway gets an answer and the proxy keeps serving.
@@ -434,12 +439,17 @@ async def stop_on_signals(proxy: Proxy) -> None:
             proxy.stop(f"received {signal.Signals(signum).name}")
 
 
-async def serve(config: Config, owner: Owner, backend: str | None = None) -> int:
-    """Serve ACP on this process's stdin/stdout until the gateway leaves or a signal."""
-    from acp_proxy.stdio import FdReceiveStream, FdSendStream
+async def serve(config: Config, owner: Owner, backend: str | None = None, warm: SupervisedProcess | None = None) -> int:
+    """Serve ACP on this process's stdin/stdout until the gateway leaves or a signal.
+
+    ``warm`` is an adapter launched before the event loop started, so that its
+    start-up overlapped ours; the first request that needs an adapter adopts it.
+    """
+    from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
 
     gateway_in, gateway_out = FdReceiveStream(0), FdSendStream(1)
-    proxy = Proxy(config, gateway_out, owner=owner, backend=backend)
+    enlarge_pipe(1)  # fewer, larger writes to the gateway while updates stream
+    proxy = Proxy(config, gateway_out, owner=owner, backend=backend, warm=warm)
     try:
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(stop_on_signals, proxy)

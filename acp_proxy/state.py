@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import sqlite3
 import stat
 import time
@@ -143,7 +142,7 @@ class StateDB:
 
     def _install_id(self) -> str:
         with self.transaction() as conn:
-            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('install_id', ?)", (secrets.token_hex(8),))
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('install_id', ?)", (os.urandom(8).hex(),))
             return str(conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()[0])
 
 

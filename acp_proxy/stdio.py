@@ -3,7 +3,7 @@
 Used for the proxy's own stdin/stdout and for the pipes to each adapter. Reads
 and writes go straight to the descriptors in non-blocking mode and wait for
 readiness through anyio: no worker thread, no extra buffer copy, no protocol
-callbacks. A call that did not have to wait still yields once (a checkpoint) so
+callbacks. A read that did not have to wait still yields once (a checkpoint) so
 a busy pipe cannot starve other tasks; one that waited has already yielded.
 Regular files (``acp-proxy < transcript.jsonl``) cannot be polled and never
 block, so they are read in blocking mode. Descriptors we do not own (our
@@ -85,7 +85,10 @@ class FdSendStream(_FdStreamBase, ByteSendStream):
                 raise anyio.BrokenResourceError from exc
             view = view[written:]
         if not waited:
-            await anyio.lowlevel.checkpoint()
+            # Still honour cancellation, but do not yield: a relay task alternates
+            # reads (which yield) and writes, so yielding here too only costs a
+            # trip through the event loop per message.
+            await anyio.lowlevel.checkpoint_if_cancelled()
 
     async def aclose(self) -> None:
         self._restore()

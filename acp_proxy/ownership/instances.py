@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ def _open_lock(path: Path) -> int:
 def start_instance(db: StateDB, boot_id: str) -> Instance:
     """Register this process as a live instance and take its lock for life."""
     ensure_private_dir(instances_dir(db))
-    instance_id = secrets.token_hex(6)
+    instance_id = os.urandom(6).hex()
     fd = _open_lock(lock_path(db, instance_id))
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with db.transaction() as conn:

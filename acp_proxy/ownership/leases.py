@@ -15,10 +15,8 @@ times it is what lets a later sweep recognise the tree without trusting pids.
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 import os
-import secrets
 import sqlite3
 from dataclasses import dataclass
 from typing import Final
@@ -95,6 +93,8 @@ class Lease:
 
 def command_hash(argv: tuple[str, ...]) -> str:
     """A fingerprint of the command, for diagnostics only: never used to decide ownership."""
+    import hashlib  # only needed when a lease is written
+
     return hashlib.sha256(json.dumps(list(argv)).encode()).hexdigest()[:16]
 
 
@@ -108,8 +108,8 @@ def create_lease(
     session_key: str | None = None,
 ) -> Lease:
     """Record a lease in state ``starting``; call before spawning anything."""
-    lease_id = secrets.token_hex(6)
-    marker = f"{MARKER_VARIABLE}={db.install_id}.{lease_id}.{secrets.token_hex(6)}"
+    lease_id = os.urandom(6).hex()
+    marker = f"{MARKER_VARIABLE}={db.install_id}.{lease_id}.{os.urandom(6).hex()}"
     stamp = now()
     with db.transaction() as conn:
         conn.execute(

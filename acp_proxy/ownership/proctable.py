@@ -22,8 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-import psutil
-
 
 class TableUnavailable(Exception):
     """The process table could not be read; ownership can be neither proved nor disproved."""
@@ -39,7 +37,7 @@ class ProcessInfo(NamedTuple):
 
     @property
     def zombie(self) -> bool:
-        return self.state in ("Z", "X", psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        return self.state in ("Z", "X", "zombie", "dead")  # /proc letters, psutil names
 
 
 class ProcessTable(Protocol):
@@ -112,15 +110,22 @@ class ProcFS:
 
 
 class PsutilTable:
+    """psutil is imported on first use: the Linux path never needs it."""
+
     name = "psutil"
     has_pidfd = False
 
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+
     def boot_id(self) -> str:
-        return f"boot-time-{int(psutil.boot_time())}"
+        return f"boot-time-{int(self._psutil.boot_time())}"
 
     def info(self, pid: int) -> ProcessInfo | None:
         try:
-            proc = psutil.Process(pid)
+            proc = self._psutil.Process(pid)
             with proc.oneshot():
                 return ProcessInfo(
                     pid=pid,
@@ -130,22 +135,22 @@ class PsutilTable:
                     start_ticks=round(proc.create_time() * 100),
                     uid=proc.uids().real,
                 )
-        except (psutil.NoSuchProcess, ProcessLookupError):
+        except (self._psutil.NoSuchProcess, ProcessLookupError):
             return None
-        except (psutil.Error, OSError) as exc:
+        except (self._psutil.Error, OSError) as exc:
             raise TableUnavailable(f"cannot inspect pid {pid}: {exc}") from None
 
     def environ_has(self, pid: int, marker: str) -> bool | None:
         key, _, value = marker.partition("=")
         try:
-            return psutil.Process(pid).environ().get(key) == value
-        except psutil.NoSuchProcess:
+            return self._psutil.Process(pid).environ().get(key) == value
+        except self._psutil.NoSuchProcess:
             return False
-        except psutil.Error:
+        except self._psutil.Error:
             return None
 
     def pids(self) -> Iterator[int]:
-        return iter(psutil.pids())
+        return iter(self._psutil.pids())
 
 
 def default_table() -> ProcessTable:

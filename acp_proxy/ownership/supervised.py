@@ -13,15 +13,16 @@ sweep -> ``closed`` only after a clean sweep. Every signal is verified first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Final
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import msgspec
 
@@ -34,6 +35,8 @@ from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
 
 log = logging.getLogger("acp_proxy.ownership")
 
+CHILD_POLL_INTERVAL: Final = 0.05
+"""How often to poll for a child's exit where there are no pidfds."""
 REPORT_TIMEOUT: Final = 30.0
 """How long the wrapper may take to report the adapter's identity (it is stdlib-only and fast)."""
 KILL_WAIT: Final = 2.0
@@ -58,13 +61,70 @@ def wrapper_grace(term_grace: float) -> float:
     return max(0.0, term_grace - min(0.5, term_grace / 4))
 
 
+class ChildProcess:
+    """A child started with ``subprocess.Popen``, awaited on any anyio backend.
+
+    Started synchronously, so an adapter can be launched before the event loop
+    (and the modules it needs) are even loaded. Exit is awaited on a pidfd
+    where there is one, else by polling ``waitpid``; only this class reaps it.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.returncode: int | None = None
+        self._pidfd: int | None = None
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                self._pidfd = os.pidfd_open(self.pid)  # never fails for an unreaped child of ours
+        self._waiting = False
+        self._changed: anyio.Event | None = None  # created in the event loop, on first wait
+
+    def _try_reap(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid:
+            self.returncode = self.popen.returncode = os.waitstatus_to_exitcode(status)
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+
+    async def wait(self) -> int:
+        """The exit status; several tasks may wait at once (one of them watches the pidfd)."""
+        if self._changed is None:
+            self._changed = anyio.Event()
+        while self.returncode is None:
+            if self._pidfd is None:
+                self._try_reap()
+                if self.returncode is None:
+                    await anyio.sleep(CHILD_POLL_INTERVAL)
+                continue
+            if self._waiting:
+                assert self._changed is not None
+                await self._changed.wait()
+                continue
+            self._waiting = True
+            try:
+                await anyio.wait_readable(self._pidfd)
+                self._try_reap()
+            finally:
+                self._waiting = False
+                self._changed.set()  # wake the others: reaped, or their turn to watch
+                self._changed = anyio.Event()
+        return self.returncode
+
+
 class SupervisedProcess:
     def __init__(
         self,
         owner: Owner,
         lease: Lease,
-        process: anyio.abc.Process,
+        process: ChildProcess,
         lifeline: int,
+        report: int,
+        term_grace: float,
         *,
         stdin: FdSendStream,
         stdout: FdReceiveStream,
@@ -74,15 +134,20 @@ class SupervisedProcess:
         self.process = process
         self.stdin = stdin
         self.stdout = stdout
-        self.returncode: int | None = None
         self.stopping = False
         self._lifeline = lifeline
-        self._stop_lock = anyio.Lock()
+        self._report: int | None = report
+        self._term_grace = term_grace
+        self._stop_lock: anyio.Lock | None = None
         self._stopped = False
 
     @property
     def adapter_pid(self) -> int | None:
         return self.lease.adapter_pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
 
     @classmethod
     async def start(
@@ -96,6 +161,26 @@ class SupervisedProcess:
         term_grace: float,
         session_key: str | None = None,
     ) -> SupervisedProcess:
+        """Launch and wait until the adapter is running (``launch`` then ``ready``)."""
+        supervised = cls.launch(
+            owner, backend=backend, argv=argv, env=env, cwd=cwd, term_grace=term_grace, session_key=session_key
+        )
+        await supervised.ready()
+        return supervised
+
+    @classmethod
+    def launch(
+        cls,
+        owner: Owner,
+        *,
+        backend: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        term_grace: float,
+        session_key: str | None = None,
+    ) -> SupervisedProcess:
+        """Write the lease, then start the wrapper; needs no event loop (see ``ready``)."""
         db = owner.db
         lease = leases.create_lease(
             db,
@@ -128,7 +213,7 @@ class SupervisedProcess:
             *argv,
         ]
         try:
-            process = await anyio.open_process(
+            popen = subprocess.Popen(
                 command,
                 stdin=stdin_r,
                 stdout=stdout_w,
@@ -146,45 +231,52 @@ class SupervisedProcess:
         finally:
             for fd in (lifeline_r, report_w, stdin_r, stdout_w):
                 os.close(fd)  # the wrapper has its copies now
-        info = owner.table.info(process.pid)
+        info = owner.table.info(popen.pid)
         leases.record_spawn(
-            db, lease.lease_id, wrapper_pid=process.pid, wrapper_start_ticks=info.start_ticks if info else None
+            db, lease.lease_id, wrapper_pid=popen.pid, wrapper_start_ticks=info.start_ticks if info else None
         )
-        supervised = cls(
+        return cls(
             owner,
             leases.get_lease(db, lease.lease_id),
-            process,
+            ChildProcess(popen),
             lifeline_w,
+            report_r,
+            term_grace,
             stdin=FdSendStream(stdin_w, owned=True),
             stdout=FdReceiveStream(stdout_r, owned=True),
         )
+
+    async def ready(self) -> None:
+        """Wait for the wrapper's report and open the lease; on failure, tear down and raise."""
+        if self._report is None:
+            return
+        report_fd, self._report = self._report, None
         try:
-            report = await supervised._read_report(report_r)
+            report = await self._read_report(report_fd)
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await supervised.stop(stdin_grace=0, term_grace=term_grace)
+                await self.stop(stdin_grace=0, term_grace=self._term_grace)
             raise
         if report.error:
             with anyio.CancelScope(shield=True):
-                await supervised.stop(stdin_grace=KILL_WAIT, term_grace=term_grace)
+                await self.stop(stdin_grace=KILL_WAIT, term_grace=self._term_grace)
             raise WrapperFailed(report.error)
-        adapter_pid = report.adapter_pid
         ticks = report.start_ticks
         if ticks is None:  # no /proc in the wrapper: ask our own process table
-            adapter_info = owner.table.info(adapter_pid)
+            adapter_info = self.owner.table.info(report.adapter_pid)
             ticks = adapter_info.start_ticks if adapter_info else None
+        db = self.owner.db
         leases.record_spawn(
             db,
-            lease.lease_id,
-            wrapper_pid=process.pid,
-            wrapper_start_ticks=supervised.lease.wrapper_start_ticks,
-            adapter_pid=adapter_pid,
+            self.lease.lease_id,
+            wrapper_pid=self.process.pid,
+            wrapper_start_ticks=self.lease.wrapper_start_ticks,
+            adapter_pid=report.adapter_pid,
             adapter_start_ticks=ticks,
             pgid=report.pgid,
         )
-        leases.set_state(db, lease.lease_id, LeaseState.OPEN)
-        supervised.lease = leases.get_lease(db, lease.lease_id)
-        return supervised
+        leases.set_state(db, self.lease.lease_id, LeaseState.OPEN)
+        self.lease = leases.get_lease(db, self.lease.lease_id)
 
     async def _read_report(self, fd: int) -> WrapperReport:
         stream = FdReceiveStream(fd, owned=True)
@@ -209,11 +301,13 @@ class SupervisedProcess:
         """The wrapper's exit status (the adapter's), waiting at most ``timeout`` seconds."""
         if self.returncode is None:
             with anyio.move_on_after(timeout):
-                self.returncode = await self.process.wait()
+                await self.process.wait()
         return self.returncode
 
     async def stop(self, *, stdin_grace: float, term_grace: float) -> int | None:
         """Tear the tree down in the fixed order; idempotent; shielded once begun."""
+        if self._stop_lock is None:
+            self._stop_lock = anyio.Lock()
         with anyio.CancelScope(shield=True):
             async with self._stop_lock:
                 if not self._stopped:
