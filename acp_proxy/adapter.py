@@ -233,4 +233,4 @@ class Adapter:
 
     async def close_output(self) -> None:
         """Stop reading the adapter's stdout (a lingering descendant may hold it open)."""
-        await self.supervised.stdout.aclose()
+        await self.supervised.close_stdout()

@@ -352,15 +352,31 @@ class LineReader:
 
 
 class LineWriter:
-    """Writes whole lines to a stream; concurrent writers never interleave."""
+    """Writes whole lines to a stream; concurrent writers never interleave.
+
+    A plain flag rather than ``anyio.Lock``: a write to a pipe with room completes
+    without yielding, so the common case costs one attribute check, and the
+    event loop is only involved when a writer really has to wait.
+    """
 
     def __init__(self, stream: ByteSendStream) -> None:
         self._stream = stream
-        self._lock = anyio.Lock(fast_acquire=True)
+        self._busy = False
+        self._idle: anyio.Event | None = None
 
     async def send(self, data: bytes) -> None:
-        async with self._lock:
+        while self._busy:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
+        self._busy = True
+        try:
             await self._stream.send(data)
+        finally:
+            self._busy = False
+            if self._idle is not None:
+                self._idle.set()
+                self._idle = None
 
     async def send_many(self, pieces: Sequence[bytes]) -> None:
         if pieces:

@@ -212,6 +212,9 @@ class Proxy:
 
     async def _adapter_for(self, msg: Message) -> Adapter | None:
         """The adapter to send ``msg`` to, starting it on first use or on a new ``initialize``."""
+        adapter = self.adapter
+        if adapter is not None and (not adapter.gone or msg.method != "initialize"):
+            return adapter  # the common case, without a trip through the event loop
         async with self._spawn_lock:
             adapter = self.adapter
             if adapter is not None and (not adapter.gone or msg.method != "initialize"):

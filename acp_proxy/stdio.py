@@ -71,7 +71,6 @@ class FdReceiveStream(_FdStreamBase, ByteReceiveStream):
 class FdSendStream(_FdStreamBase, ByteSendStream):
     async def send(self, item: bytes) -> None:
         view = memoryview(item)
-        waited = False
         while view:
             if self._closed:
                 raise anyio.ClosedResourceError
@@ -79,16 +78,13 @@ class FdSendStream(_FdStreamBase, ByteSendStream):
                 written = os.write(self._fd, view)
             except BlockingIOError:
                 await anyio.wait_writable(self._fd)
-                waited = True
                 continue
             except OSError as exc:  # EPIPE: the reader is gone
                 raise anyio.BrokenResourceError from exc
             view = view[written:]
-        if not waited:
-            # Still honour cancellation, but do not yield: a relay task alternates
-            # reads (which yield) and writes, so yielding here too only costs a
-            # trip through the event loop per message.
-            await anyio.lowlevel.checkpoint_if_cancelled()
+        # A write that did not have to wait does not yield: a relay task alternates
+        # reads (which do) and writes, so a checkpoint here would only cost a trip
+        # through the event loop per message.
 
     async def aclose(self) -> None:
         self._restore()

@@ -145,6 +145,10 @@ class SupervisedProcess:
     def adapter_pid(self) -> int | None:
         return self.lease.adapter_pid
 
+    async def close_stdout(self) -> None:
+        with contextlib.suppress(OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self.stdout.aclose()
+
     @property
     def returncode(self) -> int | None:
         return self.process.returncode
@@ -336,6 +340,8 @@ class SupervisedProcess:
         else:
             leases.set_state(db, lease.lease_id, LeaseState.CLOSED)
         forget_tombstone(db, lease.lease_id)
+        if self._report is not None or not self.lease.adapter_pid:  # never became ready: nobody else will
+            await self.close_stdout()
         log.info(
             "lease %s closed: adapter pid %s exited (status %s)", lease.lease_id, lease.adapter_pid, self.returncode
         )
