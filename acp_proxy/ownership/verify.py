@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from acp_proxy.ownership.proctable import ProcessTable, TableUnavailable, default_table
@@ -100,16 +101,7 @@ def send_verified_signal(claim: Claim, sig: signal.Signals, table: ProcessTable 
     """Signal the process ``claim`` names if, and only if, it is provably ours right now."""
     table = table or process_table()
     if not table.has_pidfd:
-        outcome = check_claim(claim, table)
-        if outcome.verdict is not Verdict.OURS:
-            return outcome
-        try:
-            os.kill(claim.pid, sig)
-        except ProcessLookupError:
-            return Outcome(Verdict.GONE, "exited before the signal")
-        except PermissionError as exc:
-            return Outcome(Verdict.UNVERIFIABLE, f"signal refused: {exc.strerror}")
-        return Outcome(Verdict.OURS, signalled=True)
+        return _deliver(check_claim(claim, table), lambda: os.kill(claim.pid, sig))
     try:
         pidfd = os.pidfd_open(claim.pid)
     except ProcessLookupError:
@@ -117,15 +109,19 @@ def send_verified_signal(claim: Claim, sig: signal.Signals, table: ProcessTable 
     except OSError as exc:
         return Outcome(Verdict.UNVERIFIABLE, f"pidfd_open failed: {exc.strerror}")
     try:
-        outcome = check_claim(claim, table)
-        if outcome.verdict is not Verdict.OURS:
-            return outcome
-        try:
-            signal.pidfd_send_signal(pidfd, sig)
-        except ProcessLookupError:
-            return Outcome(Verdict.GONE, "exited before the signal")
-        except PermissionError as exc:
-            return Outcome(Verdict.UNVERIFIABLE, f"signal refused: {exc.strerror}")
-        return Outcome(Verdict.OURS, signalled=True)
+        # Checked after the pidfd is open: whatever the checks see is what the pidfd names.
+        return _deliver(check_claim(claim, table), lambda: signal.pidfd_send_signal(pidfd, sig))
     finally:
         os.close(pidfd)
+
+
+def _deliver(outcome: Outcome, send: Callable[[], None]) -> Outcome:
+    if outcome.verdict is not Verdict.OURS:
+        return outcome
+    try:
+        send()
+    except ProcessLookupError:
+        return Outcome(Verdict.GONE, "exited before the signal")
+    except PermissionError as exc:
+        return Outcome(Verdict.UNVERIFIABLE, f"signal refused: {exc.strerror}")
+    return Outcome(Verdict.OURS, signalled=True)
