@@ -11,8 +11,10 @@ import itertools
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -39,8 +41,7 @@ def fail(text: str) -> None:
 
 
 class DemoGateway:
-    def __init__(self) -> None:
-        env = {**os.environ, "ACP_PROXY_LOG_LEVEL": os.environ.get("ACP_PROXY_LOG_LEVEL", "warning")}
+    def __init__(self, env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "acp_proxy", "--", sys.executable, "-m", "acp_proxy.examples.echo_agent"],
             stdin=subprocess.PIPE,
@@ -99,17 +100,36 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def adapter_pid_of(proxy_pid: int) -> int | None:
-    import psutil
+def leases(env: dict[str, str]) -> list[dict[str, Any]]:
+    """What ``acp-proxy leases --json`` reports (read from the state database)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "acp_proxy", "leases", "--json"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return list(json.loads(out)["leases"])
 
-    children = psutil.Process(proxy_pid).children()
-    return children[0].pid if children else None
+
+def show_tree(lease: dict[str, Any]) -> None:
+    for proc in lease["processes"]:
+        role = (
+            "wrapper"
+            if proc["pid"] == lease["wrapperPid"]
+            else "adapter"
+            if proc["pid"] == lease["adapterPid"]
+            else "child"
+        )
+        print(f"      {DIM}{role:<8} pid {proc['pid']:<7} pgid {proc['pgid']:<7} {proc['command'][:60]}{RESET}")
 
 
 def main() -> int:
     print(f"{BOLD}acp-proxy demo{RESET}: this script plays the gateway; the agent is the example echo agent.")
     print(f"{DIM}  $ acp-proxy -- python -m acp_proxy.examples.echo_agent{RESET}")
-    gw = DemoGateway()
+    state = tempfile.mkdtemp(prefix="acp-proxy-demo-")
+    env = {
+        **os.environ,
+        "ACP_PROXY_LOG_LEVEL": os.environ.get("ACP_PROXY_LOG_LEVEL", "warning"),
+        "ACP_PROXY_STATE_DIR": os.path.join(state, "state"),
+    }
+    gw = DemoGateway(env)
     failures = 0
 
     step("1. Handshake")
@@ -121,8 +141,11 @@ def main() -> int:
         f"loadSession={result['agentCapabilities'].get('loadSession')}, "
         f"via acp-proxy {result['_meta']['acp-proxy']['version']}",
     )
-    adapter_pid = adapter_pid_of(gw.proc.pid)
-    ok(f"the adapter runs as pid {adapter_pid}, in its own process group under the proxy (pid {gw.proc.pid})")
+    (lease,) = leases(env)
+    adapter_pid = lease["adapterPid"]
+    ok(f"lease {lease['lease']} is {lease['state']}: the adapter (pid {adapter_pid}) runs in its own process group")
+    print(f"    {DIM}under a wrapper that owns its whole tree ($ acp-proxy leases):{RESET}")
+    show_tree(lease)
 
     step("2. A session and a streamed turn")
     session = gw.request("session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
@@ -190,11 +213,14 @@ def main() -> int:
     gw.proc.stdin.close()
     status = gw.proc.wait(timeout=15)
     ok(f"acp-proxy exited with status {status}")
-    if adapter_pid and not pid_alive(adapter_pid):
-        ok(f"adapter pid {adapter_pid} is gone: nothing left running")
+    tree = [p["pid"] for p in lease["processes"]]
+    (ended,) = leases(env)
+    if not any(pid_alive(pid) for pid in tree) and ended["state"] == "closed":
+        ok(f"lease {ended['lease']} is {ended['state']}: none of its {len(tree)} processes is left running")
     else:
-        fail(f"adapter pid {adapter_pid} is still running")
+        fail(f"lease {ended['lease']} is {ended['state']}; still running: {[p for p in tree if pid_alive(p)]}")
         failures += 1
+    shutil.rmtree(state, ignore_errors=True)
     print()
     return 1 if failures or status != 0 else 0
 
