@@ -19,7 +19,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -103,10 +103,20 @@ class StateDB:
         self.conn.row_factory = sqlite3.Row
         try:
             self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            self.conn.execute("PRAGMA journal_mode = WAL")
+            # Changing the journal mode does not wait on the busy handler: when several
+            # proxies create the database at once, the losers are told "locked" at once.
+            _retry_while_locked(lambda: self.conn.execute("PRAGMA journal_mode = WAL"))
             self.conn.execute("PRAGMA synchronous = NORMAL")
             self._migrate()
             self.install_id = self._install_id()
+        except sqlite3.OperationalError as exc:
+            self.conn.close()
+            if _is_locked(exc):
+                raise StateError(
+                    f"{self.path} stayed locked for {BUSY_TIMEOUT_MS // 1000} s ({exc}); "
+                    "another process holds a long write transaction on it"
+                ) from None
+            raise StateError(f"cannot use {self.path}: {exc}") from None
         except sqlite3.DatabaseError as exc:
             self.conn.close()
             raise StateError(
@@ -148,3 +158,22 @@ class StateDB:
 
 def now() -> float:
     return time.time()
+
+
+def _is_locked(exc: sqlite3.OperationalError) -> bool:
+    text = str(exc)
+    return "locked" in text or "busy" in text
+
+
+def _retry_while_locked(action: Callable[[], object], timeout: float = BUSY_TIMEOUT_MS / 1000) -> None:
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        try:
+            action()
+            return
+        except sqlite3.OperationalError as exc:
+            if not _is_locked(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)

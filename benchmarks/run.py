@@ -1,7 +1,11 @@
 """The acp-proxy benchmark suite: every figure is a ratio against the same work without the proxy.
 
-    scripts/bench                  full run (1,000,000 updates, 10,000 round trips, 20 cold starts)
-    scripts/bench --quick          a fast check (100,000 updates, 1,000 round trips, 5 cold starts)
+    scripts/bench                  full run: 1,000,000 updates (median of 3 runs),
+                                   10,000 round trips, 20 cold starts, 20 closes and spawns
+    scripts/bench --quick          a fast check: 100,000 updates (1 run), 1,000 round trips,
+                                   5 cold starts, 5 closes and spawns
+    scripts/bench --only ownership the process-ownership figures alone
+    scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
 One synchronous client (``Peer``) talks newline-delimited JSON-RPC over pipes to
 one of these, so that only the middle differs between rows:
@@ -14,11 +18,15 @@ one of these, so that only the middle differs between rows:
 Measured: streaming throughput (one ``session/prompt`` answered by N
 ``session/update`` lines, read by a counting client and by a decoding client),
 request latency (``_bench/ping`` round trips), cold start (spawn to the
-``initialize`` answer) and the proxy's peak RSS. The figures are reported, never
+``initialize`` answer) and the proxy's peak RSS; and what owning an adapter's process
+tree costs (closing it, spawning under the wrapper, reaping dead leases at startup:
+see ``benchmarks/ownership.py``). The figures are reported, never
 asserted: a missed target is printed, it does not fail the run. A run fails only
 when a relay loses, reorders or corrupts messages, or a process hangs.
 
-Prints a markdown report and writes ``bench-results/bench.json``.
+Prints a markdown report and writes ``bench-results/bench.json``. Spawned
+interpreters keep their bytecode in ``bench-results/pycache``, as an installed
+proxy would have it, even where ``PYTHONDONTWRITEBYTECODE`` is set.
 """
 
 from __future__ import annotations
@@ -35,15 +43,29 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks import ownership
+from benchmarks.common import (
+    ROOT,
+    BenchError,
+    Report,
+    attempt,
+    child_environment,
+    fmt,
+    percentile,
+    proc_status_kb,
+    progress,
+    table,
+    verdict,
+)
+
 AGENT = ROOT / "benchmarks" / "stream_agent.py"
 RESULTS = ROOT / "bench-results" / "bench.json"
 
@@ -57,6 +79,8 @@ TARGET_LATENCY_ADDED_US = 100.0
 TARGET_COLD_START_ADDED_MS = 80.0
 TARGET_RSS_MB = 35.0
 
+MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership")
+
 DIRECT = "direct"
 CAT = "cat"
 CLIENTS = ("counting", "decoding")
@@ -64,10 +88,6 @@ CLIENT_LABELS = {
     "counting": "counting client (bytes.count of newlines)",
     "decoding": "decoding client (msgspec.json.decode of every line)",
 }
-
-
-class BenchError(Exception):
-    """A relay misbehaved (lost or corrupted a message, exited, hung): the run is invalid."""
 
 
 def proxy_mode(backend: str) -> str:
@@ -106,7 +126,12 @@ class Peer:
         self._descendants: list[psutil.Process] = []
         # Closed in close(): the peer's processes write their logs here for error reports.
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
-        common: dict[str, Any] = {"stderr": self._stderr, "cwd": ROOT, "bufsize": 0}
+        common: dict[str, Any] = {
+            "stderr": self._stderr,
+            "cwd": ROOT,
+            "bufsize": 0,
+            "env": child_environment(),
+        }
         if mode == CAT:
             agent = subprocess.Popen(agent_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, **common)
             assert agent.stdout is not None
@@ -209,17 +234,21 @@ class Peer:
         self._descendants.extend(p for p in found if p.pid not in known)
 
     def _status(self) -> str:
-        codes = [p.poll() for p in self.procs]
+        codes = [process.poll() for process in self.procs]
+        status = ", ".join("running" if code is None else f"exit status {code}" for code in codes)
         stderr = self.stderr_tail()
-        return f" (exit status {codes}){': ' + stderr if stderr else ''}"
+        return f" ({status}){': ' + stderr if stderr else ''}"
 
-    def stderr_tail(self, limit: int = 2000) -> str:
+    def stderr_tail(self, lines: int = 3) -> str:
+        """The last meaningful lines the processes logged (traceback frames' art dropped)."""
         try:
             self._stderr.seek(0)
-            text = self._stderr.read().decode("utf-8", "replace")
+            text = self._stderr.read()[-20_000:].decode("utf-8", "replace")
         except (OSError, ValueError):
             return ""
-        return text[-limit:].strip()
+        kept = [line.strip(" |+") for line in text.splitlines()]
+        kept = [line for line in kept if line.strip("-^~ ")]
+        return " / ".join(kept[-lines:])
 
     def kill(self) -> None:
         for process in self.procs:
@@ -323,18 +352,6 @@ class RssSampler:
             self._sample()
 
 
-def proc_status_kb(pid: int, field_name: str) -> int | None:
-    """A ``kB`` field of ``/proc/PID/status`` (``VmHWM`` is the peak RSS)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def cpu_seconds(pid: int) -> float | None:
     try:
         times = psutil.Process(pid).cpu_times()
@@ -403,11 +420,7 @@ def check_prompt_answer(peer: Peer, line: bytes, prompt_id: int) -> None:
         msg = msgspec.json.decode(line)
     except msgspec.DecodeError:
         msg = None
-    ok = (
-        isinstance(msg, dict)
-        and msg.get("id") == prompt_id
-        and msg.get("result") == {"stopReason": "end_turn"}
-    )
+    ok = isinstance(msg, dict) and msg.get("id") == prompt_id and msg.get("result") == {"stopReason": "end_turn"}
     if not ok:
         raise BenchError(f"{mode_label(peer.mode)}: the last line is not the answer: {line!r}")
 
@@ -450,12 +463,6 @@ def throughput_run(mode: str, client: str, updates: int, timeout: float) -> dict
 # --- (b) latency -------------------------------------------------------------------
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values."""
-    index = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
-    return sorted_values[index]
-
-
 def latency_run(mode: str, round_trips: int, timeout: float) -> dict[str, Any]:
     samples: list[float] = []
     with connected(mode) as peer, peer.deadline(timeout, f"{round_trips} round trips"):
@@ -494,49 +501,28 @@ def cold_start_once(mode: str, timeout: float) -> float:
 # --- the run -----------------------------------------------------------------------
 
 
-@dataclass
-class Report:
-    options: dict[str, Any]
-    machine: dict[str, Any]
-    throughput: list[dict[str, Any]] = field(default_factory=list)
-    latency: list[dict[str, Any]] = field(default_factory=list)
-    cold_start: list[dict[str, Any]] = field(default_factory=list)
-    targets: list[dict[str, Any]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-
-def attempt(report: Report, what: str, action: Callable[[], Any]) -> Any:
-    try:
-        return action()
-    except (BenchError, OSError) as exc:
-        report.errors.append(f"{what}: {exc}")
-        print(f"  FAILED {what}: {exc}", file=sys.stderr)
-        return None
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def measure_throughput(report: Report, modes: list[str], args: argparse.Namespace) -> None:
     timeout = 60 + args.updates / 10_000
+    broken: set[str] = set()  # a relay that failed once is not measured again
     for client in CLIENTS:
         runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         # Interleave the modes so that drift on the machine hits them alike.
         for repeat in range(args.repeat):
             for mode in modes:
-                progress(
-                    f"throughput: {client} client, {mode_label(mode)}, run {repeat + 1}/{args.repeat} ..."
-                )
+                if mode in broken:
+                    continue
+                progress(f"throughput: {client} client, {mode_label(mode)}, run {repeat + 1}/{args.repeat} ...")
                 run = attempt(
                     report,
                     f"throughput {client} {mode_label(mode)}",
                     lambda m=mode, c=client: throughput_run(m, c, args.updates, timeout),
                 )
-                if run is not None:
+                if run is None:
+                    broken.add(mode)
+                else:
                     runs[mode].append(run)
         for mode in modes:
-            if not runs[mode]:
+            if not runs[mode] or mode in broken:
                 continue
             seconds = [run["seconds"] for run in runs[mode]]
             median = statistics.median(seconds)
@@ -590,13 +576,21 @@ def measure_latency(report: Report, modes: list[str], args: argparse.Namespace) 
 def measure_cold_start(report: Report, modes: list[str], args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     progress(f"cold start: {args.cold_starts} x {', '.join(mode_label(m) for m in modes)} ...")
+    broken: set[str] = set()
+    for mode in modes:  # untimed: fills the bytecode cache, warms the page cache
+        if attempt(report, f"cold start {mode_label(mode)}", lambda m=mode: cold_start_once(m, 30)) is None:
+            broken.add(mode)
     for _ in range(args.cold_starts):
         for mode in modes:
+            if mode in broken:
+                continue
             ms = attempt(report, f"cold start {mode_label(mode)}", lambda m=mode: cold_start_once(m, 30))
-            if ms is not None:
+            if ms is None:
+                broken.add(mode)
+            else:
                 times[mode].append(ms)
     for mode in modes:
-        if times[mode]:
+        if times[mode] and mode not in broken:
             values = sorted(times[mode])
             report.cold_start.append(
                 {
@@ -648,26 +642,13 @@ def evaluate_targets(report: Report, backends: list[str]) -> None:
             for row in report.throughput
             if row["mode"] == mode and row["middle_peak_rss_mb"] is not None
         ]
-        target(f"peak RSS during throughput, {label}", max(peaks) if peaks else None, TARGET_RSS_MB, "MB")
+        if peaks:
+            target(f"peak RSS during throughput, {label}", max(peaks), TARGET_RSS_MB, "MB")
+    for name, value, limit, unit in ownership.targets(report):
+        target(name, value, limit, unit)
 
 
 # --- reporting -----------------------------------------------------------------------
-
-
-def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:,.{digits}f}{suffix}"
-
-
-def verdict(value: float | None, limit: float) -> str:
-    if value is None:
-        return ""
-    return "met" if value <= limit else "MISSED"
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
 
 
 def render(report: Report) -> str:
@@ -683,8 +664,7 @@ def render(report: Report) -> str:
     ]
     if report.throughput:
         out += [
-            f"## Throughput: one session/prompt, {opts['updates']:,} session/update lines "
-            f"of 180 B, then the answer",
+            f"## Throughput: one session/prompt, {opts['updates']:,} session/update lines of 180 B, then the answer",
             "",
             f"Wall time from sending the prompt to receiving its answer; median of "
             f"{opts['repeat']} run(s). Target: proxy <= {TARGET_THROUGHPUT_VS_CAT}x the cat relay. "
@@ -724,8 +704,7 @@ def render(report: Report) -> str:
         out += ["", *(f"* {name}: {label}" for name, label in CLIENT_LABELS.items()), ""]
     if report.latency:
         out += [
-            f"## Latency: {opts['round_trips']:,} sequential _bench/ping round trips "
-            f"(after {LATENCY_WARMUP} warm-up)",
+            f"## Latency: {opts['round_trips']:,} sequential _bench/ping round trips (after {LATENCY_WARMUP} warm-up)",
             "",
         ]
         rows = []
@@ -808,6 +787,7 @@ def render(report: Report) -> str:
         ]
         out += table(header, rows)
         out += [""]
+    out += ownership.render(report)
     if report.targets:
         out += ["## Targets", ""]
         rows = [
@@ -822,7 +802,10 @@ def render(report: Report) -> str:
         out += table(["figure", "value", "target", "result"], rows)
         out += [""]
     if report.errors:
-        out += ["## Errors", "", *(f"* {error}" for error in report.errors), ""]
+        counts = Counter(report.errors)
+        out += ["## Errors", ""]
+        out += [f"* {error}" + (f" ({n} times)" if n > 1 else "") for error, n in counts.items()]
+        out += [""]
     return "\n".join(out)
 
 
@@ -870,23 +853,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts",
+        help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
     parser.add_argument("--cold-starts", type=int, help="cold starts per command (20)")
     parser.add_argument(
-        "--repeat", type=int, help="throughput runs per relay and client, median reported (1)"
+        "--repeat", type=int, help="throughput runs per relay and client, median reported (3; --quick: 1)"
     )
     parser.add_argument(
         "--backends",
         default="asyncio,trio",
         help="proxy event loops to measure, comma-separated (default: asyncio,trio)",
     )
+    parser.add_argument("--close-runs", type=int, help="ownership: closes per adapter and runner (20; --quick: 5)")
+    parser.add_argument("--spawn-runs", type=int, help="ownership: spawns per runner (20; --quick: 5)")
+    parser.add_argument("--reap-runs", type=int, help="ownership: Owner.start runs per state dir (10; --quick: 3)")
+    parser.add_argument("--dead-leases", type=int, default=100, help="ownership: dead leases to reap (100)")
+    parser.add_argument(
+        "--stdin-grace",
+        type=float,
+        default=0.2,
+        help="ownership: stdin grace for the adapter that ignores EOF and SIGTERM, seconds (0.2; "
+        "the cooperative one uses the configured defaults)",
+    )
+    parser.add_argument(
+        "--term-grace",
+        type=float,
+        default=0.5,
+        help="ownership: term grace for the adapter that ignores EOF and SIGTERM, seconds (0.5)",
+    )
     parser.add_argument(
         "--only",
-        default="throughput,latency,cold-start",
-        help="what to measure, comma-separated (default: throughput,latency,cold-start)",
+        default=",".join(MEASUREMENTS),
+        help=f"what to measure, comma-separated (default: {','.join(MEASUREMENTS)})",
     )
     parser.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results (default: {RESULTS})")
     args = parser.parse_args(argv)
@@ -894,17 +894,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.updates = args.updates if args.updates is not None else (100_000 if quick else 1_000_000)
     args.round_trips = args.round_trips if args.round_trips is not None else (1_000 if quick else 10_000)
     args.cold_starts = args.cold_starts if args.cold_starts is not None else (5 if quick else 20)
-    args.repeat = args.repeat if args.repeat is not None else 1
+    args.repeat = args.repeat if args.repeat is not None else (1 if quick else 3)
+    args.close_runs = args.close_runs if args.close_runs is not None else (5 if quick else 20)
+    args.spawn_runs = args.spawn_runs if args.spawn_runs is not None else (5 if quick else 20)
+    args.reap_runs = args.reap_runs if args.reap_runs is not None else (3 if quick else 10)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.only = {o.strip() for o in args.only.split(",") if o.strip()}
     for backend in args.backends:
         if backend not in ("asyncio", "trio"):
             parser.error(f"--backends: unknown event loop {backend!r} (asyncio, trio)")
-    unknown = args.only - {"throughput", "latency", "cold-start"}
+    unknown = args.only - set(MEASUREMENTS)
     if unknown:
         parser.error(f"--only: unknown measurement(s) {', '.join(sorted(unknown))}")
     if min(args.updates, args.round_trips, args.cold_starts, args.repeat) < 1:
         parser.error("--updates, --round-trips, --cold-starts and --repeat must be at least 1")
+    if min(args.close_runs, args.spawn_runs, args.reap_runs, args.dead_leases) < 1:
+        parser.error("--close-runs, --spawn-runs, --reap-runs and --dead-leases must be at least 1")
+    if min(args.stdin_grace, args.term_grace) < 0:
+        parser.error("--stdin-grace and --term-grace must not be negative")
     return args
 
 
@@ -919,6 +926,12 @@ def main(argv: list[str] | None = None) -> int:
             "cold_starts": args.cold_starts,
             "repeat": args.repeat,
             "backends": args.backends,
+            "close_runs": args.close_runs,
+            "spawn_runs": args.spawn_runs,
+            "reap_runs": args.reap_runs,
+            "dead_leases": args.dead_leases,
+            "stdin_grace": args.stdin_grace,
+            "term_grace": args.term_grace,
             "only": sorted(args.only),
         },
         machine=machine_info(),
@@ -930,6 +943,8 @@ def main(argv: list[str] | None = None) -> int:
         measure_latency(report, [DIRECT, CAT, *proxies], args)
     if "cold-start" in args.only:
         measure_cold_start(report, [DIRECT, *proxies], args)
+    if "ownership" in args.only:
+        ownership.measure_ownership(report, args)
     evaluate_targets(report, args.backends)
     report.options["elapsed_s"] = time.perf_counter() - started
     print(render(report), flush=True)

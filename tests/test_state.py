@@ -10,14 +10,21 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from acp_proxy.ownership import instances
+from acp_proxy.ownership import instances, wrapper
 from acp_proxy.ownership.leases import LeaseState, all_leases, create_lease, set_state
 from acp_proxy.ownership.proctable import ProcFS, PsutilTable
+from acp_proxy.ownership.reaping import marker_index
+from acp_proxy.ownership.supervised import WrapperReport
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
 from acp_proxy.state import SCHEMA_VERSION, StateDB, StateError
 
@@ -72,6 +79,52 @@ def _write_leases(state_dir: str, count: int) -> None:
         lease = create_lease(db, instance_id=instance.instance_id, boot_id="boot", backend="b", argv=(str(n),))
         set_state(db, lease.lease_id, LeaseState.OPEN)
     instances.end_instance(db, instance)
+
+
+def _open_fresh(state_dir: str, start: Any, results: Any) -> None:
+    start.wait()
+    db = StateDB(Path(state_dir))
+    instances.start_instance(db, "boot")
+    results.put(db.install_id)
+
+
+def test_proxies_creating_the_database_at_once_all_succeed(tmp_path: Path) -> None:
+    """Several proxies started together on a new state dir: none fails, one install id."""
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    openers = [ctx.Process(target=_open_fresh, args=(str(tmp_path / "new"), start, results)) for _ in range(6)]
+    for opener in openers:
+        opener.start()
+    start.set()
+    for opener in openers:
+        opener.join(60)
+        assert opener.exitcode == 0
+    assert len({results.get(timeout=5) for _ in openers}) == 1
+
+
+def test_opening_waits_for_a_proxy_that_is_creating_the_database(tmp_path: Path) -> None:
+    """Switching to WAL does not wait on SQLite's busy handler; opening must wait anyway."""
+    tmp_path.chmod(0o700)
+    creator = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    creator.execute("BEGIN IMMEDIATE")  # another proxy, mid-way through creating the schema
+    creator.execute("CREATE TABLE scratch (x)")
+    opened: list[str] = []
+    failed: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            opened.append(StateDB(tmp_path).install_id)
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=open_it)
+    thread.start()
+    time.sleep(0.3)
+    assert (opened, failed) == ([], []), "it should be waiting for the write lock"
+    creator.execute("COMMIT")
+    thread.join(30)
+    assert failed == []
+    assert len(opened) == 1
 
 
 def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
@@ -210,3 +263,42 @@ def test_operator_commands_on_an_empty_state_dir(proc_env: dict[str, str], comma
 
 def test_boot_id_is_read_from_the_kernel() -> None:
     assert len(ProcFS().boot_id()) == 36
+
+
+@settings(max_examples=200)
+@given(
+    pid=st.integers(min_value=1, max_value=2**31),
+    ticks=st.none() | st.integers(min_value=0, max_value=2**62),
+    subreaper=st.booleans(),
+    error=st.none() | st.text(),
+)
+def test_wrapper_report_is_json_the_proxy_can_decode(
+    pid: int, ticks: int | None, subreaper: bool, error: str | None
+) -> None:
+    """The wrapper writes its report without the json module (start-up time); it must still be JSON."""
+    report = msgspec.json.decode(wrapper.report_line(pid, ticks, subreaper, error), type=WrapperReport)
+    assert report == WrapperReport(adapter_pid=pid, pgid=pid, start_ticks=ticks, subreaper=subreaper, error=error)
+
+
+def test_wrapper_report_survives_undecodable_paths() -> None:
+    error = "cannot run '/opt/caf\udce9/agent': No such file or directory"  # surrogateescape'd byte
+    report = msgspec.json.decode(wrapper.report_line(7, None, True, error), type=WrapperReport)
+    assert report.error == "cannot run '/opt/caf\ufffd/agent': No such file or directory"
+
+
+def test_one_scan_indexes_every_marker(proc_env: dict[str, str]) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"], env={**proc_env, "ACP_PROXY_LEASE": value}
+        )
+        for value in ("a.lease.1", "a.lease.1", "b.lease.2")
+    ]
+    try:
+        time.sleep(0.2)
+        index = marker_index(ProcFS())
+        assert sorted(index["ACP_PROXY_LEASE=a.lease.1"]) == sorted(p.pid for p in procs[:2])
+        assert index["ACP_PROXY_LEASE=b.lease.2"] == [procs[2].pid]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

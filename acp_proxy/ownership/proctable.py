@@ -54,6 +54,13 @@ class ProcessTable(Protocol):
 
     def pids(self) -> Iterator[int]: ...
 
+    def lease_marker(self, pid: int) -> str | None:
+        """The process's ``ACP_PROXY_LEASE=...`` environment entry, if it has a readable one."""
+        ...
+
+
+MARKER_PREFIX = b"ACP_PROXY_LEASE="
+
 
 class ProcFS:
     name = "procfs"
@@ -100,6 +107,17 @@ class ProcFS:
         except OSError:
             return None
         return marker.encode() in data.split(b"\0")
+
+    def lease_marker(self, pid: int) -> str | None:
+        try:
+            data = (self.root / str(pid) / "environ").read_bytes()
+        except OSError:
+            return None
+        start = data.find(MARKER_PREFIX)
+        if start < 0 or (start > 0 and data[start - 1] != 0):
+            return None
+        end = data.find(b"\0", start)
+        return data[start : end if end >= 0 else len(data)].decode(errors="replace")
 
     def pids(self) -> Iterator[int]:
         try:
@@ -151,6 +169,14 @@ class PsutilTable:
 
     def pids(self) -> Iterator[int]:
         return iter(self._psutil.pids())
+
+    def lease_marker(self, pid: int) -> str | None:
+        key = MARKER_PREFIX.decode()
+        try:
+            value = self._psutil.Process(pid).environ().get(key[:-1])
+        except self._psutil.Error:
+            return None
+        return None if value is None else key + value
 
 
 def default_table() -> ProcessTable:

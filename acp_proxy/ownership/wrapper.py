@@ -29,9 +29,6 @@ walking parent links down from itself.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import json
 import os
 import select
 import signal
@@ -47,6 +44,8 @@ def set_subreaper() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
+        import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except (OSError, AttributeError):
@@ -87,11 +86,13 @@ def descendants(root: int) -> list[tuple[int, int]]:
 
 
 def send(pid: int, sig: int, group: bool = False) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:
         if group:
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class Wrapper:
@@ -130,8 +131,10 @@ class Wrapper:
         except InterruptedError:
             return
         if self.wake_r in readable:
-            with contextlib.suppress(BlockingIOError):
+            try:
                 os.read(self.wake_r, 512)
+            except BlockingIOError:
+                pass
         if self.lifeline in readable and not os.read(self.lifeline, 512):
             os.close(self.lifeline)
             self.lifeline = -1
@@ -201,8 +204,10 @@ def spawn_adapter(argv: list[str], keep_closed: list[int]) -> tuple[int, str | N
             os.write(err_w, f"cannot run {argv[0]!r}: {exc.strerror}".encode())
         os._exit(127)
     os.close(err_w)
-    with contextlib.suppress(OSError):
+    try:
         os.setpgid(pid, pid)  # also from this side, so the group exists before we report it
+    except OSError:
+        pass  # the child got there first (or has already exec'd)
     error = os.read(err_r, 4096).decode(errors="replace") or None
     os.close(err_r)
     return pid, error
@@ -210,11 +215,41 @@ def spawn_adapter(argv: list[str], keep_closed: list[int]) -> tuple[int, str | N
 
 def write_tombstone(path: str, status: int) -> None:
     """Leave proof that this tree ended under control: written only once no descendant is left."""
-    if path:
-        with contextlib.suppress(OSError):
-            with open(path + ".tmp", "w") as fh:
-                json.dump({"status": status, "at": time.time()}, fh)
-            os.replace(path + ".tmp", path)
+    if not path:
+        return
+    try:
+        with open(path + ".tmp", "w") as fh:
+            fh.write(f'{{"status": {status}, "at": {time.time():.3f}}}')
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def report_line(adapter_pid: int, start_ticks: int | None, subreaper: bool, error: str | None) -> bytes:
+    """The report as one JSON line, written by hand: importing json costs the adapter start-up time."""
+
+    def quote(text: str) -> str:
+        # JSON needs only '"', '\\' and control characters escaped. A lone surrogate (an
+        # undecodable byte in a path) cannot be encoded at all: it becomes U+FFFD.
+        out = []
+        for c in text:
+            code = ord(c)
+            if c in '"\\' or code < 0x20:
+                out.append(f"\\u{code:04x}")
+            elif 0xD800 <= code <= 0xDFFF:
+                out.append("\ufffd")
+            else:
+                out.append(c)
+        return '"' + "".join(out) + '"'
+
+    fields = [
+        f'"adapter_pid": {adapter_pid}',
+        f'"pgid": {adapter_pid}',
+        f'"start_ticks": {"null" if start_ticks is None else start_ticks}',
+        f'"subreaper": {"true" if subreaper else "false"}',
+        f'"error": {"null" if error is None else quote(error)}',
+    ]
+    return ("{" + ", ".join(fields) + "}\n").encode()
 
 
 def parse(args: list[str]) -> tuple[dict[str, str], list[str]]:
@@ -230,21 +265,14 @@ def main() -> None:
     adapter_pid, error = spawn_adapter(argv, [lifeline, report])
     wrapper.adapter_pid = adapter_pid
     stat = read_stat(adapter_pid)
-    message = {
-        "adapter_pid": adapter_pid,
-        "pgid": adapter_pid,
-        "start_ticks": stat[3] if stat else None,
-        "subreaper": subreaper,
-        "error": error,
-    }
-    os.write(report, json.dumps(message).encode() + b"\n")
+    os.write(report, report_line(adapter_pid, stat[3] if stat else None, subreaper, error))
     os.close(report)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # the adapter holds stdin/stdout now; our copies would delay EOF
     os.dup2(devnull, 1)
     os.close(devnull)
     status = wrapper.run()
-    write_tombstone(options.get("--tombstone", ""), status)
+    write_tombstone(options.get("--tombstone", ""), os.waitstatus_to_exitcode(status))
     exit_like(status)
 
 

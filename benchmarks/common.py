@@ -1,0 +1,89 @@
+"""What every benchmark module shares: paths, the report, error handling, table formatting."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PYCACHE = ROOT / "bench-results" / "pycache"
+
+
+class BenchError(Exception):
+    """Something misbehaved (lost or corrupted a message, exited, hung, outlived its run): the run is invalid."""
+
+
+def child_environment() -> dict[str, str]:
+    """Our environment, with bytecode caching on for every spawned interpreter.
+
+    An installed proxy runs from compiled bytecode; with ``PYTHONDONTWRITEBYTECODE``
+    set, every start would recompile the project's modules from source and the
+    cold start would measure the compiler. The cache lives outside the source tree.
+    """
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+    return env
+
+
+def proc_status_kb(pid: int, field_name: str) -> int | None:
+    """A ``kB`` field of ``/proc/PID/status`` (``VmHWM`` is the peak RSS)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    index = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+@dataclass
+class Report:
+    options: dict[str, Any]
+    machine: dict[str, Any]
+    throughput: list[dict[str, Any]] = field(default_factory=list)
+    latency: list[dict[str, Any]] = field(default_factory=list)
+    cold_start: list[dict[str, Any]] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    ownership: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def attempt(report: Report, what: str, action: Callable[[], Any]) -> Any:
+    try:
+        return action()
+    except (BenchError, OSError) as exc:
+        report.errors.append(f"{what}: {exc}")
+        print(f"  FAILED {what}: {exc}", file=sys.stderr)
+        return None
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}{suffix}"
+
+
+def verdict(value: float | None, limit: float) -> str:
+    if value is None:
+        return ""
+    return "met" if value <= limit else "MISSED"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
