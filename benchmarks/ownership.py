@@ -870,8 +870,8 @@ def render(report: Report) -> list[str]:
             "",
             "Dead leases: open leases of instances whose lock is free, naming a wrapper and an adapter "
             "that have exited, each with its wrapper's tombstone. Each run gets a fresh state dir. "
-            "Reaping a lease sweeps `/proc` for its marker, so the time grows with the number of "
-            f"processes on the machine: {processes} here.",
+            "A reaping pass reads every process's environment in `/proc` once (for all leases), so "
+            f"the time also grows with the number of processes on the machine: {processes} here.",
             "",
         ]
         rows = []
