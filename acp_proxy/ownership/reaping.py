@@ -113,9 +113,12 @@ def sweep(
 
     ``index`` (from ``marker_index``) stands in for the first scan of the process
     table; after anything was killed, the table is scanned again in full, since a
-    dying tree may have forked.
+    dying tree may have forked. A process that could not be verified only makes the
+    result unverifiable if it is still alive at the end: one caught mid-exit (its
+    environment briefly unreadable) proves nothing either way.
     """
     result = SweepResult()
+    doubtful: dict[int, str] = {}
     try:
         for round_number in range(SWEEP_ROUNDS):
             if round_number == 0 and index is not None:
@@ -123,28 +126,29 @@ def sweep(
             else:
                 targets = marked_pids(lease, table)
             if not targets:
-                return result
+                break
             progress = False
             for pid in targets:
                 claim = lease.descendant_claim(pid)
-                if dry_run:
-                    outcome = check_claim(claim, table)
-                    if outcome.verdict is Verdict.OURS:
-                        result.signalled.append(pid)
-                else:
-                    outcome = send_verified_signal(claim, signal.SIGKILL, table)
-                    if outcome.signalled:
-                        result.signalled.append(pid)
-                        progress = True
-                if outcome.verdict in (Verdict.NOT_OURS, Verdict.UNVERIFIABLE):
+                outcome = check_claim(claim, table) if dry_run else send_verified_signal(claim, signal.SIGKILL, table)
+                if outcome.signalled or (dry_run and outcome.verdict is Verdict.OURS):
+                    result.signalled.append(pid)
+                    progress = True
+                elif outcome.verdict is Verdict.UNVERIFIABLE:
+                    doubtful[pid] = outcome.reason
+                elif outcome.verdict is Verdict.NOT_OURS:
                     result.refused.append(f"pid {pid}: {outcome.reason}")
-                    if outcome.verdict is Verdict.UNVERIFIABLE:
-                        result.unverifiable = outcome.reason
             if dry_run:
                 result.remaining = targets
-                return result
+                break
             time.sleep(POLL_INTERVAL if progress else POLL_INTERVAL * 5)
-        result.remaining = marked_pids(lease, table)
+        else:
+            result.remaining = marked_pids(lease, table)
+        for pid, reason in doubtful.items():
+            info = table.info(pid)
+            if info is not None and not info.zombie:
+                result.refused.append(f"pid {pid}: {reason}")
+                result.unverifiable = reason
     except TableUnavailable as exc:
         result.unverifiable = str(exc)
     return result
