@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
-from msgspec import UNSET
+from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy import jsonrpc
 from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, expand
@@ -65,6 +65,25 @@ class PendingCall:
     method: str
     gateway_id: RequestId = None
     internal: InternalCall | None = None
+    session_id: str | None = None
+    """For session/load, /resume and /close: the session the request names."""
+
+
+SESSION_NAMING_METHODS = frozenset({"session/load", "session/resume", "session/close"})
+
+
+def session_named_by(params: Raw | UnsetType) -> str | None:
+    obj = jsonrpc.decode_object(params)
+    session_id = obj.get("sessionId") if obj else None
+    return session_id if isinstance(session_id, str) else None
+
+
+def advertises_session_close(initialize_result: Raw) -> bool:
+    """``agentCapabilities.sessionCapabilities.close`` present (``{}``) in an initialize result."""
+    obj = jsonrpc.decode_object(initialize_result) or {}
+    capabilities = obj.get("agentCapabilities")
+    sessions = capabilities.get("sessionCapabilities") if isinstance(capabilities, dict) else None
+    return isinstance(sessions, dict) and isinstance(sessions.get("close"), dict)
 
 
 def spawn_environment(backend: BackendConfig, base: Mapping[str, str]) -> dict[str, str]:
@@ -84,6 +103,8 @@ class Adapter:
         self.lines = LineReader(supervised.stdout, max_line_bytes)
         self.pending: dict[int, PendingCall] = {}
         self.gone = False
+        self.can_close_sessions = False
+        self.open_sessions: set[str] = set()
         self.drained = anyio.Event()
         self._stdin = jsonrpc.LineWriter(supervised.stdin)
         self._next_id = 0
@@ -163,12 +184,29 @@ class Adapter:
 
     # --- requests ---------------------------------------------------------------
 
-    def register(self, method: str, gateway_id: RequestId = None) -> int:
+    def register(self, method: str, gateway_id: RequestId = None, params: Raw | UnsetType = UNSET) -> int:
         """Reserve the next adapter-side id for a request and remember what it was."""
         call_id = self._next_id
         self._next_id += 1
-        self.pending[call_id] = PendingCall(method, gateway_id)
+        session_id = session_named_by(params) if method in SESSION_NAMING_METHODS else None
+        self.pending[call_id] = PendingCall(method, gateway_id, session_id=session_id)
         return call_id
+
+    def note_answer(self, call: PendingCall, msg: Message) -> None:
+        """Keep track of what the adapter can close and which sessions it has open."""
+        if msg.result is UNSET:
+            return
+        if call.method == "initialize":
+            self.can_close_sessions = advertises_session_close(msg.result)
+        elif call.method == "session/new":
+            session_id = session_named_by(msg.result)
+            if session_id is not None:
+                self.open_sessions.add(session_id)
+        elif call.session_id is not None:
+            if call.method == "session/close":
+                self.open_sessions.discard(call.session_id)
+            else:
+                self.open_sessions.add(call.session_id)
 
     async def send(self, data: bytes) -> None:
         """Write complete lines to the adapter's stdin; ``AdapterGone`` if it is closed."""
@@ -211,6 +249,13 @@ class Adapter:
                 found = call_id
         return found
 
+    def take_gateway_calls(self) -> list[PendingCall]:
+        """Forget the gateway's in-flight requests (to answer them ourselves); keep our own."""
+        taken = {call_id: call for call_id, call in self.pending.items() if call.internal is None}
+        for call_id in taken:
+            del self.pending[call_id]
+        return list(taken.values())
+
     def mark_gone(self) -> list[PendingCall]:
         """The adapter can answer nothing more: release internal callers, return the rest."""
         self.gone = True
@@ -228,8 +273,30 @@ class Adapter:
         return await self.supervised.wait_exit(timeout)
 
     async def stop(self, shutdown: ShutdownConfig) -> int | None:
-        """End the adapter and its whole tree (see ``SupervisedProcess.stop``); idempotent."""
+        """End the adapter and its whole tree; idempotent.
+
+        First ``session/close`` for each session it has open, if it advertises
+        that (bounded by ``close_timeout``), then ``SupervisedProcess.stop``.
+        """
+        with anyio.CancelScope(shield=True):
+            await self.close_sessions(shutdown.close_timeout)
         return await self.supervised.stop(stdin_grace=shutdown.stdin_grace, term_grace=shutdown.term_grace)
+
+    async def close_sessions(self, timeout: float) -> None:
+        if self.gone or not self.can_close_sessions or not self.open_sessions:
+            return
+        with anyio.move_on_after(timeout):
+            async with anyio.create_task_group() as tasks:
+                for session_id in sorted(self.open_sessions):
+                    tasks.start_soon(self._close_session, session_id)
+
+    async def _close_session(self, session_id: str) -> None:
+        try:
+            answer = await self.call("session/close", {"sessionId": session_id})
+        except AdapterGone:
+            return
+        if answer.error is UNSET:
+            self.open_sessions.discard(session_id)
 
     async def close_output(self) -> None:
         """Stop reading the adapter's stdout (a lingering descendant may hold it open)."""

@@ -168,7 +168,7 @@ class Proxy:
                 return
             if self._stop_reason is not None:
                 await self._fail_calls(
-                    adapter.mark_gone(),
+                    adapter.take_gateway_calls(),
                     jsonrpc.REQUEST_CANCELLED,
                     "acp-proxy is shutting down",
                     {"reason": "proxy_shutdown"},
@@ -267,7 +267,7 @@ class Proxy:
         if adapter.gone:
             await self._send_gateway(self._exited_error(msg.id, msg.method, adapter))
             return
-        call_id = adapter.register(msg.method, msg.id)
+        call_id = adapter.register(msg.method, msg.id, msg.params)
         try:
             await adapter.send(jsonrpc.with_id(msg, call_id))
         except AdapterGone:
@@ -370,6 +370,7 @@ class Proxy:
             call.internal.response = msg
             call.internal.done.set()
             return None
+        adapter.note_answer(call, msg)
         if call.method == "initialize" and msg.result is not UNSET:
             msg.result = annotate_initialize(msg.result, self.backend.name)
         return jsonrpc.with_id(msg, call.gateway_id)

@@ -141,6 +141,11 @@ class FakeAdapter:
             return self.options.get("load_result", {})
         if method == "session/resume":
             return {}
+        if method == "session/close":
+            if params.get("sessionId") not in self.history:
+                raise RpcError(-32002, f"unknown session {params.get('sessionId')}")
+            del self.history[params["sessionId"]]
+            return {}
         if method == "session/prompt":
             return self.prompt(request_id, params)
         if method == "_fake/echo":

@@ -366,3 +366,32 @@ async def test_signal_answers_in_flight_and_exits_zero(
         with anyio.fail_after(10):
             assert await gw.process.wait() == 0
     assert not any(pid_alive(p) for p in [pids["adapter"], *pids["children"]])
+
+
+@pytest.mark.parametrize("ending", ["eof", "sigterm"])
+@pytest.mark.parametrize("advertised", [True, False], ids=["close-advertised", "close-not-advertised"])
+async def test_shutdown_closes_open_sessions_first(
+    proc_env: dict[str, str], tmp_path: Path, ending: str, advertised: bool
+) -> None:
+    """DESIGN §4 teardown: session/close for each open session, if advertised, before stdin EOF."""
+    caps: dict[str, Any] = {"loadSession": True}
+    if advertised:
+        caps["sessionCapabilities"] = {"close": {}}
+    async with Gateway.start(proc_env, tmp_path, caps=caps) as gw:
+        await gw.initialize()
+        sessions = [await gw.new_session() for _ in range(3)]
+        assert (await gw.request("session/close", {"sessionId": sessions[0]}))["result"] == {}
+        if ending == "eof":
+            assert await gw.close() == 0
+        else:
+            gw.signal(signal.SIGTERM)
+            with anyio.fail_after(10):
+                assert await gw.process.wait() == 0
+    closes = [
+        json.loads(e["in"])["params"]["sessionId"] for e in gw.adapter_record() if '"session/close"' in e.get("in", "")
+    ]
+    if advertised:
+        assert closes[0] == sessions[0]  # the gateway's own request, forwarded
+        assert sorted(closes[1:]) == sorted(sessions[1:]), "each session still open is closed, once"
+    else:
+        assert closes == [sessions[0]]  # only the gateway's own request, forwarded
