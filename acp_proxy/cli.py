@@ -142,8 +142,11 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
         stream=sys.stderr,
         format="acp-proxy[%(process)d] %(levelname)s %(name)s: %(message)s",
     )
-    from acp_proxy.adapter import Adapter, SpawnError
+    from acp_proxy.adapter import Adapter
+    from acp_proxy.early_signals import hold_signals_until_serving
     from acp_proxy.ownership.owner import Owner
+
+    hold_signals_until_serving()
 
     try:
         owner = Owner.start(configuration.state_dir(config), grace=config.shutdown.term_grace)
@@ -154,8 +157,8 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
         # its start-up then overlaps ours. Nearly every gateway's first request needs it.
         try:
             warm = Adapter.launch(config.backend(backend), owner=owner, shutdown=config.shutdown)
-        except SpawnError:
-            warm = None  # the first request retries and reports the error to the gateway
+        except Exception:
+            warm = None
         import anyio
 
         from acp_proxy.proxy import serve

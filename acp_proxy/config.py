@@ -135,6 +135,8 @@ _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$\{")
 
 
 def _check_template(text: str) -> None:
+    if "\0" in text:
+        raise _Invalid(f"contains a NUL character: {_show(text)}")
     for m in _VAR.finditer(text):
         if m.group(0) == "${":
             raise _Invalid(f"unterminated or invalid ${{...}} in {_show(text)}")

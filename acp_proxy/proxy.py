@@ -25,6 +25,7 @@ from msgspec import UNSET, Raw
 from acp_proxy import __version__, jsonrpc
 from acp_proxy.adapter import Adapter, AdapterGone, PendingCall, SpawnError, describe_exit
 from acp_proxy.config import Config
+from acp_proxy.early_signals import EARLY_SIGNALS
 from acp_proxy.jsonrpc import (
     BadLine,
     Batch,
@@ -40,8 +41,9 @@ from acp_proxy.ownership.supervised import SupervisedProcess
 log = logging.getLogger("acp_proxy.proxy")
 
 CANCEL_REQUEST: Final = "$/cancel_request"
-_CANCEL_REQUEST_BYTES: Final = CANCEL_REQUEST.encode()
 _LOGGED_LINE_BYTES: Final = 200
+SHUTDOWN_WRITE_GRACE: Final = 2.0
+"""How long a write to the gateway may block once the proxy is shutting down."""
 DRAIN_TIMEOUT: Final = 1.0
 """How long to keep relaying an exited adapter's last output before closing its stdout."""
 
@@ -67,12 +69,14 @@ def decoded_lines(batch: Batch) -> Iterator[tuple[bytes, tuple[Message, Kind] | 
 def is_plain_notification_block(batch: Batch) -> bool:
     """True when every line is a notification the proxy forwards untouched.
 
-    This is the streaming hot path: one decode call for the block, one cheap
-    scan, and the block is written on as it was read.
+    This is the streaming hot path: one decode call for the block, and the block
+    is written on as it was read. ``$/cancel_request`` is checked on the decoded
+    method names, so no escaping of the raw bytes can slip one past its id mapping.
     """
-    if not batch.block or _CANCEL_REQUEST_BYTES in batch.block:
+    if not batch.block:
         return False
-    return jsonrpc.is_notification_block(batch.block, batch.count)
+    methods = jsonrpc.notification_methods(batch.block, batch.count)
+    return methods is not None and CANCEL_REQUEST not in methods
 
 
 def annotate_initialize(result: Raw, backend: str) -> Raw:
@@ -128,6 +132,7 @@ class Proxy:
         self._next_upstream_id = 0
         self._reading = anyio.CancelScope()
         self._stop_reason: str | None = None
+        self._shutting_down = False
         self._tasks: anyio.abc.TaskGroup | None = None
 
     # --- lifecycle ------------------------------------------------------------
@@ -146,6 +151,7 @@ class Proxy:
 
     def stop(self, reason: str) -> None:
         """Stop reading from the gateway and shut down (signal handlers call this)."""
+        self._shutting_down = True
         if self._stop_reason is None:
             self._stop_reason = reason
             log.info("%s: shutting down", reason)
@@ -158,6 +164,7 @@ class Proxy:
         those answers are still relayed. On a signal the gateway is waiting, so
         in-flight requests are answered at once.
         """
+        self._shutting_down = True
         with anyio.CancelScope(shield=True):
             if self._warm is not None:  # launched at startup, never asked for
                 await self._warm.stop(
@@ -429,16 +436,26 @@ class Proxy:
     async def _send_gateway(self, data: bytes) -> None:
         if self._gateway_broken:
             return
+        # Once shutting down, a gateway that has stopped reading must not hold the
+        # teardown hostage: these writes run in shielded scopes, so they get a deadline.
+        deadline = SHUTDOWN_WRITE_GRACE if self._shutting_down else math.inf
         try:
-            await self._gateway.send(data)
+            with anyio.move_on_after(deadline) as scope:
+                await self._gateway.send(data)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self._gateway_broken = True
             self.stop("gateway closed its output")
+            return
+        if scope.cancelled_caught:
+            log.warning("gateway stopped reading during shutdown: its remaining answers are dropped")
+            self._gateway_broken = True
 
 
 async def stop_on_signals(proxy: Proxy) -> None:
     """SIGTERM, SIGINT and SIGHUP all mean: shut down cleanly and exit 0."""
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        if EARLY_SIGNALS:  # arrived while the adapter was being launched, before the loop ran
+            proxy.stop(f"received {signal.Signals(EARLY_SIGNALS[0]).name}")
         async for signum in signals:
             proxy.stop(f"received {signal.Signals(signum).name}")
 

@@ -82,6 +82,7 @@ class Gateway:
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](10_000)
         self._inbox_send, self._inbox = send, receive
         self._raw = bytearray()
+        self._reading_paused = False
         self._next_id = 1000
         self.answer_agent_requests: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
 
@@ -136,8 +137,8 @@ class Gateway:
         finally:
             if process.returncode is None:
                 process.kill()
-                with anyio.CancelScope(shield=True):
-                    await process.wait()
+            with anyio.CancelScope(shield=True):
+                await process.aclose()  # waits, and closes the pipes even if a pump stopped reading
         gateway.check_adapter_side()
 
     async def close(self, timeout: float = 15) -> int | None:
@@ -152,9 +153,15 @@ class Gateway:
     def signal(self, sig: int) -> None:
         self.process.send_signal(sig)
 
+    def pause_reading(self) -> None:
+        """Stop reading the proxy's output, as a stuck gateway would."""
+        self._reading_paused = True
+
     async def _pump_stdout(self) -> None:
         assert self.process.stdout is not None
         async for chunk in self.process.stdout:
+            if self._reading_paused:
+                await anyio.sleep_forever()
             self._raw += chunk
             *lines, rest = self._raw.split(b"\n")
             self._raw = bytearray(rest)

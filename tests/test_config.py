@@ -276,3 +276,9 @@ def test_adhoc_command_is_taken_literally(tmp_path: Path, cli_env: dict[str, str
     assert out.read_text() == repr(args[1:])
     assert not (tmp_path / "pwned").exists()
     assert '"reason":"adapter_exited"' in result.stdout
+
+
+def test_nul_in_argv_or_env_is_a_config_error() -> None:
+    found = problems({"backends": {"x": {"command": ["echo\0x"], "env": {"K": "a\0b"}}}})
+    assert any(p.startswith("backends.x.command: contains a NUL") for p in found), found
+    assert any(p.startswith("backends.x.env.K: contains a NUL") for p in found), found

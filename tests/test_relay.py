@@ -395,3 +395,22 @@ async def test_shutdown_closes_open_sessions_first(
         assert sorted(closes[1:]) == sorted(sessions[1:]), "each session still open is closed, once"
     else:
         assert closes == [sessions[0]]  # only the gateway's own request, forwarded
+
+
+async def test_signal_while_the_gateway_is_not_reading_still_stops_everything(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A gateway that stops reading must not hold the teardown hostage (bounded shutdown writes)."""
+    async with Gateway.start(proc_env, tmp_path) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        pids = (await gw.request("_fake/pids"))["result"]
+        gw.pause_reading()
+        prompt = [{"type": "text", "text": "stream 20000; sleep 30"}]
+        params = {"sessionId": session, "prompt": prompt}
+        await gw.send({"jsonrpc": "2.0", "id": "flood", "method": "session/prompt", "params": params})
+        await anyio.sleep(1.0)  # the proxy's stdout pipe is full by now
+        gw.signal(signal.SIGTERM)
+        with anyio.fail_after(15):
+            assert await gw.process.wait() == 0
+    assert not pid_alive(pids["adapter"])

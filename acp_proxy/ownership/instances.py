@@ -53,13 +53,18 @@ def start_instance(db: StateDB, boot_id: str) -> Instance:
 
 
 def end_instance(db: StateDB, instance: Instance, reason: str = "exited") -> None:
-    """Mark the instance ended and release its lock (last thing a proxy does)."""
+    """Mark the instance ended and release its lock (last thing a proxy does).
+
+    An instance that still has active leases (it is exiting on an error path) is not
+    marked ended: its lock is released, so the next proxy sees it dead and reaps them.
+    """
     with db.transaction() as conn:
         conn.execute(
-            "UPDATE instances SET ended_at = ?, end_reason = ? WHERE instance_id = ?",
-            (now(), reason, instance.instance_id),
+            """UPDATE instances SET ended_at = ?, end_reason = ? WHERE instance_id = ? AND NOT EXISTS (
+                   SELECT 1 FROM leases WHERE instance_id = ? AND state IN ('starting', 'open', 'closing'))""",
+            (now(), reason, instance.instance_id, instance.instance_id),
         )
-    lock_path(db, instance.instance_id).unlink(missing_ok=True)
+    lock_path(db, instance.instance_id).unlink(missing_ok=True)  # a missing lock file also means dead
     os.close(instance.lock_fd)
 
 

@@ -227,11 +227,12 @@ class SupervisedProcess:
                 start_new_session=True,
                 pass_fds=(lifeline_r, report_w),
             )
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in argv or env
             for fd in (lifeline_w, report_r, stdin_w, stdout_r):
                 os.close(fd)
-            leases.set_state(db, lease.lease_id, LeaseState.CLOSED, f"spawn failed: {exc.strerror or exc}")
-            raise WrapperFailed(exc.strerror or str(exc)) from None
+            reason = getattr(exc, "strerror", None) or str(exc)
+            leases.set_state(db, lease.lease_id, LeaseState.CLOSED, f"spawn failed: {reason}")
+            raise WrapperFailed(reason) from None
         finally:
             for fd in (lifeline_r, report_w, stdin_r, stdout_w):
                 os.close(fd)  # the wrapper has its copies now

@@ -197,6 +197,10 @@ def spawn_adapter(argv: list[str], keep_closed: list[int]) -> tuple[int, str | N
     if pid == 0:
         try:
             os.setpgid(0, 0)
+            # Python ignores these at start-up; exec keeps an ignored disposition, so undo
+            # it, or the adapter (and `yes | head` in its tools) would not behave as launched directly.
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
             for fd in keep_closed:
                 os.close(fd)
             os.execvp(argv[0], argv)
@@ -265,13 +269,20 @@ def main() -> None:
     adapter_pid, error = spawn_adapter(argv, [lifeline, report])
     wrapper.adapter_pid = adapter_pid
     stat = read_stat(adapter_pid)
-    os.write(report, report_line(adapter_pid, stat[3] if stat else None, subreaper, error))
+    try:
+        os.write(report, report_line(adapter_pid, stat[3] if stat else None, subreaper, error))
+    except OSError:
+        wrapper.stop_requested = True  # nobody to report to: acp-proxy died; tear down now
     os.close(report)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # the adapter holds stdin/stdout now; our copies would delay EOF
     os.dup2(devnull, 1)
     os.close(devnull)
-    status = wrapper.run()
+    try:
+        status = wrapper.run()
+    except BaseException:
+        wrapper.teardown()  # whatever went wrong here, the tree must not outlive us
+        raise
     write_tombstone(options.get("--tombstone", ""), os.waitstatus_to_exitcode(status))
     exit_like(status)
 
