@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -25,13 +26,15 @@ from typing import Any
 import anyio
 import pytest
 
-from acp_proxy.ownership import instances
+from acp_proxy.ownership import instances, leases
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases, create_lease, record_spawn
+from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import ProcessInfo, ProcFS, TableUnavailable
 from acp_proxy.ownership.reaping import reap_lease
+from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
 from acp_proxy.state import StateDB
-from tests.harness import Gateway, fake_command, pid_alive
+from tests.harness import MARKER_VARIABLE, Gateway, fake_command, marked_processes, pid_alive
 
 FAST = '[shutdown]\nstdin_grace = "300ms"\nterm_grace = "1s"\n[backends.fake]\ncommand = ["unused"]\n'
 GONE_WITHIN = 8.0  # a liveness bound for the checks below, not a performance figure
@@ -381,6 +384,45 @@ def test_reaping_never_signals_what_it_cannot_prove(
             live_proxy.stdin.close()  # type: ignore[union-attr]
             live_proxy.wait(timeout=30)
         db.close()
+
+
+@pytest.mark.anyio
+async def test_a_failing_database_does_not_stop_a_teardown(
+    proc_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lease bookkeeping that fails mid-teardown (a locked or full disk) still leaves no process behind."""
+    owner = Owner.start(state_dir(proc_env), grace=1.0)
+    try:
+        supervised = await SupervisedProcess.start(
+            owner,
+            backend="fake",
+            argv=["sh", "-c", "sleep 600 & exec sleep 600"],
+            env=proc_env,
+            cwd=None,
+            term_grace=1.0,
+        )
+        marker = proc_env[MARKER_VARIABLE]
+        with anyio.fail_after(GONE_WITHIN):
+            while len(marked_processes(marker)) < 2:  # the wrapper's adapter and its child
+                await anyio.sleep(0.02)
+        tree = list(marked_processes(marker))
+
+        def locked(*args: object, **kwargs: object) -> bool:
+            raise sqlite3.OperationalError("database is locked")
+
+        monkeypatch.setattr(leases, "set_state", locked)
+        await supervised.stop(stdin_grace=0.2, term_grace=1.0)
+        assert await survivors(tree) == []
+        monkeypatch.undo()
+        assert all_leases(owner.db)[0].state is LeaseState.OPEN, "the failed writes left the lease as it was"
+    finally:
+        owner.close()
+    # The next proxy finishes the bookkeeping: nothing is left to kill, the tombstone says it exited.
+    successor = Owner.start(state_dir(proc_env), grace=1.0)
+    try:
+        assert all_leases(successor.db)[0].state in (LeaseState.CLOSED, LeaseState.LOST)
+    finally:
+        successor.close()
 
 
 # --- the verification rules themselves ---------------------------------------------------------

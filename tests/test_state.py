@@ -174,10 +174,43 @@ def test_lease_state_machine_never_reopens_a_closed_lease(tmp_path: Path) -> Non
     assert lease.state is LeaseState.STARTING
     assert lease.marker.startswith(f"ACP_PROXY_LEASE={db.install_id}.{lease.lease_id}.")
     assert lease.argv == ("x", "a b")
-    set_state(db, lease.lease_id, LeaseState.OPEN)
-    set_state(db, lease.lease_id, LeaseState.CLOSED)
-    set_state(db, lease.lease_id, LeaseState.OPEN)
+    assert set_state(db, lease.lease_id, LeaseState.OPEN)
+    assert set_state(db, lease.lease_id, LeaseState.CLOSED)
+    assert not set_state(db, lease.lease_id, LeaseState.OPEN)
     assert all_leases(db)[0].state is LeaseState.CLOSED
+
+
+# (from, to, allowed): forward only; a stop that began while the adapter was starting is not undone by "ready".
+LEASE_TRANSITIONS = [
+    (LeaseState.STARTING, LeaseState.OPEN, True),
+    (LeaseState.STARTING, LeaseState.CLOSING, True),
+    (LeaseState.STARTING, LeaseState.CLOSED, True),
+    (LeaseState.OPEN, LeaseState.CLOSING, True),
+    (LeaseState.OPEN, LeaseState.LOST, True),
+    (LeaseState.CLOSING, LeaseState.OPEN, False),
+    (LeaseState.CLOSING, LeaseState.CLOSED, True),
+    (LeaseState.CLOSING, LeaseState.UNVERIFIABLE, True),
+    (LeaseState.CLOSED, LeaseState.CLOSING, False),
+    (LeaseState.LOST, LeaseState.CLOSED, False),
+    (LeaseState.UNVERIFIABLE, LeaseState.CLOSED, False),
+    (LeaseState.OPEN, LeaseState.STARTING, False),
+]
+
+
+@pytest.mark.parametrize(("start", "target", "allowed"), LEASE_TRANSITIONS)
+def test_lease_transitions(tmp_path: Path, start: LeaseState, target: LeaseState, allowed: bool) -> None:
+    db = StateDB(tmp_path)
+    lease = create_lease(db, instance_id="i", boot_id="b", backend="x", argv=("x",))
+    path = {
+        LeaseState.STARTING: [],
+        LeaseState.OPEN: [LeaseState.OPEN],
+        LeaseState.CLOSING: [LeaseState.OPEN, LeaseState.CLOSING],
+    }.get(start, [start])
+    for step in path:
+        assert set_state(db, lease.lease_id, step)
+    assert all_leases(db)[0].state is start
+    assert set_state(db, lease.lease_id, target) is allowed
+    assert all_leases(db)[0].state is (target if allowed else start)
 
 
 def test_degraded_psutil_path_verifies_the_same_way(proc_env: dict[str, str]) -> None:

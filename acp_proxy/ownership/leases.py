@@ -162,14 +162,30 @@ def record_spawn(
         )
 
 
-def set_state(db: StateDB, lease_id: str, state: LeaseState, reason: str | None = None) -> None:
-    """Move a lease to ``state``; a lease already closed, lost or unverifiable stays as it is."""
+# Which states a lease may move to ``state`` from: forward only, and a final state is final.
+_ALLOWED_FROM: Final[dict[LeaseState, tuple[LeaseState, ...]]] = {
+    LeaseState.STARTING: (),
+    LeaseState.OPEN: (LeaseState.STARTING,),
+    LeaseState.CLOSING: (LeaseState.STARTING, LeaseState.OPEN),
+    LeaseState.CLOSED: ACTIVE_STATES,
+    LeaseState.LOST: ACTIVE_STATES,
+    LeaseState.UNVERIFIABLE: ACTIVE_STATES,
+}
+
+
+def set_state(db: StateDB, lease_id: str, state: LeaseState, reason: str | None = None) -> bool:
+    """Move a lease to ``state`` if the state machine allows it; False when it does not (nothing written)."""
+    sources = _ALLOWED_FROM[state]
+    if not sources:
+        return False
+    marks = ", ".join("?" * len(sources))
     with db.transaction() as conn:
-        conn.execute(
-            """UPDATE leases SET state = ?, reason = COALESCE(?, reason), updated_at = ?
-               WHERE lease_id = ? AND state IN ('starting', 'open', 'closing')""",
-            (state.value, reason, now(), lease_id),
+        cursor = conn.execute(
+            f"""UPDATE leases SET state = ?, reason = COALESCE(?, reason), updated_at = ?
+                WHERE lease_id = ? AND state IN ({marks})""",
+            (state.value, reason, now(), lease_id, *(source.value for source in sources)),
         )
+    return cursor.rowcount == 1
 
 
 def leases_of_instance(db: StateDB, instance_id: str, *, active_only: bool = True) -> list[Lease]:

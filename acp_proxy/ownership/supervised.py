@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -321,9 +322,20 @@ class SupervisedProcess:
                     self._stopped = True
         return self.returncode
 
+    def _record(self, state: LeaseState, reason: str | None = None) -> None:
+        """Write a teardown step to the lease; a database that fails us must not stop the teardown.
+
+        A lease left ``closing`` by a failed write is finished by the startup reaping of the next proxy,
+        which re-verifies everything before it signals anything.
+        """
+        try:
+            leases.set_state(self.owner.db, self.lease.lease_id, state, reason)
+        except sqlite3.Error as exc:
+            log.error("lease %s: could not record %s (%s); teardown goes on", self.lease.lease_id, state, exc)
+
     async def _stop(self, stdin_grace: float, term_grace: float) -> None:
         db, lease = self.owner.db, self.lease
-        leases.set_state(db, lease.lease_id, LeaseState.CLOSING)
+        self._record(LeaseState.CLOSING)
         await self.stdin.aclose()
         if await self.wait_exit(stdin_grace) is None:
             self._signal_wrapper(signal.SIGTERM, "still running after stdin EOF")
@@ -337,9 +349,9 @@ class SupervisedProcess:
         if swept.unverifiable or swept.remaining:
             reason = swept.unverifiable or f"processes carrying the marker survived: {swept.remaining}"
             log.error("lease %s left unverifiable: %s", lease.lease_id, reason)
-            leases.set_state(db, lease.lease_id, LeaseState.UNVERIFIABLE, reason)
+            self._record(LeaseState.UNVERIFIABLE, reason)
         else:
-            leases.set_state(db, lease.lease_id, LeaseState.CLOSED)
+            self._record(LeaseState.CLOSED)
         forget_tombstone(db, lease.lease_id)
         if self._report is not None or not self.lease.adapter_pid:  # never became ready: nobody else will
             await self.close_stdout()
