@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -67,6 +67,8 @@ class PendingCall:
     internal: InternalCall | None = None
     session_id: str | None = None
     """For session/load, /resume and /close: the session the request names."""
+    on_answer: Callable[[Message], None] | None = None
+    """Called with the adapter's answer before it is forwarded (the proxy's bookkeeping)."""
 
 
 SESSION_NAMING_METHODS = frozenset({"session/load", "session/resume", "session/close"})
@@ -78,12 +80,26 @@ def session_named_by(params: Raw | UnsetType) -> str | None:
     return session_id if isinstance(session_id, str) else None
 
 
-def advertises_session_close(initialize_result: Raw) -> bool:
-    """``agentCapabilities.sessionCapabilities.close`` present (``{}``) in an initialize result."""
-    obj = jsonrpc.decode_object(initialize_result) or {}
-    capabilities = obj.get("agentCapabilities")
-    sessions = capabilities.get("sessionCapabilities") if isinstance(capabilities, dict) else None
-    return isinstance(sessions, dict) and isinstance(sessions.get("close"), dict)
+@dataclass(frozen=True, slots=True)
+class AgentCapabilities:
+    """The session capabilities an ``initialize`` result advertises (absent = unsupported)."""
+
+    load: bool = False
+    resume: bool = False
+    close: bool = False
+
+    @classmethod
+    def from_initialize(cls, result: Raw | UnsetType) -> AgentCapabilities:
+        obj = jsonrpc.decode_object(result) or {}
+        capabilities = obj.get("agentCapabilities")
+        capabilities = capabilities if isinstance(capabilities, dict) else {}
+        sessions = capabilities.get("sessionCapabilities")
+        sessions = sessions if isinstance(sessions, dict) else {}
+        return cls(
+            load=capabilities.get("loadSession") is True,
+            resume=isinstance(sessions.get("resume"), dict),
+            close=isinstance(sessions.get("close"), dict),
+        )
 
 
 def spawn_environment(backend: BackendConfig, base: Mapping[str, str]) -> dict[str, str]:
@@ -104,10 +120,37 @@ class Adapter:
         self.pending: dict[int, PendingCall] = {}
         self.gone = False
         self.can_close_sessions = False
+        self.capabilities = AgentCapabilities()
         self.open_sessions: set[str] = set()
         self.drained = anyio.Event()
         self._stdin = jsonrpc.LineWriter(supervised.stdin)
         self._next_id = 0
+        # What the pool and the router need to know about this process.
+        self.gateway_session: str | None = None
+        """The stable id of the session this process serves (``None``: a spare)."""
+        self.adapter_session: str | None = None
+        """The id the adapter knows that session under, if it differs from the stable one."""
+        self.claimed = False
+        """Taken for a ``session/new`` or a restore in progress: not a spare, not idle."""
+        self.swallow_updates = False
+        """Drop ``session/update``s (the replay of a load the gateway did not ask for)."""
+        self.upstream_pending = 0
+        """Agent->client requests of this adapter the gateway has not answered yet."""
+        self.last_active = 0.0
+
+    @property
+    def rewrites_session(self) -> bool:
+        """Whether ``sessionId`` must be rewritten on this connection (after a fallback gave a new id)."""
+        return self.adapter_session is not None and self.adapter_session != self.gateway_session
+
+    @property
+    def turn_in_flight(self) -> bool:
+        return any(call.internal is None for call in self.pending.values())
+
+    @property
+    def busy(self) -> bool:
+        """Not suspendable: a request of the gateway's or a request to the gateway is pending."""
+        return self.claimed or self.upstream_pending > 0 or self.turn_in_flight
 
     @property
     def pid(self) -> int:
@@ -197,7 +240,8 @@ class Adapter:
         if msg.result is UNSET:
             return
         if call.method == "initialize":
-            self.can_close_sessions = advertises_session_close(msg.result)
+            self.capabilities = AgentCapabilities.from_initialize(msg.result)
+            self.can_close_sessions = self.capabilities.close
         elif call.method == "session/new":
             session_id = session_named_by(msg.result)
             if session_id is not None:

@@ -28,6 +28,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_live: int = 4
     idle_ttl: float = 15 * 60.0
     acquire_timeout: float = 30.0
+    resume_timeout: float = 120.0
+    """Bound on bringing a suspended session back (spawn, initialize, authenticate, restore)."""
 
 
 class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,6 +217,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "max_live": _int_at_least(1),
                 "idle_ttl": parse_duration,
                 "acquire_timeout": parse_duration,
+                "resume_timeout": parse_duration,
             },
         )
     )

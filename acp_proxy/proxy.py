@@ -14,17 +14,21 @@ from __future__ import annotations
 import logging
 import math
 import signal
-from collections.abc import Iterator
-from typing import Final
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
 
 import anyio
 import anyio.abc
 import msgspec
-from msgspec import UNSET, Raw
+from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy import __version__, jsonrpc
-from acp_proxy.adapter import Adapter, AdapterGone, PendingCall, SpawnError, describe_exit
-from acp_proxy.config import Config
+from acp_proxy.adapter import Adapter, AdapterGone, AgentCapabilities, PendingCall, SpawnError, describe_exit
+from acp_proxy.config import BackendConfig, Config
 from acp_proxy.early_signals import EARLY_SIGNALS
 from acp_proxy.jsonrpc import (
     BadLine,
@@ -37,6 +41,18 @@ from acp_proxy.jsonrpc import (
 )
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
+from acp_proxy.pool import Admit, Slot, expired, falls_back_to_new, plan_acquire, restore_method
+from acp_proxy.sessions import (
+    LIST_PAGE_SIZE,
+    SETTING_METHODS,
+    Ownership,
+    SessionRecord,
+    SessionRegistry,
+    SessionState,
+    decode_cursor,
+    encode_cursor,
+)
+from acp_proxy.visibility import SessionRow, parse_requester, visible_rows
 
 log = logging.getLogger("acp_proxy.proxy")
 
@@ -80,10 +96,26 @@ def is_plain_notification_block(batch: Batch) -> bool:
 
 
 def annotate_initialize(result: Raw, backend: str) -> Raw:
-    """Add ``_meta["acp-proxy"]`` to the adapter's ``initialize`` result."""
+    """The adapter's ``initialize`` result, adjusted for what the proxy itself provides.
+
+    ``session/close`` and ``session/list`` are always served (by the proxy);
+    ``session/resume`` is, when the adapter can load or resume (the proxy restores
+    the session on a fresh process either way). ``_meta["acp-proxy"]`` says who we are.
+    """
     obj = jsonrpc.decode_object(result)
     if obj is None:
         return result
+    caps = AgentCapabilities.from_initialize(result)
+    agent = obj.get("agentCapabilities")
+    agent = dict(agent) if isinstance(agent, dict) else {}
+    sessions = agent.get("sessionCapabilities")
+    sessions = dict(sessions) if isinstance(sessions, dict) else {}
+    sessions.setdefault("close", {})
+    sessions.setdefault("list", {})
+    if caps.load or caps.resume:
+        sessions.setdefault("resume", {})
+    agent["sessionCapabilities"] = sessions
+    obj["agentCapabilities"] = agent
     meta = obj.get("_meta")
     meta = dict(meta) if isinstance(meta, dict) else {}
     meta["acp-proxy"] = {"version": __version__, "backend": backend}
@@ -108,8 +140,118 @@ def cancel_target(params: Raw | msgspec.UnsetType) -> tuple[bool, RequestId]:
     return True, target
 
 
+class SessionParams(msgspec.Struct, gc=False):
+    """The one field of a request's params the router reads."""
+
+    sessionId: str | UnsetType = UNSET
+
+
+_session_params_decoder: Final = msgspec.json.Decoder(SessionParams)
+
+
+def session_of(params: Raw | UnsetType) -> str | None:
+    """``params.sessionId`` if it is a string (decoding nothing else)."""
+    if params is UNSET:
+        return None
+    try:
+        value = _session_params_decoder.decode(params).sessionId
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def rewrite_session_id(params: Raw | UnsetType, old: str, new: str) -> Raw | UnsetType:
+    """``params`` with ``sessionId`` ``old`` replaced by ``new``; anything else untouched."""
+    obj = jsonrpc.decode_object(params)
+    if obj is None or obj.get("sessionId") != old:
+        return params
+    obj["sessionId"] = new
+    return Raw(jsonrpc.encode_json(obj))
+
+
+def proxy_meta(params: Raw | UnsetType) -> dict[str, Any]:
+    """``params._meta["acp-proxy"]`` as a dict (empty when absent or not an object)."""
+    obj = jsonrpc.decode_object(params) or {}
+    meta = obj.get("_meta")
+    ours = meta.get("acp-proxy") if isinstance(meta, dict) else None
+    return ours if isinstance(ours, dict) else {}
+
+
+def ownership_from(meta: dict[str, Any]) -> Ownership:
+    def text(key: str) -> str | None:
+        value = meta.get(key)
+        return value if isinstance(value, str) else None
+
+    return Ownership(
+        session_key=text("sessionKey"),
+        owner_session_key=text("ownerSessionKey"),
+        spawned_by=text("spawnedBy"),
+        parent_session_key=text("parentSessionKey"),
+        agent_id=text("agentId"),
+    )
+
+
+def session_info(record: SessionRecord) -> dict[str, Any]:
+    """A ``SessionInfo`` for ``session/list``."""
+    info: dict[str, Any] = {"sessionId": record.session_id, "cwd": record.cwd}
+    if record.additional_directories is not None:
+        info["additionalDirectories"] = msgspec.json.decode(record.additional_directories)
+    info["updatedAt"] = datetime.fromtimestamp(record.last_active_at, UTC).isoformat().replace("+00:00", "Z")
+    info["_meta"] = {"acp-proxy": {"state": record.state.value, "backend": record.backend}}
+    return info
+
+
+def visibility_row(record: SessionRecord) -> SessionRow:
+    owner = record.ownership
+    return SessionRow(
+        session_id=record.session_id,
+        session_key=owner.session_key,
+        owner_session_key=owner.owner_session_key,
+        spawned_by=owner.spawned_by,
+        parent_session_key=owner.parent_session_key,
+        agent_id=owner.agent_id,
+        lineage=frozenset(),
+    )
+
+
+def slot_key(adapter: Adapter) -> str:
+    return adapter.gateway_session or f"spare:{adapter.backend.name}:{adapter.pid}"
+
+
+class RestoreFailed(Exception):
+    """A suspended session could not be brought back; the request that needed it gets this error."""
+
+    def __init__(self, code: int, message: str, data: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """A session this proxy has served, with the process (if any) behind it now."""
+
+    record: SessionRecord
+    adapter: Adapter | None = None
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    """Held while the session is brought back, suspended or closed; requests queue on it in order."""
+    queued: int = 0
+    """Requests waiting on ``lock`` (while any are, later ones queue behind them)."""
+    cancel_epoch: int = 0
+    """Bumped by ``session/cancel``: a queued prompt that sees it changed is answered ``cancelled``."""
+    closed: bool = False
+
+    @property
+    def session_id(self) -> str:
+        return self.record.session_id
+
+    @property
+    def ready(self) -> bool:
+        """Requests can go straight to the process, in order, without waiting."""
+        return self.adapter is not None and not self.adapter.gone and self.queued == 0 and not self.lock.locked()
+
+
 class Proxy:
-    """Serves one gateway connection in front of one backend's adapter."""
+    """Serves one gateway connection in front of a pool of adapter processes, one per session."""
 
     def __init__(
         self,
@@ -124,16 +266,25 @@ class Proxy:
         self.owner = owner
         self._warm = warm
         self.backend = config.backend(backend)
-        self.adapter: Adapter | None = None
+        self.registry = SessionRegistry(owner.db, owner.instance_id)
+        self.sessions: dict[str, Session] = {}
+        self.running: set[Adapter] = set()
+        """Every adapter process started and not yet stopped."""
+        self._reserved: dict[str, int] = {}
+        self._evicting: set[Adapter] = set()
+        self._pool_changed = anyio.Event()
+        self._client_init: Raw | UnsetType = UNSET
+        self._auth_params: Raw | UnsetType = UNSET
         self._gateway = LineWriter(gateway_out)
         self._gateway_broken = False
-        self._spawn_lock = anyio.Lock()
         self._upstream: dict[int, tuple[Adapter, RequestId]] = {}
         self._next_upstream_id = 0
         self._reading = anyio.CancelScope()
         self._stop_reason: str | None = None
         self._shutting_down = False
         self._tasks: anyio.abc.TaskGroup | None = None
+        for session_id in self.registry.adopt_orphans():
+            log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -142,6 +293,7 @@ class Proxy:
         reader = LineReader(gateway_in, self.config.max_line_bytes)
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
+            tasks.start_soon(self._suspend_idle_sessions)
             with self._reading:
                 await self._relay_from_gateway(reader)
             if self._stop_reason is None:
@@ -158,9 +310,9 @@ class Proxy:
         self._reading.cancel()
 
     async def _shutdown(self) -> None:
-        """Answer what is in flight, then stop the adapter (stdin EOF, TERM, KILL).
+        """Answer what is in flight, then suspend every session (state kept, processes reaped).
 
-        On gateway EOF the adapter gets its stdin grace to answer on its own, and
+        On gateway EOF each adapter gets its stdin grace to answer on its own, and
         those answers are still relayed. On a signal the gateway is waiting, so
         in-flight requests are answered at once.
         """
@@ -170,20 +322,34 @@ class Proxy:
                 await self._warm.stop(
                     stdin_grace=self.config.shutdown.stdin_grace, term_grace=self.config.shutdown.term_grace
                 )
-            adapter = self.adapter
-            if adapter is None:
-                return
+            adapters = list(self.running)
             if self._stop_reason is not None:
-                await self._fail_calls(
-                    adapter.take_gateway_calls(),
-                    jsonrpc.REQUEST_CANCELLED,
-                    "acp-proxy is shutting down",
-                    {"reason": "proxy_shutdown"},
-                )
-            await adapter.stop(self.config.shutdown)
+                for adapter in adapters:
+                    await self._fail_calls(
+                        adapter.take_gateway_calls(),
+                        jsonrpc.REQUEST_CANCELLED,
+                        "acp-proxy is shutting down",
+                        {"reason": "proxy_shutdown"},
+                    )
+            async with anyio.create_task_group() as tasks:
+                for adapter in adapters:
+                    tasks.start_soon(self._stop_adapter, adapter)
+            suspended = self.registry.suspend_all_of_this_instance()
+            if suspended:
+                log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
+
+    async def _stop_adapter(self, adapter: Adapter, *, drain: bool = True) -> None:
+        """End one adapter process and its tree, and let the pool know.
+
+        ``drain``: keep relaying what it wrote last (briefly) before closing its stdout.
+        """
+        await adapter.stop(self.config.shutdown)
+        if drain:
             with anyio.move_on_after(DRAIN_TIMEOUT):
                 await adapter.drained.wait()
             await adapter.close_output()
+        self.running.discard(adapter)
+        self._notify_pool()
 
     # --- gateway -> adapter ---------------------------------------------------------
 
@@ -202,9 +368,9 @@ class Proxy:
                     continue
                 msg, kind = decoded
                 if kind is Kind.REQUEST:
-                    await self._forward_request(msg)
+                    await self._route_request(msg)
                 elif kind is Kind.NOTIFICATION:
-                    await self._forward_notification(msg, line)
+                    await self._route_notification(msg, line)
                 else:
                     await self._forward_answer(msg)
 
@@ -217,87 +383,731 @@ class Proxy:
             {"reason": "line_too_long", "maxLineBytes": limit},
         )
 
-    async def _adapter_for(self, msg: Message) -> Adapter | None:
-        """The adapter to send ``msg`` to, starting it on first use or on a new ``initialize``."""
-        adapter = self.adapter
-        if adapter is not None and (not adapter.gone or msg.method != "initialize"):
-            return adapter  # the common case, without a trip through the event loop
-        async with self._spawn_lock:
-            adapter = self.adapter
-            if adapter is not None and (not adapter.gone or msg.method != "initialize"):
-                return adapter
-            if adapter is not None:
-                await adapter.stop(self.config.shutdown)
-            warm, self._warm = self._warm, None
-            try:
-                if warm is None:
-                    warm = Adapter.launch(self.backend, owner=self.owner, shutdown=self.config.shutdown)
-                adapter = await Adapter.attach(self.backend, warm, self.config.max_line_bytes)
-            except Exception as exc:
-                # Whatever went wrong (a missing binary, an unusable state database), the
-                # gateway gets an answer and the proxy keeps serving.
-                if not isinstance(exc, SpawnError):
-                    log.exception("starting backend %r failed", self.backend.name)
-                    exc = SpawnError(f"cannot start backend {self.backend.name!r}: {exc}")
-                log.error("%s", exc)
-                if msg.id is not UNSET:
-                    await self._send_gateway(
-                        jsonrpc.error_response(
-                            msg.id,
-                            jsonrpc.INTERNAL_ERROR,
-                            str(exc),
-                            {"reason": "spawn_failed", "backend": self.backend.name},
-                        )
-                    )
-                return None
-            self.adapter = adapter
-            assert self._tasks is not None
-            self._tasks.start_soon(self._relay_from_adapter, adapter)
-            self._tasks.start_soon(self._watch_adapter_exit, adapter)
-            return adapter
+    def _background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run request handling that may wait (a spawn, a resume) without holding up the gateway."""
+        assert self._tasks is not None
+        self._tasks.start_soon(work)
 
-    async def _watch_adapter_exit(self, adapter: Adapter) -> None:
-        """When the wrapper exits, make sure its whole tree is gone and its lease settled.
-
-        A wrapper exits on its own only after tearing its tree down; if it was
-        killed instead, this is what finds the orphans (by marker) and ends them.
-        """
-        await adapter.wait_exit(math.inf)
-        await adapter.stop(self.config.shutdown)
-
-    async def _forward_request(self, msg: Message) -> None:
+    async def _route_request(self, msg: Message) -> None:
         assert isinstance(msg.method, str)
-        assert msg.id is not UNSET
-        adapter = await self._adapter_for(msg)
-        if adapter is None:
-            return
-        if adapter.gone:
-            await self._send_gateway(self._exited_error(msg.id, msg.method, adapter))
-            return
-        call_id = adapter.register(msg.method, msg.id, msg.params)
-        try:
-            await adapter.send(jsonrpc.with_id(msg, call_id))
-        except AdapterGone:
-            # The relay task answers every pending call once the adapter is gone.
-            return
+        method = msg.method
+        if method == "initialize":
+            self._client_init = msg.params
+            self._background(lambda: self._forward_to_spare(msg, self.backend))
+        elif method == "authenticate":
+            self._background(lambda: self._forward_to_spare(msg, self.backend))
+        elif method == "session/new":
+            self._background(lambda: self._new_session(msg))
+        elif method == "session/list":
+            await self._list_sessions(msg)
+        else:
+            session_id = session_of(msg.params)
+            if session_id is None:
+                self._background(lambda: self._forward_to_any(msg))
+            elif method == "session/close":
+                self._background(lambda: self.close_session(msg, session_id))
+            elif method in ("session/load", "session/resume"):
+                self._background(lambda: self._restore_for_gateway(msg, session_id))
+            else:
+                await self._forward_to_session(msg, session_id)
 
-    async def _forward_notification(self, msg: Message, line: bytes) -> None:
-        adapter = self.adapter
+    async def _route_notification(self, msg: Message, line: bytes) -> None:
+        if msg.method == CANCEL_REQUEST:
+            await self._forward_cancel_request(msg, line)
+            return
+        session_id = session_of(msg.params)
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if msg.method == "session/cancel" and session is not None:
+            self.cancel_turn(session)
+        adapter: Adapter | None
+        if session is not None and session.adapter is not None and not session.adapter.gone:
+            adapter = session.adapter
+        elif session_id is None:
+            adapter = self._any_adapter()
+        else:
+            log.info("dropped %s for session %s: it has no live process", msg.method, session_id)
+            return
         if adapter is None or adapter.gone:
             log.info("dropped %s: no adapter is running", msg.method)
             return
         data = line + b"\n"
-        if msg.method == CANCEL_REQUEST:
-            ok, target = cancel_target(msg.params)
-            call_id = adapter.find_gateway_call(target) if ok else None
-            if call_id is None:
-                log.debug("$/cancel_request for an unknown request: %s", _preview(line))
-                return
-            data = jsonrpc.notification(CANCEL_REQUEST, remap_cancel_request(msg.params, call_id))
+        if adapter.rewrites_session and adapter.gateway_session is not None and adapter.adapter_session is not None:
+            msg.params = rewrite_session_id(msg.params, adapter.gateway_session, adapter.adapter_session)
+            data = jsonrpc.encode(msg)
         try:
             await adapter.send(data)
         except AdapterGone:
             log.info("dropped %s: the adapter has exited", msg.method)
+
+    def cancel_turn(self, session: Session) -> None:
+        """``session/cancel``: prompts still queued for the session end ``cancelled``; the turn in flight
+        is cancelled by the adapter (the notification is forwarded). Nothing is ever reaped."""
+        session.cancel_epoch += 1
+
+    async def _forward_cancel_request(self, msg: Message, line: bytes) -> None:
+        ok, target = cancel_target(msg.params)
+        if not ok:
+            return
+        for adapter in list(self.running):
+            call_id = adapter.find_gateway_call(target)
+            if call_id is not None:
+                data = jsonrpc.notification(CANCEL_REQUEST, remap_cancel_request(msg.params, call_id))
+                with suppress(AdapterGone):
+                    await adapter.send(data)
+                return
+        log.debug("$/cancel_request for an unknown request: %s", _preview(line))
+
+    async def _forward(
+        self, adapter: Adapter, msg: Message, on_answer: Callable[[Message], None] | None = None
+    ) -> None:
+        """Send a gateway request to ``adapter`` under a fresh id (``sessionId`` rewritten if needed)."""
+        assert isinstance(msg.method, str)
+        assert msg.id is not UNSET
+        call_id = adapter.register(msg.method, msg.id, msg.params)
+        adapter.pending[call_id].on_answer = on_answer
+        adapter.last_active = time.monotonic()
+        params = msg.params
+        if adapter.rewrites_session and adapter.gateway_session is not None and adapter.adapter_session is not None:
+            params = rewrite_session_id(params, adapter.gateway_session, adapter.adapter_session)
+        out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=params)
+        try:
+            await adapter.send(jsonrpc.encode(out))
+        except AdapterGone:
+            return  # the relay task answers every pending call once the adapter is gone
+
+    async def _answer(self, request_id: RequestId | UnsetType, result: object) -> None:
+        await self._send_gateway(jsonrpc.result_response(None if request_id is UNSET else request_id, result))
+
+    async def _fail(
+        self, request_id: RequestId | UnsetType, code: int, message: str, data: dict[str, Any] | None = None
+    ) -> None:
+        rid = None if request_id is UNSET else request_id
+        await self._send_gateway(jsonrpc.error_response(rid, code, message, UNSET if data is None else data))
+
+    # --- adapters: spares, starting, the pool -----------------------------------------
+
+    def _spare(self, backend: BackendConfig) -> Adapter | None:
+        for adapter in self.running:
+            if (
+                adapter.backend.name == backend.name
+                and adapter.gateway_session is None
+                and not adapter.claimed
+                and not adapter.gone
+                and adapter not in self._evicting
+            ):
+                return adapter
+        return None
+
+    def _any_adapter(self) -> Adapter | None:
+        """For requests naming no session: a spare first, else the most recently used process."""
+        spare = self._spare(self.backend)
+        if spare is not None:
+            return spare
+        candidates = [a for a in self.running if not a.gone and a not in self._evicting]
+        return max(candidates, key=lambda a: a.last_active, default=None)
+
+    def _slots(self) -> list[Slot]:
+        slots = []
+        for adapter in self.running:
+            if adapter in self._evicting or adapter.gone:
+                continue
+            slots.append(
+                Slot(
+                    key=slot_key(adapter),
+                    backend=adapter.backend.name,
+                    last_active=adapter.last_active,
+                    busy=adapter.busy,
+                    spare=adapter.gateway_session is None,
+                    pinned=adapter.backend.resume == "never" and adapter.gateway_session is not None,
+                )
+            )
+        return slots
+
+    def _notify_pool(self) -> None:
+        self._pool_changed.set()
+        self._pool_changed = anyio.Event()
+
+    def _backend_cap(self, backend: BackendConfig) -> int:
+        return backend.max_live if backend.max_live is not None else self.config.pool.max_live
+
+    async def _acquire_slot(self, backend: BackendConfig) -> None:
+        """Reserve room for one more process of ``backend``, suspending an idle session if needed.
+
+        Waits at most ``acquire_timeout``; then ``RestoreFailed`` with ``pool_exhausted``.
+        The caller must call ``_release_reservation`` once the process runs (or failed).
+        """
+        with anyio.move_on_after(self.config.pool.acquire_timeout):
+            while True:
+                decision = plan_acquire(
+                    self._slots(),
+                    backend.name,
+                    backend_cap=self._backend_cap(backend),
+                    global_cap=self.config.pool.max_live,
+                    reserved=self._reserved,
+                )
+                if isinstance(decision, Admit):
+                    if decision.evict is None:
+                        self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
+                        return
+                    changed = self._pool_changed
+                    if not await self._evict(decision.evict):
+                        await changed.wait()  # it got busy meanwhile: wait for the next change
+                    continue
+                changed = self._pool_changed
+                log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
+                await changed.wait()
+        cap = self._backend_cap(backend)
+        raise RestoreFailed(
+            jsonrpc.INTERNAL_ERROR,
+            f"No adapter process is free: all {cap} live sessions of backend {backend.name!r} are busy",
+            {"reason": "pool_exhausted", "maxLive": cap, "backend": backend.name},
+        )
+
+    def _release_reservation(self, backend: BackendConfig) -> None:
+        self._reserved[backend.name] -= 1
+        self._notify_pool()
+
+    async def _evict(self, slot: Slot, why: str = "least recently used") -> bool:
+        """Suspend what the pool chose (a spare is simply stopped); False if that was not possible."""
+        for adapter in list(self.running):
+            if slot_key(adapter) != slot.key:
+                continue
+            if adapter.gateway_session is None:
+                if adapter.busy:
+                    return False
+                self._evicting.add(adapter)
+                log.info("pool: stopping a spare %s adapter (%s)", adapter.backend.name, why)
+                try:
+                    await self._stop_adapter(adapter)
+                finally:
+                    self._evicting.discard(adapter)
+                return True
+            session = self.sessions.get(adapter.gateway_session)
+            return session is not None and await self.suspend_session(session, why)
+        return False
+
+    async def _start_adapter(self, backend: BackendConfig, *, prepare: bool, session_key: str | None = None) -> Adapter:
+        """A new running adapter of ``backend`` (within the pool's budget).
+
+        ``prepare``: send it ``initialize`` with the gateway's own params, and
+        ``authenticate`` again if the gateway did, so it can take a session.
+        """
+        await self._acquire_slot(backend)
+        try:
+            warm, self._warm = (self._warm, None) if backend is self.backend else (None, self._warm)
+            try:
+                supervised = warm or Adapter.launch(
+                    backend, owner=self.owner, shutdown=self.config.shutdown, session_key=session_key
+                )
+                adapter = await Adapter.attach(backend, supervised, self.config.max_line_bytes)
+            except Exception as exc:
+                # Whatever went wrong (a missing binary, an unusable state database), the
+                # gateway gets an answer and the proxy keeps serving.
+                if not isinstance(exc, SpawnError):
+                    log.exception("starting backend %r failed", backend.name)
+                    exc = SpawnError(f"cannot start backend {backend.name!r}: {exc}")
+                raise RestoreFailed(
+                    jsonrpc.INTERNAL_ERROR, str(exc), {"reason": "spawn_failed", "backend": backend.name}
+                ) from None
+            adapter.last_active = time.monotonic()
+            adapter.claimed = prepare
+            self.running.add(adapter)
+        finally:
+            self._release_reservation(backend)
+        assert self._tasks is not None
+        self._tasks.start_soon(self._relay_from_adapter, adapter)
+        self._tasks.start_soon(self._watch_adapter_exit, adapter)
+        if prepare:
+            try:
+                await self._prepare(adapter)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._stop_adapter(adapter)
+                raise
+        return adapter
+
+    async def _prepare(self, adapter: Adapter) -> None:
+        """``initialize`` (and ``authenticate``) a fresh adapter as the gateway did its first one."""
+        init = self._client_init if self._client_init is not UNSET else {"protocolVersion": 1}
+        answer = await self._call(adapter, "initialize", init)
+        adapter.capabilities = AgentCapabilities.from_initialize(answer.result)
+        adapter.can_close_sessions = adapter.capabilities.close
+        if self._auth_params is not UNSET:
+            await self._call(adapter, "authenticate", self._auth_params)
+
+    async def _call(self, adapter: Adapter, method: str, params: object) -> Message:
+        """An internal request, bounded by ``resume_timeout``; an error answer raises ``RestoreFailed``."""
+        answer = await self._call_answer(adapter, method, params)
+        if answer.error is not UNSET:
+            raise RestoreFailed(
+                answer.error.code,
+                f"{method} failed: {answer.error.message}",
+                {"reason": "restore_failed", "method": method, "backend": adapter.backend.name},
+            )
+        return answer
+
+    async def _call_answer(self, adapter: Adapter, method: str, params: object) -> Message:
+        timeout = self.config.pool.resume_timeout
+        try:
+            with anyio.fail_after(timeout):
+                return await adapter.call(method, params)
+        except TimeoutError:
+            raise RestoreFailed(
+                jsonrpc.INTERNAL_ERROR,
+                f"{method} timed out after {timeout:g}s",
+                {"reason": "restore_timeout", "method": method, "backend": adapter.backend.name},
+            ) from None
+        except AdapterGone as exc:
+            raise RestoreFailed(
+                jsonrpc.INTERNAL_ERROR,
+                f"The agent process exited during {method} ({describe_exit(exc.returncode)})",
+                {"reason": "adapter_exited", "method": method, "backend": adapter.backend.name},
+            ) from None
+
+    async def _forward_to_spare(self, msg: Message, backend: BackendConfig) -> None:
+        """``initialize`` / ``authenticate``: to the spare process, started for it if need be."""
+        adapter = self._spare(backend)
+        if adapter is None:
+            try:
+                adapter = await self._start_adapter(backend, prepare=msg.method != "initialize")
+            except RestoreFailed as exc:
+                await self._fail(msg.id, exc.code, exc.message, exc.data)
+                return
+            adapter.claimed = False
+        if msg.method == "authenticate":
+
+            def remember(answer: Message) -> None:
+                if answer.error is UNSET:
+                    self._auth_params = msg.params
+
+            await self._forward(adapter, msg, remember)
+        else:
+            await self._forward(adapter, msg)
+
+    async def _forward_to_any(self, msg: Message) -> None:
+        adapter = self._any_adapter()
+        if adapter is None:
+            try:
+                adapter = await self._start_adapter(self.backend, prepare=True)
+            except RestoreFailed as exc:
+                await self._fail(msg.id, exc.code, exc.message, exc.data)
+                return
+            adapter.claimed = False
+        await self._forward(adapter, msg)
+
+    async def _take_adapter(self, backend: BackendConfig, session_key: str | None = None) -> Adapter:
+        """A prepared adapter for a new or restored session: the spare, else a new one."""
+        adapter = self._spare(backend)
+        if adapter is not None:
+            adapter.claimed = True
+            return adapter
+        return await self._start_adapter(backend, prepare=True, session_key=session_key)
+
+    # --- session intents ---------------------------------------------------------------
+
+    def _backend_named(self, meta: dict[str, Any]) -> BackendConfig:
+        name = meta.get("backend")
+        if name is None:
+            return self.backend
+        if not isinstance(name, str) or name not in self.config.backends:
+            configured = ", ".join(sorted(self.config.backends))
+            raise RestoreFailed(
+                jsonrpc.INVALID_PARAMS,
+                f'Unknown backend {name!r} in _meta["acp-proxy"].backend (configured: {configured})',
+                {"reason": "unknown_backend", "configured": sorted(self.config.backends)},
+            )
+        return self.config.backends[name]
+
+    async def _new_session(self, msg: Message) -> None:
+        """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
+        params = jsonrpc.decode_object(msg.params) or {}
+        try:
+            backend = self._backend_named(proxy_meta(msg.params))
+            adapter = await self._take_adapter(backend)
+        except RestoreFailed as exc:
+            await self._fail(msg.id, exc.code, exc.message, exc.data)
+            return
+
+        def created(answer: Message) -> None:
+            adapter.claimed = False
+            session_id = session_of(answer.result) if answer.error is UNSET else None
+            if session_id is None:
+                return  # the error goes to the gateway; the process stays as a spare
+            record = SessionRecord(
+                session_id=session_id,
+                adapter_session_id=session_id,
+                backend=backend.name,
+                cwd=str(params.get("cwd", "")),
+                mcp_servers=jsonrpc.encode_json(params.get("mcpServers", [])).decode(),
+                additional_directories=(
+                    jsonrpc.encode_json(params["additionalDirectories"]).decode()
+                    if "additionalDirectories" in params
+                    else None
+                ),
+                lease_id=adapter.supervised.lease.lease_id,
+                auth_method=self._auth_method(),
+                ownership=ownership_from(proxy_meta(msg.params)),
+            )
+            self._bind(Session(self.registry.create(record)), adapter, session_id)
+
+        await self._forward(adapter, msg, created)
+
+    def _auth_method(self) -> str | None:
+        obj = jsonrpc.decode_object(self._auth_params) or {}
+        method = obj.get("methodId")
+        return method if isinstance(method, str) else None
+
+    def _bind(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:
+        """From now on ``adapter`` serves ``session`` (its own id for it may differ from the stable one)."""
+        adapter.gateway_session = session.session_id
+        adapter.adapter_session = adapter_session_id
+        adapter.open_sessions = {adapter_session_id}
+        adapter.claimed = False
+        adapter.last_active = time.monotonic()
+        session.adapter = adapter
+        self.sessions[session.session_id] = session
+        self._notify_pool()
+
+    def _session(self, session_id: str) -> Session | None:
+        """A session this proxy can serve: in memory, or in the registry (suspended or left by a dead proxy)."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session
+        record = self.registry.get(session_id)
+        if record is None or record.state is SessionState.CLOSED:
+            return None
+        if record.state is not SessionState.SUSPENDED and record.instance_id != self.owner.instance_id:
+            return None  # live in another proxy that is still running
+        session = Session(record)
+        self.sessions[session_id] = session
+        return session
+
+    async def _forward_to_session(self, msg: Message, session_id: str) -> None:
+        session = self._session(session_id)
+        if session is None:
+            await self._unknown_session(msg.id, session_id)
+            return
+        if session.ready:
+            assert session.adapter is not None
+            await self._forward(session.adapter, msg, self._bookkeeping(session, msg))
+            return
+        session.queued += 1
+        epoch = session.cancel_epoch
+        self._background(lambda: self._forward_when_live(session, msg, epoch))
+
+    async def _unknown_session(self, request_id: RequestId | UnsetType, session_id: str) -> None:
+        elsewhere = self.registry.get(session_id)
+        if elsewhere is not None and elsewhere.state is not SessionState.CLOSED:
+            await self._fail(
+                request_id,
+                jsonrpc.INTERNAL_ERROR,
+                f"Session {session_id} is live in another acp-proxy process (instance {elsewhere.instance_id})",
+                {"reason": "session_in_use", "sessionId": session_id, "instanceId": elsewhere.instance_id},
+            )
+            return
+        await self._fail(
+            request_id,
+            jsonrpc.RESOURCE_NOT_FOUND,
+            f"Unknown session {session_id}",
+            {"reason": "unknown_session", "sessionId": session_id},
+        )
+
+    def _bookkeeping(self, session: Session, msg: Message) -> Callable[[Message], None] | None:
+        """What to record when the adapter answers a request of this session."""
+        method = msg.method
+        if method == "session/prompt":
+            self.registry.touch(session.session_id)
+            return None
+        if method in SETTING_METHODS:
+
+            def remember(answer: Message) -> None:
+                params = jsonrpc.decode_object(msg.params)
+                if answer.error is UNSET and params is not None and isinstance(method, str):
+                    self.registry.record_setting(session.session_id, method, params)
+
+            return remember
+        return None
+
+    async def _forward_when_live(self, session: Session, msg: Message, epoch: int) -> None:
+        """A request for a session without a process: bring it back (in order), then forward."""
+        try:
+            async with session.lock:
+                if session.closed:
+                    await self._unknown_session(msg.id, session.session_id)
+                    return
+                if msg.method == "session/prompt" and session.cancel_epoch != epoch:
+                    await self._answer(msg.id, {"stopReason": "cancelled"})
+                    return
+                try:
+                    adapter = await self.ensure_live(session)
+                except RestoreFailed as exc:
+                    await self._fail(msg.id, exc.code, exc.message, exc.data)
+                    return
+                if msg.method == "session/prompt" and session.cancel_epoch != epoch:
+                    await self._answer(msg.id, {"stopReason": "cancelled"})
+                    return
+                await self._forward(adapter, msg, self._bookkeeping(session, msg))
+        finally:
+            session.queued -= 1
+
+    async def ensure_live(self, session: Session, gateway_asked: str | None = None) -> Adapter:
+        """The session's process, resuming it first if it has none. Call with ``session.lock`` held."""
+        if session.adapter is not None and not session.adapter.gone:
+            return session.adapter
+        answer = await self.resume_session(session, gateway_asked)
+        del answer
+        assert session.adapter is not None
+        return session.adapter
+
+    async def resume_session(self, session: Session, gateway_asked: str | None = None) -> Message:
+        """Bring a suspended session back on a fresh adapter; the answer of the restoring request.
+
+        spawn -> initialize (the gateway's params) -> authenticate (if it did) ->
+        session/resume | session/load | session/new (per strategy and capability),
+        falling back to session/new only on the error classes that say the adapter
+        cannot restore it -> re-apply mode and config options. A timeout or any other
+        failure stops the new process and leaves the session suspended, mapping kept.
+        """
+        record = self.registry.get(session.session_id) or session.record
+        session.record = record
+        backend = self.config.backends.get(record.backend)
+        if backend is None:
+            raise RestoreFailed(
+                jsonrpc.INTERNAL_ERROR,
+                f"Session {record.session_id} belongs to backend {record.backend!r}, which is no longer configured",
+                {"reason": "unknown_backend", "backend": record.backend},
+            )
+        started = time.monotonic()
+        adapter = await self._take_adapter(backend, session_key=record.session_id)
+        self.registry.mark_resuming(record.session_id)
+        adapter.gateway_session = record.session_id
+        adapter.adapter_session = record.adapter_session_id
+        try:
+            answer, adapter_session_id = await self._restore(adapter, backend, record, gateway_asked)
+            for method, params in record.settings:
+                setting = await self._call_answer(
+                    adapter, method, {**msgspec.json.decode(params), "sessionId": adapter_session_id}
+                )
+                if setting.error is not UNSET:
+                    log.warning("session %s: %s not re-applied: %s", record.session_id, method, setting.error.message)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                adapter.gateway_session = adapter.adapter_session = None
+                self.registry.mark_suspended(record.session_id)
+                await self._stop_adapter(adapter)
+            raise
+        self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
+        session.record = self.registry.get(record.session_id) or record
+        self._bind(session, adapter, adapter_session_id)
+        log.info(
+            "session %s resumed on pid %s in %.0f ms",
+            record.session_id,
+            adapter.pid,
+            (time.monotonic() - started) * 1000,
+        )
+        return answer
+
+    async def _restore(
+        self, adapter: Adapter, backend: BackendConfig, record: SessionRecord, gateway_asked: str | None
+    ) -> tuple[Message, str]:
+        """Run the restoring request (and the fallback); the answer and the adapter's id for the session."""
+        caps = adapter.capabilities
+        method = restore_method(backend.resume, can_resume=caps.resume, can_load=caps.load, gateway_asked=gateway_asked)
+        if method is None:
+            raise RestoreFailed(
+                jsonrpc.RESOURCE_NOT_FOUND,
+                f'Session {record.session_id} cannot be resumed (backend {backend.name!r} has resume = "never")',
+                {"reason": "resume_disabled", "sessionId": record.session_id},
+            )
+        params = record.restore_params()
+        answer: Message | None = None
+        if method != "session/new":
+            adapter.swallow_updates = not (method == "session/load" and gateway_asked == "session/load")
+            try:
+                answer = await self._call_answer(adapter, method, {**params, "sessionId": record.adapter_session_id})
+            finally:
+                adapter.swallow_updates = False
+            code = answer.error.code if answer.error is not UNSET else None
+            if code is None:
+                return answer, record.adapter_session_id
+            if not falls_back_to_new(method, code):
+                raise RestoreFailed(
+                    code,
+                    f"{method} failed: {answer.error.message}",  # type: ignore[union-attr]
+                    {"reason": "restore_failed", "method": method, "backend": backend.name},
+                )
+            log.warning(
+                "session %s: %s failed with %d; starting afresh with session/new", record.session_id, method, code
+            )
+        fresh = await self._call(adapter, "session/new", params)
+        new_id = session_of(fresh.result)
+        if new_id is None:
+            raise RestoreFailed(
+                jsonrpc.INTERNAL_ERROR,
+                "session/new answered without a sessionId",
+                {"reason": "restore_failed", "method": "session/new", "backend": backend.name},
+            )
+        self.registry.note_history_reset(record.session_id, new_id)
+        adapter.adapter_session = new_id
+        await self._announce_history_reset(record.session_id)
+        result = jsonrpc.decode_object(fresh.result) or {}
+        result.pop("sessionId", None)
+        return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result))), new_id
+
+    async def _announce_history_reset(self, session_id: str) -> None:
+        """Tell the gateway the adapter could not restore the history: this session starts afresh."""
+        update = {
+            "sessionUpdate": "session_info_update",
+            "_meta": {"acp-proxy": {"historyReset": True}},
+        }
+        await self._send_gateway(jsonrpc.notification("session/update", {"sessionId": session_id, "update": update}))
+
+    async def _restore_for_gateway(self, msg: Message, session_id: str) -> None:
+        """``session/load`` / ``session/resume`` sent by the gateway itself."""
+        session = self._session(session_id)
+        if session is None:
+            record = self.registry.get(session_id)
+            if record is not None and record.state is not SessionState.CLOSED:
+                await self._unknown_session(msg.id, session_id)  # live in another proxy
+            else:
+                await self._adopt_session(msg, session_id)
+            return
+        session.queued += 1
+        try:
+            async with session.lock:
+                if session.adapter is not None and not session.adapter.gone:
+                    await self._forward(session.adapter, msg)
+                    return
+                try:
+                    answer = await self.resume_session(session, gateway_asked=str(msg.method))
+                except RestoreFailed as exc:
+                    await self._fail(msg.id, exc.code, exc.message, exc.data)
+                    return
+                await self._answer(msg.id, answer.result if answer.result is not UNSET else {})
+        finally:
+            session.queued -= 1
+
+    async def _adopt_session(self, msg: Message, session_id: str) -> None:
+        """A load/resume of a session the registry does not know: the adapter may (its own storage)."""
+        params = jsonrpc.decode_object(msg.params) or {}
+        try:
+            backend = self._backend_named(proxy_meta(msg.params))
+            adapter = await self._take_adapter(backend)
+        except RestoreFailed as exc:
+            await self._fail(msg.id, exc.code, exc.message, exc.data)
+            return
+        adapter.gateway_session = adapter.adapter_session = session_id
+
+        def adopted(answer: Message) -> None:
+            if answer.error is not UNSET:
+                adapter.gateway_session = adapter.adapter_session = None
+                adapter.claimed = False
+                return
+            record = SessionRecord(
+                session_id=session_id,
+                adapter_session_id=session_id,
+                backend=backend.name,
+                cwd=str(params.get("cwd", "")),
+                mcp_servers=jsonrpc.encode_json(params.get("mcpServers", [])).decode(),
+                additional_directories=(
+                    jsonrpc.encode_json(params["additionalDirectories"]).decode()
+                    if "additionalDirectories" in params
+                    else None
+                ),
+                lease_id=adapter.supervised.lease.lease_id,
+                auth_method=self._auth_method(),
+                ownership=ownership_from(proxy_meta(msg.params)),
+            )
+            self._bind(Session(self.registry.create(record)), adapter, session_id)
+
+        await self._forward(adapter, msg, adopted)
+
+    async def close_session(self, msg: Message, session_id: str) -> None:
+        """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, forget the session."""
+        session = self._session(session_id)
+        if session is None:
+            await self._unknown_session(msg.id, session_id)
+            return
+        session.closed = True
+        self.cancel_turn(session)
+        async with session.lock:
+            adapter, session.adapter = session.adapter, None
+            if adapter is not None and not adapter.gone:
+                await self._end_turns(adapter, session_id)
+                await self._stop_adapter(adapter)
+            self.registry.mark_closed(session_id)
+            self.sessions.pop(session_id, None)
+        log.info("session %s closed", session_id)
+        await self._answer(msg.id, {})
+
+    async def _end_turns(self, adapter: Adapter, session_id: str) -> None:
+        """Cancel the turn in flight, give the adapter ``close_timeout`` to end it, answer the rest ourselves."""
+        if adapter.turn_in_flight:
+            cancel = {"sessionId": adapter.adapter_session or session_id}
+            with suppress(AdapterGone):
+                await adapter.send(jsonrpc.notification("session/cancel", cancel))
+            with anyio.move_on_after(self.config.shutdown.close_timeout):
+                while adapter.turn_in_flight and not adapter.gone:
+                    await anyio.sleep(0.01)
+        for call in adapter.take_gateway_calls():
+            if call.method == "session/prompt":
+                await self._answer(call.gateway_id, {"stopReason": "cancelled"})
+            else:
+                await self._fail(
+                    call.gateway_id,
+                    jsonrpc.REQUEST_CANCELLED,
+                    "The session was closed",
+                    {"reason": "session_closed", "method": call.method},
+                )
+
+    async def suspend_session(self, session: Session, why: str) -> bool:
+        """Reap an idle session's process, keeping it resumable; False if it was busy (left alone)."""
+        async with session.lock:
+            adapter = session.adapter
+            if adapter is None or adapter.gone or adapter.busy or session.queued:
+                return False
+            self._evicting.add(adapter)
+            try:
+                session.adapter = None
+                self.registry.mark_suspended(session.session_id)
+                log.info("session %s suspended (%s): stopping pid %s", session.session_id, why, adapter.pid)
+                await self._stop_adapter(adapter)
+            finally:
+                self._evicting.discard(adapter)
+                self._notify_pool()
+        return True
+
+    async def _suspend_idle_sessions(self) -> None:
+        """The idle TTL sweeper: suspend sessions (and stop spares) idle longer than ``idle_ttl``."""
+        ttl = self.config.pool.idle_ttl
+        interval = max(0.05, min(ttl / 4, 30.0))
+        while True:
+            await anyio.sleep(interval)
+            for slot in expired(self._slots(), time.monotonic(), ttl):
+                await self._evict(slot, f"idle for {ttl:g}s")
+
+    async def _list_sessions(self, msg: Message) -> None:
+        """``session/list`` from the registry: suspended sessions included, filtered by who asks."""
+        params = jsonrpc.decode_object(msg.params) or {}
+        try:
+            requester = parse_requester(params.get("_meta"))
+            cursor = params.get("cursor")
+            after = decode_cursor(cursor) if isinstance(cursor, str) else None
+        except ValueError as exc:
+            await self._fail(msg.id, jsonrpc.INVALID_PARAMS, str(exc), {"reason": "invalid_params"})
+            return
+        cwd = params.get("cwd") if isinstance(params.get("cwd"), str) else None
+        records = self.registry.page(cwd=cwd)
+        if requester is not None:
+            visible = {row.session_id for row in visible_rows([visibility_row(r) for r in records], requester)}
+            records = [r for r in records if r.session_id in visible]
+        if after is not None:
+            records = [r for r in records if (r.created_at, r.session_id) > (after.created_at, after.session_id)]
+        page = records[:LIST_PAGE_SIZE]
+        result: dict[str, Any] = {"sessions": [session_info(r) for r in page]}
+        if len(records) > len(page):
+            result["nextCursor"] = encode_cursor(page[-1])
+        await self._answer(msg.id, result)
 
     async def _forward_answer(self, msg: Message) -> None:
         """The gateway answered an agent->client request: hand it to the adapter that asked."""
@@ -307,12 +1117,24 @@ class Proxy:
             log.warning("gateway answered an unknown request id %r: dropped", key)
             return
         adapter, adapter_id = route
+        adapter.upstream_pending -= 1
+        if not adapter.busy:
+            self._notify_pool()
         try:
             await adapter.send(jsonrpc.with_id(msg, adapter_id))
         except AdapterGone:
             log.info("answer to request %r dropped: the adapter has exited", adapter_id)
 
     # --- adapter -> gateway ---------------------------------------------------------
+
+    async def _watch_adapter_exit(self, adapter: Adapter) -> None:
+        """When the wrapper exits, make sure its whole tree is gone and its lease settled.
+
+        A wrapper exits on its own only after tearing its tree down; if it was
+        killed instead, this is what finds the orphans (by marker) and ends them.
+        """
+        await adapter.wait_exit(math.inf)
+        await self._stop_adapter(adapter)
 
     async def _relay_from_adapter(self, adapter: Adapter) -> None:
         reader = adapter.lines
@@ -329,7 +1151,7 @@ class Proxy:
                         batch.overlong,
                         self.config.max_line_bytes,
                     )
-                if is_plain_notification_block(batch):
+                if not adapter.swallow_updates and not adapter.rewrites_session and is_plain_notification_block(batch):
                     await self._send_gateway(batch.block)
                     continue
                 out: list[bytes] = []
@@ -349,14 +1171,19 @@ class Proxy:
     ) -> bytes | None:
         """What to send the gateway for one adapter line (``None``: nothing)."""
         if isinstance(decoded, BadLine):
-            log.warning(
-                "adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s",
-                adapter.pid,
-                _preview(line),
-            )
+            log.warning("adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s", adapter.pid, _preview(line))
             return None
         msg, kind = decoded
+        if kind is not Kind.RESPONSE and adapter.rewrites_session:
+            assert adapter.adapter_session is not None
+            assert adapter.gateway_session is not None
+            rewritten = rewrite_session_id(msg.params, adapter.adapter_session, adapter.gateway_session)
+            if rewritten is not msg.params:
+                msg.params = rewritten
+                line = jsonrpc.encode(msg).rstrip(b"\n")
         if kind is Kind.NOTIFICATION:
+            if msg.method == "session/update" and adapter.swallow_updates:
+                return None
             if msg.method != CANCEL_REQUEST:
                 return line + b"\n"
             ok, target = cancel_target(msg.params)
@@ -368,6 +1195,7 @@ class Proxy:
             upstream_id = self._next_upstream_id
             self._next_upstream_id += 1
             self._upstream[upstream_id] = (adapter, msg.id)  # type: ignore[assignment]
+            adapter.upstream_pending += 1
             return jsonrpc.with_id(msg, upstream_id)
         call = adapter.take_pending(msg.id)
         if call is None:
@@ -378,8 +1206,12 @@ class Proxy:
             call.internal.done.set()
             return None
         adapter.note_answer(call, msg)
+        if call.on_answer is not None:
+            call.on_answer(msg)
+        if not adapter.busy:
+            self._notify_pool()  # a waiter for a slot may now suspend this one
         if call.method == "initialize" and msg.result is not UNSET:
-            msg.result = annotate_initialize(msg.result, self.backend.name)
+            msg.result = annotate_initialize(msg.result, adapter.backend.name)
         return jsonrpc.with_id(msg, call.gateway_id)
 
     def _find_upstream(self, adapter: Adapter, adapter_id: RequestId) -> int | None:
@@ -389,7 +1221,11 @@ class Proxy:
         return None
 
     async def _adapter_gone(self, adapter: Adapter) -> None:
-        """The adapter's stdout closed: answer everything it still owed, with its exit status."""
+        """The adapter's stdout closed: answer everything it still owed, with its exit status.
+
+        A session whose process died this way is not lost: it is suspended, and
+        the next request for it resumes it.
+        """
         returncode = await adapter.wait_exit(1.0)
         failed = adapter.mark_gone()
         if self._stop_reason is None and failed:
@@ -409,20 +1245,15 @@ class Proxy:
         for upstream_id in orphaned:
             del self._upstream[upstream_id]
             await self._send_gateway(jsonrpc.notification(CANCEL_REQUEST, {"requestId": upstream_id}))
-        await adapter.stop(self.config.shutdown)
-
-    def _exited_error(self, request_id: RequestId, method: str, adapter: Adapter) -> bytes:
-        return jsonrpc.error_response(
-            request_id,
-            jsonrpc.INTERNAL_ERROR,
-            f"The agent process has exited ({describe_exit(adapter.returncode)}); send initialize to start a new one",
-            {
-                "reason": "adapter_exited",
-                "exitStatus": adapter.returncode,
-                "backend": adapter.backend.name,
-                "method": method,
-            },
-        )
+        adapter.upstream_pending = 0
+        session = self.sessions.get(adapter.gateway_session) if adapter.gateway_session else None
+        if session is not None and session.adapter is adapter:
+            session.adapter = None
+            if not self._shutting_down and not session.closed:
+                why = describe_exit(returncode)
+                log.warning("session %s: its process ended (%s); suspended, resumable", session.session_id, why)
+                self.registry.mark_suspended(session.session_id)
+        await self._stop_adapter(adapter, drain=False)
 
     async def _fail_calls(self, calls: list[PendingCall], code: int, message: str, data: dict[str, object]) -> None:
         if calls:

@@ -65,6 +65,33 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX leases_by_instance ON leases (instance_id, state);
     CREATE INDEX leases_by_state ON leases (state);
     """,
+    # 2: the session registry (stable ids, what it takes to resume, ownership metadata)
+    """
+    CREATE TABLE sessions (
+        session_id TEXT PRIMARY KEY,
+        adapter_session_id TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('live', 'suspended', 'resuming', 'closed')),
+        instance_id TEXT,
+        lease_id TEXT,
+        cwd TEXT NOT NULL,
+        mcp_servers TEXT NOT NULL,
+        additional_directories TEXT,
+        settings TEXT NOT NULL,
+        auth_method TEXT,
+        session_key TEXT,
+        owner_session_key TEXT,
+        spawned_by TEXT,
+        parent_session_key TEXT,
+        agent_id TEXT,
+        history_resets INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        last_active_at REAL NOT NULL,
+        closed_at REAL
+    );
+    CREATE INDEX sessions_by_state ON sessions (state, backend);
+    CREATE INDEX sessions_by_instance ON sessions (instance_id, state);
+    """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

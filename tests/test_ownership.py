@@ -158,6 +158,12 @@ TEARDOWN = [
 ]
 
 
+async def assert_resumed_on_a_new_process(gw: Gateway, session: str, dead_pid: int) -> None:
+    """A session whose process died is suspended, not lost: the next prompt resumes it elsewhere."""
+    assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
+    assert (await gw.request("_fake/pids"))["result"]["adapter"] != dead_pid
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("row", TEARDOWN, ids=[row.id for row in TEARDOWN])
 async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys, row: Ending) -> None:
@@ -181,7 +187,7 @@ async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys
             crashed = await gw.prompt(session, "crash 0")
             assert crashed["error"]["data"]["reason"] == "adapter_exited"
             assert await survivors(tree) == []
-            assert (await gw.request("_fake/echo", {}))["error"]["data"]["reason"] == "adapter_exited"
+            await assert_resumed_on_a_new_process(gw, session, pids["adapter"])
         elif row.ending == "sigterm":
             gw.signal(signal.SIGTERM)
             with anyio.fail_after(GONE_WITHIN):
@@ -193,7 +199,7 @@ async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys
             assert lease.wrapper_pid is not None
             os.kill(lease.wrapper_pid, signal.SIGKILL)
             assert await survivors(tree) == []
-            assert (await gw.request("_fake/echo", {}))["error"]["data"]["reason"] == "adapter_exited"
+            await assert_resumed_on_a_new_process(gw, session, pids["adapter"])
         elif row.ending == "kill-wrapper-and-proxy":
             assert lease.wrapper_pid is not None
             gw.signal(signal.SIGSTOP)  # so that it cannot sweep before it dies

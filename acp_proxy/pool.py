@@ -1,0 +1,113 @@
+"""The live-process budget: who may start an adapter, whom to suspend for it, who has idled too long.
+
+Everything here is a pure decision over a snapshot of the live slots, in the
+manner of httpcore's connection pool: the proxy takes the snapshot, asks, and
+then does the slow work (suspending a session, spawning an adapter) outside.
+
+A *slot* is one live adapter process: a session's, or a *spare* (started for
+``initialize``/``authenticate`` before any session exists, and handed to the
+next ``session/new``). A slot is *idle* when no turn is in flight on it and no
+agent->client request of it is pending; only idle slots are ever suspended.
+Spares go first, then the least recently used session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    key: str
+    """The session id, or ``spare:<backend>``."""
+    backend: str
+    last_active: float
+    busy: bool = False
+    spare: bool = False
+    pinned: bool = False
+    """Never suspended by the pool (a backend whose sessions cannot be resumed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Start the process, after suspending ``evict`` (if set) to make room."""
+
+    evict: Slot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """No room and nothing idle to suspend: wait for a slot to free up."""
+
+    reason: str
+
+
+Decision = Admit | Wait
+
+
+def _eviction_order(slot: Slot) -> tuple[bool, float]:
+    return (not slot.spare, slot.last_active)
+
+
+def plan_acquire(
+    live: Sequence[Slot], backend: str, *, backend_cap: int, global_cap: int, reserved: Mapping[str, int] | None = None
+) -> Decision:
+    """Decide how a new process for ``backend`` gets a slot.
+
+    ``reserved`` counts slots promised to starts in progress (per backend), which
+    are not in ``live`` yet but must not be promised twice.
+    """
+    pending = reserved or {}
+    in_backend = sum(1 for slot in live if slot.backend == backend) + pending.get(backend, 0)
+    total = len(live) + sum(pending.values())
+    backend_full = in_backend >= backend_cap
+    global_full = total >= global_cap
+    if not backend_full and not global_full:
+        return Admit()
+    idle = [slot for slot in live if not slot.busy and not slot.pinned]
+    if backend_full:
+        idle = [slot for slot in idle if slot.backend == backend]
+    if not idle:
+        scope = f"backend {backend!r} ({backend_cap})" if backend_full else f"all backends ({global_cap})"
+        return Wait(f"every live session of {scope} is busy")
+    return Admit(evict=min(idle, key=_eviction_order))
+
+
+def expired(live: Sequence[Slot], now: float, idle_ttl: float) -> list[Slot]:
+    """Idle slots not used for ``idle_ttl`` seconds, oldest first."""
+    stale = [slot for slot in live if not slot.busy and not slot.pinned and now - slot.last_active >= idle_ttl]
+    return sorted(stale, key=_eviction_order)
+
+
+# --- how a suspended session comes back -------------------------------------------------------
+
+FALLBACK_ERRORS: Final = frozenset({-32002, -32601, -32602})
+"""Resource not found, method not found, invalid params: the adapter cannot restore this session
+(it never kept it, or cannot load at all), so a fresh ``session/new`` is the only way on. Any
+other error, a timeout or an interruption keeps the mapping: trying again later may work."""
+
+
+def restore_method(strategy: str, *, can_resume: bool, can_load: bool, gateway_asked: str | None = None) -> str | None:
+    """The request that restores a session on a fresh adapter, or ``None`` (``resume = "never"``).
+
+    ``auto`` prefers ``session/resume`` (no replay), then ``session/load``, then
+    ``session/new``; the other strategies name the request to use. A gateway that
+    itself sent ``session/load`` wants the replay, so it gets a load when the
+    adapter can load.
+    """
+    if strategy == "never":
+        return None
+    if gateway_asked == "session/load" and can_load and strategy in ("auto", "load"):
+        return "session/load"
+    if strategy == "auto":
+        if can_resume:
+            return "session/resume"
+        return "session/load" if can_load else "session/new"
+    return f"session/{strategy}"
+
+
+def falls_back_to_new(method: str, error_code: int | None) -> bool:
+    """Whether a failed restore may fall back to ``session/new`` (and reset the history)."""
+    return method != "session/new" and error_code in FALLBACK_ERRORS

@@ -1,0 +1,278 @@
+"""The session registry: one stable id per session, and what it takes to bring it back.
+
+A session's id is the one the adapter first issued; the gateway keeps using it
+whatever happens to the process behind it. A row keeps everything a resume needs
+(backend, cwd, MCP servers, additional directories, the mode and config options
+the gateway set, the auth method it used), the ownership metadata ``session/list``
+filters on, and which proxy instance holds it live under which lease.
+
+States: ``live`` (a process serves it) · ``resuming`` (one is being started) ·
+``suspended`` (no process; resumable) · ``closed`` (gone for good). Rows survive
+the proxy: a session left ``live`` by a proxy that died is ``suspended`` to the
+next one (its process tree was reaped with its lease).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+import msgspec
+
+from acp_proxy.ownership import instances
+from acp_proxy.state import StateDB, now
+
+SETTING_METHODS: Final = ("session/set_mode", "session/set_config_option", "session/set_model")
+"""Requests whose effect a resumed adapter must be told again, in the order they were made."""
+LIST_PAGE_SIZE: Final = 50
+
+
+class SessionState(enum.StrEnum):
+    LIVE = "live"
+    RESUMING = "resuming"
+    SUSPENDED = "suspended"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """Who a session belongs to, from ``_meta["acp-proxy"]`` on ``session/new``."""
+
+    session_key: str | None = None
+    owner_session_key: str | None = None
+    spawned_by: str | None = None
+    parent_session_key: str | None = None
+    agent_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    session_id: str
+    adapter_session_id: str
+    backend: str
+    cwd: str
+    mcp_servers: str = "[]"
+    """JSON text, as the gateway sent it."""
+    additional_directories: str | None = None
+    state: SessionState = SessionState.LIVE
+    instance_id: str | None = None
+    lease_id: str | None = None
+    settings: tuple[tuple[str, str], ...] = ()
+    """``(method, params JSON)`` of each setting request, latest per setting, oldest first."""
+    auth_method: str | None = None
+    ownership: Ownership = field(default_factory=Ownership)
+    history_resets: int = 0
+    created_at: float = 0.0
+    last_active_at: float = 0.0
+
+    def restore_params(self) -> dict[str, Any]:
+        """Params for ``session/load``, ``session/resume`` or ``session/new`` (add ``sessionId``)."""
+        params: dict[str, Any] = {"cwd": self.cwd, "mcpServers": json.loads(self.mcp_servers)}
+        if self.additional_directories is not None:
+            params["additionalDirectories"] = json.loads(self.additional_directories)
+        return params
+
+    @classmethod
+    def from_row(cls, row: Any) -> SessionRecord:
+        return cls(
+            session_id=row["session_id"],
+            adapter_session_id=row["adapter_session_id"],
+            backend=row["backend"],
+            cwd=row["cwd"],
+            mcp_servers=row["mcp_servers"],
+            additional_directories=row["additional_directories"],
+            state=SessionState(row["state"]),
+            instance_id=row["instance_id"],
+            lease_id=row["lease_id"],
+            settings=tuple((method, params) for method, params in json.loads(row["settings"])),
+            auth_method=row["auth_method"],
+            ownership=Ownership(
+                session_key=row["session_key"],
+                owner_session_key=row["owner_session_key"],
+                spawned_by=row["spawned_by"],
+                parent_session_key=row["parent_session_key"],
+                agent_id=row["agent_id"],
+            ),
+            history_resets=row["history_resets"],
+            created_at=row["created_at"],
+            last_active_at=row["last_active_at"],
+        )
+
+
+def setting_key(method: str, params: dict[str, Any]) -> tuple[str, str]:
+    """Which earlier setting a new one replaces: one mode, one model, one value per config option."""
+    if method == "session/set_config_option":
+        return method, str(params.get("configId"))
+    return method, ""
+
+
+def merge_setting(
+    settings: Sequence[tuple[str, str]], method: str, params: dict[str, Any]
+) -> tuple[tuple[str, str], ...]:
+    """``settings`` with this request recorded (``sessionId`` and ``_meta`` dropped), replacing its older value."""
+    kept = {key: value for key, value in params.items() if key not in ("sessionId", "_meta")}
+    key = setting_key(method, kept)
+    others = [(m, p) for m, p in settings if setting_key(m, json.loads(p)) != key]
+    return (*others, (method, json.dumps(kept, sort_keys=True, separators=(",", ":"))))
+
+
+class Cursor(msgspec.Struct, frozen=True):
+    created_at: float
+    session_id: str
+
+
+def encode_cursor(record: SessionRecord) -> str:
+    raw = msgspec.json.encode(Cursor(record.created_at, record.session_id))
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> Cursor:
+    """The position a ``nextCursor`` names; ``ValueError`` for anything else."""
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+        return msgspec.json.decode(raw, type=Cursor)
+    except (binascii.Error, ValueError, msgspec.DecodeError):
+        raise ValueError(f"invalid cursor {text!r}: pass back a nextCursor from session/list") from None
+
+
+class SessionRegistry:
+    """Session rows in the state database; every write is one short transaction."""
+
+    def __init__(self, db: StateDB, instance_id: str) -> None:
+        self.db = db
+        self.instance_id = instance_id
+
+    def create(self, record: SessionRecord) -> SessionRecord:
+        """Insert (or replace: a session the gateway loads again after it was closed) a row."""
+        at = now()
+        record = replace(record, instance_id=self.instance_id, created_at=at, last_active_at=at)
+        owner = record.ownership
+        with self.db.transaction() as conn:
+            conn.execute(
+                """INSERT OR REPLACE INTO sessions (session_id, adapter_session_id, backend, state, instance_id,
+                       lease_id, cwd, mcp_servers, additional_directories, settings, auth_method, session_key,
+                       owner_session_key, spawned_by, parent_session_key, agent_id, history_resets, created_at,
+                       last_active_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (
+                    record.session_id,
+                    record.adapter_session_id,
+                    record.backend,
+                    record.state.value,
+                    record.instance_id,
+                    record.lease_id,
+                    record.cwd,
+                    record.mcp_servers,
+                    record.additional_directories,
+                    json.dumps(list(record.settings)),
+                    record.auth_method,
+                    owner.session_key,
+                    owner.owner_session_key,
+                    owner.spawned_by,
+                    owner.parent_session_key,
+                    owner.agent_id,
+                    record.history_resets,
+                    record.created_at,
+                    record.last_active_at,
+                ),
+            )
+        return record
+
+    def get(self, session_id: str) -> SessionRecord | None:
+        row = self.db.conn.execute("SELECT * FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+        return None if row is None else SessionRecord.from_row(row)
+
+    def _update(self, session_id: str, assignments: str, values: Iterable[object]) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(f"UPDATE sessions SET {assignments} WHERE session_id = ?", (*values, session_id))
+
+    def mark_live(self, session_id: str, lease_id: str | None, adapter_session_id: str) -> None:
+        self._update(
+            session_id,
+            "state = 'live', instance_id = ?, lease_id = ?, adapter_session_id = ?, last_active_at = ?",
+            (self.instance_id, lease_id, adapter_session_id, now()),
+        )
+
+    def mark_resuming(self, session_id: str) -> None:
+        self._update(session_id, "state = 'resuming', instance_id = ?", (self.instance_id,))
+
+    def mark_suspended(self, session_id: str) -> None:
+        self._update(session_id, "state = 'suspended', lease_id = NULL", ())
+
+    def mark_closed(self, session_id: str) -> None:
+        self._update(session_id, "state = 'closed', lease_id = NULL, closed_at = ?", (now(),))
+
+    def note_history_reset(self, session_id: str, adapter_session_id: str) -> None:
+        self._update(
+            session_id,
+            "adapter_session_id = ?, history_resets = history_resets + 1",
+            (adapter_session_id,),
+        )
+
+    def touch(self, session_id: str) -> None:
+        self._update(session_id, "last_active_at = ?", (now(),))
+
+    def record_setting(self, session_id: str, method: str, params: dict[str, Any]) -> None:
+        with self.db.transaction() as conn:
+            row = conn.execute("SELECT settings FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+            if row is None:
+                return
+            settings = merge_setting([tuple(pair) for pair in json.loads(row[0])], method, params)
+            conn.execute(
+                "UPDATE sessions SET settings = ? WHERE session_id = ?", (json.dumps(list(settings)), session_id)
+            )
+
+    def record_auth_method(self, session_id: str, method_id: str | None) -> None:
+        self._update(session_id, "auth_method = ?", (method_id,))
+
+    def suspend_all_of_this_instance(self) -> int:
+        """On shutdown: every session this proxy holds becomes resumable by the next one."""
+        with self.db.transaction() as conn:
+            cursor = conn.execute(
+                """UPDATE sessions SET state = 'suspended', lease_id = NULL
+                   WHERE instance_id = ? AND state IN ('live', 'resuming')""",
+                (self.instance_id,),
+            )
+        return cursor.rowcount
+
+    def adopt_orphans(self) -> list[str]:
+        """Sessions left ``live``/``resuming`` by proxies that are gone become ``suspended``.
+
+        Their process trees were reaped with their leases at startup; only the
+        mapping is left, and it is what makes them resumable.
+        """
+        rows = self.db.conn.execute(
+            "SELECT session_id, instance_id FROM sessions WHERE state IN ('live', 'resuming') AND instance_id != ?",
+            (self.instance_id,),
+        ).fetchall()
+        orphaned = [
+            row["session_id"]
+            for row in rows
+            if row["instance_id"] is None or not instances.instance_alive(self.db, row["instance_id"])
+        ]
+        for session_id in orphaned:
+            self.mark_suspended(session_id)
+        return orphaned
+
+    def page(self, *, cwd: str | None = None, cursor: Cursor | None = None, limit: int = 10_000) -> list[SessionRecord]:
+        """Open (not closed) sessions, oldest first, after ``cursor``."""
+        query = "SELECT * FROM sessions WHERE state != 'closed'"
+        args: list[object] = []
+        if cwd is not None:
+            query += " AND cwd = ?"
+            args.append(cwd)
+        if cursor is not None:
+            query += " AND (created_at, session_id) > (?, ?)"
+            args += [cursor.created_at, cursor.session_id]
+        query += " ORDER BY created_at, session_id LIMIT ?"
+        args.append(limit)
+        return [SessionRecord.from_row(row) for row in self.db.conn.execute(query, args)]
+
+    def counts(self) -> dict[str, int]:
+        rows = self.db.conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state")
+        return {state: count for state, count in rows}
