@@ -10,7 +10,17 @@ Startup behaviour comes from one JSON object in argv[1] (all keys optional):
     init_delay         seconds to wait before answering initialize
     load_replay        number of history updates to replay on session/load (default: all)
     load_result        what session/load answers (default {}; null is allowed)
+    resume_result      what session/resume answers (default {})
     title              rewrite argv[0]/comm as seen in /proc (where supported)
+    store              directory: each session's state (history, mode, config values, completed
+                       turns) is kept in STORE/<sessionId>.json, rewritten after every change, so
+                       another adapter process can load or resume its conversation (history and
+                       turns; mode and config start afresh there); session ids become
+                       "fake-" + 12 hex digits instead of "fake-N"
+    modes              session/new also answers "modes" (default and plan; current: default)
+    auth_methods       the initialize result's authMethods (default [])
+    fail               {method: code}: such requests get that error ("injected failure")
+    hang               [method, ...]: such requests are read and never answered
 
 Per-turn behaviour comes from the prompt text: commands separated by ";" run in order,
 then the turn ends with end_turn unless a command ended it first.
@@ -27,10 +37,24 @@ then the turn ends with end_turn unless a command ended it first.
     ext                send a "_fake/notice" extension notification with _meta
     ask_then_cancel    ask permission, then withdraw it with $/cancel_request
     meta               echo the prompt's _meta back in a message chunk
+    state              a message chunk whose text is JSON (sorted keys): {"session", "mode",
+                       "config", "turns": turns completed before this one, "history": updates
+                       before this turn, "pid"}
+    auth               a message chunk whose text is the JSON list of methodIds authenticated
+                       in this process
+
+A turn that ends (whatever the stop reason) counts as completed; a crash does not.
+
+Sessions: session/load replays the history then answers; session/resume answers without
+replaying; session/close forgets the session in memory (the stored file stays). A session
+not in memory is read from the store; unknown sessions get -32002, except that a prompt
+for one starts it afresh. session/set_mode and session/set_config_option record the value
+(answers {} and {"configOptions": []}); authenticate records its methodId.
 
 Other requests: "_fake/echo" answers its params; "_fake/slow" {"seconds": S} answers
 after S seconds unless cancelled with $/cancel_request (then -32800); "_fake/pids"
-answers the pids it started. Anything unknown gets -32601.
+answers the pids it started; "_fake/sessions" answers {"sessions": ids in memory, sorted}.
+Anything unknown gets -32601.
 """
 
 from __future__ import annotations
@@ -44,6 +68,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
@@ -57,9 +82,11 @@ class FakeAdapter:
         self.waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
         self.cancelled_sessions: set[str] = set()
         self.cancelled_requests: set[Any] = set()
-        self.history: dict[str, list[dict[str, Any]]] = {}
+        self.sessions: dict[str, dict[str, Any]] = {}  # id -> {"history", "mode", "config", "turns"}
+        self.sessions_lock = threading.RLock()
+        self.authenticated: list[str] = []
         self.children: list[int] = []
-        self.sessions = itertools.count(1)
+        self.session_numbers = itertools.count(1)
         record = options.get("record")
         self.record = open(record, "a", buffering=1) if record else None  # noqa: SIM115
 
@@ -77,8 +104,10 @@ class FakeAdapter:
             sys.stdout.flush()
 
     def update(self, session_id: str, update: dict[str, Any]) -> None:
-        self.history.setdefault(session_id, []).append(update)
-        self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
+        with self.sessions_lock:  # history order is the order sent
+            self.session(session_id, create=True)["history"].append(update)
+            self.persist(session_id)
+            self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
 
     def say(self, session_id: str, text: str) -> None:
         self.update(session_id, {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": text}})
@@ -89,6 +118,56 @@ class FakeAdapter:
         self.waiting[request_id] = (done, box)
         self.send({"id": request_id, "method": method, "params": params})
         return request_id, done, box
+
+    # --- sessions -------------------------------------------------------------------
+
+    def session(self, session_id: str, create: bool = False) -> dict[str, Any]:
+        """The session's state: from memory, else from the store, else new (if create) or -32002."""
+        with self.sessions_lock:
+            state = self.sessions.get(session_id)
+            if state is None:
+                state = self.read_stored(session_id)
+            if state is None:
+                if not create:
+                    raise RpcError(-32002, f"unknown session {session_id}")
+                state = {"history": [], "mode": None, "config": {}, "turns": 0}
+            self.sessions[session_id] = state
+            return state
+
+    def stored_path(self, session_id: Any) -> str | None:
+        store = self.options.get("store")
+        if not store or not isinstance(session_id, str) or not session_id:
+            return None
+        if "/" in session_id or session_id.startswith("."):
+            return None  # never a path outside the store
+        return os.path.join(store, session_id + ".json")
+
+    def read_stored(self, session_id: str) -> dict[str, Any] | None:
+        path = self.stored_path(session_id)
+        if path is None or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            stored = json.load(f)
+        # Like most real adapters, a new process restores the conversation, not the settings:
+        # the mode and config options are the proxy's to re-apply after a resume.
+        mode = "default" if self.options.get("modes") else None
+        return {"history": stored["history"], "turns": stored["turns"], "mode": mode, "config": {}}
+
+    def persist(self, session_id: str) -> None:
+        path = self.stored_path(session_id)
+        if path is None:
+            return
+        with self.sessions_lock:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temp = f"{path}.{os.getpid()}.tmp"
+            with open(temp, "w") as f:
+                json.dump({"sessionId": session_id, **self.sessions[session_id]}, f)
+            os.replace(temp, path)
+
+    def new_session_id(self) -> str:
+        if self.options.get("store"):
+            return f"fake-{uuid.uuid4().hex[:12]}"
+        return f"fake-{next(self.session_numbers)}"
 
     # --- dispatch -------------------------------------------------------------------
 
@@ -120,32 +199,48 @@ class FakeAdapter:
             self.send({"id": request_id, "result": result})
 
     def dispatch(self, request_id: Any, method: str, params: dict[str, Any]) -> Any:
+        if method in self.options.get("hang", []):
+            return NO_ANSWER
+        if method in self.options.get("fail", {}):
+            raise RpcError(self.options["fail"][method], "injected failure")
         if method == "initialize":
             time.sleep(float(self.options.get("init_delay", 0)))
             return {
                 "protocolVersion": 1,
                 "agentCapabilities": self.options.get("caps", {"loadSession": True}),
-                "authMethods": [],
+                "authMethods": self.options.get("auth_methods", []),
                 "agentInfo": {"name": "fake-adapter", "version": "0.0.1"},
             }
+        if method == "authenticate":
+            self.authenticated.append(params.get("methodId"))
+            return {}
         if method == "session/new":
-            session_id = f"fake-{next(self.sessions)}"
-            self.history[session_id] = []
-            return {"sessionId": session_id}
+            return self.new_session()
         if method == "session/load":
             session_id = params.get("sessionId")
-            replay = self.history.get(session_id, [])
+            replay = list(self.session(session_id)["history"])
             limit = self.options.get("load_replay")
             for update in replay if limit is None else replay[:limit]:
                 self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
             return self.options.get("load_result", {})
         if method == "session/resume":
-            return {}
+            self.session(params.get("sessionId"))
+            return self.options.get("resume_result", {})
         if method == "session/close":
-            if params.get("sessionId") not in self.history:
-                raise RpcError(-32002, f"unknown session {params.get('sessionId')}")
-            del self.history[params["sessionId"]]
+            with self.sessions_lock:
+                self.session(params.get("sessionId"))
+                del self.sessions[params["sessionId"]]
             return {}
+        if method == "session/set_mode":
+            with self.sessions_lock:
+                self.session(params.get("sessionId"))["mode"] = params.get("modeId")
+                self.persist(params["sessionId"])
+            return {}
+        if method == "session/set_config_option":
+            with self.sessions_lock:
+                self.session(params.get("sessionId"))["config"][params.get("configId")] = params.get("value")
+                self.persist(params["sessionId"])
+            return {"configOptions": []}
         if method == "session/prompt":
             return self.prompt(request_id, params)
         if method == "_fake/echo":
@@ -159,22 +254,46 @@ class FakeAdapter:
             return {"slept": params.get("seconds", 1)}
         if method == "_fake/pids":
             return {"adapter": os.getpid(), "children": self.children}
+        if method == "_fake/sessions":
+            with self.sessions_lock:
+                return {"sessions": sorted(self.sessions)}
         raise RpcError(-32601, f"Method not found: {method}")
+
+    def new_session(self) -> dict[str, Any]:
+        modes = self.options.get("modes")
+        with self.sessions_lock:
+            session_id = self.new_session_id()
+            self.sessions[session_id] = {"history": [], "mode": "default" if modes else None, "config": {}, "turns": 0}
+            self.persist(session_id)
+        result: dict[str, Any] = {"sessionId": session_id}
+        if modes:
+            result["modes"] = {
+                "currentModeId": "default",
+                "availableModes": [{"id": "default", "name": "Default"}, {"id": "plan", "name": "Plan"}],
+            }
+        return result
 
     # --- turns -------------------------------------------------------------------
 
     def prompt(self, request_id: Any, params: dict[str, Any]) -> Any:
         session_id = params.get("sessionId", "")
         self.cancelled_sessions.discard(session_id)
+        history_before = len(self.session(session_id, create=True)["history"])
         text = " ".join(b.get("text", "") for b in params.get("prompt", []) if b.get("type") == "text")
+        stop = None
         for command in filter(None, (c.strip() for c in text.split(";"))):
             verb, _, arg = command.partition(" ")
-            stop = self.run_command(session_id, verb, arg.strip(), params)
+            stop = self.run_command(session_id, verb, arg.strip(), params, history_before)
             if stop is not None:
-                return {"stopReason": stop}
-        return {"stopReason": "end_turn"}
+                break
+        with self.sessions_lock:  # the turn has ended: count it
+            self.session(session_id, create=True)["turns"] += 1
+            self.persist(session_id)
+        return {"stopReason": stop or "end_turn"}
 
-    def run_command(self, session_id: str, verb: str, arg: str, params: dict[str, Any]) -> str | None:
+    def run_command(
+        self, session_id: str, verb: str, arg: str, params: dict[str, Any], history_before: int
+    ) -> str | None:
         if verb == "stream":
             for i in range(int(arg)):
                 self.say(session_id, f"chunk {i} ")
@@ -235,6 +354,20 @@ class FakeAdapter:
             )
         elif verb == "meta":
             self.say(session_id, json.dumps(params.get("_meta"), sort_keys=True))
+        elif verb == "state":
+            with self.sessions_lock:
+                state = self.session(session_id, create=True)
+                report = {
+                    "session": session_id,
+                    "mode": state["mode"],
+                    "config": state["config"],
+                    "turns": state["turns"],
+                    "history": history_before,
+                    "pid": os.getpid(),
+                }
+                self.say(session_id, json.dumps(report, sort_keys=True))
+        elif verb == "auth":
+            self.say(session_id, json.dumps(self.authenticated))
         return None
 
     @staticmethod

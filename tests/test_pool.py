@@ -1,0 +1,177 @@
+"""The pool's decisions and the restore strategy, as tables: pure functions, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from acp_proxy.pool import Admit, Slot, Wait, expired, falls_back_to_new, plan_acquire, restore_method
+
+
+def slot(key: str, backend: str = "a", last_active: float = 0.0, **flags: bool) -> Slot:
+    return Slot(key=key, backend=backend, last_active=last_active, **flags)
+
+
+# (sentence, live slots, backend asked for, backend cap, global cap, reserved, expected eviction key | "admit" | "wait")
+ACQUIRE = [
+    ("room in the backend and overall: start it, suspend nothing", [slot("s1")], "a", 2, 4, {}, "admit"),
+    (
+        "backend full: the least recently used idle session of that backend is suspended",
+        [slot("old", last_active=1), slot("new", last_active=5)],
+        "a",
+        2,
+        4,
+        {},
+        "old",
+    ),
+    (
+        "a busy session is never suspended, even when it is the oldest",
+        [slot("old", last_active=1, busy=True), slot("new", last_active=5)],
+        "a",
+        2,
+        4,
+        {},
+        "new",
+    ),
+    (
+        "every session busy: wait",
+        [slot("s1", busy=True), slot("s2", busy=True)],
+        "a",
+        2,
+        4,
+        {},
+        "wait",
+    ),
+    (
+        "a spare goes before any session, however recent",
+        [slot("s1", last_active=1), slot("spare:a", last_active=9, spare=True)],
+        "a",
+        2,
+        4,
+        {},
+        "spare:a",
+    ),
+    (
+        "backend full: another backend's idle session does not help",
+        [slot("a1", busy=True), slot("b1", backend="b", last_active=0)],
+        "a",
+        1,
+        4,
+        {},
+        "wait",
+    ),
+    (
+        "global cap reached with room in the backend: any backend's idle session may go",
+        [slot("a1", busy=True), slot("b1", backend="b", last_active=3)],
+        "a",
+        4,
+        2,
+        {},
+        "b1",
+    ),
+    (
+        "starts in progress count: a reserved slot is not promised twice",
+        [slot("s1", last_active=1)],
+        "a",
+        2,
+        4,
+        {"a": 1},
+        "s1",
+    ),
+    (
+        "a pinned session (resume = never) is never suspended",
+        [slot("s1", pinned=True)],
+        "a",
+        1,
+        4,
+        {},
+        "wait",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("live", "backend", "backend_cap", "global_cap", "reserved", "expected"),
+    [row[1:] for row in ACQUIRE],
+    ids=[row[0] for row in ACQUIRE],
+)
+def test_plan_acquire(
+    live: list[Slot], backend: str, backend_cap: int, global_cap: int, reserved: dict[str, int], expected: str
+) -> None:
+    decision = plan_acquire(live, backend, backend_cap=backend_cap, global_cap=global_cap, reserved=reserved)
+    if expected == "wait":
+        assert isinstance(decision, Wait)
+    elif expected == "admit":
+        assert decision == Admit()
+    else:
+        assert isinstance(decision, Admit)
+        assert decision.evict is not None
+        assert decision.evict.key == expected
+
+
+def test_idle_ttl_picks_only_idle_slots_past_the_ttl_spares_first() -> None:
+    live = [
+        slot("fresh", last_active=95),
+        slot("stale", last_active=10),
+        slot("stale-busy", last_active=0, busy=True),
+        slot("stale-pinned", last_active=0, pinned=True),
+        slot("spare:a", last_active=50, spare=True),
+    ]
+    assert [s.key for s in expired(live, now=100, idle_ttl=30)] == ["spare:a", "stale"]
+    assert expired(live, now=100, idle_ttl=1000) == []
+
+
+# (sentence, strategy, adapter can resume, can load, what the gateway asked, expected request)
+STRATEGY = [
+    ("auto prefers session/resume (no replay)", "auto", True, True, None, "session/resume"),
+    ("auto without resume loads", "auto", False, True, None, "session/load"),
+    ("auto with neither starts afresh", "auto", False, False, None, "session/new"),
+    (
+        "a gateway that sent session/load gets a load (it wants the replay)",
+        "auto",
+        True,
+        True,
+        "session/load",
+        "session/load",
+    ),
+    (
+        "a gateway session/load on an adapter that cannot load: resume",
+        "auto",
+        True,
+        False,
+        "session/load",
+        "session/resume",
+    ),
+    ("resume = load uses session/load", "load", True, True, None, "session/load"),
+    ("resume = resume is tried even if not advertised", "resume", False, True, None, "session/resume"),
+    ("resume = new never tries to restore", "new", True, True, None, "session/new"),
+    ("resume = new ignores what the gateway asked", "new", True, True, "session/load", "session/new"),
+    ("resume = never does not restore at all", "never", True, True, None, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "can_resume", "can_load", "asked", "expected"),
+    [row[1:] for row in STRATEGY],
+    ids=[row[0] for row in STRATEGY],
+)
+def test_restore_method(
+    strategy: str, can_resume: bool, can_load: bool, asked: str | None, expected: str | None
+) -> None:
+    assert restore_method(strategy, can_resume=can_resume, can_load=can_load, gateway_asked=asked) == expected
+
+
+@pytest.mark.parametrize(
+    ("method", "code", "falls_back"),
+    [
+        ("session/resume", -32002, True),  # resource not found
+        ("session/resume", -32601, True),  # method not found
+        ("session/load", -32602, True),  # invalid params
+        ("session/load", -32603, False),  # internal error: try again later, keep the mapping
+        ("session/load", -32000, False),  # auth required
+        ("session/resume", -32800, False),  # cancelled
+        ("session/load", None, False),  # a timeout or interruption has no code
+        ("session/new", -32002, False),  # nothing left to fall back to
+    ],
+)
+def test_fallback_only_on_the_three_error_classes(method: str, code: int | None, falls_back: bool) -> None:
+    assert falls_back_to_new(method, code) is falls_back

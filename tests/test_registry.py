@@ -1,0 +1,132 @@
+"""The session registry: rows round-trip, settings merge, orphans become resumable, paging is stable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from acp_proxy.ownership import instances
+from acp_proxy.sessions import (
+    Ownership,
+    SessionRecord,
+    SessionRegistry,
+    SessionState,
+    decode_cursor,
+    encode_cursor,
+    merge_setting,
+)
+from acp_proxy.state import StateDB
+
+
+def record(session_id: str, **fields: object) -> SessionRecord:
+    fields.setdefault("cwd", "/w")
+    return SessionRecord(session_id=session_id, adapter_session_id=session_id, backend="fake", **fields)  # type: ignore[arg-type]
+
+
+def test_a_row_keeps_everything_a_resume_needs(tmp_path: Path) -> None:
+    registry = SessionRegistry(StateDB(tmp_path), "instance-1")
+    registry.create(
+        record(
+            "s1",
+            mcp_servers='[{"name":"fs","command":"mcp-fs","args":[],"env":[]}]',
+            additional_directories='["/extra"]',
+            auth_method="api-key",
+            ownership=Ownership(session_key="k1", owner_session_key="k0", agent_id="main"),
+        )
+    )
+    registry.record_setting("s1", "session/set_mode", {"sessionId": "s1", "modeId": "plan", "_meta": {"x": 1}})
+    registry.record_setting("s1", "session/set_config_option", {"sessionId": "s1", "configId": "model", "value": "a"})
+    registry.record_setting("s1", "session/set_config_option", {"sessionId": "s1", "configId": "effort", "value": "hi"})
+    registry.record_setting("s1", "session/set_config_option", {"sessionId": "s1", "configId": "model", "value": "b"})
+    registry.record_setting("s1", "session/set_mode", {"sessionId": "s1", "modeId": "code"})
+    got = registry.get("s1")
+    assert got is not None
+    assert got.state is SessionState.LIVE
+    assert got.instance_id == "instance-1"
+    assert got.restore_params() == {
+        "cwd": "/w",
+        "mcpServers": [{"name": "fs", "command": "mcp-fs", "args": [], "env": []}],
+        "additionalDirectories": ["/extra"],
+    }
+    assert [(m, json.loads(p)) for m, p in got.settings] == [
+        ("session/set_config_option", {"configId": "effort", "value": "hi"}),
+        ("session/set_config_option", {"configId": "model", "value": "b"}),
+        ("session/set_mode", {"modeId": "code"}),
+    ], "latest value per setting, in the order last set, without sessionId or _meta"
+    assert got.auth_method == "api-key"
+    assert got.ownership == Ownership(session_key="k1", owner_session_key="k0", agent_id="main")
+
+
+def test_merge_setting_replaces_only_the_same_setting() -> None:
+    settings = merge_setting((), "session/set_model", {"modelId": "m1"})
+    settings = merge_setting(settings, "session/set_mode", {"modeId": "plan"})
+    settings = merge_setting(settings, "session/set_model", {"modelId": "m2"})
+    assert [(m, json.loads(p)) for m, p in settings] == [
+        ("session/set_mode", {"modeId": "plan"}),
+        ("session/set_model", {"modelId": "m2"}),
+    ]
+
+
+def test_sessions_of_a_dead_proxy_become_suspended_those_of_a_live_one_stay(tmp_path: Path) -> None:
+    db = StateDB(tmp_path)
+    dead = instances.start_instance(db, "boot")
+    SessionRegistry(db, dead.instance_id).create(record("orphan"))
+    instances.end_instance(db, dead)
+    live_proxy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from acp_proxy.state import StateDB; "
+            "from acp_proxy.ownership import instances; from acp_proxy.sessions import SessionRecord, SessionRegistry; "
+            "db = StateDB(Path(sys.argv[1])); i = instances.start_instance(db, 'boot'); "
+            "SessionRegistry(db, i.instance_id).create(SessionRecord('kept', 'kept', 'fake', '/w')); "
+            "print('ready', flush=True); time.sleep(60)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert live_proxy.stdout is not None
+        assert live_proxy.stdout.readline().strip() == b"ready"
+        me = instances.start_instance(db, "boot")
+        registry = SessionRegistry(db, me.instance_id)
+        assert registry.adopt_orphans() == ["orphan"]
+        assert registry.adopt_orphans() == [], "idempotent"
+        assert registry.get("orphan").state is SessionState.SUSPENDED  # type: ignore[union-attr]
+        assert registry.get("kept").state is SessionState.LIVE  # type: ignore[union-attr]
+    finally:
+        live_proxy.kill()
+        live_proxy.wait()
+
+
+def test_shutdown_suspends_only_this_instances_sessions(tmp_path: Path) -> None:
+    db = StateDB(tmp_path)
+    mine, other = SessionRegistry(db, "me"), SessionRegistry(db, "other")
+    mine.create(record("a"))
+    mine.create(record("b"))
+    other.create(record("c"))
+    mine.mark_closed("b")
+    assert mine.suspend_all_of_this_instance() == 1
+    assert mine.counts() == {"suspended": 1, "closed": 1, "live": 1}
+
+
+def test_paging_is_stable_and_skips_closed_sessions(tmp_path: Path) -> None:
+    registry = SessionRegistry(StateDB(tmp_path), "me")
+    for n in range(7):
+        registry.create(record(f"s{n}", cwd="/a" if n % 2 else "/b"))
+    registry.mark_closed("s3")
+    first = registry.page(limit=3)
+    assert [r.session_id for r in first] == ["s0", "s1", "s2"]
+    rest = registry.page(cursor=decode_cursor(encode_cursor(first[-1])))
+    assert [r.session_id for r in rest] == ["s4", "s5", "s6"]
+    assert [r.session_id for r in registry.page(cwd="/a")] == ["s1", "s5"]
+
+
+@pytest.mark.parametrize("bad", ["", "!!!", "bm90IGpzb24", "eyJ4IjoxfQ"])
+def test_a_cursor_that_was_not_issued_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid cursor"):
+        decode_cursor(bad)

@@ -1,0 +1,413 @@
+"""Sessions over a bounded pool, with real processes: suspend, resume, close, restart.
+
+Each test drives a real proxy in front of the fake adapter, with the adapter's
+session state kept in a directory (``store``) so that a fresh adapter process can
+load or resume what an earlier one served, as real adapters do from disk.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from acp_proxy.ownership.leases import LeaseState
+from acp_proxy.sessions import SessionRegistry, SessionState
+from acp_proxy.state import StateDB
+from tests.harness import Gateway, fake_command, pid_alive
+
+pytestmark = pytest.mark.anyio
+
+RESUME_AND_LOAD = {"loadSession": True, "sessionCapabilities": {"resume": {}, "close": {}}}
+LOAD_ONLY = {"loadSession": True}
+NEITHER: dict[str, Any] = {}
+
+
+def write_config(
+    tmp_path: Path,
+    *,
+    pool: dict[str, str | int] | None = None,
+    backends: dict[str, dict[str, Any]] | None = None,
+    default_backend: str | None = None,
+) -> Path:
+    """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options)."""
+    lines = []
+    if default_backend:
+        lines.append(f'default_backend = "{default_backend}"')
+    lines += ["[shutdown]", 'close_timeout = "500ms"', 'stdin_grace = "300ms"', 'term_grace = "1s"', "[pool]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in (pool or {}).items()]
+    for name, options in (backends or {"unused": {}}).items():
+        settings = dict(options)
+        resume = settings.pop("resume", None)
+        max_live = settings.pop("max_live", None)
+        lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(**settings))}"]
+        if resume:
+            lines.append(f'resume = "{resume}"')
+        if max_live:
+            lines.append(f"max_live = {max_live}")
+    path = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start(env: dict[str, str], tmp_path: Path, *, pool: dict[str, str | int] | None = None, **options: Any) -> Any:
+    """A proxy serving one fake backend with ``options``, its sessions stored under tmp_path/store."""
+    options.setdefault("store", str(tmp_path / "store"))
+    config = write_config(tmp_path, pool={"max_live": 1, **(pool or {})})
+    return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], **options)
+
+
+async def state_of(gw: Gateway, session: str) -> dict[str, Any]:
+    """What the adapter serving ``session`` knows about it (the ``state`` prompt command)."""
+    response = await gw.prompt(session, "state")
+    assert response["result"]["stopReason"] == "end_turn", response
+    updates = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
+    gw._stash.clear()
+    return json.loads(updates[-1]["params"]["update"]["content"]["text"])
+
+
+async def adapter_pid(gw: Gateway, session: str) -> int:
+    return int((await state_of(gw, session))["pid"])
+
+
+def registry(env: dict[str, str]) -> SessionRegistry:
+    return SessionRegistry(StateDB(Path(env["ACP_PROXY_STATE_DIR"]), create=False), "reader")
+
+
+def adapter_calls(gw: Gateway, method: str) -> list[dict[str, Any]]:
+    """Every ``method`` request the proxy sent to any adapter process."""
+    sent = [json.loads(e["in"]) for e in gw.adapter_record() if "in" in e]
+    return [m for m in sent if m.get("method") == method]
+
+
+# --- LRU suspension and transparent resume, over strategies and capabilities ---------------------
+
+# (id, caps, resume strategy, request the proxy restores with, history kept)
+RESTORE = [
+    ("auto-resume", RESUME_AND_LOAD, "auto", "session/resume", True),
+    ("auto-load", LOAD_ONLY, "auto", "session/load", True),
+    ("auto-new", NEITHER, "auto", "session/new", False),
+    ("forced-load", RESUME_AND_LOAD, "load", "session/load", True),
+    ("forced-new", RESUME_AND_LOAD, "new", "session/new", False),
+]
+
+
+@pytest.mark.parametrize(("caps", "strategy", "method", "kept"), [r[1:] for r in RESTORE], ids=[r[0] for r in RESTORE])
+async def test_lru_suspends_the_idle_session_and_resume_is_transparent(
+    proc_env: dict[str, str], tmp_path: Path, caps: dict[str, Any], strategy: str, method: str, kept: bool
+) -> None:
+    config = write_config(
+        tmp_path,
+        pool={"max_live": 1},
+        backends={
+            "fake": {
+                "caps": caps,
+                "resume": strategy,
+                "store": str(tmp_path / "store"),
+                "record": str(tmp_path / "rec.jsonl"),
+            }
+        },
+    )
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        await gw.initialize()
+        first = await gw.new_session()
+        assert (await gw.prompt(first, "stream 2"))["result"]["stopReason"] == "end_turn"
+        first_pid = await adapter_pid(gw, first)
+        second = await gw.new_session()  # max_live = 1: the first session is suspended for it
+        with anyio.fail_after(10):
+            while pid_alive(first_pid):
+                await anyio.sleep(0.02)
+        assert registry(proc_env).get(first).state is SessionState.SUSPENDED  # type: ignore[union-attr]
+        gw._stash.clear()
+        state = await state_of(gw, first)  # resumes it (suspending the second)
+        assert state["pid"] != first_pid
+        assert state["turns"] == (2 if kept else 0)
+        assert state["history"] == (3 if kept else 0)
+        assert adapter_calls(gw, method), f"restored with {method}"
+        resets = [
+            m
+            for m in gw.received
+            if m.get("method") == "session/update"
+            and m["params"]["update"].get("sessionUpdate") == "session_info_update"
+        ]
+        assert bool(resets) is not kept, "a history reset is announced, and only then"
+        if resets:
+            assert resets[0]["params"]["sessionId"] == first
+            assert resets[0]["params"]["update"]["_meta"]["acp-proxy"]["historyReset"] is True
+        replayed = [m for m in gw.received if m.get("method") == "session/update" and "chunk 0" in json.dumps(m)]
+        assert len(replayed) == 1, "the replay of a load the gateway did not ask for is not forwarded"
+        # The stable id holds in both directions, even when the adapter's own id changed.
+        assert (await gw.prompt(first, "stream 1"))["result"]["stopReason"] == "end_turn"
+        assert (await gw.prompt(second, "stream 1"))["result"]["stopReason"] == "end_turn"
+        ids = {m["params"]["sessionId"] for m in gw.received if m.get("method") == "session/update"}
+        assert ids == {first, second}
+
+
+# --- fallback error classes, timeouts ------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [-32002, -32601, -32602])
+async def test_fallback_to_new_only_on_the_three_error_classes_and_ids_are_rewritten(
+    proc_env: dict[str, str], tmp_path: Path, code: int
+) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, fail={"session/resume": code}) as gw:
+        gw.answer_agent_requests = lambda _: {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+        await gw.initialize()
+        first = await gw.new_session()
+        await gw.new_session()
+        state = await state_of(gw, first)
+        assert state["session"] != first, "the adapter knows it under a new id"
+        assert state["turns"] == 0
+        # Agent->client requests carry the stable id too, and answers find their way back.
+        await gw.send(
+            {
+                "jsonrpc": "2.0",
+                "id": "p",
+                "method": "session/prompt",
+                "params": {"sessionId": first, "prompt": [{"type": "text", "text": "permission"}]},
+            }
+        )
+        asked = await gw.expect(lambda m: m.get("method") == "session/request_permission")
+        assert asked["params"]["sessionId"] == first
+        await gw.send_raw(
+            json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "id": asked["id"],
+                    "result": {"outcome": {"outcome": "selected", "optionId": "allow"}},
+                }
+            ).encode()
+            + b"\n"
+        )
+        assert (await gw.response_to("p"))["result"]["stopReason"] == "end_turn"
+        sent = [m for m in adapter_calls(gw, "session/prompt") if m["params"]["prompt"][0]["text"] == "permission"]
+        assert sent[0]["params"]["sessionId"] == state["session"], "rewritten on the way to the adapter"
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [({"fail": {"session/resume": -32603}}, "restore_failed"), ({"hang": ["session/resume"]}, "restore_timeout")],
+    ids=["internal-error", "timeout"],
+)
+async def test_other_failures_never_fall_back_and_keep_the_mapping(
+    proc_env: dict[str, str], tmp_path: Path, fault: dict[str, Any], reason: str
+) -> None:
+    async with start(proc_env, tmp_path, pool={"resume_timeout": "700ms"}, caps=RESUME_AND_LOAD, **fault) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        await gw.new_session()
+        failed = await gw.prompt(first, "state")
+        assert failed["error"]["data"]["reason"] == reason
+        assert not adapter_calls(gw, "session/new")[2:], "no fallback to session/new"
+        assert registry(proc_env).get(first).state is SessionState.SUSPENDED  # type: ignore[union-attr]
+        listed = await gw.request("session/list", {})
+        assert first in [s["sessionId"] for s in listed["result"]["sessions"]]
+
+
+# --- settings, busy sessions, the pool's limits, idle TTL ------------------------------------
+
+
+async def test_mode_and_config_options_are_reapplied_after_resume(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, modes=True) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        assert "result" in await gw.request("session/set_mode", {"sessionId": first, "modeId": "plan"})
+        option = {"sessionId": first, "configId": "model", "value": "big"}
+        assert "result" in await gw.request("session/set_config_option", option)
+        await gw.new_session()
+        state = await state_of(gw, first)
+        assert (state["mode"], state["config"]) == ("plan", {"model": "big"})
+        assert adapter_calls(gw, "session/set_mode")[-1]["params"] == {"sessionId": first, "modeId": "plan"}
+
+
+async def test_a_busy_session_is_never_evicted_and_the_pool_answers_exhausted(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, pool={"acquire_timeout": "500ms"}) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        await gw.send(
+            {
+                "jsonrpc": "2.0",
+                "id": "busy",
+                "method": "session/prompt",
+                "params": {"sessionId": first, "prompt": [{"type": "text", "text": "sleep 1.5; stream 1"}]},
+            }
+        )
+        await anyio.sleep(0.2)
+        refused = await gw.request("session/new", {"cwd": "/tmp", "mcpServers": []})
+        assert refused["error"]["code"] == -32603
+        assert refused["error"]["data"]["reason"] == "pool_exhausted"
+        assert refused["error"]["data"]["maxLive"] == 1
+        assert (await gw.response_to("busy"))["result"]["stopReason"] == "end_turn"
+        assert "result" in await gw.request("session/new", {"cwd": "/tmp", "mcpServers": []})
+
+
+async def test_idle_sessions_are_suspended_after_the_ttl(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, pool={"max_live": 4, "idle_ttl": "300ms"}, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        pid = await adapter_pid(gw, session)
+        with anyio.fail_after(10):
+            while pid_alive(pid):
+                await anyio.sleep(0.05)
+        assert registry(proc_env).get(session).state is SessionState.SUSPENDED  # type: ignore[union-attr]
+        assert (await state_of(gw, session))["turns"] == 1
+
+
+# --- cancel and close ------------------------------------------------------------------------
+
+
+async def test_cancel_arriving_during_a_resume_cancels_the_queued_prompt(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, init_delay=0.6) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        await gw.new_session()
+        prompt = {"sessionId": first, "prompt": [{"type": "text", "text": "stream 1"}]}
+        await gw.send({"jsonrpc": "2.0", "id": "queued", "method": "session/prompt", "params": prompt})
+        await anyio.sleep(0.2)
+        await gw.notify("session/cancel", {"sessionId": first})
+        assert (await gw.response_to("queued"))["result"] == {"stopReason": "cancelled"}
+        # The resume itself went on: the session is live and serves the next prompt.
+        assert (await gw.prompt(first, "stream 1"))["result"]["stopReason"] == "end_turn"
+
+
+async def test_cancel_of_a_suspended_session_starts_nothing(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        await gw.new_session()
+        await gw.notify("session/cancel", {"sessionId": first})
+        await gw.request("session/list", {})  # a round trip: the notification was handled
+        leases = StateDB(Path(proc_env["ACP_PROXY_STATE_DIR"]), create=False).conn.execute(
+            "SELECT COUNT(*) FROM leases"
+        )
+        assert leases.fetchone()[0] == 2, "one process per session/new, none for the cancel"
+
+
+async def test_close_during_a_turn_answers_cancelled_and_reaps_the_tree(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, pool={"max_live": 2}) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        pids = (await gw.request("_fake/pids"))["result"]
+        await gw.prompt(session, "spawn_tree")
+        tree = [pids["adapter"], *(await gw.request("_fake/pids"))["result"]["children"]]
+        prompt = {"sessionId": session, "prompt": [{"type": "text", "text": "sleep 30"}]}
+        await gw.send({"jsonrpc": "2.0", "id": "turn", "method": "session/prompt", "params": prompt})
+        await anyio.sleep(0.2)
+        assert (await gw.request("session/close", {"sessionId": session}))["result"] == {}
+        assert (await gw.response_to("turn"))["result"] == {"stopReason": "cancelled"}
+        assert not any(pid_alive(p) for p in tree)
+        assert registry(proc_env).get(session).state is SessionState.CLOSED  # type: ignore[union-attr]
+        again = await gw.request("session/close", {"sessionId": session})
+        assert again["error"]["code"] == -32002
+        assert (await gw.prompt(session, "stream 1"))["error"]["code"] == -32002
+
+
+async def test_unknown_session_is_resource_not_found(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path) as gw:
+        await gw.initialize()
+        for method in ("session/close", "session/prompt", "session/set_mode"):
+            params: dict[str, Any] = {"sessionId": "nope", "prompt": [], "modeId": "x"}
+            response = await gw.request(method, params)
+            assert response["error"]["code"] == -32002, method
+
+
+# --- restart, several backends, session/list -------------------------------------------------
+
+
+@pytest.mark.parametrize("first_request", ["session/load", "session/prompt"])
+async def test_sessions_survive_a_proxy_restart_with_their_ids(
+    proc_env: dict[str, str], tmp_path: Path, first_request: str
+) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        assert (await gw.prompt(session, "stream 3"))["result"]["stopReason"] == "end_turn"
+    assert registry(proc_env).get(session).state is SessionState.SUSPENDED  # type: ignore[union-attr]
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        listed = await gw.request("session/list", {})
+        assert [s["sessionId"] for s in listed["result"]["sessions"]] == [session]
+        if first_request == "session/load":
+            loaded = await gw.request("session/load", {"sessionId": session, "cwd": "/tmp", "mcpServers": []})
+            assert "result" in loaded
+            replay = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
+            assert len(replay) == 3, "the gateway asked for the load: the replay is forwarded"
+            gw._stash.clear()
+        state = await state_of(gw, session)
+        assert state["turns"] == 1
+        assert state["session"] == session
+
+
+async def test_a_session_left_live_by_a_killed_proxy_is_resumed_by_the_next(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        await gw.prompt(session, "stream 2")
+        gw.process.kill()
+        await gw.process.wait()
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        assert (await state_of(gw, session))["turns"] == 1
+    db = StateDB(Path(proc_env["ACP_PROXY_STATE_DIR"]), create=False)
+    states = [row[0] for row in db.conn.execute("SELECT state FROM leases")]
+    assert LeaseState.OPEN not in states
+
+
+async def test_session_new_chooses_a_backend_by_meta(proc_env: dict[str, str], tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    config = write_config(
+        tmp_path,
+        pool={"max_live": 4},
+        backends={"alpha": {"store": store, "title": "alpha"}, "beta": {"store": store, "caps": NEITHER}},
+        default_backend="alpha",
+    )
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        params: dict[str, Any] = {"cwd": "/tmp", "mcpServers": [], "_meta": {"acp-proxy": {"backend": "beta"}}}
+        beta = (await gw.request("session/new", params))["result"]["sessionId"]
+        alpha = await gw.new_session()
+        listed = {
+            s["sessionId"]: s["_meta"]["acp-proxy"]["backend"]
+            for s in (await gw.request("session/list", {}))["result"]["sessions"]
+        }
+        assert listed == {alpha: "alpha", beta: "beta"}
+        params["_meta"]["acp-proxy"]["backend"] = "gamma"
+        unknown = await gw.request("session/new", params)
+        assert unknown["error"]["code"] == -32602
+        assert "alpha, beta" in unknown["error"]["message"]
+
+
+async def test_session_list_pages_and_filters_by_requester(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, pool={"max_live": 2}) as gw:
+        await gw.initialize()
+        made = []
+        for key in ("k1", "k2", "k3"):
+            meta = {"acp-proxy": {"sessionKey": key, "agentId": "main", "spawnedBy": "k1" if key == "k3" else None}}
+            response = await gw.request("session/new", {"cwd": "/tmp", "mcpServers": [], "_meta": meta})
+            made.append(response["result"]["sessionId"])
+        seen, cursor = [], None
+        while True:
+            params: dict[str, Any] = {} if cursor is None else {"cursor": cursor}
+            page = (await gw.request("session/list", params))["result"]
+            seen += [s["sessionId"] for s in page["sessions"]]
+            cursor = page.get("nextCursor")
+            if cursor is None:
+                break
+        assert seen == made
+        requester = {"sessionKey": "k1", "agentId": "main", "visibility": "tree"}
+        tree = await gw.request("session/list", {"_meta": {"acp-proxy": {"requester": requester}}})
+        assert [s["sessionId"] for s in tree["result"]["sessions"]] == [made[0], made[2]]
+        bad = await gw.request("session/list", {"cursor": "not-a-cursor"})
+        assert bad["error"]["code"] == -32602
