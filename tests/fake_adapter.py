@@ -94,7 +94,7 @@ class FakeAdapter:
 
     def log(self, direction: str, line: str) -> None:
         if self.record is not None:
-            self.record.write(json.dumps({direction: line}) + "\n")
+            self.record.write(json.dumps({direction: line, "pid": os.getpid()}) + "\n")
 
     def send(self, message: dict[str, Any]) -> None:
         line = json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":"), ensure_ascii=False)

@@ -181,8 +181,9 @@ class Gateway:
         """Validate every line the proxy wrote to the fake adapter."""
         if self.record is None or not self.record.exists():
             return
-        to_adapter = Conversation("agent")
+        per_process: dict[int, Conversation] = collections.defaultdict(lambda: Conversation("agent"))
         for entry in map(json.loads, self.record.read_text().splitlines()):
+            to_adapter = per_process[entry.get("pid", 0)]  # each adapter process has its own id space
             if "out" in entry:
                 to_adapter.track_request(json.loads(entry["out"]))
             else:

@@ -411,3 +411,29 @@ async def test_session_list_pages_and_filters_by_requester(proc_env: dict[str, s
         assert [s["sessionId"] for s in tree["result"]["sessions"]] == [made[0], made[2]]
         bad = await gw.request("session/list", {"cursor": "not-a-cursor"})
         assert bad["error"]["code"] == -32602
+
+
+async def test_concurrent_agent_requests_from_several_adapters_are_routed_back(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Each adapter numbers its requests from the same start; upstream they never collide."""
+    async with start(proc_env, tmp_path, pool={"max_live": 3}) as gw:
+        await gw.initialize()
+        sessions = [await gw.new_session() for _ in range(3)]
+        for n, session in enumerate(sessions):
+            prompt = {"sessionId": session, "prompt": [{"type": "text", "text": "permission"}]}
+            await gw.send({"jsonrpc": "2.0", "id": f"turn-{n}", "method": "session/prompt", "params": prompt})
+        asked = [await gw.expect(lambda m: m.get("method") == "session/request_permission") for _ in sessions]
+        assert sorted(a["params"]["sessionId"] for a in asked) == sorted(sessions)
+        assert len({a["id"] for a in asked}) == 3, "distinct upstream ids"
+        # Answer in reverse order: allow all but the first session's, which is refused.
+        for request in reversed(asked):
+            option = "reject" if request["params"]["sessionId"] == sessions[0] else "allow"
+            answer = {
+                "jsonrpc": "2.0",
+                "id": request["id"],
+                "result": {"outcome": {"outcome": "selected", "optionId": option}},
+            }
+            await gw.send_raw(json.dumps(answer).encode() + b"\n")
+        stops = [(await gw.response_to(f"turn-{n}"))["result"]["stopReason"] for n in range(3)]
+        assert stops == ["refusal", "end_turn", "end_turn"]

@@ -1,8 +1,10 @@
 """A scripted gateway session through acp-proxy, printed for a person to read.
 
-The "gateway" here is this script: it launches ``acp-proxy -- python -m
-acp_proxy.examples.echo_agent`` exactly as an editor or chat bridge would launch
-an agent, speaks ACP to it over stdio, and narrates each step.
+The "gateway" here is this script: it launches ``acp-proxy --config demo.toml``
+exactly as an editor or chat bridge would launch an agent, speaks ACP to it over
+stdio, and narrates each step. The config runs the example echo agent (which keeps
+session histories on disk, as real adapters do) with ``max_live = 1``: two
+sessions share one live process slot, so one of them is always suspended.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ def fail(text: str) -> None:
 
 
 class DemoGateway:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], config: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "acp_proxy", "--", sys.executable, "-m", "acp_proxy.examples.echo_agent"],
+            [sys.executable, "-m", "acp_proxy", "--config", config],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -120,36 +122,61 @@ def show_tree(lease: dict[str, Any]) -> None:
         print(f"      {DIM}{role:<8} pid {proc['pid']:<7} pgid {proc['pgid']:<7} {proc['command'][:60]}{RESET}")
 
 
+def sessions_view(env: dict[str, str], gw: DemoGateway) -> dict[str, str]:
+    """session/list, served by the proxy from its registry: every session and its state."""
+    listed = gw.request("session/list", {})["result"]["sessions"]
+    return {s["sessionId"]: s["_meta"]["acp-proxy"]["state"] for s in listed}
+
+
+def live_lease(env: dict[str, str]) -> dict[str, Any]:
+    (lease,) = [lease for lease in leases(env) if lease["state"] == "open"]
+    return lease
+
+
+def write_config(state: str) -> str:
+    path = os.path.join(state, "demo.toml")
+    command = [sys.executable, "-m", "acp_proxy.examples.echo_agent", "--store", os.path.join(state, "histories")]
+    with open(path, "w") as fh:
+        fh.write(
+            "[pool]\nmax_live = 1          # one live adapter process; the other session waits suspended\n\n"
+            f"[backends.echo]\ncommand = {json.dumps(command)}\n"
+        )
+    return path
+
+
 def main() -> int:
     print(f"{BOLD}acp-proxy demo{RESET}: this script plays the gateway; the agent is the example echo agent.")
-    print(f"{DIM}  $ acp-proxy -- python -m acp_proxy.examples.echo_agent{RESET}")
+    print(f"{DIM}  $ acp-proxy --config demo.toml      # [pool] max_live = 1, backend: the echo agent{RESET}")
     state = tempfile.mkdtemp(prefix="acp-proxy-demo-")
     env = {
         **os.environ,
-        "ACP_PROXY_LOG_LEVEL": os.environ.get("ACP_PROXY_LOG_LEVEL", "warning"),
+        "ACP_PROXY_LOG_LEVEL": os.environ.get("ACP_PROXY_LOG_LEVEL", "error"),
         "ACP_PROXY_STATE_DIR": os.path.join(state, "state"),
     }
-    gw = DemoGateway(env)
+    gw = DemoGateway(env, write_config(state))
     failures = 0
+
+    def check(condition: bool, good: str, bad: str) -> None:
+        nonlocal failures
+        if condition:
+            ok(good)
+        else:
+            fail(bad)
+            failures += 1
 
     step("1. Handshake")
     init = gw.request("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
     result = init["result"]
+    served = sorted(result["agentCapabilities"].get("sessionCapabilities", {}))
     line(
         "proxy → gateway",
-        f"agent {result['agentInfo']['name']} {result['agentInfo']['version']}, "
-        f"loadSession={result['agentCapabilities'].get('loadSession')}, "
-        f"via acp-proxy {result['_meta']['acp-proxy']['version']}",
+        f"agent {result['agentInfo']['name']} {result['agentInfo']['version']} via acp-proxy "
+        f"{result['_meta']['acp-proxy']['version']}; session capabilities: {', '.join(served)}",
     )
-    (lease,) = leases(env)
-    adapter_pid = lease["adapterPid"]
-    ok(f"lease {lease['lease']} is {lease['state']}: the adapter (pid {adapter_pid}) runs in its own process group")
-    print(f"    {DIM}under a wrapper that owns its whole tree ($ acp-proxy leases):{RESET}")
-    show_tree(lease)
 
-    step("2. A session and a streamed turn")
-    session = gw.request("session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
-    line("proxy → gateway", f"sessionId {session}")
+    step("2. Session A: a streamed turn, in its own owned process tree")
+    first = gw.request("session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
+    line("proxy → gateway", f"sessionId {first}")
     chunks: list[str] = []
 
     def show(msg: dict[str, Any]) -> None:
@@ -158,9 +185,12 @@ def main() -> int:
             chunks.append(text)
             print(f"      {DIM}session/update{RESET} {text!r}")
 
-    prompt = {"sessionId": session, "prompt": [{"type": "text", "text": "streams pass through untouched"}]}
-    turn = gw.request("session/prompt", prompt, show)
+    turn = gw.request("session/prompt", {"sessionId": first, "prompt": [{"type": "text", "text": "hello A"}]}, show)
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']} after {len(chunks)} updates")
+    lease = live_lease(env)
+    first_pid = lease["adapterPid"]
+    ok(f"lease {lease['lease']}: the adapter (pid {first_pid}) runs in its own process group ($ acp-proxy leases):")
+    show_tree(lease)
 
     step("3. The agent asks the gateway for permission")
 
@@ -172,7 +202,7 @@ def main() -> int:
         else:
             show(msg)
 
-    prompt = {"sessionId": session, "prompt": [{"type": "text", "text": "permission granted please"}]}
+    prompt = {"sessionId": first, "prompt": [{"type": "text", "text": "permission granted please"}]}
     turn = gw.request("session/prompt", prompt, answer_permission)
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
 
@@ -184,42 +214,74 @@ def main() -> int:
         {
             "id": request_id,
             "method": "session/prompt",
-            "params": {"sessionId": session, "prompt": [{"type": "text", "text": long_text}]},
+            "params": {"sessionId": first, "prompt": [{"type": "text", "text": long_text}]},
         }
     )
     time.sleep(0.2)
     line("gateway → proxy", "session/cancel")
-    gw.send({"method": "session/cancel", "params": {"sessionId": session}})
+    gw.send({"method": "session/cancel", "params": {"sessionId": first}})
     turn = gw.until(lambda m: m.get("id") == request_id and "method" not in m)
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
-    if adapter_pid and pid_alive(adapter_pid):
-        ok(f"adapter pid {adapter_pid} still running: cancel is not close")
-    else:
-        fail("the adapter died on cancel")
-        failures += 1
+    check(pid_alive(first_pid), f"adapter pid {first_pid} still running: cancel is not close", "it died on cancel")
 
-    step("5. Bad input gets an error; the proxy keeps serving")
+    step("5. Session B, with max_live = 1: the idle session A is suspended to make room")
+    second = gw.request("session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
+    line("proxy → gateway", f"sessionId {second}")
+    deadline = time.monotonic() + 10
+    while pid_alive(first_pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    view = sessions_view(env, gw)
+    line("proxy → gateway", f"session/list: {', '.join(f'{sid} {st}' for sid, st in view.items())}")
+    check(
+        not pid_alive(first_pid) and view.get(first) == "suspended",
+        f"session A is suspended: its process tree (pid {first_pid}) is gone, the session is kept",
+        f"session A: {view.get(first)}, pid {first_pid} alive={pid_alive(first_pid)}",
+    )
+    second_pid = live_lease(env)["adapterPid"]
+
+    step("6. A prompt for A resumes it, transparently: same id, history intact")
+    chunks.clear()
+    prompt = {"sessionId": first, "prompt": [{"type": "text", "text": "are you still there?"}]}
+    turn = gw.request("session/prompt", prompt, show)
+    resumed = live_lease(env)
+    line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
+    check(
+        any("remember 3 earlier" in c for c in chunks) and resumed["adapterPid"] not in (first_pid, second_pid),
+        f"A resumed on a new process (pid {resumed['adapterPid']}) and remembers its 3 earlier prompts",
+        f"history lost or no resume: {chunks}",
+    )
+    view = sessions_view(env, gw)
+    check(view.get(second) == "suspended", "B was suspended for it, in turn", f"session B: {view.get(second)}")
+
+    step("7. Bad input gets an error; the proxy keeps serving")
     line("gateway → proxy", "this is not JSON")
     gw.send_raw(b"this is not JSON")
     error = gw.until(lambda m: "error" in m)
     line("proxy → gateway", f"error {error['error']['code']}: {error['error']['message']}")
-    replayed: list[dict[str, Any]] = []
-    gw.request("session/load", {"sessionId": session, "cwd": os.getcwd(), "mcpServers": []}, replayed.append)
-    ok(f"session/load answered afterwards, with {len(replayed)} history updates replayed")
 
-    step("6. The gateway goes away")
+    step("8. session/close ends A for good and reaps its tree")
+    tree = [p["pid"] for p in resumed["processes"]]
+    gw.request("session/close", {"sessionId": first})
+    check(
+        not any(pid_alive(pid) for pid in tree) and first not in sessions_view(env, gw),
+        f"closed: none of its {len(tree)} processes is left, and it is no longer listed",
+        f"still running: {[p for p in tree if pid_alive(p)]}",
+    )
+
+    step("9. The gateway goes away")
     line("gateway → proxy", "EOF on stdin")
     assert gw.proc.stdin is not None
     gw.proc.stdin.close()
     status = gw.proc.wait(timeout=15)
     ok(f"acp-proxy exited with status {status}")
-    tree = [p["pid"] for p in lease["processes"]]
-    (ended,) = leases(env)
-    if not any(pid_alive(pid) for pid in tree) and ended["state"] == "closed":
-        ok(f"lease {ended['lease']} is {ended['state']}: none of its {len(tree)} processes is left running")
-    else:
-        fail(f"lease {ended['lease']} is {ended['state']}; still running: {[p for p in tree if pid_alive(p)]}")
-        failures += 1
+    final = leases(env)
+    running = [p["pid"] for lease in final for p in lease.get("processes", []) if pid_alive(p["pid"])]
+    states = sorted({lease["state"] for lease in final})
+    check(
+        not running and states == ["closed"],
+        f"{len(final)} leases, all closed; no process left. Session B stays suspended, resumable by the next proxy.",
+        f"lease states {states}; still running: {running}",
+    )
     shutil.rmtree(state, ignore_errors=True)
     print()
     return 1 if failures or status != 0 else 0

@@ -2,26 +2,34 @@
 
 Run it behind the proxy with ``acp-proxy -- python -m acp_proxy.examples.echo_agent``.
 It supports ``initialize``, ``session/new``, ``session/load`` (replaying the
-session's history from memory), ``session/prompt`` (streaming), ``session/cancel``,
-and asks the client for permission when a prompt contains the word "permission".
-Standard library only, one thread per turn, so a cancel can interrupt a turn.
+session's history), ``session/resume``, ``session/prompt`` (streaming, and saying
+how many earlier prompts of the session it remembers), ``session/cancel``, and
+asks the client for permission when a prompt contains the word "permission".
+
+``--store DIR`` keeps each session's history in ``DIR/<sessionId>.json``, as real
+adapters keep theirs on disk, so another process of the agent can load or resume
+it (without it, history lives in memory). Standard library only, one thread per
+turn, so a cancel can interrupt a turn.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 WORD_DELAY = float(os.environ.get("ECHO_AGENT_WORD_DELAY", "0.03"))
 
 
 class EchoAgent:
-    def __init__(self) -> None:
+    def __init__(self, store: str | None = None) -> None:
+        self._store = store
         self._out = threading.Lock()
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
@@ -37,6 +45,29 @@ class EchoAgent:
 
     def update(self, session_id: str, update: dict[str, Any]) -> None:
         self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
+
+    def _path(self, session_id: str) -> str | None:
+        if self._store is None or not session_id.startswith("echo-") or "/" in session_id:
+            return None
+        return os.path.join(self._store, session_id + ".json")
+
+    def _known(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's history, from memory or the store; -32002 if there is none."""
+        if session_id not in self._history:
+            path = self._path(session_id)
+            if path is None or not os.path.exists(path):
+                raise LookupError(-32002, f"unknown session {session_id}")
+            with open(path) as fh:
+                self._history[session_id] = json.load(fh)
+        return self._history[session_id]
+
+    def _save(self, session_id: str) -> None:
+        path = self._path(session_id)
+        if path is not None:
+            os.makedirs(self._store or ".", exist_ok=True)
+            with open(path + ".tmp", "w") as fh:
+                json.dump(self._history.get(session_id, []), fh)
+            os.replace(path + ".tmp", path)
 
     def ask(self, method: str, params: dict[str, Any]) -> Any:
         request_id = next(self._ids)
@@ -75,27 +106,34 @@ class EchoAgent:
         if method == "initialize":
             return {
                 "protocolVersion": 1,
-                "agentCapabilities": {"loadSession": True},
+                "agentCapabilities": {"loadSession": True, "sessionCapabilities": {"resume": {}}},
                 "agentInfo": {"name": "echo-agent", "version": "1.0.0"},
                 "authMethods": [],
             }
         if method == "session/new":
-            session_id = f"echo-{os.getpid()}-{len(self._history) + 1}"
+            session_id = f"echo-{uuid.uuid4().hex[:8]}"
             self._history[session_id] = []
+            self._save(session_id)
             return {"sessionId": session_id}
         if method == "session/load":
-            session_id = params.get("sessionId", "")
-            if session_id not in self._history:
-                raise LookupError(-32002, f"unknown session {session_id}")
-            for update in self._history[session_id]:
+            session_id = str(params.get("sessionId", ""))
+            for update in self._known(session_id):
                 self.update(session_id, update)
+            return {}
+        if method == "session/resume":
+            self._known(str(params.get("sessionId", "")))
             return {}
         raise LookupError(-32601, f"method not found: {method}")
 
     def prompt(self, request_id: int, params: dict[str, Any]) -> None:
         session_id = params.get("sessionId", "")
         text = " ".join(b.get("text", "") for b in params.get("prompt", []) if b.get("type") == "text")
-        history = self._history.setdefault(session_id, [])
+        try:
+            history = self._known(session_id)
+        except LookupError as exc:
+            self.send({"id": request_id, "error": {"code": exc.args[0], "message": exc.args[1]}})
+            return
+        earlier = sum(1 for update in history if update.get("sessionUpdate") == "user_message_chunk")
         user = {"sessionUpdate": "user_message_chunk", "content": {"type": "text", "text": text}}
         history.append(user)
         self._cancelled.discard(session_id)
@@ -113,10 +151,15 @@ class EchoAgent:
             )
             chosen = (outcome or {}).get("outcome", {}).get("optionId")
             if chosen != "allow":
+                self._save(session_id)
                 self.send({"id": request_id, "result": {"stopReason": "refusal"}})
                 return
-        for word in text.split():
+        words = text.split()
+        if earlier:
+            words.append(f"(I remember {earlier} earlier prompt{'s' if earlier > 1 else ''})")
+        for word in words:
             if session_id in self._cancelled:
+                self._save(session_id)
                 self.send({"id": request_id, "result": {"stopReason": "cancelled"}})
                 return
             chunk = {
@@ -126,6 +169,7 @@ class EchoAgent:
             history.append(chunk)
             self.update(session_id, chunk)
             time.sleep(WORD_DELAY)
+        self._save(session_id)
         self.send({"id": request_id, "result": {"stopReason": "end_turn"}})
 
     def run(self) -> None:
@@ -141,5 +185,11 @@ class EchoAgent:
             turn.join(timeout=5)
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A small ACP agent that echoes prompts back, word by word.")
+    parser.add_argument("--store", help="directory to keep session histories in (default: memory only)")
+    EchoAgent(parser.parse_args().store).run()
+
+
 if __name__ == "__main__":
-    EchoAgent().run()
+    main()
