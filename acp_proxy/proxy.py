@@ -720,7 +720,6 @@ class Proxy:
 
     async def _new_session(self, msg: Message) -> None:
         """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
-        params = jsonrpc.decode_object(msg.params) or {}
         try:
             backend = self._backend_named(proxy_meta(msg.params))
             adapter = await self._take_adapter(backend)
@@ -733,24 +732,26 @@ class Proxy:
             session_id = session_of(answer.result) if answer.error is UNSET else None
             if session_id is None:
                 return  # the error goes to the gateway; the process stays as a spare
-            record = SessionRecord(
-                session_id=session_id,
-                adapter_session_id=session_id,
-                backend=backend.name,
-                cwd=str(params.get("cwd", "")),
-                mcp_servers=jsonrpc.encode_json(params.get("mcpServers", [])).decode(),
-                additional_directories=(
-                    jsonrpc.encode_json(params["additionalDirectories"]).decode()
-                    if "additionalDirectories" in params
-                    else None
-                ),
-                lease_id=adapter.supervised.lease.lease_id,
-                auth_method=self._auth_method(),
-                ownership=ownership_from(proxy_meta(msg.params)),
-            )
-            self._bind(Session(self.registry.create(record)), adapter, session_id)
+            self._register(session_id, backend, adapter, msg.params)
 
         await self._forward(adapter, msg, created)
+
+    def _register(self, session_id: str, backend: BackendConfig, adapter: Adapter, params: Raw | UnsetType) -> None:
+        """A session the adapter just opened (``session/new``, or a load of one the registry did not know)."""
+        given = jsonrpc.decode_object(params) or {}
+        directories = given.get("additionalDirectories")
+        record = SessionRecord(
+            session_id=session_id,
+            adapter_session_id=session_id,
+            backend=backend.name,
+            cwd=str(given.get("cwd", "")),
+            mcp_servers=jsonrpc.encode_json(given.get("mcpServers", [])).decode(),
+            additional_directories=None if directories is None else jsonrpc.encode_json(directories).decode(),
+            lease_id=adapter.supervised.lease.lease_id,
+            auth_method=self._auth_method(),
+            ownership=ownership_from(proxy_meta(params)),
+        )
+        self._bind(Session(self.registry.create(record)), adapter, session_id)
 
     def _auth_method(self) -> str | None:
         obj = jsonrpc.decode_object(self._auth_params) or {}
@@ -989,7 +990,6 @@ class Proxy:
 
     async def _adopt_session(self, msg: Message, session_id: str) -> None:
         """A load/resume of a session the registry does not know: the adapter may (its own storage)."""
-        params = jsonrpc.decode_object(msg.params) or {}
         try:
             backend = self._backend_named(proxy_meta(msg.params))
             adapter = await self._take_adapter(backend)
@@ -1003,22 +1003,7 @@ class Proxy:
                 adapter.gateway_session = adapter.adapter_session = None
                 adapter.claimed = False
                 return
-            record = SessionRecord(
-                session_id=session_id,
-                adapter_session_id=session_id,
-                backend=backend.name,
-                cwd=str(params.get("cwd", "")),
-                mcp_servers=jsonrpc.encode_json(params.get("mcpServers", [])).decode(),
-                additional_directories=(
-                    jsonrpc.encode_json(params["additionalDirectories"]).decode()
-                    if "additionalDirectories" in params
-                    else None
-                ),
-                lease_id=adapter.supervised.lease.lease_id,
-                auth_method=self._auth_method(),
-                ownership=ownership_from(proxy_meta(msg.params)),
-            )
-            self._bind(Session(self.registry.create(record)), adapter, session_id)
+            self._register(session_id, backend, adapter, msg.params)
 
         await self._forward(adapter, msg, adopted)
 
