@@ -239,6 +239,8 @@ class Session:
     cancel_epoch: int = 0
     """Bumped by ``session/cancel``: a queued prompt that sees it changed is answered ``cancelled``."""
     closed: bool = False
+    stopping: anyio.Event | None = None
+    """Set while its last process is being stopped (a resume waits for that first)."""
 
     @property
     def session_id(self) -> str:
@@ -550,7 +552,7 @@ class Proxy:
                         self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
                         return
                     changed = self._pool_changed
-                    if not await self._evict(decision.evict):
+                    if not self._evict(decision.evict):
                         await changed.wait()  # it got busy meanwhile: wait for the next change
                     continue
                 changed = self._pool_changed
@@ -567,24 +569,43 @@ class Proxy:
         self._reserved[backend.name] -= 1
         self._notify_pool()
 
-    async def _evict(self, slot: Slot, why: str = "least recently used") -> bool:
-        """Suspend what the pool chose (a spare is simply stopped); False if that was not possible."""
+    def _evict(self, slot: Slot, why: str = "least recently used") -> bool:
+        """Suspend what the pool chose (a spare is simply stopped); False if it is no longer idle.
+
+        The decision and the bookkeeping happen here, at once, so the slot is free
+        for the caller's plan; the process is stopped in the background, so that
+        whoever needed the slot does not wait for the teardown (a resume of the
+        suspended session does: see ``resume_session``).
+        """
         for adapter in list(self.running):
             if slot_key(adapter) != slot.key:
                 continue
             if adapter.gateway_session is None:
                 if adapter.busy:
                     return False
-                self._evicting.add(adapter)
                 log.info("pool: stopping a spare %s adapter (%s)", adapter.backend.name, why)
-                try:
-                    await self._stop_adapter(adapter)
-                finally:
-                    self._evicting.discard(adapter)
+                self._stop_in_background(adapter, None)
                 return True
             session = self.sessions.get(adapter.gateway_session)
-            return session is not None and await self.suspend_session(session, why)
+            return session is not None and self._detach_idle(session, why)
         return False
+
+    def _stop_in_background(self, adapter: Adapter, session: Session | None) -> None:
+        self._evicting.add(adapter)
+        if session is not None:
+            session.stopping = anyio.Event()
+
+        async def stop() -> None:
+            try:
+                await self._stop_adapter(adapter)
+            finally:
+                self._evicting.discard(adapter)
+                if session is not None and session.stopping is not None:
+                    session.stopping.set()
+                    session.stopping = None
+                self._notify_pool()
+
+        self._background(stop)
 
     async def _start_adapter(self, backend: BackendConfig, *, prepare: bool, session_key: str | None = None) -> Adapter:
         """A new running adapter of ``backend`` (within the pool's budget).
@@ -869,6 +890,8 @@ class Proxy:
         cannot restore it -> re-apply mode and config options. A timeout or any other
         failure stops the new process and leaves the session suspended, mapping kept.
         """
+        if session.stopping is not None:  # its previous process must be gone before another starts
+            await session.stopping.wait()
         record = self.registry.get(session.session_id) or session.record
         session.record = record
         backend = self.config.backends.get(record.backend)
@@ -1047,19 +1070,21 @@ class Proxy:
 
     async def suspend_session(self, session: Session, why: str) -> bool:
         """Reap an idle session's process, keeping it resumable; False if it was busy (left alone)."""
-        async with session.lock:
-            adapter = session.adapter
-            if adapter is None or adapter.gone or adapter.busy or session.queued:
-                return False
-            self._evicting.add(adapter)
-            try:
-                session.adapter = None
-                self.registry.mark_suspended(session.session_id)
-                log.info("session %s suspended (%s): stopping pid %s", session.session_id, why, adapter.pid)
-                await self._stop_adapter(adapter)
-            finally:
-                self._evicting.discard(adapter)
-                self._notify_pool()
+        if not self._detach_idle(session, why):
+            return False
+        if session.stopping is not None:
+            await session.stopping.wait()
+        return True
+
+    def _detach_idle(self, session: Session, why: str) -> bool:
+        """Suspend ``session`` if it is idle: from now on it has no process; that one is being stopped."""
+        adapter = session.adapter
+        if adapter is None or adapter.gone or adapter.busy or session.queued or session.lock.locked():
+            return False
+        session.adapter = None
+        self.registry.mark_suspended(session.session_id)
+        log.info("session %s suspended (%s): stopping pid %s", session.session_id, why, adapter.pid)
+        self._stop_in_background(adapter, session)
         return True
 
     async def _suspend_idle_sessions(self) -> None:
@@ -1069,7 +1094,7 @@ class Proxy:
         while True:
             await anyio.sleep(interval)
             for slot in expired(self._slots(), time.monotonic(), ttl):
-                await self._evict(slot, f"idle for {ttl:g}s")
+                self._evict(slot, f"idle for {ttl:g}s")
 
     async def _list_sessions(self, msg: Message) -> None:
         """``session/list`` from the registry: suspended sessions included, filtered by who asks."""

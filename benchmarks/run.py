@@ -1,10 +1,12 @@
 """The acp-proxy benchmark suite: every figure is a ratio against the same work without the proxy.
 
     scripts/bench                  full run: 1,000,000 updates (median of 3 runs),
-                                   10,000 round trips, 20 cold starts, 20 closes and spawns
+                                   10,000 round trips, 20 cold starts, 20 closes and spawns,
+                                   30 resumes
     scripts/bench --quick          a fast check: 100,000 updates (1 run), 1,000 round trips,
-                                   5 cold starts, 5 closes and spawns
+                                   5 cold starts, 5 closes and spawns, 8 resumes
     scripts/bench --only ownership the process-ownership figures alone
+    scripts/bench --only sessions  the session figures alone (resume, memory, registry)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
 One synchronous client (``Peer``) talks newline-delimited JSON-RPC over pipes to
@@ -20,7 +22,9 @@ Measured: streaming throughput (one ``session/prompt`` answered by N
 request latency (``_bench/ping`` round trips), cold start (spawn to the
 ``initialize`` answer) and the proxy's peak RSS; and what owning an adapter's process
 tree costs (closing it, spawning under the wrapper, reaping dead leases at startup:
-see ``benchmarks/ownership.py``). The figures are reported, never
+see ``benchmarks/ownership.py``); and what sessions cost (resuming a suspended
+session, the proxy's memory with 1,000 registered sessions, registry operations:
+see ``benchmarks/sessions.py``). The figures are reported, never
 asserted: a missed target is printed, it does not fail the run. A run fails only
 when a relay loses, reorders or corrupts messages, or a process hangs.
 
@@ -45,13 +49,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
 import psutil
 
-from benchmarks import ownership
+from benchmarks import ownership, sessions
 from benchmarks.common import (
     ROOT,
     BenchError,
@@ -79,7 +84,7 @@ TARGET_LATENCY_ADDED_US = 100.0
 TARGET_COLD_START_ADDED_MS = 80.0
 TARGET_RSS_MB = 35.0
 
-MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership")
+MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership", "sessions")
 
 DIRECT = "direct"
 CAT = "cat"
@@ -88,6 +93,13 @@ CLIENT_LABELS = {
     "counting": "counting client (bytes.count of newlines)",
     "decoding": "decoding client (msgspec.json.decode of every line)",
 }
+
+
+@dataclass
+class BenchReport(Report):
+    """The report, with the session figures (``benchmarks/sessions.py``) under ``sessions``."""
+
+    sessions: dict[str, Any] = field(default_factory=dict)
 
 
 def proxy_mode(backend: str) -> str:
@@ -608,7 +620,7 @@ def measure_cold_start(report: Report, modes: list[str], args: argparse.Namespac
         row["added_ms"] = row["median_ms"] - direct["median_ms"] if direct else None
 
 
-def evaluate_targets(report: Report, backends: list[str]) -> None:
+def evaluate_targets(report: BenchReport, backends: list[str]) -> None:
     def target(name: str, value: float | None, limit: float, unit: str) -> None:
         report.targets.append(
             {
@@ -646,12 +658,14 @@ def evaluate_targets(report: Report, backends: list[str]) -> None:
             target(f"peak RSS during throughput, {label}", max(peaks), TARGET_RSS_MB, "MB")
     for name, value, limit, unit in ownership.targets(report):
         target(name, value, limit, unit)
+    for name, value, limit, unit in sessions.targets(report.sessions):
+        target(name, value, limit, unit)
 
 
 # --- reporting -----------------------------------------------------------------------
 
 
-def render(report: Report) -> str:
+def render(report: BenchReport) -> str:
     opts, machine = report.options, report.machine
     out = [
         "# acp-proxy benchmarks",
@@ -788,6 +802,7 @@ def render(report: Report) -> str:
         out += table(header, rows)
         out += [""]
     out += ownership.render(report)
+    out += sessions.render(report.sessions)
     if report.targets:
         out += ["## Targets", ""]
         rows = [
@@ -853,7 +868,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings",
+        help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings, "
+        "8 resumes, 1 memory run, 2,000 registry operations",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
@@ -883,6 +899,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.5,
         help="ownership: term grace for the adapter that ignores EOF and SIGTERM, seconds (0.5)",
     )
+    parser.add_argument("--resumes", type=int, help="sessions: timed resumes per case (30; --quick: 8)")
+    parser.add_argument(
+        "--replay", type=int, default=100, help="sessions: updates a session/load replays when resuming (100)"
+    )
+    parser.add_argument("--rss-runs", type=int, help="sessions: proxy memory runs per case (3; --quick: 1)")
+    parser.add_argument(
+        "--registry-ops", type=int, help="sessions: registry operations per kind (10,000; --quick: 2,000)"
+    )
     parser.add_argument(
         "--only",
         default=",".join(MEASUREMENTS),
@@ -898,6 +922,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.close_runs = args.close_runs if args.close_runs is not None else (5 if quick else 20)
     args.spawn_runs = args.spawn_runs if args.spawn_runs is not None else (5 if quick else 20)
     args.reap_runs = args.reap_runs if args.reap_runs is not None else (3 if quick else 10)
+    args.resumes = args.resumes if args.resumes is not None else (8 if quick else 30)
+    args.rss_runs = args.rss_runs if args.rss_runs is not None else (1 if quick else 3)
+    args.registry_ops = args.registry_ops if args.registry_ops is not None else (2_000 if quick else 10_000)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.only = {o.strip() for o in args.only.split(",") if o.strip()}
     for backend in args.backends:
@@ -910,6 +937,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--updates, --round-trips, --cold-starts and --repeat must be at least 1")
     if min(args.close_runs, args.spawn_runs, args.reap_runs, args.dead_leases) < 1:
         parser.error("--close-runs, --spawn-runs, --reap-runs and --dead-leases must be at least 1")
+    if min(args.resumes, args.rss_runs, args.registry_ops) < 1:
+        parser.error("--resumes, --rss-runs and --registry-ops must be at least 1")
+    if args.replay < 0:
+        parser.error("--replay must not be negative")
     if min(args.stdin_grace, args.term_grace) < 0:
         parser.error("--stdin-grace and --term-grace must not be negative")
     return args
@@ -918,7 +949,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     proxies = [proxy_mode(backend) for backend in args.backends]
-    report = Report(
+    report = BenchReport(
         options={
             "quick": args.quick,
             "updates": args.updates,
@@ -932,6 +963,10 @@ def main(argv: list[str] | None = None) -> int:
             "dead_leases": args.dead_leases,
             "stdin_grace": args.stdin_grace,
             "term_grace": args.term_grace,
+            "resumes": args.resumes,
+            "replay": args.replay,
+            "rss_runs": args.rss_runs,
+            "registry_ops": args.registry_ops,
             "only": sorted(args.only),
         },
         machine=machine_info(),
@@ -945,6 +980,8 @@ def main(argv: list[str] | None = None) -> int:
         measure_cold_start(report, [DIRECT, *proxies], args)
     if "ownership" in args.only:
         ownership.measure_ownership(report, args)
+    if "sessions" in args.only:
+        report.sessions = sessions.measure_sessions(report, args)
     evaluate_targets(report, args.backends)
     report.options["elapsed_s"] = time.perf_counter() - started
     print(render(report), flush=True)

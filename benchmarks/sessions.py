@@ -1,0 +1,936 @@
+"""Session benchmarks: what resuming a suspended session costs, and what the registry costs.
+
+Every adapter here is ``benchmarks/session_agent.py``: it restores any session id
+with ``session/resume`` (answered at once) or ``session/load`` (a replay of
+``--replay`` updates, then the answer), and answers a prompt with one update
+saying which request opened the session in its process, and its pid, so that
+every timed prompt is checked to have been served by a fresh, restored process.
+
+1. Resume latency added by the proxy. A proxy with ``[pool] max_live = 1`` serves
+   two sessions A and B; prompts alternate A, B, A, B, ... so every prompt finds
+   its session suspended. Timed: from sending ``session/prompt`` to reading its
+   answer. On that path the proxy suspends the other session (the decision and
+   the registry write; its process is stopped in the background), spawns the
+   adapter under its wrapper, sends ``initialize`` (the gateway's params),
+   ``session/resume`` or ``session/load`` (the replay is read and dropped), and
+   forwards the prompt. The baseline is the adapter's own cost of the same:
+   the client stops the agent it runs (untimed, as the proxy does not wait for
+   that either), then, timed, spawns the agent itself (plain ``Popen``), sends
+   ``initialize``, the restoring request (reading the replay) and the prompt. Both restoring requests are measured, with
+   ``session/load`` replaying ``--replay`` updates. All cases run side by side,
+   one resume each per round (the idle ones wait on their pipes), after two
+   untimed resumes per case.
+2. Proxy memory with 1,000 registered sessions of which 10 are live: a fresh
+   state dir is given 990 suspended rows (``SessionRegistry.create`` then
+   ``mark_suspended``, with MCP servers, ownership metadata and a setting each);
+   a proxy with ``max_live = 10`` gets ``initialize``, 10 ``session/new`` and one
+   ``session/list`` (which reads every open row); then ``VmRSS`` and ``VmHWM`` of
+   the proxy process are read from ``/proc/PID/status``. The baseline is the
+   same proxy with 0 sessions (``initialize`` and ``session/list`` only); a third
+   case, 10 live sessions and nothing else registered, separates what the live
+   adapters cost the proxy from what the 990 rows cost it.
+3. Registry operations per second, in-process on a fresh state dir:
+   ``create`` (1,000 rows), then ``get``, ``touch``, ``record_setting``,
+   ``mark_suspended``/``mark_live`` (alternating, each call one operation) on
+   random rows of those, and ``page()`` (all 1,000 rows). These are absolute
+   figures: there is no "without the proxy" to compare them with.
+
+Every process started here carries ``ACP_PROXY_BENCH=<token>`` in its
+environment; at the end ``/proc`` is searched for it, and anything found is a
+failed run (and is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import random
+import secrets
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import msgspec
+
+from acp_proxy.sessions import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
+from acp_proxy.state import StateDB
+from benchmarks.common import (
+    ROOT,
+    BenchError,
+    Report,
+    attempt,
+    child_environment,
+    fmt,
+    percentile,
+    proc_status_kb,
+    progress,
+    table,
+    verdict,
+)
+from benchmarks.ownership import BENCH_MARKER, kill_if_alive, marked_processes, start_ticks, wait_exit
+
+SESSION_AGENT = ROOT / "benchmarks" / "session_agent.py"
+DIRECT = "direct"
+RESTORES = ("resume", "load")
+BACKEND = "bench"
+
+READ_SIZE = 1 << 16
+IO_TIMEOUT = 30.0
+CLOSE_GRACE = 15.0
+LEFTOVER_WAIT = 5.0
+RESUME_WARMUP = 2
+RSS_SESSIONS = 1_000
+RSS_LIVE = 10
+REGISTRY_ROWS = 1_000
+
+TARGET_RESUME_ADDED_MS = 20.0
+TARGET_RSS_MB = 40.0
+
+RESUMED_LOG = b" resumed on pid "
+"""What the proxy logs (at info) for every session it brings back."""
+
+INITIALIZE_PARAMS = {
+    "protocolVersion": 1,
+    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
+    "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
+}
+
+
+def mcp_servers(cwd: str) -> list[dict[str, Any]]:
+    """What a gateway typically passes: a filesystem server for the project and one more."""
+    return [
+        {
+            "name": "filesystem",
+            "command": "npx",
+            "args": ["-y", "@modelcontextprotocol/server-filesystem", cwd],
+            "env": [],
+        },
+        {
+            "name": "github",
+            "command": "github-mcp-server",
+            "args": ["stdio"],
+            "env": [{"name": "GITHUB_TOOLSETS", "value": "repos,issues,pull_requests"}],
+        },
+    ]
+
+
+SESSION_CWD = str(ROOT)
+SESSION_PARAMS = {"cwd": SESSION_CWD, "mcpServers": mcp_servers(SESSION_CWD)}
+
+
+def proxy_mode(backend: str) -> str:
+    return f"proxy-{backend}"
+
+
+def mode_label(mode: str) -> str:
+    if mode.startswith("proxy-"):
+        return f"proxy ({mode.removeprefix('proxy-')})"
+    return "direct (client runs the agent)"
+
+
+def restore_label(restore: str, replay: int) -> str:
+    if restore == "load":
+        return f"session/load ({replay:,} updates replayed)"
+    return "session/resume"
+
+
+def agent_argv(restore: str, replay: int) -> list[str]:
+    return [sys.executable, str(SESSION_AGENT), restore, str(replay)]
+
+
+def proxy_argv(backend: str, config: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "acp_proxy",
+        "--async-backend",
+        backend,
+        "--log-level",
+        "info",
+        "--config",
+        str(config),
+    ]
+
+
+def write_config(path: Path, *, max_live: int, command: list[str]) -> Path:
+    """A config with one backend and the given pool size; everything else at its defaults."""
+    lines = ["[pool]", f"max_live = {max_live}", f"[backends.{BACKEND}]", f"command = {json.dumps(command)}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+class Connection:
+    """The client end of one JSON-RPC connection to a child process: the proxy, or the agent itself."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], who: str) -> None:
+        self.who = who
+        self._buf = b""
+        self._next_id = 0
+        # Closed in close(): the child (and, for a proxy, its adapters) log here, for error reports.
+        self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
+        try:
+            self.process = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, cwd=ROOT, env=env, bufsize=0
+            )
+        except OSError:
+            self._stderr.close()
+            raise
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self._stdin, self._stdout = self.process.stdin, self.process.stdout
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._stdin.fileno(), view) :]
+        except OSError as exc:
+            raise BenchError(f"{self.who}: cannot write: {exc}{self._status()}") from None
+
+    def read_line(self, deadline: float) -> bytes:
+        fd = self._stdout.fileno()
+        while True:
+            cut = self._buf.find(b"\n")
+            if cut >= 0:
+                line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
+                return line
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                raise BenchError(f"{self.who}: no answer within {IO_TIMEOUT:.0f} s{self._status()}")
+            chunk = os.read(fd, READ_SIZE)
+            if not chunk:
+                raise BenchError(f"{self.who} closed its output{self._status()}")
+            self._buf += chunk
+
+    def request(self, method: str, params: object) -> tuple[int, bytes]:
+        request_id = self._next_id
+        self._next_id += 1
+        message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+        return request_id, msgspec.json.encode(message) + b"\n"
+
+    def answer(self, request_id: int, deadline: float) -> tuple[Any, list[dict[str, Any]]]:
+        """Read up to the answer to ``request_id``: its result and the notifications before it."""
+        notes: list[dict[str, Any]] = []
+        while True:
+            line = self.read_line(deadline)
+            if not line.strip():
+                continue
+            try:
+                msg = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                raise BenchError(f"{self.who} sent invalid JSON: {line[:200]!r}") from None
+            if not isinstance(msg, dict):
+                raise BenchError(f"{self.who} sent a non-object: {line[:200]!r}")
+            if "method" in msg and "id" not in msg:
+                notes.append(msg)
+                continue
+            if "method" in msg or msg.get("id") != request_id:
+                raise BenchError(f"{self.who}: expected the answer to request {request_id}, got {line[:300]!r}")
+            if "error" in msg or "result" not in msg:
+                raise BenchError(f"{self.who}: request {request_id} failed: {line[:300]!r}")
+            return msg["result"], notes
+
+    def call(self, method: str, params: object) -> tuple[Any, list[dict[str, Any]]]:
+        request_id, data = self.request(method, params)
+        deadline = time.monotonic() + IO_TIMEOUT
+        self.send(data)
+        return self.answer(request_id, deadline)
+
+    def new_session(self) -> str:
+        result, _ = self.call("session/new", SESSION_PARAMS)
+        session_id = result.get("sessionId") if isinstance(result, dict) else None
+        if not isinstance(session_id, str):
+            raise BenchError(f"{self.who}: session/new returned {result!r}")
+        return session_id
+
+    def stderr_text(self) -> bytes:
+        try:
+            self._stderr.seek(0)
+            return self._stderr.read()
+        except (OSError, ValueError):
+            return b""
+
+    def _status(self) -> str:
+        code = self.process.poll()
+        kept = [line.strip() for line in self.stderr_text()[-20_000:].decode("utf-8", "replace").splitlines()]
+        tail = " / ".join([line for line in kept if line.strip("-^~ |+")][-3:])
+        return f" ({'running' if code is None else f'exit status {code}'}){': ' + tail if tail else ''}"
+
+    def kill(self) -> None:
+        """SIGKILL the child (a proxy's wrappers then tear their adapters down: their lifeline broke)."""
+        if self.process.returncode is None:
+            self.process.kill()
+
+    def close(self) -> int | None:
+        """Close its stdin and wait for it to exit (killing it after ``CLOSE_GRACE``); its exit status."""
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        if self.process.returncode is None and not wait_exit(self.process, CLOSE_GRACE):
+            self.process.kill()
+        self.process.wait()
+        with contextlib.suppress(OSError):
+            self._stdout.close()
+        return self.process.returncode
+
+    def dispose(self) -> None:
+        self._stderr.close()
+
+
+@contextlib.contextmanager
+def connection(argv: list[str], env: dict[str, str], who: str) -> Iterator[Connection]:
+    conn = Connection(argv, env, who)
+    try:
+        yield conn
+    except BaseException:
+        conn.kill()
+        raise
+    finally:
+        conn.close()
+        conn.dispose()
+
+
+def check_turn(who: str, result: Any, notes: list[dict[str, Any]], session_id: str, restored_by: str) -> int:
+    """Check a prompt's answer and its one update; the pid of the agent process that served it."""
+    if result != {"stopReason": "end_turn"}:
+        raise BenchError(f"{who}: the prompt answered {result!r}")
+    if len(notes) != 1:
+        raise BenchError(f"{who}: expected one update before the prompt's answer, got {len(notes)}")
+    try:
+        said = json.loads(notes[0]["params"]["update"]["content"]["text"])
+        pid = int(said["pid"])
+    except (KeyError, TypeError, ValueError):
+        raise BenchError(f"{who}: the prompt's update is not the agent's report: {notes[0]!r}") from None
+    if said.get("sessionId") != session_id or said.get("restoredBy") != restored_by:
+        raise BenchError(f"{who}: expected session {session_id} opened by {restored_by}, the agent says {said}")
+    return pid
+
+
+def prompt_params(session_id: str) -> dict[str, Any]:
+    return {"sessionId": session_id, "prompt": [{"type": "text", "text": "go on"}]}
+
+
+# --- (1) resume latency ----------------------------------------------------------------------
+
+
+class ResumeCase(Protocol):
+    mode: str
+    restore: str
+    label: str
+    resumes: int
+
+    def open(self) -> bool: ...
+    def resume_once(self) -> float: ...
+    def finish(self) -> bool: ...
+    def kill(self) -> None: ...
+
+
+class DirectResume:
+    """The baseline: the client runs one agent process at a time itself, as the proxy does with max_live = 1."""
+
+    def __init__(self, restore: str, replay: int, env: dict[str, str]) -> None:
+        self.mode = DIRECT
+        self.restore = restore
+        self.replay = replay
+        self.env = env
+        self.label = f"{restore_label(restore, replay)}, {mode_label(DIRECT)}"
+        self.method = f"session/{restore}"
+        self.current: Connection | None = None
+        self.sessions: list[str] = []
+        self.next = 0
+        self.last_pid = 0
+        self.resumes = 0
+
+    def _stop_current(self) -> None:
+        current, self.current = self.current, None
+        if current is None:
+            return
+        try:
+            status = current.close()
+        finally:
+            current.dispose()
+        if status != 0:
+            raise BenchError(f"{self.label}: the agent exited with status {status}")
+
+    def _spawn(self) -> Connection:
+        self.current = Connection(agent_argv(self.restore, self.replay), self.env, self.label)
+        self.current.call("initialize", INITIALIZE_PARAMS)
+        return self.current
+
+    def open(self) -> bool:
+        for _ in range(2):
+            self._stop_current()
+            self.sessions.append(self._spawn().new_session())
+        return True
+
+    def resume_once(self) -> float:
+        session_id = self.sessions[self.next]
+        self._stop_current()  # outside the timed part: the proxy stops it in the background too
+        start = time.perf_counter()
+        conn = self._spawn()
+        _, replayed = conn.call(self.method, {**SESSION_PARAMS, "sessionId": session_id})
+        result, notes = conn.call("session/prompt", prompt_params(session_id))
+        elapsed = time.perf_counter() - start
+        expected = self.replay if self.restore == "load" else 0
+        if len(replayed) != expected:
+            raise BenchError(f"{self.label}: {self.method} sent {len(replayed)} updates, not {expected}")
+        pid = check_turn(self.label, result, notes, session_id, self.method)
+        if pid == self.last_pid:
+            raise BenchError(f"{self.label}: the same process served two sessions")
+        self.last_pid, self.next = pid, 1 - self.next
+        self.resumes += 1
+        return elapsed * 1000
+
+    def finish(self) -> bool:
+        self._stop_current()
+        return True
+
+    def kill(self) -> None:
+        if self.current is not None:
+            self.current.kill()
+            self.current.close()
+            self.current.dispose()
+            self.current = None
+
+
+class ProxyResume:
+    """Two sessions through a proxy with ``max_live = 1``: every prompt resumes its session."""
+
+    def __init__(self, backend: str, restore: str, replay: int, env: dict[str, str], workdir: Path) -> None:
+        self.mode = proxy_mode(backend)
+        self.restore = restore
+        self.label = f"{restore_label(restore, replay)}, {mode_label(self.mode)}"
+        self.method = f"session/{restore}"
+        name = f"resume-{backend}-{restore}"
+        config = write_config(workdir / f"{name}.toml", max_live=1, command=agent_argv(restore, replay))
+        self.argv = proxy_argv(backend, config)
+        self.env = {**env, "ACP_PROXY_STATE_DIR": str(workdir / f"state-{name}")}
+        self._conn: Connection | None = None
+        self.sessions: list[str] = []
+        self.next = 0
+        self.last_pid = 0
+        self.resumes = 0
+
+    @property
+    def conn(self) -> Connection:
+        assert self._conn is not None
+        return self._conn
+
+    def open(self) -> bool:
+        self._conn = Connection(self.argv, self.env, self.label)
+        self.conn.call("initialize", INITIALIZE_PARAMS)
+        # The second session/new suspends the first session (max_live = 1).
+        self.sessions = [self.conn.new_session(), self.conn.new_session()]
+        return True
+
+    def resume_once(self) -> float:
+        session_id = self.sessions[self.next]
+        request_id, data = self.conn.request("session/prompt", prompt_params(session_id))
+        deadline = time.monotonic() + IO_TIMEOUT
+        start = time.perf_counter()
+        self.conn.send(data)
+        result, notes = self.conn.answer(request_id, deadline)
+        elapsed = time.perf_counter() - start
+        pid = check_turn(self.label, result, notes, session_id, self.method)
+        if pid == self.last_pid:
+            raise BenchError(f"{self.label}: the prompt went to the process that served the other session")
+        self.last_pid, self.next = pid, 1 - self.next
+        self.resumes += 1
+        return elapsed * 1000
+
+    def finish(self) -> bool:
+        conn, self._conn = self.conn, None
+        try:
+            status = conn.close()
+            resumed = conn.stderr_text().count(RESUMED_LOG)
+        finally:
+            conn.dispose()
+        if status != 0:
+            raise BenchError(f"{self.label}: the proxy exited with status {status}")
+        if resumed != self.resumes:
+            raise BenchError(f"{self.label}: the proxy logged {resumed} resumes, the client counted {self.resumes}")
+        return True
+
+    def kill(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.kill()
+            conn.close()
+            conn.dispose()
+
+
+def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[ResumeCase]:
+    cases: list[ResumeCase] = []
+    for restore in RESTORES:
+        cases.append(DirectResume(restore, args.replay, env))
+        cases += [ProxyResume(backend, restore, args.replay, env, workdir) for backend in args.backends]
+    return cases
+
+
+def measure_resume(
+    report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    cases = resume_cases(env, workdir, args)
+    samples: dict[str, list[float]] = {case.label: [] for case in cases}
+    broken: set[str] = set()
+    finished: set[str] = set()
+
+    def drop(case: ResumeCase) -> None:
+        broken.add(case.label)
+        case.kill()
+
+    try:
+        for case in cases:
+            if attempt(report, f"resume {case.label}: setup", case.open) is None:
+                drop(case)
+        for _ in range(RESUME_WARMUP):
+            for case in cases:
+                if case.label not in broken and attempt(report, f"resume {case.label}", case.resume_once) is None:
+                    drop(case)
+        for round_ in range(args.resumes):
+            if round_ % 10 == 0:
+                progress(f"sessions: resume, round {round_ + 1}/{args.resumes} x {len(cases) - len(broken)} cases ...")
+            for case in cases:
+                if case.label in broken:
+                    continue
+                ms = attempt(report, f"resume {case.label}", case.resume_once)
+                if ms is None:
+                    drop(case)
+                else:
+                    samples[case.label].append(ms)
+        for case in cases:
+            if case.label not in broken:
+                finished.add(case.label)
+                if attempt(report, f"resume {case.label}: shutdown", case.finish) is None:
+                    broken.add(case.label)
+    finally:
+        for case in cases:
+            if case.label not in broken and case.label not in finished:
+                case.kill()
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        values = sorted(samples[case.label])
+        if case.label in broken or not values:
+            continue
+        rows.append(
+            {
+                "restore": case.restore,
+                "mode": case.mode,
+                "replay": args.replay if case.restore == "load" else 0,
+                "resumes": len(values),
+                "p50_ms": percentile(values, 50),
+                "p90_ms": percentile(values, 90),
+                "min_ms": values[0],
+                "max_ms": values[-1],
+                "mean_ms": statistics.fmean(values),
+                "all_ms": samples[case.label],
+            }
+        )
+    for row in rows:
+        direct = next((r for r in rows if r["restore"] == row["restore"] and r["mode"] == DIRECT), None)
+        is_proxy = row["mode"] != DIRECT
+        row["added_p50_ms"] = row["p50_ms"] - direct["p50_ms"] if direct and is_proxy else None
+        row["added_p90_ms"] = row["p90_ms"] - direct["p90_ms"] if direct and is_proxy else None
+        row["vs_direct_p50"] = row["p50_ms"] / direct["p50_ms"] if direct and is_proxy else None
+    return rows
+
+
+# --- (2) proxy memory with many registered sessions ------------------------------------------
+
+RSS_CASES = ("empty", "live", "registered")
+
+
+def rss_case_label(case: str) -> str:
+    return {
+        "empty": "0 sessions",
+        "live": f"{RSS_LIVE} sessions, all live",
+        "registered": f"{RSS_SESSIONS:,} sessions, {RSS_LIVE} live ({RSS_SESSIONS - RSS_LIVE:,} suspended)",
+    }[case]
+
+
+def realistic_record(index: int) -> SessionRecord:
+    """A session row as a gateway's sessions leave it: MCP servers, ownership, a mode set, an auth method."""
+    session_id = f"sess-{secrets.token_hex(4)}-{secrets.token_hex(2)}-{secrets.token_hex(2)}-{secrets.token_hex(6)}"
+    cwd = f"/home/dev/src/project-{index % 40:02d}"
+    settings: tuple[tuple[str, str], ...] = (("session/set_mode", json.dumps({"modeId": "plan"})),)
+    if index % 3 == 0:
+        settings += (("session/set_config_option", json.dumps({"configId": "model", "value": "large"})),)
+    return SessionRecord(
+        session_id=session_id,
+        adapter_session_id=session_id,
+        backend=BACKEND,
+        cwd=cwd,
+        mcp_servers=json.dumps(mcp_servers(cwd)),
+        additional_directories=json.dumps([f"{cwd}/../shared"]) if index % 4 == 0 else None,
+        settings=settings,
+        auth_method="api-key",
+        ownership=Ownership(
+            session_key=f"agent:main:thread-{index}",
+            owner_session_key="agent:main",
+            spawned_by="agent:main" if index % 5 == 0 else None,
+            agent_id="main",
+        ),
+    )
+
+
+def populate(state_dir: Path, count: int) -> None:
+    """``count`` suspended sessions, left by an earlier proxy, in the state dir's database."""
+    db = StateDB(state_dir)
+    try:
+        registry = SessionRegistry(db, "bench-earlier-proxy")
+        for index in range(count):
+            record = registry.create(realistic_record(index))
+            registry.mark_suspended(record.session_id)
+    finally:
+        db.close()
+
+
+def session_counts(state_dir: Path) -> dict[str, int]:
+    db = StateDB(state_dir, create=False)
+    try:
+        return SessionRegistry(db, "bench-reader").counts()
+    finally:
+        db.close()
+
+
+def rss_once(backend: str, case: str, env: dict[str, str], workdir: Path, index: int) -> dict[str, Any]:
+    mode = proxy_mode(backend)
+    who = f"memory, {rss_case_label(case)}, {mode_label(mode)}"
+    state = workdir / f"state-rss-{index}"
+    suspended = RSS_SESSIONS - RSS_LIVE if case == "registered" else 0
+    live = 0 if case == "empty" else RSS_LIVE
+    if suspended:
+        populate(state, suspended)
+    config = write_config(workdir / f"rss-{index}.toml", max_live=RSS_LIVE, command=agent_argv("resume", 0))
+    with connection(proxy_argv(backend, config), {**env, "ACP_PROXY_STATE_DIR": str(state)}, who) as conn:
+        conn.call("initialize", INITIALIZE_PARAMS)
+        for _ in range(live):
+            conn.new_session()
+        listing, _ = conn.call("session/list", {})
+        total = suspended + live
+        listed = listing.get("sessions") if isinstance(listing, dict) else None
+        if not isinstance(listed, list) or len(listed) != min(total, LIST_PAGE_SIZE):
+            raise BenchError(f"{who}: session/list answered {str(listing)[:300]}")
+        if ("nextCursor" in listing) != (total > LIST_PAGE_SIZE):
+            raise BenchError(f"{who}: session/list paging is wrong for {total} sessions")
+        rss_kb = proc_status_kb(conn.pid, "VmRSS")
+        hwm_kb = proc_status_kb(conn.pid, "VmHWM")
+        counts = session_counts(state) if total else {}
+        expected = {name: n for name, n in (("live", live), ("suspended", suspended)) if n}
+        if counts != expected:
+            raise BenchError(f"{who}: the registry holds {counts}, expected {expected}")
+    if conn.process.returncode != 0:
+        raise BenchError(f"{who}: the proxy exited with status {conn.process.returncode}")
+    if rss_kb is None or hwm_kb is None:
+        raise BenchError(f"{who}: cannot read /proc/{conn.pid}/status")
+    return {"rss_mb": rss_kb / 1024, "hwm_mb": hwm_kb / 1024}
+
+
+def measure_rss(report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    cases = [(backend, case) for backend in args.backends for case in RSS_CASES]
+    samples: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in cases}
+    broken: set[tuple[str, str]] = set()
+    counter = iter(range(1_000_000))
+    for run in range(args.rss_runs):
+        progress(f"sessions: memory, run {run + 1}/{args.rss_runs} x {len(cases)} cases ...")
+        for backend, case in cases:
+            if (backend, case) in broken:
+                continue
+            sample = attempt(
+                report,
+                f"memory {rss_case_label(case)}, {mode_label(proxy_mode(backend))}",
+                functools.partial(rss_once, backend, case, env, workdir, next(counter)),
+            )
+            if sample is None:
+                broken.add((backend, case))
+            else:
+                samples[(backend, case)].append(sample)
+    rows: list[dict[str, Any]] = []
+    for (backend, case), runs in samples.items():
+        if not runs or (backend, case) in broken:
+            continue
+        rows.append(
+            {
+                "mode": proxy_mode(backend),
+                "case": case,
+                "label": rss_case_label(case),
+                "sessions": {"empty": 0, "live": RSS_LIVE, "registered": RSS_SESSIONS}[case],
+                "live": 0 if case == "empty" else RSS_LIVE,
+                "runs": len(runs),
+                "rss_mb": max(run["rss_mb"] for run in runs),
+                "hwm_mb": max(run["hwm_mb"] for run in runs),
+                "all": runs,
+            }
+        )
+    for row in rows:
+        empty = next((r for r in rows if r["mode"] == row["mode"] and r["case"] == "empty"), None)
+        is_added = empty is not None and row["case"] != "empty"
+        row["added_rss_mb"] = row["rss_mb"] - empty["rss_mb"] if empty and is_added else None
+        row["added_hwm_mb"] = row["hwm_mb"] - empty["hwm_mb"] if empty and is_added else None
+    return rows
+
+
+# --- (3) registry operations -----------------------------------------------------------------
+
+
+def measure_registry(workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    ops, pages = args.registry_ops, max(10, args.registry_ops // 100)
+    rows: list[dict[str, Any]] = []
+
+    def timed(name: str, label: str, count: int, action: Callable[[int], object]) -> None:
+        start = time.perf_counter()
+        for i in range(count):
+            action(i)
+        seconds = time.perf_counter() - start
+        rows.append(
+            {
+                "op": name,
+                "label": label,
+                "ops": count,
+                "seconds": seconds,
+                "ops_per_s": count / seconds,
+                "us_per_op": seconds / count * 1e6,
+            }
+        )
+
+    db = StateDB(workdir / "state-registry")
+    try:
+        registry = SessionRegistry(db, "bench")
+        records = [realistic_record(index) for index in range(REGISTRY_ROWS)]
+        picks = random.Random(1).choices([record.session_id for record in records], k=ops)
+        settings = [
+            ("session/set_mode", {"modeId": "plan"}),
+            ("session/set_config_option", {"configId": "model", "value": "large"}),
+            ("session/set_mode", {"modeId": "default"}),
+        ]
+        progress(f"sessions: registry, {REGISTRY_ROWS:,} rows, {ops:,} operations each ...")
+        timed("create", f"create ({REGISTRY_ROWS:,} new rows)", REGISTRY_ROWS, lambda i: registry.create(records[i]))
+        timed("get", "get (a random row)", ops, lambda i: registry.get(picks[i]))
+        timed("touch", "touch (a prompt's bookkeeping)", ops, lambda i: registry.touch(picks[i]))
+        timed(
+            "record_setting",
+            "record_setting (set_mode / set_config_option, read-modify-write)",
+            ops,
+            lambda i: registry.record_setting(picks[i], *settings[i % len(settings)]),
+        )
+
+        def suspend_or_live(i: int) -> None:
+            session_id = picks[i // 2]
+            if i % 2 == 0:
+                registry.mark_suspended(session_id)
+            else:
+                registry.mark_live(session_id, "lease-bench", session_id)
+
+        timed("mark_suspended/mark_live", "mark_suspended / mark_live (alternating)", ops, suspend_or_live)
+        sizes: set[int] = set()
+        timed(
+            "page",
+            f"page() (all {REGISTRY_ROWS:,} rows decoded)",
+            pages,
+            lambda i: sizes.add(len(registry.page())),
+        )
+        if sizes != {REGISTRY_ROWS} or registry.get(picks[0]) is None:
+            raise BenchError(f"registry: page() returned {sorted(sizes)} rows, not {REGISTRY_ROWS}")
+    finally:
+        db.close()
+    page = rows[-1]
+    page["rows_per_s"] = page["ops_per_s"] * REGISTRY_ROWS
+    return rows
+
+
+# --- the section -----------------------------------------------------------------------------
+
+
+def wait_for_leftovers(token: str) -> list[int]:
+    deadline = time.monotonic() + LEFTOVER_WAIT
+    while (left := marked_processes(token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def measure_sessions(report: Report, args: argparse.Namespace) -> dict[str, Any]:
+    token = secrets.token_hex(8)
+    env = {**child_environment(), BENCH_MARKER: token}
+    env.pop("ACP_PROXY_CONFIG", None)
+    results: dict[str, Any] = {
+        "resumes": args.resumes,
+        "resume_warmup": RESUME_WARMUP,
+        "replay": args.replay,
+        "rss_runs": args.rss_runs,
+        "rss_sessions": RSS_SESSIONS,
+        "rss_live": RSS_LIVE,
+        "registry_rows": REGISTRY_ROWS,
+        "registry_ops": args.registry_ops,
+    }
+    with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-sessions-") as name:
+        workdir = Path(name)
+        results["resume"] = measure_resume(report, env, workdir, args)
+        results["rss"] = measure_rss(report, env, workdir, args)
+        results["registry"] = attempt(report, "registry", lambda: measure_registry(workdir, args)) or []
+    leftover = wait_for_leftovers(token)
+    results["left_running"] = leftover
+    if leftover:
+        for pid in leftover:
+            kill_if_alive(pid, start_ticks(pid))
+        report.errors.append(f"sessions: processes outlived the benchmark (killed now): {leftover}")
+    return results
+
+
+# --- reporting -------------------------------------------------------------------------------
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, float | None, float, str]]:
+    """(figure, value, limit, unit) for the Targets table."""
+    found: list[tuple[str, float | None, float, str]] = []
+    for row in results.get("resume", []):
+        if row["mode"] != DIRECT:
+            found.append(
+                (
+                    f"resume added p50, {restore_label(row['restore'], row['replay'])}, {mode_label(row['mode'])}",
+                    row["added_p50_ms"],
+                    TARGET_RESUME_ADDED_MS,
+                    "ms",
+                )
+            )
+    for row in results.get("rss", []):
+        if row["case"] == "registered":
+            found.append(
+                (
+                    f"proxy peak RSS, {rss_case_label(row['case'])}, {mode_label(row['mode'])}",
+                    row["hwm_mb"],
+                    TARGET_RSS_MB,
+                    "MB",
+                )
+            )
+    return found
+
+
+def render(results: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    if results.get("resume"):
+        out += [
+            f"## Sessions: resume latency, `max_live = 1`, {results['resumes']} resumes each (interleaved)",
+            "",
+            "Prompts alternate between two sessions, so each one finds its session suspended. Timed from "
+            "sending `session/prompt` to its answer. Through the proxy that covers suspending the other "
+            "session (its process is stopped in the background), spawning the adapter under its wrapper, "
+            "`initialize`, the restoring request and the prompt. Direct, the adapter's own cost: the "
+            "client stops the old agent (untimed), then spawns the agent (plain Popen), `initialize`, "
+            f"restores, prompts. After {results['resume_warmup']} "
+            "untimed resumes per case.",
+            "",
+        ]
+        rows = []
+        for row in results["resume"]:
+            is_proxy = row["mode"] != DIRECT
+            rows.append(
+                [
+                    restore_label(row["restore"], row["replay"]),
+                    mode_label(row["mode"]),
+                    fmt(row["p50_ms"], 1),
+                    fmt(row["p90_ms"], 1),
+                    fmt(row["min_ms"], 1),
+                    fmt(row["max_ms"], 1),
+                    fmt(row["added_p50_ms"], 1) if is_proxy else "",
+                    fmt(row["added_p90_ms"], 1) if is_proxy else "",
+                    fmt(row["vs_direct_p50"], 2, "x") if is_proxy else "",
+                    verdict(row["added_p50_ms"], TARGET_RESUME_ADDED_MS) if is_proxy else "",
+                ]
+            )
+        header = [
+            "restored with",
+            "run by",
+            "p50 ms",
+            "p90 ms",
+            "min ms",
+            "max ms",
+            "added p50 ms",
+            "added p90 ms",
+            "vs direct (p50)",
+            f"target added p50 <= {TARGET_RESUME_ADDED_MS:g} ms",
+        ]
+        out += table(header, rows)
+        out += [""]
+    if results.get("rss"):
+        out += [
+            f"## Sessions: proxy memory with {RSS_SESSIONS:,} registered sessions, {RSS_LIVE} live "
+            f"(`max_live = {RSS_LIVE}`), {results['rss_runs']} run(s) each, the highest reported",
+            "",
+            f"After `initialize`, a `session/new` per live session and one `session/list` (it reads every "
+            f"open row; it answers the first {LIST_PAGE_SIZE}). RSS of the proxy process alone (its "
+            "adapters are not counted), from `/proc/PID/status`; added: against the same proxy with "
+            "0 sessions.",
+            "",
+        ]
+        rows = []
+        for row in results["rss"]:
+            is_target = row["case"] == "registered"
+            rows.append(
+                [
+                    mode_label(row["mode"]),
+                    row["label"],
+                    fmt(row["rss_mb"], 1),
+                    fmt(row["hwm_mb"], 1),
+                    fmt(row["added_rss_mb"], 1) if row["added_rss_mb"] is not None else "",
+                    fmt(row["added_hwm_mb"], 1) if row["added_hwm_mb"] is not None else "",
+                    verdict(row["hwm_mb"], TARGET_RSS_MB) if is_target else "",
+                ]
+            )
+        header = [
+            "proxy",
+            "sessions",
+            "RSS MB (VmRSS)",
+            "peak RSS MB (VmHWM)",
+            "added RSS MB",
+            "added peak MB",
+            f"target peak <= {TARGET_RSS_MB:g} MB",
+        ]
+        out += table(header, rows)
+        out += [""]
+    if results.get("registry"):
+        out += [
+            f"## Sessions: registry operations, in-process, {results['registry_rows']:,} rows",
+            "",
+            "`SessionRegistry` on a fresh state database (WAL, `synchronous = NORMAL`); every write is "
+            'its own transaction. Absolute figures: there is no "without the proxy" to compare them '
+            "with, so no target.",
+            "",
+        ]
+        rows = [
+            [
+                row["label"],
+                f"{row['ops']:,}",
+                fmt(row["seconds"], 3),
+                fmt(row["ops_per_s"], 0),
+                fmt(row["us_per_op"], 1),
+            ]
+            for row in results["registry"]
+        ]
+        out += table(["operation", "ops", "total s", "ops/s", "us/op"], rows)
+        page = results["registry"][-1]
+        if "rows_per_s" in page:
+            out += ["", f"* `page()`: {fmt(page['rows_per_s'], 0)} rows/s decoded into `SessionRecord`s."]
+        out += [""]
+    if "left_running" in results:
+        left = results["left_running"]
+        out += [
+            "Processes carrying this run's marker left running at the end of the session benchmarks: "
+            + (", ".join(map(str, left)) + " (killed)" if left else "none"),
+            "",
+        ]
+    return out
