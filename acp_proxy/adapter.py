@@ -67,8 +67,9 @@ class PendingCall:
     internal: InternalCall | None = None
     session_id: str | None = None
     """For session/load, /resume and /close: the session the request names."""
-    on_answer: Callable[[Message], None] | None = None
-    """Called with the adapter's answer before it is forwarded (the proxy's bookkeeping)."""
+    on_answer: Callable[[Message], Message | None] | None = None
+    """Called with the adapter's answer before it is forwarded (the proxy's bookkeeping); what it
+    returns, if anything, is forwarded instead."""
 
 
 SESSION_NAMING_METHODS = frozenset({"session/load", "session/resume", "session/close"})

@@ -11,10 +11,12 @@ decoded with one call and written back as the very block that was read.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import signal
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -232,15 +234,18 @@ class Session:
 
     record: SessionRecord
     adapter: Adapter | None = None
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
-    """Held while the session is brought back, suspended or closed; requests queue on it in order."""
-    queued: int = 0
-    """Requests waiting on ``lock`` (while any are, later ones queue behind them)."""
+    queue: collections.deque[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=collections.deque)
+    """Work that must wait for the session (a resume, a close), in the order the gateway sent it."""
+    draining: bool = False
+    """A task is working through ``queue``; requests that arrive meanwhile queue behind."""
     cancel_epoch: int = 0
-    """Bumped by ``session/cancel``: a queued prompt that sees it changed is answered ``cancelled``."""
+    """Bumped by ``session/cancel`` and ``session/close``: a queued prompt that sees it changed is
+    answered ``cancelled``."""
     closed: bool = False
     stopping: anyio.Event | None = None
     """Set while its last process is being stopped (a resume waits for that first)."""
+    resume_scope: anyio.CancelScope | None = None
+    """The resume in progress, which a ``session/close`` cancels."""
 
     @property
     def session_id(self) -> str:
@@ -249,7 +254,7 @@ class Session:
     @property
     def ready(self) -> bool:
         """Requests can go straight to the process, in order, without waiting."""
-        return self.adapter is not None and not self.adapter.gone and self.queued == 0 and not self.lock.locked()
+        return self.adapter is not None and not self.adapter.gone and not self.queue and not self.draining
 
 
 class Proxy:
@@ -284,7 +289,14 @@ class Proxy:
         self._reading = anyio.CancelScope()
         self._stop_reason: str | None = None
         self._shutting_down = False
+        self._refusing = False
+        """Requests still being handled fail fast (``proxy_shutdown``) instead of starting processes."""
         self._tasks: anyio.abc.TaskGroup | None = None
+        self._handlers = 0
+        """Background request handlers running (shutdown waits for them to answer)."""
+        self._queued_ids: set[RequestId] = set()
+        self._withdrawn: set[RequestId] = set()
+        """Queued requests the gateway withdrew with ``$/cancel_request`` before they were sent."""
         for session_id in self.registry.adopt_orphans():
             log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
 
@@ -306,6 +318,8 @@ class Proxy:
     def stop(self, reason: str) -> None:
         """Stop reading from the gateway and shut down (signal handlers call this)."""
         self._shutting_down = True
+        self._refusing = True
+        self._notify_pool()
         if self._stop_reason is None:
             self._stop_reason = reason
             log.info("%s: shutting down", reason)
@@ -320,25 +334,44 @@ class Proxy:
         """
         self._shutting_down = True
         with anyio.CancelScope(shield=True):
+            if not self._refusing:
+                # Gateway EOF: what it sent before leaving is still served, for a while (a client
+                # may pipe in its requests and read the answers after closing its end).
+                with anyio.move_on_after(self.config.shutdown.stdin_grace + SHUTDOWN_WRITE_GRACE):
+                    while self._handlers:
+                        await anyio.sleep(0.01)
+            self._refusing = True
+            self._notify_pool()  # requests still waiting for a process slot give up (proxy_shutdown)
             if self._warm is not None:  # launched at startup, never asked for
                 await self._warm.stop(
                     stdin_grace=self.config.shutdown.stdin_grace, term_grace=self.config.shutdown.term_grace
                 )
-            adapters = list(self.running)
             if self._stop_reason is not None:
-                for adapter in adapters:
+                for adapter in list(self.running):
                     await self._fail_calls(
                         adapter.take_gateway_calls(),
                         jsonrpc.REQUEST_CANCELLED,
                         "acp-proxy is shutting down",
                         {"reason": "proxy_shutdown"},
                     )
-            async with anyio.create_task_group() as tasks:
-                for adapter in adapters:
-                    tasks.start_soon(self._stop_adapter, adapter)
+            await self._stop_all()
+            # Requests still being handled (waiting for a slot, a resume in progress) now fail
+            # fast and are answered; anything they started meanwhile is stopped too.
+            with anyio.move_on_after(SHUTDOWN_WRITE_GRACE + self.config.shutdown.term_grace):
+                while self._handlers:
+                    await anyio.sleep(0.01)
+            await self._stop_all()
             suspended = self.registry.suspend_all_of_this_instance()
             if suspended:
                 log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
+
+    async def _stop_all(self) -> None:
+        async with anyio.create_task_group() as tasks:
+            for adapter in list(self.running):
+                tasks.start_soon(self._stop_adapter, adapter)
+
+    def _shutdown_error(self) -> RestoreFailed:
+        return RestoreFailed(jsonrpc.REQUEST_CANCELLED, "acp-proxy is shutting down", {"reason": "proxy_shutdown"})
 
     async def _stop_adapter(self, adapter: Adapter, *, drain: bool = True) -> None:
         """End one adapter process and its tree, and let the pool know.
@@ -388,7 +421,15 @@ class Proxy:
     def _background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run request handling that may wait (a spawn, a resume) without holding up the gateway."""
         assert self._tasks is not None
-        self._tasks.start_soon(work)
+
+        async def handle() -> None:
+            try:
+                await work()
+            finally:
+                self._handlers -= 1
+
+        self._handlers += 1  # counted from now: shutdown waits for work not yet begun, too
+        self._tasks.start_soon(handle)
 
     async def _route_request(self, msg: Message) -> None:
         assert isinstance(msg.method, str)
@@ -407,9 +448,9 @@ class Proxy:
             if session_id is None:
                 self._background(lambda: self._forward_to_any(msg))
             elif method == "session/close":
-                self._background(lambda: self.close_session(msg, session_id))
+                await self.close_session(msg, session_id)  # ordered now; the work queues behind the session's
             elif method in ("session/load", "session/resume"):
-                self._background(lambda: self._restore_for_gateway(msg, session_id))
+                await self._restore_for_gateway(msg, session_id)
             else:
                 await self._forward_to_session(msg, session_id)
 
@@ -457,10 +498,13 @@ class Proxy:
                 with suppress(AdapterGone):
                     await adapter.send(data)
                 return
+        if target in self._queued_ids:
+            self._withdrawn.add(target)  # answered -32800 when its turn comes, never sent
+            return
         log.debug("$/cancel_request for an unknown request: %s", _preview(line))
 
     async def _forward(
-        self, adapter: Adapter, msg: Message, on_answer: Callable[[Message], None] | None = None
+        self, adapter: Adapter, msg: Message, on_answer: Callable[[Message], Message | None] | None = None
     ) -> None:
         """Send a gateway request to ``adapter`` under a fresh id (``sessionId`` rewritten if needed)."""
         assert isinstance(msg.method, str)
@@ -511,14 +555,15 @@ class Proxy:
     def _slots(self) -> list[Slot]:
         slots = []
         for adapter in self.running:
-            if adapter in self._evicting or adapter.gone:
-                continue
+            stopping = adapter in self._evicting
+            if adapter.returncode is not None or (adapter.gone and not stopping):
+                continue  # its tree is gone: the wrapper exits only once it has ended it
             slots.append(
                 Slot(
                     key=slot_key(adapter),
                     backend=adapter.backend.name,
                     last_active=adapter.last_active,
-                    busy=adapter.busy,
+                    busy=adapter.busy or stopping,  # being stopped: it still counts, but cannot be chosen
                     spare=adapter.gateway_session is None,
                     pinned=adapter.backend.resume == "never" and adapter.gateway_session is not None,
                 )
@@ -538,25 +583,33 @@ class Proxy:
         Waits at most ``acquire_timeout``; then ``RestoreFailed`` with ``pool_exhausted``.
         The caller must call ``_release_reservation`` once the process runs (or failed).
         """
-        with anyio.move_on_after(self.config.pool.acquire_timeout):
-            while True:
-                decision = plan_acquire(
-                    self._slots(),
-                    backend.name,
-                    backend_cap=self._backend_cap(backend),
-                    global_cap=self.config.pool.max_live,
-                    reserved=self._reserved,
-                )
-                if isinstance(decision, Admit):
-                    if decision.evict is None:
-                        self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
-                        return
-                    changed = self._pool_changed
-                    if not self._evict(decision.evict):
-                        await changed.wait()  # it got busy meanwhile: wait for the next change
+        deadline = anyio.current_time() + self.config.pool.acquire_timeout
+        while True:
+            if self._refusing:
+                raise self._shutdown_error()
+            decision = plan_acquire(
+                self._slots(),
+                backend.name,
+                backend_cap=self._backend_cap(backend),
+                global_cap=self.config.pool.max_live,
+                reserved=self._reserved,
+            )
+            changed = self._pool_changed
+            if isinstance(decision, Admit):
+                if decision.evict is None:
+                    self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
+                    return
+                if self._evict(decision.evict):
+                    # The slot is ours once its process has exited: a wait bounded by the
+                    # teardown's own graces, not by acquire_timeout (that is for busy sessions).
+                    await changed.wait()
                     continue
-                changed = self._pool_changed
+            else:
                 log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
+            remaining = deadline - anyio.current_time()
+            if remaining <= 0:
+                break
+            with anyio.move_on_after(remaining):
                 await changed.wait()
         cap = self._backend_cap(backend)
         raise RestoreFailed(
@@ -615,6 +668,8 @@ class Proxy:
         """
         await self._acquire_slot(backend)
         try:
+            if self._refusing:
+                raise self._shutdown_error()
             warm, self._warm = (self._warm, None) if backend is self.backend else (None, self._warm)
             try:
                 supervised = warm or Adapter.launch(
@@ -748,21 +803,37 @@ class Proxy:
             await self._fail(msg.id, exc.code, exc.message, exc.data)
             return
 
-        def created(answer: Message) -> None:
+        def created(answer: Message) -> Message | None:
             adapter.claimed = False
             session_id = session_of(answer.result) if answer.error is UNSET else None
             if session_id is None:
-                return  # the error goes to the gateway; the process stays as a spare
-            self._register(session_id, backend, adapter, msg.params)
+                return None  # the error goes to the gateway; the process stays as a spare
+            stable = self._register(session_id, backend, adapter, msg.params)
+            if stable == session_id:
+                return None
+            result = jsonrpc.decode_object(answer.result) or {}
+            return Message(
+                jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable}))
+            )
 
         await self._forward(adapter, msg, created)
 
-    def _register(self, session_id: str, backend: BackendConfig, adapter: Adapter, params: Raw | UnsetType) -> None:
-        """A session the adapter just opened (``session/new``, or a load of one the registry did not know)."""
+    def _register(self, session_id: str, backend: BackendConfig, adapter: Adapter, params: Raw | UnsetType) -> str:
+        """A session the adapter just opened (``session/new``, or a load of one the registry did not know).
+
+        Returns the stable id: the adapter's, unless another open session already has that id
+        (adapters that number sessions per process give every process's first one the same
+        id); then a proxy-side id, and ``sessionId`` is rewritten on this connection.
+        """
+        stable = session_id
+        taken = self.registry.get(session_id)
+        if session_id in self.sessions or (taken is not None and taken.state is not SessionState.CLOSED):
+            stable = f"{session_id}~{uuid.uuid4().hex[:8]}"
+            log.info("session %s: the adapter's id is taken by another session; known as %s", session_id, stable)
         given = jsonrpc.decode_object(params) or {}
         directories = given.get("additionalDirectories")
         record = SessionRecord(
-            session_id=session_id,
+            session_id=stable,
             adapter_session_id=session_id,
             backend=backend.name,
             cwd=str(given.get("cwd", "")),
@@ -773,6 +844,7 @@ class Proxy:
             ownership=ownership_from(proxy_meta(params)),
         )
         self._bind(Session(self.registry.create(record)), adapter, session_id)
+        return stable
 
     def _auth_method(self) -> str | None:
         obj = jsonrpc.decode_object(self._auth_params) or {}
@@ -791,7 +863,7 @@ class Proxy:
         self._notify_pool()
 
     def _session(self, session_id: str) -> Session | None:
-        """A session this proxy can serve: in memory, or in the registry (suspended or left by a dead proxy)."""
+        """A session this proxy can serve: in memory, or in the registry (suspended, or left by a dead proxy)."""
         session = self.sessions.get(session_id)
         if session is not None:
             return session
@@ -799,10 +871,32 @@ class Proxy:
         if record is None or record.state is SessionState.CLOSED:
             return None
         if record.state is not SessionState.SUSPENDED and record.instance_id != self.owner.instance_id:
-            return None  # live in another proxy that is still running
+            # Live in another proxy: unless that proxy has died since we started (its tree was
+            # reaped by then or will be by the next start), it is not ours to serve.
+            if not self.registry.take_over_if_orphaned(session_id):
+                return None
+            log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
+            record = self.registry.get(session_id) or record
         session = Session(record)
         self.sessions[session_id] = session
         return session
+
+    def _enqueue(self, session: Session, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``work`` once everything the gateway sent earlier for this session has run (in order)."""
+        session.queue.append(work)
+        if not session.draining:
+            session.draining = True
+            self._background(lambda: self._drain(session))
+
+    async def _drain(self, session: Session) -> None:
+        try:
+            while session.queue:
+                work = session.queue.popleft()
+                await work()
+                self._notify_pool()
+        finally:
+            session.draining = False
+            self._notify_pool()  # it may be idle now: a waiter for a slot may suspend it
 
     async def _forward_to_session(self, msg: Message, session_id: str) -> None:
         session = self._session(session_id)
@@ -813,9 +907,9 @@ class Proxy:
             assert session.adapter is not None
             await self._forward(session.adapter, msg, self._bookkeeping(session, msg))
             return
-        session.queued += 1
         epoch = session.cancel_epoch
-        self._background(lambda: self._forward_when_live(session, msg, epoch))
+        self._queued_ids.add(msg.id)  # type: ignore[arg-type]
+        self._enqueue(session, lambda: self._forward_when_live(session, msg, epoch))
 
     async def _unknown_session(self, request_id: RequestId | UnsetType, session_id: str) -> None:
         elsewhere = self.registry.get(session_id)
@@ -834,7 +928,7 @@ class Proxy:
             {"reason": "unknown_session", "sessionId": session_id},
         )
 
-    def _bookkeeping(self, session: Session, msg: Message) -> Callable[[Message], None] | None:
+    def _bookkeeping(self, session: Session, msg: Message) -> Callable[[Message], Message | None] | None:
         """What to record when the adapter answers a request of this session."""
         method = msg.method
         if method == "session/prompt":
@@ -848,38 +942,69 @@ class Proxy:
                     self.registry.record_setting(session.session_id, method, params)
 
             return remember
+        if method == "session/delete":
+
+            def forget(answer: Message) -> None:
+                if answer.error is UNSET:
+                    self._close_quietly(session)
+
+            return forget
         return None
 
     async def _forward_when_live(self, session: Session, msg: Message, epoch: int) -> None:
-        """A request for a session without a process: bring it back (in order), then forward."""
+        """A request that waited for its session: bring the session back if need be, then forward."""
         try:
-            async with session.lock:
-                if session.closed:
-                    await self._unknown_session(msg.id, session.session_id)
-                    return
-                if msg.method == "session/prompt" and session.cancel_epoch != epoch:
-                    await self._answer(msg.id, {"stopReason": "cancelled"})
-                    return
-                try:
-                    adapter = await self.ensure_live(session)
-                except RestoreFailed as exc:
-                    await self._fail(msg.id, exc.code, exc.message, exc.data)
-                    return
-                if msg.method == "session/prompt" and session.cancel_epoch != epoch:
-                    await self._answer(msg.id, {"stopReason": "cancelled"})
-                    return
-                await self._forward(adapter, msg, self._bookkeeping(session, msg))
+            if await self._answered_while_queued(session, msg, epoch):
+                return
+            try:
+                adapter = await self.ensure_live(session)
+            except RestoreFailed as exc:
+                await self._fail(msg.id, exc.code, exc.message, exc.data)
+                return
+            if adapter is None:  # a close cut the resume short
+                await self._answered_while_queued(session, msg, epoch, closed=True)
+                return
+            if await self._answered_while_queued(session, msg, epoch):
+                return
+            await self._forward(adapter, msg, self._bookkeeping(session, msg))
         finally:
-            session.queued -= 1
+            self._queued_ids.discard(msg.id)
 
-    async def ensure_live(self, session: Session, gateway_asked: str | None = None) -> Adapter:
-        """The session's process, resuming it first if it has none. Call with ``session.lock`` held."""
+    async def _answered_while_queued(self, session: Session, msg: Message, epoch: int, *, closed: bool = False) -> bool:
+        """Answer a queued request that must not be sent any more (withdrawn, cancelled, closed, shutdown)."""
+        is_prompt = msg.method == "session/prompt"
+        if msg.id in self._withdrawn:
+            self._withdrawn.discard(msg.id)
+            await self._fail(msg.id, jsonrpc.REQUEST_CANCELLED, "Request cancelled", {"reason": "cancelled"})
+        elif self._refusing:
+            exc = self._shutdown_error()
+            await self._fail(msg.id, exc.code, exc.message, exc.data)
+        elif is_prompt and session.cancel_epoch != epoch:
+            await self._answer(msg.id, {"stopReason": "cancelled"})  # session/cancel or close meanwhile
+        elif closed or session.closed:
+            await self._unknown_session(msg.id, session.session_id)
+        else:
+            return False
+        return True
+
+    async def ensure_live(self, session: Session, gateway_asked: str | None = None) -> Adapter | None:
+        """The session's process, resuming it first if it has none; ``None`` if a close cut the resume short.
+
+        Runs from the session's queue, so nothing else of the session runs meanwhile.
+        """
         if session.adapter is not None and not session.adapter.gone:
             return session.adapter
-        answer = await self.resume_session(session, gateway_asked)
-        del answer
-        assert session.adapter is not None
+        await self._resume_cancellable(session, gateway_asked)
         return session.adapter
+
+    async def _resume_cancellable(self, session: Session, gateway_asked: str | None) -> Message | None:
+        with anyio.CancelScope() as scope:
+            session.resume_scope = scope
+            try:
+                return await self.resume_session(session, gateway_asked)
+            finally:
+                session.resume_scope = None
+        return None
 
     async def resume_session(self, session: Session, gateway_asked: str | None = None) -> Message:
         """Bring a suspended session back on a fresh adapter; the answer of the restoring request.
@@ -902,8 +1027,17 @@ class Proxy:
                 {"reason": "unknown_backend", "backend": record.backend},
             )
         started = time.monotonic()
-        adapter = await self._take_adapter(backend, session_key=record.session_id)
-        self.registry.mark_resuming(record.session_id)
+        if not self.registry.mark_resuming(record.session_id):
+            raise RestoreFailed(
+                jsonrpc.INTERNAL_ERROR,
+                f"Session {record.session_id} is being served by another acp-proxy process",
+                {"reason": "session_in_use", "sessionId": record.session_id},
+            )
+        try:
+            adapter = await self._take_adapter(backend, session_key=record.session_id)
+        except BaseException:
+            self.registry.mark_suspended(record.session_id)
+            raise
         adapter.gateway_session = record.session_id
         adapter.adapter_session = record.adapter_session_id
         try:
@@ -994,22 +1128,34 @@ class Proxy:
             if record is not None and record.state is not SessionState.CLOSED:
                 await self._unknown_session(msg.id, session_id)  # live in another proxy
             else:
-                await self._adopt_session(msg, session_id)
+                self._background(lambda: self._adopt_session(msg, session_id))
             return
-        session.queued += 1
+        self._enqueue(session, lambda: self._restore_when_ready(session, msg))
+
+    async def _restore_when_ready(self, session: Session, msg: Message) -> None:
+        if session.closed:  # closed just before: the adapter may still have it in its own storage
+            await self._adopt_session(msg, session.session_id)
+            return
+        if self._refusing:
+            exc = self._shutdown_error()
+            await self._fail(msg.id, exc.code, exc.message, exc.data)
+            return
+        adapter = session.adapter
+        if adapter is not None and not adapter.gone:
+            if msg.method == "session/resume" and not adapter.capabilities.resume:
+                await self._answer(msg.id, {})  # live already; the proxy advertised resume, so it serves it
+            else:
+                await self._forward(adapter, msg)
+            return
         try:
-            async with session.lock:
-                if session.adapter is not None and not session.adapter.gone:
-                    await self._forward(session.adapter, msg)
-                    return
-                try:
-                    answer = await self.resume_session(session, gateway_asked=str(msg.method))
-                except RestoreFailed as exc:
-                    await self._fail(msg.id, exc.code, exc.message, exc.data)
-                    return
-                await self._answer(msg.id, answer.result if answer.result is not UNSET else {})
-        finally:
-            session.queued -= 1
+            answer = await self._resume_cancellable(session, gateway_asked=str(msg.method))
+        except RestoreFailed as exc:
+            await self._fail(msg.id, exc.code, exc.message, exc.data)
+            return
+        if answer is None:
+            await self._unknown_session(msg.id, session.session_id)
+            return
+        await self._answer(msg.id, answer.result if answer.result is not UNSET else {})
 
     async def _adopt_session(self, msg: Message, session_id: str) -> None:
         """A load/resume of a session the registry does not know: the adapter may (its own storage)."""
@@ -1020,6 +1166,25 @@ class Proxy:
             await self._fail(msg.id, exc.code, exc.message, exc.data)
             return
         adapter.gateway_session = adapter.adapter_session = session_id
+        caps = adapter.capabilities
+        if msg.method == "session/resume" and not caps.resume and caps.load:
+            # The proxy advertised resume on the strength of load: load it, without the replay.
+            adapter.swallow_updates = True
+            try:
+                answer = await self._call_answer(adapter, "session/load", msg.params)
+            except RestoreFailed as exc:
+                adapter.gateway_session = adapter.adapter_session = None
+                adapter.claimed = False
+                await self._fail(msg.id, exc.code, exc.message, exc.data)
+                return
+            if answer.error is not UNSET:
+                adapter.gateway_session = adapter.adapter_session = None
+                adapter.claimed = False
+                await self._send_gateway(jsonrpc.with_id(answer, msg.id))  # type: ignore[arg-type]
+                return
+            self._register(session_id, backend, adapter, msg.params)
+            await self._answer(msg.id, answer.result if answer.result is not UNSET else {})
+            return
 
         def adopted(answer: Message) -> None:
             if answer.error is not UNSET:
@@ -1031,22 +1196,40 @@ class Proxy:
         await self._forward(adapter, msg, adopted)
 
     async def close_session(self, msg: Message, session_id: str) -> None:
-        """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, forget the session."""
+        """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, forget the session.
+
+        A resume in progress is cut short, and requests queued for the session are answered
+        (prompts ``cancelled``) rather than sent.
+        """
         session = self._session(session_id)
-        if session is None:
+        if session is None or session.closed:
             await self._unknown_session(msg.id, session_id)
             return
         session.closed = True
-        self.cancel_turn(session)
-        async with session.lock:
-            adapter, session.adapter = session.adapter, None
-            if adapter is not None and not adapter.gone:
-                await self._end_turns(adapter, session_id)
-                await self._stop_adapter(adapter)
-            self.registry.mark_closed(session_id)
-            self.sessions.pop(session_id, None)
-        log.info("session %s closed", session_id)
-        await self._answer(msg.id, {})
+        session.cancel_epoch += 1
+        if session.resume_scope is not None:
+            session.resume_scope.cancel()
+        self._enqueue(session, lambda: self._reap_closed(session, msg.id))
+
+    def _close_quietly(self, session: Session) -> None:
+        """After a successful ``session/delete``: the session is gone, so is its process."""
+        if not session.closed:
+            session.closed = True
+            self._enqueue(session, lambda: self._reap_closed(session, None))
+
+    async def _reap_closed(self, session: Session, request_id: RequestId | UnsetType | None) -> None:
+        adapter, session.adapter = session.adapter, None
+        if adapter is not None and not adapter.gone:
+            await self._end_turns(adapter, session.session_id)
+            await self._stop_adapter(adapter)
+        if session.stopping is not None:
+            await session.stopping.wait()
+        self.registry.mark_closed(session.session_id)
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+        log.info("session %s closed", session.session_id)
+        if request_id is not None:
+            await self._answer(request_id, {})
 
     async def _end_turns(self, adapter: Adapter, session_id: str) -> None:
         """Cancel the turn in flight, give the adapter ``close_timeout`` to end it, answer the rest ourselves."""
@@ -1079,7 +1262,7 @@ class Proxy:
     def _detach_idle(self, session: Session, why: str) -> bool:
         """Suspend ``session`` if it is idle: from now on it has no process; that one is being stopped."""
         adapter = session.adapter
-        if adapter is None or adapter.gone or adapter.busy or session.queued or session.lock.locked():
+        if adapter is None or adapter.gone or adapter.busy or session.queue or session.draining:
             return False
         session.adapter = None
         self.registry.mark_suspended(session.session_id)
@@ -1093,6 +1276,8 @@ class Proxy:
         interval = max(0.05, min(ttl / 4, 30.0))
         while True:
             await anyio.sleep(interval)
+            if self._shutting_down:
+                return
             for slot in expired(self._slots(), time.monotonic(), ttl):
                 self._evict(slot, f"idle for {ttl:g}s")
 
@@ -1107,7 +1292,7 @@ class Proxy:
             await self._fail(msg.id, jsonrpc.INVALID_PARAMS, str(exc), {"reason": "invalid_params"})
             return
         cwd = params.get("cwd") if isinstance(params.get("cwd"), str) else None
-        records = self.registry.page(cwd=cwd)
+        records = self.registry.page(cwd=cwd, limit=None)
         if requester is not None:
             visible = {row.session_id for row in visible_rows([visibility_row(r) for r in records], requester)}
             records = [r for r in records if r.session_id in visible]
@@ -1144,6 +1329,7 @@ class Proxy:
         killed instead, this is what finds the orphans (by marker) and ends them.
         """
         await adapter.wait_exit(math.inf)
+        self._notify_pool()  # its slot is free: the whole tree is gone
         await self._stop_adapter(adapter)
 
     async def _relay_from_adapter(self, adapter: Adapter) -> None:
@@ -1212,12 +1398,14 @@ class Proxy:
             log.warning("adapter pid=%d answered unknown request id %r: dropped", adapter.pid, msg.id)
             return None
         if call.internal is not None:
+            if call.method == "session/load":
+                adapter.swallow_updates = False  # in stream order: what follows the answer is not replay
             call.internal.response = msg
             call.internal.done.set()
             return None
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
-            call.on_answer(msg)
+            msg = call.on_answer(msg) or msg
         if not adapter.busy:
             self._notify_pool()  # a waiter for a slot may now suspend this one
         if call.method == "initialize" and msg.result is not UNSET:

@@ -198,8 +198,33 @@ class SessionRegistry:
             (self.instance_id, lease_id, adapter_session_id, now()),
         )
 
-    def mark_resuming(self, session_id: str) -> None:
-        self._update(session_id, "state = 'resuming', instance_id = ?", (self.instance_id,))
+    def mark_resuming(self, session_id: str) -> bool:
+        """Claim a suspended session for a resume by this proxy; False if another proxy holds it.
+
+        One compare-and-set, so two proxies of an install never resume one session at once.
+        """
+        with self.db.transaction() as conn:
+            cursor = conn.execute(
+                """UPDATE sessions SET state = 'resuming', instance_id = ?
+                   WHERE session_id = ? AND (state = 'suspended' OR instance_id = ?) AND state != 'closed'""",
+                (self.instance_id, session_id, self.instance_id),
+            )
+        return cursor.rowcount == 1
+
+    def take_over_if_orphaned(self, session_id: str) -> bool:
+        """A session live under another instance that has died since: suspend it (it is resumable)."""
+        row = self.db.conn.execute(
+            "SELECT instance_id FROM sessions WHERE session_id = ? AND state IN ('live', 'resuming')", (session_id,)
+        ).fetchone()
+        if row is None or (row["instance_id"] is not None and instances.instance_alive(self.db, row["instance_id"])):
+            return False
+        with self.db.transaction() as conn:
+            cursor = conn.execute(
+                """UPDATE sessions SET state = 'suspended', lease_id = NULL
+                   WHERE session_id = ? AND state IN ('live', 'resuming') AND instance_id IS ?""",
+                (session_id, row["instance_id"]),
+            )
+        return cursor.rowcount == 1
 
     def mark_suspended(self, session_id: str) -> None:
         self._update(session_id, "state = 'suspended', lease_id = NULL", ())
@@ -259,8 +284,10 @@ class SessionRegistry:
             self.mark_suspended(session_id)
         return orphaned
 
-    def page(self, *, cwd: str | None = None, cursor: Cursor | None = None, limit: int = 10_000) -> list[SessionRecord]:
-        """Open (not closed) sessions, oldest first, after ``cursor``."""
+    def page(
+        self, *, cwd: str | None = None, cursor: Cursor | None = None, limit: int | None = None
+    ) -> list[SessionRecord]:
+        """Open (not closed) sessions, oldest first, after ``cursor``; all of them unless ``limit``."""
         query = "SELECT * FROM sessions WHERE state != 'closed'"
         args: list[object] = []
         if cwd is not None:
@@ -270,7 +297,7 @@ class SessionRegistry:
             query += " AND (created_at, session_id) > (?, ?)"
             args += [cursor.created_at, cursor.session_id]
         query += " ORDER BY created_at, session_id LIMIT ?"
-        args.append(limit)
+        args.append(-1 if limit is None else limit)
         return [SessionRecord.from_row(row) for row in self.db.conn.execute(query, args)]
 
     def counts(self) -> dict[str, int]:

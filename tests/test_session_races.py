@@ -1,0 +1,208 @@
+"""Sessions under pressure: pipelined requests, closes and cancels racing resumes, shutdown while
+requests wait for the pool, the cap while evicted processes are still stopping, several proxies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from acp_proxy.sessions import SessionState
+from tests.harness import MARKER_VARIABLE, Gateway, fake_command
+from tests.test_sessions import LOAD_ONLY, RESUME_AND_LOAD, adapter_calls, registry, start, state_of
+
+pytestmark = pytest.mark.anyio
+
+
+def prompt_message(request_id: str, session: str, text: str) -> dict[str, Any]:
+    params = {"sessionId": session, "prompt": [{"type": "text", "text": text}]}
+    return {"jsonrpc": "2.0", "id": request_id, "method": "session/prompt", "params": params}
+
+
+def live_adapters(env: dict[str, str]) -> int:
+    """Fake adapter processes of this test still running (not their wrappers)."""
+    needle = f"{MARKER_VARIABLE}={env[MARKER_VARIABLE]}".encode()
+    count = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                environ = fh.read().split(b"\0")
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                zombie = fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except OSError:
+            continue
+        wrapper = any(arg.endswith(b"wrapper.py") for arg in argv)  # its argv names the adapter too
+        if needle in environ and not zombie and not wrapper and any(arg.endswith(b"fake_adapter.py") for arg in argv):
+            count += 1
+    return count
+
+
+async def test_requests_queued_for_a_suspended_session_keep_their_order(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """set_mode then prompt, sent together for a suspended session: the prompt sees the new mode."""
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, modes=True) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        for n in range(6):
+            await gw.new_session()  # suspends the session (max_live = 1)
+            mode = "plan" if n % 2 == 0 else "default"
+            set_mode = {"sessionId": session, "modeId": mode}
+            lines = [
+                {"jsonrpc": "2.0", "id": f"m{n}", "method": "session/set_mode", "params": set_mode},
+                prompt_message(f"p{n}", session, "state"),
+            ]
+            await gw.send_raw("".join(json.dumps(line) + "\n" for line in lines).encode())
+            assert "result" in await gw.response_to(f"m{n}")
+            assert "result" in await gw.response_to(f"p{n}")
+            updates = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
+            gw._stash.clear()
+            assert json.loads(updates[-1]["params"]["update"]["content"]["text"])["mode"] == mode, n
+
+
+async def test_cap_holds_while_evicted_processes_are_still_stopping(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """Adapters that ignore stdin EOF take stdin_grace to stop; the pool counts them until they have exited."""
+    config = tmp_path / "slow-stop.toml"
+    command = fake_command(ignore_eof=True, store=str(tmp_path / "store"), caps=RESUME_AND_LOAD)
+    config.write_text(
+        '[shutdown]\nclose_timeout = "100ms"\nstdin_grace = "500ms"\nterm_grace = "1s"\n'
+        f'[pool]\nmax_live = 1\nacquire_timeout = "10s"\n[backends.fake]\ncommand = {json.dumps(command)}\n'
+    )
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        most = 0
+        for round_ in range(2):
+            ids = [f"new-{round_}-{n}" for n in range(2)]
+            for request_id in ids:  # two at once: neither may take the slot of a process still stopping
+                params = {"cwd": "/tmp", "mcpServers": []}
+                await gw.send({"jsonrpc": "2.0", "id": request_id, "method": "session/new", "params": params})
+            answered: list[dict[str, Any]] = []
+
+            async def collect(into: list[dict[str, Any]], ids: list[str]) -> None:
+                for request_id in ids:  # one reader of the gateway's inbox at a time
+                    into.append(await gw.response_to(request_id, timeout=20))
+
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(collect, answered, ids)
+                while len(answered) < len(ids):
+                    most = max(most, live_adapters(proc_env))
+                    await anyio.sleep(0.01)
+            assert all("result" in answer for answer in answered)
+        assert most == 1, "an evicted process's slot is free once it has exited, not before"
+
+
+async def test_shutdown_answers_requests_waiting_for_the_pool_and_starts_nothing(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, pool={"acquire_timeout": "20s"}, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        second = await gw.new_session()
+        await gw.send(prompt_message("busy", second, "sleep 5"))
+        await anyio.sleep(0.3)
+        await gw.send(prompt_message("waiting", first, "stream 1"))
+        await gw.send(
+            {"jsonrpc": "2.0", "id": "new", "method": "session/new", "params": {"cwd": "/", "mcpServers": []}}
+        )
+        await anyio.sleep(0.3)
+        gw.signal(signal.SIGTERM)
+        with anyio.fail_after(15):
+            assert await gw.process.wait() == 0
+        answers = {m["id"]: m for m in gw.received if "method" not in m and "id" in m}
+        for request_id in ("busy", "waiting", "new"):
+            assert answers[request_id]["error"]["data"]["reason"] == "proxy_shutdown", request_id
+        assert len(adapter_calls(gw, "initialize")) == 2, "no process started after the signal"
+        states = {r.session_id: r.state for r in registry(proc_env).page()}
+        assert states == {first: SessionState.SUSPENDED, second: SessionState.SUSPENDED}
+
+
+async def test_close_cuts_a_resume_short_and_answers_what_was_queued(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        second = await gw.new_session()
+        await gw.send(prompt_message("busy", second, "sleep 3"))
+        await anyio.sleep(0.2)
+        await gw.send(prompt_message("queued", first, "stream 1"))  # waits: the only slot is busy
+        await anyio.sleep(0.2)
+        with anyio.fail_after(2):
+            assert (await gw.request("session/close", {"sessionId": first}))["result"] == {}
+        assert (await gw.response_to("queued"))["result"] == {"stopReason": "cancelled"}
+        assert (await gw.response_to("busy"))["result"]["stopReason"] == "end_turn"
+        assert not adapter_calls(gw, "session/resume"), "the closed session was never brought back"
+        assert registry(proc_env).get(first).state is SessionState.CLOSED  # type: ignore[union-attr]
+
+
+async def test_cancel_request_withdraws_a_queued_request(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, init_delay=0.8) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        await gw.new_session()
+        await gw.send(prompt_message("queued", first, "stream 1"))
+        await anyio.sleep(0.2)
+        await gw.notify("$/cancel_request", {"requestId": "queued"})
+        assert (await gw.response_to("queued"))["error"]["code"] == -32800
+        prompts = [m for m in adapter_calls(gw, "session/prompt") if m["params"]["sessionId"] == first]
+        assert len(prompts) == 0, "never sent"
+
+
+async def test_close_then_load_reopens_the_session(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, pool={"max_live": 2}, caps=RESUME_AND_LOAD) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        await gw.prompt(session, "stream 2")
+        close = {"jsonrpc": "2.0", "id": "close", "method": "session/close", "params": {"sessionId": session}}
+        load_params = {"sessionId": session, "cwd": "/tmp", "mcpServers": []}
+        load = {"jsonrpc": "2.0", "id": "load", "method": "session/load", "params": load_params}
+        await gw.send_raw((json.dumps(close) + "\n" + json.dumps(load) + "\n").encode())
+        assert (await gw.response_to("close"))["result"] == {}
+        assert "result" in await gw.response_to("load")
+        gw._stash.clear()
+        assert (await state_of(gw, session))["turns"] == 1
+        assert registry(proc_env).get(session).state is SessionState.LIVE  # type: ignore[union-attr]
+
+
+async def test_resume_of_a_live_session_is_answered_even_if_the_adapter_only_loads(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The proxy advertises session/resume on the strength of load; it serves it for live sessions too."""
+    async with start(proc_env, tmp_path, caps=LOAD_ONLY, fail={"session/resume": -32601}) as gw:
+        init = await gw.initialize()
+        assert "resume" in init["result"]["agentCapabilities"]["sessionCapabilities"]
+        session = await gw.new_session()
+        resumed = await gw.request("session/resume", {"sessionId": session, "cwd": "/tmp"})
+        assert resumed["result"] == {}
+
+
+async def test_adapters_numbering_sessions_per_process_get_distinct_stable_ids(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, pool={"max_live": 2}, store=None) as gw:
+        await gw.initialize()
+        first, second = await gw.new_session(), await gw.new_session()
+        assert first != second
+        listed = [s["sessionId"] for s in (await gw.request("session/list", {}))["result"]["sessions"]]
+        assert listed == [first, second]
+        assert (await state_of(gw, second))["session"] == "fake-1", "the adapter still knows it as its own id"
+        assert (await state_of(gw, first))["session"] == "fake-1"
+
+
+async def test_a_session_left_by_a_proxy_that_died_later_is_served(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as survivor:
+        await survivor.initialize()
+        async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD) as doomed:
+            await doomed.initialize()
+            session = await doomed.new_session()
+            await doomed.prompt(session, "stream 1")
+            doomed.process.kill()
+            await doomed.process.wait()
+        assert (await state_of(survivor, session))["turns"] == 1
