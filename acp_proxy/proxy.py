@@ -114,6 +114,7 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     sessions = dict(sessions) if isinstance(sessions, dict) else {}
     sessions.setdefault("close", {})
     sessions.setdefault("list", {})
+    sessions.pop("fork", None)  # a forked session would be one the proxy cannot route yet
     if caps.load or caps.resume:
         sessions.setdefault("resume", {})
     agent["sessionCapabilities"] = sessions
@@ -214,6 +215,16 @@ def visibility_row(record: SessionRecord) -> SessionRow:
         agent_id=owner.agent_id,
         lineage=frozenset(),
     )
+
+
+def reflect_setting(result: dict[str, Any], method: str, params: dict[str, Any], answer: dict[str, Any]) -> None:
+    """Update a load/resume result for a setting re-applied after it (mode, model, config options)."""
+    if method == "session/set_mode" and isinstance(result.get("modes"), dict):
+        result["modes"] = {**result["modes"], "currentModeId": params.get("modeId")}
+    elif method == "session/set_model" and isinstance(result.get("models"), dict):
+        result["models"] = {**result["models"], "currentModelId": params.get("modelId")}
+    elif method == "session/set_config_option" and isinstance(answer.get("configOptions"), list):
+        result["configOptions"] = answer["configOptions"]
 
 
 def slot_key(adapter: Adapter) -> str:
@@ -1042,12 +1053,14 @@ class Proxy:
         adapter.adapter_session = record.adapter_session_id
         try:
             answer, adapter_session_id = await self._restore(adapter, backend, record, gateway_asked)
+            result = jsonrpc.decode_object(answer.result) or {}
             for method, params in record.settings:
-                setting = await self._call_answer(
-                    adapter, method, {**msgspec.json.decode(params), "sessionId": adapter_session_id}
-                )
+                setting_params = msgspec.json.decode(params)
+                setting = await self._call_answer(adapter, method, {**setting_params, "sessionId": adapter_session_id})
                 if setting.error is not UNSET:
                     log.warning("session %s: %s not re-applied: %s", record.session_id, method, setting.error.message)
+                else:
+                    reflect_setting(result, method, setting_params, jsonrpc.decode_object(setting.result) or {})
         except BaseException:
             with anyio.CancelScope(shield=True):
                 adapter.gateway_session = adapter.adapter_session = None
@@ -1058,12 +1071,17 @@ class Proxy:
         session.record = self.registry.get(record.session_id) or record
         self._bind(session, adapter, adapter_session_id)
         log.info(
-            "session %s resumed on pid %s in %.0f ms",
+            "session %s %s on pid %s in %.0f ms",
             record.session_id,
+            "resumed" if adapter_session_id == record.adapter_session_id else "started afresh",
             adapter.pid,
             (time.monotonic() - started) * 1000,
         )
-        return answer
+        # What the gateway is answered (when it asked for the load or resume itself): its own id,
+        # and the settings as they are now, after re-applying them.
+        if result.get("sessionId") == adapter_session_id:
+            result["sessionId"] = record.session_id
+        return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result)))
 
     async def _restore(
         self, adapter: Adapter, backend: BackendConfig, record: SessionRecord, gateway_asked: str | None
@@ -1398,11 +1416,21 @@ class Proxy:
             log.warning("adapter pid=%d answered unknown request id %r: dropped", adapter.pid, msg.id)
             return None
         if call.internal is not None:
+            # In stream order, so that what the adapter writes right after an answer is seen right:
             if call.method == "session/load":
-                adapter.swallow_updates = False  # in stream order: what follows the answer is not replay
+                adapter.swallow_updates = False  # what follows the answer is not replay
+            elif call.method == "session/new" and adapter.gateway_session is not None:
+                fresh = session_of(msg.result)  # a fallback: from now on its id is rewritten
+                adapter.adapter_session = fresh or adapter.adapter_session
             call.internal.response = msg
             call.internal.done.set()
             return None
+        if adapter.rewrites_session and msg.result is not UNSET:
+            assert adapter.adapter_session is not None
+            assert adapter.gateway_session is not None
+            rewritten = rewrite_session_id(msg.result, adapter.adapter_session, adapter.gateway_session)
+            if isinstance(rewritten, Raw):
+                msg.result = rewritten
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
             msg = call.on_answer(msg) or msg

@@ -19,6 +19,8 @@ Startup behaviour comes from one JSON object in argv[1] (all keys optional):
                        "fake-" + 12 hex digits instead of "fake-N"
     modes              session/new also answers "modes" (default and plan; current: default)
     auth_methods       the initialize result's authMethods (default [])
+    chatty             like claude-agent-acp: an available_commands_update right behind the answer to
+                       session/new, /load and /resume, whose results also name the session and its modes
     fail               {method: code}: such requests get that error ("injected failure")
     hang               [method, ...]: such requests are read and never answered
 
@@ -164,6 +166,14 @@ class FakeAdapter:
                 json.dump({"sessionId": session_id, **self.sessions[session_id]}, f)
             os.replace(temp, path)
 
+    def restored(self, session_id: str) -> dict[str, Any]:
+        """A load/resume result: {} unless "chatty", then the session's id and modes, as claude-agent-acp answers."""
+        if not self.options.get("chatty"):
+            return {}
+        mode = self.session(session_id)["mode"] or "default"
+        modes = [{"id": "default", "name": "Default"}, {"id": "plan", "name": "Plan"}]
+        return {"sessionId": session_id, "modes": {"currentModeId": mode, "availableModes": modes}}
+
     def new_session_id(self) -> str:
         if self.options.get("store"):
             return f"fake-{uuid.uuid4().hex[:12]}"
@@ -197,6 +207,11 @@ class FakeAdapter:
             return
         if result is not NO_ANSWER:
             self.send({"id": request_id, "result": result})
+        if self.options.get("chatty") and method in ("session/new", "session/load", "session/resume"):
+            session_id = result.get("sessionId") if method == "session/new" else params.get("sessionId")
+            # As claude-agent-acp does: an update right behind the answer.
+            commands = {"sessionUpdate": "available_commands_update", "availableCommands": []}
+            self.send({"method": "session/update", "params": {"sessionId": session_id, "update": commands}})
 
     def dispatch(self, request_id: Any, method: str, params: dict[str, Any]) -> Any:
         if method in self.options.get("hang", []):
@@ -222,10 +237,10 @@ class FakeAdapter:
             limit = self.options.get("load_replay")
             for update in replay if limit is None else replay[:limit]:
                 self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
-            return self.options.get("load_result", {})
+            return self.options.get("load_result", self.restored(session_id))
         if method == "session/resume":
             self.session(params.get("sessionId"))
-            return self.options.get("resume_result", {})
+            return self.options.get("resume_result", self.restored(params.get("sessionId")))
         if method == "session/close":
             with self.sessions_lock:
                 self.session(params.get("sessionId"))

@@ -206,3 +206,48 @@ async def test_a_session_left_by_a_proxy_that_died_later_is_served(proc_env: dic
             doomed.process.kill()
             await doomed.process.wait()
         assert (await state_of(survivor, session))["turns"] == 1
+
+
+async def test_after_a_fallback_only_the_stable_id_reaches_the_gateway(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """An adapter that writes right behind its answers (as claude-agent-acp does) and names the session
+    in load/resume results: nothing the gateway sees carries the adapter's new id."""
+    caps = {**RESUME_AND_LOAD, "loadSession": True}
+    async with start(proc_env, tmp_path, caps=caps, chatty=True, modes=True, fail={"session/resume": -32002}) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        assert "result" in await gw.request("session/set_mode", {"sessionId": session, "modeId": "plan"})
+        await gw.new_session()
+        state = await state_of(gw, session)  # falls back to session/new: a new adapter id
+        assert state["session"] != session
+        loaded = await gw.request("session/load", {"sessionId": session, "cwd": "/tmp", "mcpServers": []})
+        assert loaded["result"]["sessionId"] == session, "the adapter's answer, with the stable id"
+        assert loaded["result"]["modes"]["currentModeId"] == "plan"
+        named = {m["params"]["sessionId"] for m in gw.received if "sessionId" in m.get("params", {})}
+        named |= {m["result"]["sessionId"] for m in gw.received if "sessionId" in (m.get("result") or {})}
+        assert state["session"] not in named, "the adapter's own id never reaches the gateway"
+        assert session in named
+
+
+async def test_a_gateway_load_is_answered_with_the_settings_as_reapplied(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, chatty=True, modes=True) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        assert "result" in await gw.request("session/set_mode", {"sessionId": session, "modeId": "plan"})
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, chatty=True, modes=True) as gw:
+        await gw.initialize()
+        loaded = await gw.request("session/load", {"sessionId": session, "cwd": "/tmp", "mcpServers": []})
+        assert loaded["result"]["modes"]["currentModeId"] == "plan", "not the adapter's pre-re-apply answer"
+        assert loaded["result"]["sessionId"] == session
+
+
+async def test_fork_is_not_advertised(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """A forked session would get an id the proxy cannot route, so the capability is withheld."""
+    caps = {"loadSession": True, "sessionCapabilities": {"fork": {}, "close": {}}}
+    async with start(proc_env, tmp_path, caps=caps) as gw:
+        sessions = (await gw.initialize())["result"]["agentCapabilities"]["sessionCapabilities"]
+        assert "fork" not in sessions
+        assert {"close", "list", "resume"} <= set(sessions)
