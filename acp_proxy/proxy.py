@@ -832,15 +832,26 @@ class Proxy:
     def _register(self, session_id: str, backend: BackendConfig, adapter: Adapter, params: Raw | UnsetType) -> str:
         """A session the adapter just opened (``session/new``, or a load of one the registry did not know).
 
-        Returns the stable id: the adapter's, unless another open session already has that id
-        (adapters that number sessions per process give every process's first one the same
-        id); then a proxy-side id, and ``sessionId`` is rewritten on this connection.
+        Returns the stable id: the adapter's, unless a session this proxy serves, or one live in
+        another running proxy, already has that id (adapters that number sessions per process
+        give every process's first session the same id); then a proxy-side id, and
+        ``sessionId`` is rewritten on this connection. A suspended row of an earlier proxy with
+        the same id is replaced: the adapter has issued that id afresh, so the old session is
+        not one it could restore.
         """
         stable = session_id
         taken = self.registry.get(session_id)
-        if session_id in self.sessions or (taken is not None and taken.state is not SessionState.CLOSED):
+        live_elsewhere = (
+            taken is not None
+            and taken.state in (SessionState.LIVE, SessionState.RESUMING)
+            and taken.instance_id != self.owner.instance_id
+            and not self.registry.take_over_if_orphaned(session_id)
+        )
+        if session_id in self.sessions or live_elsewhere:
             stable = f"{session_id}~{uuid.uuid4().hex[:8]}"
             log.info("session %s: the adapter's id is taken by another session; known as %s", session_id, stable)
+        elif taken is not None and taken.state is not SessionState.CLOSED:
+            log.info("session %s: issued again by the adapter; the older session of that id is replaced", session_id)
         given = jsonrpc.decode_object(params) or {}
         directories = given.get("additionalDirectories")
         record = SessionRecord(

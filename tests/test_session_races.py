@@ -251,3 +251,15 @@ async def test_fork_is_not_advertised(proc_env: dict[str, str], tmp_path: Path) 
         sessions = (await gw.initialize())["result"]["agentCapabilities"]["sessionCapabilities"]
         assert "fork" not in sessions
         assert {"close", "list", "resume"} <= set(sessions)
+
+
+async def test_an_id_issued_again_in_a_later_proxy_replaces_the_stale_session(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Adapters that number sessions per process: the next proxy's first session keeps the plain id."""
+    async with start(proc_env, tmp_path, store=None) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+    async with start(proc_env, tmp_path, store=None) as gw:
+        await gw.initialize()
+        assert await gw.new_session() == first, "ids pass through unchanged when nothing live holds them"
