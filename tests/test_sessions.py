@@ -437,3 +437,17 @@ async def test_concurrent_agent_requests_from_several_adapters_are_routed_back(
             await gw.send_raw(json.dumps(answer).encode() + b"\n")
         stops = [(await gw.response_to(f"turn-{n}"))["result"]["stopReason"] for n in range(3)]
         assert stops == ["refusal", "end_turn", "end_turn"]
+
+
+async def test_a_resumed_adapter_is_authenticated_as_the_gateway_did(proc_env: dict[str, str], tmp_path: Path) -> None:
+    auth = [{"id": "key", "name": "API key"}]
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, auth_methods=auth) as gw:
+        await gw.initialize()
+        assert (await gw.request("authenticate", {"methodId": "key"}))["result"] == {}
+        first = await gw.new_session()
+        await gw.new_session()  # suspends the first
+        response = await gw.prompt(first, "auth")
+        assert response["result"]["stopReason"] == "end_turn"
+        said = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == first]
+        assert json.loads(said[-1]["params"]["update"]["content"]["text"]) == ["key"]
+        assert registry(proc_env).get(first).auth_method == "key"  # type: ignore[union-attr]
