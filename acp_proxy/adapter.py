@@ -212,20 +212,6 @@ class Adapter:
         )
         return cls(backend, supervised, max_line_bytes)
 
-    @classmethod
-    async def spawn(
-        cls,
-        backend: BackendConfig,
-        *,
-        owner: Owner,
-        shutdown: ShutdownConfig,
-        max_line_bytes: int,
-        environ: Mapping[str, str] | None = None,
-        session_key: str | None = None,
-    ) -> Adapter:
-        supervised = cls.launch(backend, owner=owner, shutdown=shutdown, environ=environ, session_key=session_key)
-        return await cls.attach(backend, supervised, max_line_bytes)
-
     # --- requests ---------------------------------------------------------------
 
     def register(self, method: str, gateway_id: RequestId = None, params: Raw | UnsetType = UNSET) -> int:

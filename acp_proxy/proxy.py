@@ -651,7 +651,7 @@ class Proxy:
                 self._stop_in_background(adapter, None)
                 return True
             session = self.sessions.get(adapter.gateway_session)
-            return session is not None and self._detach_idle(session, why)
+            return session is not None and self.suspend_session(session, why)
         return False
 
     def _stop_in_background(self, adapter: Adapter, session: Session | None) -> None:
@@ -1280,16 +1280,9 @@ class Proxy:
                     {"reason": "session_closed", "method": call.method},
                 )
 
-    async def suspend_session(self, session: Session, why: str) -> bool:
-        """Reap an idle session's process, keeping it resumable; False if it was busy (left alone)."""
-        if not self._detach_idle(session, why):
-            return False
-        if session.stopping is not None:
-            await session.stopping.wait()
-        return True
-
-    def _detach_idle(self, session: Session, why: str) -> bool:
-        """Suspend ``session`` if it is idle: from now on it has no process; that one is being stopped."""
+    def suspend_session(self, session: Session, why: str) -> bool:
+        """Suspend ``session`` if it is idle (False if not): it keeps its mapping and is resumable;
+        from now on it has no process, and that one is being stopped in the background."""
         adapter = session.adapter
         if adapter is None or adapter.gone or adapter.busy or session.queue or session.draining:
             return False

@@ -252,9 +252,6 @@ class SessionRegistry:
                 "UPDATE sessions SET settings = ? WHERE session_id = ?", (json.dumps(list(settings)), session_id)
             )
 
-    def record_auth_method(self, session_id: str, method_id: str | None) -> None:
-        self._update(session_id, "auth_method = ?", (method_id,))
-
     def suspend_all_of_this_instance(self) -> int:
         """On shutdown: every session this proxy holds becomes resumable by the next one."""
         with self.db.transaction() as conn:
