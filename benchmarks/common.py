@@ -87,3 +87,8 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return lines
+
+
+def proxy_mode(backend: str) -> str:
+    """The key of the rows measured through the proxy on ``backend`` (asyncio or trio)."""
+    return f"proxy-{backend}"

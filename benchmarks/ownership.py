@@ -61,6 +61,7 @@ from benchmarks.common import (
     percentile,
     proc_status_kb,
     progress,
+    proxy_mode,
     table,
     verdict,
 )
@@ -85,10 +86,6 @@ TARGET_REAP_MS = 200.0
 
 DEFAULT_SHUTDOWN = ShutdownConfig()
 TREE = ("adapter", "child", "grandchild")
-
-
-def proxy_mode(backend: str) -> str:
-    return f"proxy-{backend}"
 
 
 def mode_label(mode: str) -> str:

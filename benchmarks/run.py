@@ -67,6 +67,7 @@ from benchmarks.common import (
     percentile,
     proc_status_kb,
     progress,
+    proxy_mode,
     table,
     verdict,
 )
@@ -100,10 +101,6 @@ class BenchReport(Report):
     """The report, with the session figures (``benchmarks/sessions.py``) under ``sessions``."""
 
     sessions: dict[str, Any] = field(default_factory=dict)
-
-
-def proxy_mode(backend: str) -> str:
-    return f"proxy-{backend}"
 
 
 def mode_label(mode: str) -> str:

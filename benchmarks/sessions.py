@@ -73,6 +73,7 @@ from benchmarks.common import (
     percentile,
     proc_status_kb,
     progress,
+    proxy_mode,
     table,
     verdict,
 )
@@ -125,10 +126,6 @@ def mcp_servers(cwd: str) -> list[dict[str, Any]]:
 
 SESSION_CWD = str(ROOT)
 SESSION_PARAMS = {"cwd": SESSION_CWD, "mcpServers": mcp_servers(SESSION_CWD)}
-
-
-def proxy_mode(backend: str) -> str:
-    return f"proxy-{backend}"
 
 
 def mode_label(mode: str) -> str:
