@@ -139,6 +139,12 @@ class Adapter:
         """Agent->client requests of this adapter the gateway has not answered yet."""
         self.last_active = 0.0
 
+    def release_to_spare(self) -> None:
+        """A session/new, load or restore on this process did not take: it serves no session again."""
+        self.gateway_session = self.adapter_session = None
+        self.claimed = False
+        self.swallow_updates = False
+
     @property
     def rewrites_session(self) -> bool:
         """Whether ``sessionId`` must be rewritten on this connection (after a fallback gave a new id)."""

@@ -690,14 +690,14 @@ class SessionLifecycle:
             return False
         return True
 
-    async def ensure_live(self, session: Session, gateway_asked: str | None = None) -> Adapter | None:
+    async def ensure_live(self, session: Session) -> Adapter | None:
         """The session's process, resuming it first if it has none; ``None`` if a close cut the resume short.
 
         Runs from the session's queue, so nothing else of the session runs meanwhile.
         """
         if session.adapter is not None and not session.adapter.gone:
             return session.adapter
-        await self._resume_cancellable(session, gateway_asked)
+        await self._resume_cancellable(session, gateway_asked=None)
         return session.adapter
 
     async def _resume_cancellable(self, session: Session, gateway_asked: str | None) -> Message | None:
@@ -883,13 +883,11 @@ class SessionLifecycle:
             try:
                 answer = await self._call_answer(adapter, "session/load", msg.params)
             except RestoreFailed as exc:
-                adapter.gateway_session = adapter.adapter_session = None
-                adapter.claimed = False
+                adapter.release_to_spare()  # also ends the swallowing if no answer ever came
                 await self._fail(msg.id, exc.code, exc.message, exc.data)
                 return
             if answer.error is not UNSET:
-                adapter.gateway_session = adapter.adapter_session = None
-                adapter.claimed = False
+                adapter.release_to_spare()
                 await self._send_gateway(jsonrpc.with_id(answer, msg.id))  # type: ignore[arg-type]
                 return
             self._register(session_id, backend, adapter, msg.params)
@@ -898,8 +896,7 @@ class SessionLifecycle:
 
         def adopted(answer: Message) -> None:
             if answer.error is not UNSET:
-                adapter.gateway_session = adapter.adapter_session = None
-                adapter.claimed = False
+                adapter.release_to_spare()
                 return
             self._register(session_id, backend, adapter, msg.params)
 

@@ -269,17 +269,11 @@ class SessionRegistry:
         mapping is left, and it is what makes them resumable.
         """
         rows = self.db.conn.execute(
-            "SELECT session_id, instance_id FROM sessions WHERE state IN ('live', 'resuming') AND instance_id != ?",
+            """SELECT session_id FROM sessions
+               WHERE state IN ('live', 'resuming') AND (instance_id IS NULL OR instance_id != ?)""",
             (self.instance_id,),
         ).fetchall()
-        orphaned = [
-            row["session_id"]
-            for row in rows
-            if row["instance_id"] is None or not instances.instance_alive(self.db, row["instance_id"])
-        ]
-        for session_id in orphaned:
-            self.mark_suspended(session_id)
-        return orphaned
+        return [row["session_id"] for row in rows if self.take_over_if_orphaned(row["session_id"])]
 
     def page(
         self, *, cwd: str | None = None, cursor: Cursor | None = None, limit: int | None = None
