@@ -13,6 +13,7 @@ import os
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -23,6 +24,9 @@ from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, exp
 from acp_proxy.jsonrpc import LineReader, Message, RequestId
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
+
+if TYPE_CHECKING:
+    from acp_proxy.tasks import Turn
 
 log = logging.getLogger("acp_proxy.adapter")
 
@@ -70,6 +74,8 @@ class PendingCall:
     on_answer: Callable[[Message], Message | None] | None = None
     """Called with the adapter's answer before it is forwarded (the proxy's bookkeeping); what it
     returns, if anything, is forwarded instead."""
+    turn: Turn | None = None
+    """For a gateway's ``session/prompt``: the task it is."""
 
 
 SESSION_NAMING_METHODS = frozenset({"session/load", "session/resume", "session/close"})
@@ -138,6 +144,8 @@ class Adapter:
         self.upstream_pending = 0
         """Agent->client requests of this adapter the gateway has not answered yet."""
         self.last_active = 0.0
+        self.turn: Turn | None = None
+        """The prompt turn running on this process, whose streamed updates are counted against it."""
 
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""

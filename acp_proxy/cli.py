@@ -122,6 +122,7 @@ def load_config(explicit: str | None, command: list[str]) -> Config:
         max_line_bytes=loaded.max_line_bytes,
         pool=loaded.pool,
         shutdown=loaded.shutdown,
+        tasks=loaded.tasks,
         source=loaded.source,
     )
 

@@ -9,6 +9,7 @@ plain functions over plain data; nothing here touches a process or a socket.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -38,6 +39,13 @@ class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
     term_grace: float = 3.0
 
 
+class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
+    turn_timeout: float = 0.0
+    """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
+    retention: float = 7 * 86400.0
+    """Finished tasks are kept this long, then pruned."""
+
+
 class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     command: tuple[str, ...]
@@ -45,6 +53,8 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     cwd: str | None = None
     resume: ResumeStrategy = "auto"
     max_live: int | None = None
+    turn_timeout: float | None = None
+    """Overrides ``[tasks] turn_timeout`` for this backend."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +64,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     pool: PoolConfig = PoolConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
+    tasks: TasksConfig = TasksConfig()
     source: str | None = None
 
     def backend(self, name: str | None = None) -> BackendConfig:
@@ -96,17 +107,17 @@ def _expect(what: str, value: object) -> _Invalid:
     return _Invalid(f"expected {what}, got {_show(value)}")
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
-_UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_UNIT_SECONDS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def parse_duration(value: object) -> float:
-    """``"150ms"``, ``"3s"``, ``"15m"``, ``"4h"`` or a number of seconds, as seconds."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+    """``"150ms"``, ``"3s"``, ``"15m"``, ``"4h"``, ``"7d"`` or a number of seconds, as seconds."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf:
         return float(value)
     if isinstance(value, str) and (m := _DURATION.match(value)):
         return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
-    raise _expect('a duration such as "150ms", "3s", "15m", "4h" or seconds >= 0', value)
+    raise _expect('a duration such as "150ms", "3s", "15m", "4h", "7d" or seconds >= 0', value)
 
 
 def _int_at_least(minimum: int) -> Callable[[object], int]:
@@ -206,6 +217,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             "max_line_bytes": _int_at_least(1024),
             "pool": _identity,
             "shutdown": _identity,
+            "tasks": _identity,
             "backends": _identity,
         },
     )
@@ -232,6 +244,13 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             },
         )
     )
+    tasks = TasksConfig(
+        **checker.table(
+            top.get("tasks", {}),
+            "tasks",
+            {"turn_timeout": parse_duration, "retention": parse_duration},
+        )
+    )
     backends: dict[str, BackendConfig] = {}
     raw_backends = top.get("backends", {})
     if not isinstance(raw_backends, dict):
@@ -248,6 +267,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "cwd": _string,
                 "resume": _one_of(RESUME_STRATEGIES),
                 "max_live": _int_at_least(1),
+                "turn_timeout": parse_duration,
             },
         )
         if isinstance(raw, dict) and "command" not in raw:
@@ -267,8 +287,8 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         checker.fail("default_backend", f"{_show(default)} is not a backend (configured: {configured})")
     if checker.problems:
         raise ConfigError(checker.problems, source)
-    rest = {k: v for k, v in top.items() if k not in ("pool", "shutdown", "backends")}
-    return Config(backends=backends, pool=pool, shutdown=shutdown, source=source, **rest)
+    rest = {k: v for k, v in top.items() if k not in ("pool", "shutdown", "tasks", "backends")}
+    return Config(backends=backends, pool=pool, shutdown=shutdown, tasks=tasks, source=source, **rest)
 
 
 def load(path: str | os.PathLike[str]) -> Config:

@@ -47,6 +47,7 @@ from acp_proxy.sessions import (
     decode_cursor,
     encode_cursor,
 )
+from acp_proxy.tasks import TaskStatus, Turn
 from acp_proxy.visibility import SessionRow, parse_requester, visible_rows
 
 log = logging.getLogger("acp_proxy.lifecycle")
@@ -203,7 +204,20 @@ class SessionLifecycle:
         def _background(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None: ...
 
         async def _forward(
-            self, adapter: Adapter, msg: Message, on_answer: Callable[[Message], Message | None] | None = None
+            self,
+            adapter: Adapter,
+            msg: Message,
+            on_answer: Callable[[Message], Message | None] | None = None,
+            *,
+            turn: Turn | None = None,
+        ) -> None: ...
+
+        def open_turn(self, session: Session, msg: Message, adapter: Adapter | None) -> Turn: ...
+
+        def start_turn(self, turn: Turn, adapter: Adapter, *, resumed: bool) -> None: ...
+
+        def settle(
+            self, turn: Turn, *, stop_reason: str | None = None, error: tuple[int, str] | None = None
         ) -> None: ...
 
         async def _answer(self, request_id: RequestId | UnsetType, result: object) -> None: ...
@@ -606,17 +620,28 @@ class SessionLifecycle:
         if session is None:
             await self._unknown_session(msg.id, session_id)
             return
+        is_prompt = msg.method == "session/prompt"
         if session.ready:
             assert session.adapter is not None
-            await self._forward(session.adapter, msg, self._bookkeeping(session, msg))
+            turn = self.open_turn(session, msg, session.adapter) if is_prompt else None
+            await self._forward(session.adapter, msg, self._bookkeeping(session, msg), turn=turn)
             return
+        queued_turn = self.open_turn(session, msg, None) if is_prompt else None
         epoch = session.cancel_epoch
         self._queued_ids.add(msg.id)  # type: ignore[arg-type]
-        self._enqueue(session, lambda: self._forward_when_live(session, msg, epoch))
+        self._enqueue(session, lambda: self._forward_when_live(session, msg, epoch, queued_turn))
 
     async def _unknown_session(self, request_id: RequestId | UnsetType, session_id: str) -> None:
         elsewhere = self.registry.get(session_id)
-        if elsewhere is not None and elsewhere.state is not SessionState.CLOSED:
+        if elsewhere is not None and elsewhere.state is SessionState.CLOSED:
+            await self._fail(
+                request_id,
+                jsonrpc.RESOURCE_NOT_FOUND,
+                f"Session {session_id} was closed",
+                {"reason": "session_closed", "sessionId": session_id},
+            )
+            return
+        if elsewhere is not None:
             await self._fail(
                 request_id,
                 jsonrpc.INTERNAL_ERROR,
@@ -654,40 +679,59 @@ class SessionLifecycle:
             return forget
         return None
 
-    async def _forward_when_live(self, session: Session, msg: Message, epoch: int) -> None:
+    async def _forward_when_live(self, session: Session, msg: Message, epoch: int, turn: Turn | None) -> None:
         """A request that waited for its session: bring the session back if need be, then forward."""
         try:
-            if await self._answered_while_queued(session, msg, epoch):
+            if await self._answered_while_queued(session, msg, epoch, turn):
                 return
+            resumed = session.adapter is None or session.adapter.gone
             try:
                 adapter = await self.ensure_live(session)
             except RestoreFailed as exc:
+                if turn is not None:
+                    self.settle(turn, error=(exc.code, exc.message))
                 await self._fail(msg.id, exc.code, exc.message, exc.data)
                 return
             if adapter is None:  # a close cut the resume short
-                await self._answered_while_queued(session, msg, epoch, closed=True)
+                await self._answered_while_queued(session, msg, epoch, turn, closed=True)
                 return
-            if await self._answered_while_queued(session, msg, epoch):
+            if await self._answered_while_queued(session, msg, epoch, turn):
                 return
-            await self._forward(adapter, msg, self._bookkeeping(session, msg))
+            if turn is not None:
+                self.start_turn(turn, adapter, resumed=resumed)
+            await self._forward(adapter, msg, self._bookkeeping(session, msg), turn=turn)
         finally:
             self._queued_ids.discard(msg.id)
+            if turn is not None and turn.status is TaskStatus.QUEUED:  # cancelled while it waited
+                self.settle(turn, error=(jsonrpc.REQUEST_CANCELLED, "the proxy stopped before sending it"))
 
-    async def _answered_while_queued(self, session: Session, msg: Message, epoch: int, *, closed: bool = False) -> bool:
+    async def _answered_while_queued(
+        self, session: Session, msg: Message, epoch: int, turn: Turn | None, *, closed: bool = False
+    ) -> bool:
         """Answer a queued request that must not be sent any more (withdrawn, cancelled, closed, shutdown)."""
         is_prompt = msg.method == "session/prompt"
+        error: tuple[int, str, dict[str, Any]] | None = None
         if msg.id in self._withdrawn:
             self._withdrawn.discard(msg.id)
-            await self._fail(msg.id, jsonrpc.REQUEST_CANCELLED, "Request cancelled", {"reason": "cancelled"})
+            error = (jsonrpc.REQUEST_CANCELLED, "Request cancelled", {"reason": "cancelled"})
         elif self._refusing:
             exc = self._shutdown_error()
-            await self._fail(msg.id, exc.code, exc.message, exc.data)
-        elif is_prompt and session.cancel_epoch != epoch:
-            await self._answer(msg.id, {"stopReason": "cancelled"})  # session/cancel or close meanwhile
+            error = (exc.code, exc.message, exc.data)
+        elif is_prompt and (session.cancel_epoch != epoch or (turn is not None and turn.cancel_requested)):
+            if turn is not None:  # session/cancel or close meanwhile, or an operator cancelled this task
+                self.settle(turn, stop_reason="cancelled")
+            await self._answer(msg.id, {"stopReason": "cancelled"})
+            return True
         elif closed or session.closed:
+            if turn is not None:
+                self.settle(turn, error=(jsonrpc.RESOURCE_NOT_FOUND, f"Session {session.session_id} was closed"))
             await self._unknown_session(msg.id, session.session_id)
+            return True
         else:
             return False
+        if turn is not None:
+            self.settle(turn, error=error[:2])
+        await self._fail(msg.id, *error)
         return True
 
     async def ensure_live(self, session: Session) -> Adapter | None:
@@ -902,21 +946,25 @@ class SessionLifecycle:
 
         await self._forward(adapter, msg, adopted)
 
-    async def close_session(self, msg: Message, session_id: str) -> None:
+    async def close_session(self, session_id: str, request_id: RequestId | UnsetType | None) -> Session | None:
         """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, forget the session.
 
         A resume in progress is cut short, and requests queued for the session are answered
-        (prompts ``cancelled``) rather than sent.
+        (prompts ``cancelled``) rather than sent. ``request_id`` is the gateway's request, answered
+        once the session is gone (``None``: an operator's close). The session being closed, or
+        ``None`` if there is no such session to close.
         """
         session = self._session(session_id)
         if session is None or session.closed:
-            await self._unknown_session(msg.id, session_id)
-            return
+            if request_id is not None:
+                await self._unknown_session(request_id, session_id)
+            return None
         session.closed = True
         session.cancel_epoch += 1
         if session.resume_scope is not None:
             session.resume_scope.cancel()
-        self._enqueue(session, lambda: self._reap_closed(session, msg.id))
+        self._enqueue(session, lambda: self._reap_closed(session, request_id))
+        return session
 
     def _close_quietly(self, session: Session) -> None:
         """After a successful ``session/delete``: the session is gone, so is its process."""
@@ -949,6 +997,8 @@ class SessionLifecycle:
                     await anyio.sleep(0.01)
         for call in adapter.take_gateway_calls():
             if call.method == "session/prompt":
+                if call.turn is not None:
+                    self.settle(call.turn, stop_reason="cancelled")
                 await self._answer(call.gateway_id, {"stopReason": "cancelled"})
             else:
                 await self._fail(

@@ -40,9 +40,9 @@ from acp_proxy.jsonrpc import (
 from acp_proxy.lifecycle import RestoreFailed, Session, SessionLifecycle, rewrite_session_id, session_of
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
-from acp_proxy.sessions import (
-    SessionRegistry,
-)
+from acp_proxy.sessions import SessionRegistry
+from acp_proxy.tasks import TaskRegistry, TaskStatus, Turn
+from acp_proxy.turns import TaskKeeping
 
 log = logging.getLogger("acp_proxy.proxy")
 
@@ -114,6 +114,28 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     return Raw(jsonrpc.encode_json(obj))
 
 
+def permission_subject(msg: Message) -> str:
+    """What a ``session/request_permission`` asks about: its tool call's title, if any."""
+    params = jsonrpc.decode_object(msg.params) or {}
+    tool_call = params.get("toolCall")
+    title = tool_call.get("title") if isinstance(tool_call, dict) else None
+    return title[:200] if isinstance(title, str) else ""
+
+
+def permission_choice(msg: Message) -> str:
+    """What the gateway answered a permission request: the option chosen, or ``cancelled``."""
+    if msg.error is not UNSET:
+        return f"error {msg.error.code}"
+    result = jsonrpc.decode_object(msg.result) or {}
+    outcome = result.get("outcome")
+    if isinstance(outcome, dict):
+        option = outcome.get("optionId")
+        return (
+            str(option) if outcome.get("outcome") == "selected" and option is not None else str(outcome.get("outcome"))
+        )
+    return ""
+
+
 def remap_cancel_request(params: Raw | msgspec.UnsetType, new_id: RequestId) -> Raw:
     """``$/cancel_request`` params naming ``new_id``, everything else (``_meta``) kept."""
     obj = jsonrpc.decode_object(params) or {}
@@ -131,7 +153,7 @@ def cancel_target(params: Raw | msgspec.UnsetType) -> tuple[bool, RequestId]:
     return True, target
 
 
-class Proxy(SessionLifecycle):
+class Proxy(SessionLifecycle, TaskKeeping):
     """Serves one gateway connection in front of a pool of adapter processes, one per session."""
 
     def __init__(
@@ -148,6 +170,9 @@ class Proxy(SessionLifecycle):
         self._warm = warm
         self.backend = config.backend(backend)
         self.registry = SessionRegistry(owner.db, owner.instance_id)
+        self.tasks = TaskRegistry(owner.db, owner.instance_id)
+        self.turns: dict[str, Turn] = {}
+        self.started_at = time.time()
         self.sessions: dict[str, Session] = {}
         self.running: set[Adapter] = set()
         """Every adapter process started and not yet stopped."""
@@ -158,7 +183,8 @@ class Proxy(SessionLifecycle):
         self._auth_params: Raw | UnsetType = UNSET
         self._gateway = LineWriter(gateway_out)
         self._gateway_broken = False
-        self._upstream: dict[int, tuple[Adapter, RequestId]] = {}
+        self._upstream: dict[int, tuple[Adapter, RequestId, str]] = {}
+        """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
         self._next_upstream_id = 0
         self._reading = anyio.CancelScope()
         self._stop_reason: str | None = None
@@ -182,6 +208,7 @@ class Proxy(SessionLifecycle):
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
             tasks.start_soon(self._suspend_idle_sessions)
+            tasks.start_soon(self.watch_turns)
             with self._reading:
                 await self._relay_from_gateway(reader)
             if self._stop_reason is None:
@@ -235,6 +262,7 @@ class Proxy(SessionLifecycle):
                 while self._handlers:
                     await anyio.sleep(0.01)
             await self._stop_all()
+            self.settle_leftovers("acp-proxy shut down before the turn was answered")
             suspended = self.registry.suspend_all_of_this_instance()
             if suspended:
                 log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
@@ -322,7 +350,7 @@ class Proxy(SessionLifecycle):
             if session_id is None:
                 self._background(lambda: self._forward_to_any(msg))
             elif method == "session/close":
-                await self.close_session(msg, session_id)  # ordered now; the work queues behind the session's
+                await self.close_session(session_id, msg.id)  # ordered now; the work queues behind the session's
             elif method in ("session/load", "session/resume"):
                 await self._restore_for_gateway(msg, session_id)
             else:
@@ -336,6 +364,7 @@ class Proxy(SessionLifecycle):
         session = self.sessions.get(session_id) if session_id is not None else None
         if msg.method == "session/cancel" and session is not None:
             self.cancel_turn(session)
+            self.note_cancel(session, "the gateway")
         adapter: Adapter | None
         if session is not None and session.adapter is not None and not session.adapter.gone:
             adapter = session.adapter
@@ -378,13 +407,21 @@ class Proxy(SessionLifecycle):
         log.debug("$/cancel_request for an unknown request: %s", _preview(line))
 
     async def _forward(
-        self, adapter: Adapter, msg: Message, on_answer: Callable[[Message], Message | None] | None = None
+        self,
+        adapter: Adapter,
+        msg: Message,
+        on_answer: Callable[[Message], Message | None] | None = None,
+        *,
+        turn: Turn | None = None,
     ) -> None:
         """Send a gateway request to ``adapter`` under a fresh id (``sessionId`` rewritten if needed)."""
         assert isinstance(msg.method, str)
         assert msg.id is not UNSET
         call_id = adapter.register(msg.method, msg.id, msg.params)
-        adapter.pending[call_id].on_answer = on_answer
+        call = adapter.pending[call_id]
+        call.on_answer = on_answer
+        if turn is not None:
+            call.turn = adapter.turn = turn
         adapter.last_active = time.monotonic()
         params = msg.params
         if adapter.rewrites_session and adapter.gateway_session is not None and adapter.adapter_session is not None:
@@ -411,7 +448,9 @@ class Proxy(SessionLifecycle):
         if route is None:
             log.warning("gateway answered an unknown request id %r: dropped", key)
             return
-        adapter, adapter_id = route
+        adapter, adapter_id, method = route
+        if method == "session/request_permission":
+            self.note_permission(adapter, "permission_answered", permission_choice(msg))
         adapter.upstream_pending -= 1
         if not adapter.busy:
             self._notify_pool()
@@ -448,6 +487,9 @@ class Proxy(SessionLifecycle):
                         self.config.max_line_bytes,
                     )
                 if not adapter.swallow_updates and not adapter.rewrites_session and is_plain_notification_block(batch):
+                    turn = adapter.turn
+                    if turn is not None and turn.status is TaskStatus.RUNNING:
+                        turn.observe(batch.block, batch.count)
                     await self._send_gateway(batch.block)
                     continue
                 out: list[bytes] = []
@@ -478,8 +520,12 @@ class Proxy(SessionLifecycle):
                 msg.params = rewritten
                 line = jsonrpc.encode(msg).rstrip(b"\n")
         if kind is Kind.NOTIFICATION:
-            if msg.method == "session/update" and adapter.swallow_updates:
-                return None
+            if msg.method == "session/update":
+                if adapter.swallow_updates:
+                    return None
+                turn = adapter.turn
+                if turn is not None and turn.status is TaskStatus.RUNNING:
+                    turn.observe(line, 1)
             if msg.method != CANCEL_REQUEST:
                 return line + b"\n"
             ok, target = cancel_target(msg.params)
@@ -490,8 +536,10 @@ class Proxy(SessionLifecycle):
         if kind is Kind.REQUEST:
             upstream_id = self._next_upstream_id
             self._next_upstream_id += 1
-            self._upstream[upstream_id] = (adapter, msg.id)  # type: ignore[assignment]
+            self._upstream[upstream_id] = (adapter, msg.id, str(msg.method))  # type: ignore[assignment]
             adapter.upstream_pending += 1
+            if msg.method == "session/request_permission":
+                self.note_permission(adapter, "permission_asked", permission_subject(msg))
             return jsonrpc.with_id(msg, upstream_id)
         call = adapter.take_pending(msg.id)
         if call is None:
@@ -516,6 +564,10 @@ class Proxy(SessionLifecycle):
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
             msg = call.on_answer(msg) or msg
+        if call.turn is not None:
+            self.settle_answer(call.turn, msg)
+            if adapter.turn is call.turn:
+                adapter.turn = None
         if not adapter.busy:
             self._notify_pool()  # a waiter for a slot may now suspend this one
         if call.method == "initialize" and msg.result is not UNSET:
@@ -523,7 +575,7 @@ class Proxy(SessionLifecycle):
         return jsonrpc.with_id(msg, call.gateway_id)
 
     def _find_upstream(self, adapter: Adapter, adapter_id: RequestId) -> int | None:
-        for upstream_id, (owner, their_id) in self._upstream.items():
+        for upstream_id, (owner, their_id, _) in self._upstream.items():
             if owner is adapter and their_id == adapter_id:
                 return upstream_id
         return None
@@ -549,7 +601,7 @@ class Proxy(SessionLifecycle):
             f"The agent process exited before answering ({describe_exit(returncode)})",
             {"reason": "adapter_exited", "exitStatus": returncode, "backend": adapter.backend.name},
         )
-        orphaned = [uid for uid, (owner, _) in self._upstream.items() if owner is adapter]
+        orphaned = [uid for uid, (owner, _, _) in self._upstream.items() if owner is adapter]
         for upstream_id in orphaned:
             del self._upstream[upstream_id]
             await self._send_gateway(jsonrpc.notification(CANCEL_REQUEST, {"requestId": upstream_id}))
@@ -564,6 +616,7 @@ class Proxy(SessionLifecycle):
         await self._stop_adapter(adapter, drain=False)
 
     async def _fail_calls(self, calls: list[PendingCall], code: int, message: str, data: dict[str, object]) -> None:
+        self.settle_calls(calls, code, message)
         if calls:
             await self._send_gateway(
                 b"".join(

@@ -92,6 +92,38 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX sessions_by_state ON sessions (state, backend);
     CREATE INDEX sessions_by_instance ON sessions (instance_id, state);
     """,
+    # 3: prompt turns as tasks
+    """
+    CREATE TABLE tasks (
+        task_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        instance_id TEXT NOT NULL,
+        lease_id TEXT,
+        request_id TEXT,
+        status TEXT NOT NULL CHECK (
+            status IN ('queued', 'running', 'done', 'failed', 'cancelled', 'timed_out', 'lost')
+        ),
+        stop_reason TEXT,
+        error TEXT,
+        traceparent TEXT,
+        prompt TEXT NOT NULL DEFAULT '',
+        created_at REAL NOT NULL,
+        started_at REAL,
+        first_output_at REAL,
+        ended_at REAL,
+        progress_summary TEXT NOT NULL DEFAULT '',
+        update_count INTEGER NOT NULL DEFAULT 0,
+        tool_calls INTEGER NOT NULL DEFAULT 0,
+        recent_events TEXT NOT NULL DEFAULT '[]',
+        events_dropped INTEGER NOT NULL DEFAULT 0,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX tasks_by_status ON tasks (status, instance_id);
+    CREATE INDEX tasks_by_session ON tasks (session_id, created_at);
+    CREATE INDEX tasks_by_created ON tasks (created_at);
+    CREATE INDEX tasks_by_end ON tasks (ended_at);
+    """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

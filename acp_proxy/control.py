@@ -1,0 +1,312 @@
+"""The control socket: how the operator CLI acts on a running proxy.
+
+Each proxy listens on ``<state dir>/control/<instance id>.sock``: the directory is
+``0700`` and the socket ``0600``, and every connection's peer uid is checked with
+``SO_PEERCRED`` as well, so only the user the proxy runs as gets in (root
+included only when the proxy runs as root). The protocol is JSON lines, one
+response per request::
+
+    -> {"id": 1, "command": "cancel_task", "args": {"taskId": "3f2a..."}}
+    <- {"id": 1, "ok": true, "result": {...}}
+    <- {"id": 1, "ok": false, "error": {"code": "unknown_task", "message": "..."}}
+
+A request is at most ``MAX_REQUEST_BYTES``; a longer one, or one that is not a
+JSON object naming a known command, gets an error and (when the framing is lost)
+the connection is closed. The server never lets a client hold it: connections are
+few (``MAX_CONNECTIONS``) and idle ones are dropped after ``IDLE_TIMEOUT``.
+
+The client half is synchronous (plain ``socket``): the CLI needs no event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import socket
+import struct
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+log = logging.getLogger("acp_proxy.control")
+
+MAX_REQUEST_BYTES: Final = 64 * 1024
+MAX_RESPONSE_BYTES: Final = 16 * 1024 * 1024
+MAX_CONNECTIONS: Final = 16
+IDLE_TIMEOUT: Final = 30.0
+SOCKET_DIR: Final = "control"
+_SUN_PATH_MAX: Final = 100
+"""``sockaddr_un.sun_path`` holds 104-108 bytes depending on the platform; longer paths go through a dir fd."""
+
+Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class ControlError(Exception):
+    """A request the proxy refused or could not do: ``code`` for scripts, ``message`` for people."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ControlUnavailable(Exception):
+    """No proxy answers on that socket (it has exited, or never listened)."""
+
+
+def socket_path(state_dir: Path, instance_id: str) -> Path:
+    return state_dir / SOCKET_DIR / f"{instance_id}.sock"
+
+
+# --- peer credentials (one function per platform, chosen once) ------------------------
+
+
+def _peer_uid_linux(sock: socket.socket) -> int | None:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def _peer_uid_bsd(sock: socket.socket) -> int | None:
+    # struct xucred { u_int cr_version; uid_t cr_uid; short cr_ngroups; gid_t cr_groups[16]; }
+    local_peercred = getattr(socket, "LOCAL_PEERCRED", 0x001)
+    raw = sock.getsockopt(0, local_peercred, struct.calcsize("IIh16I"))
+    return int(struct.unpack_from("II", raw)[1])
+
+
+peer_uid: Callable[[socket.socket], int | None] = _peer_uid_linux if hasattr(socket, "SO_PEERCRED") else _peer_uid_bsd
+"""The uid of the process at the other end of a connected Unix socket."""
+
+
+# --- long paths ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _addressable(path: Path) -> Iterator[str]:
+    """A name for ``path`` that fits in ``sun_path``: itself, or ``/proc/self/fd/N/<name>`` on Linux."""
+    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
+        yield str(path)
+        return
+    if not sys.platform.startswith("linux"):
+        raise OSError(errno.ENAMETOOLONG, f"socket path too long ({len(str(path))} bytes): {path}")
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def bind_private(path: Path) -> socket.socket:
+    """A listening Unix socket at ``path``, ``0600`` in a ``0700`` directory; a stale file is replaced."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with _addressable(path) as name:
+            sock.bind(name)
+        os.chmod(path, 0o600)
+        sock.listen(MAX_CONNECTIONS)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def remove_stale(state_dir: Path, alive: Callable[[str], bool]) -> int:
+    """Remove the sockets of proxies that are gone; the number removed."""
+    removed = 0
+    directory = state_dir / SOCKET_DIR
+    with contextlib.suppress(FileNotFoundError):
+        for entry in directory.iterdir():
+            if entry.suffix == ".sock" and not alive(entry.stem):
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+                    removed += 1
+    return removed
+
+
+# --- framing -----------------------------------------------------------------------------
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":"), default=str).encode() + b"\n"
+
+
+def error_message(request_id: object, code: str, message: str) -> dict[str, Any]:
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+def parse_request(line: bytes) -> tuple[object, str, dict[str, Any]]:
+    """``(id, command, args)`` of a request line; ``ControlError`` naming what is wrong otherwise."""
+    try:
+        request = json.loads(line)
+    except (UnicodeDecodeError, ValueError):
+        raise ControlError("parse_error", "the request is not valid JSON") from None
+    if not isinstance(request, dict):
+        raise ControlError("invalid_request", "a request is a JSON object with a 'command'")
+    request_id = request.get("id")
+    command = request.get("command")
+    args = request.get("args", {})
+    if not isinstance(command, str) or not command:
+        raise ControlError("invalid_request", "the request has no 'command' string")
+    if not isinstance(args, dict):
+        raise ControlError("invalid_request", "'args' must be a JSON object")
+    return request_id, command, args
+
+
+# --- server ------------------------------------------------------------------------------
+
+
+class ControlServer:
+    """Serves the control socket of one proxy; ``handler`` does the commands."""
+
+    def __init__(
+        self,
+        path: Path,
+        handler: Handler,
+        *,
+        allowed_uid: int | None = None,
+        uid_of: Callable[[socket.socket], int | None] = peer_uid,
+    ) -> None:
+        self.path = path
+        self.handler = handler
+        self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
+        self.uid_of = uid_of
+        self.connections = 0
+
+    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen until cancelled; the socket file is removed on the way out."""
+        listener = await anyio.abc.SocketListener.from_socket(bind_private(self.path))
+        try:
+            task_status.started()
+            async with anyio.create_task_group() as tasks:
+                while True:
+                    stream = await listener.accept()
+                    tasks.start_soon(self._connection, stream)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await listener.aclose()
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    async def _connection(self, stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            refusal = self._refusal(stream)
+            if refusal is not None:
+                log.warning("control socket: refused a connection (%s)", refusal.message)
+                with anyio.move_on_after(1.0), contextlib.suppress(anyio.BrokenResourceError):
+                    await stream.send(encode(error_message(None, refusal.code, refusal.message)))
+                return
+            self.connections += 1
+            try:
+                await self._requests(stream)
+            finally:
+                self.connections -= 1
+
+    def _refusal(self, stream: anyio.abc.SocketStream) -> ControlError | None:
+        try:
+            uid = self.uid_of(stream.extra(anyio.abc.SocketAttribute.raw_socket))
+        except OSError as exc:
+            return ControlError("forbidden", f"cannot read the peer's credentials: {exc}")
+        if uid != self.allowed_uid:
+            return ControlError("forbidden", f"peer uid {uid} may not control a proxy of uid {self.allowed_uid}")
+        if self.connections >= MAX_CONNECTIONS:
+            return ControlError("busy", f"already {MAX_CONNECTIONS} control connections open; try again")
+        return None
+
+    async def _requests(self, stream: anyio.abc.SocketStream) -> None:
+        reader = BufferedByteReceiveStream(stream)
+        while True:
+            try:
+                with anyio.fail_after(IDLE_TIMEOUT):
+                    line = await reader.receive_until(b"\n", MAX_REQUEST_BYTES)
+            except anyio.DelimiterNotFound:
+                await self._send(
+                    stream, error_message(None, "too_large", f"requests are limited to {MAX_REQUEST_BYTES} bytes")
+                )
+                return
+            except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError):
+                return
+            if not line.strip():
+                continue
+            request_id: object = None
+            try:
+                request_id, command, args = parse_request(line)
+                result = await self.handler(command, args)
+                response = {"id": request_id, "ok": True, "result": result}
+            except ControlError as exc:
+                response = error_message(request_id, exc.code, exc.message)
+            except Exception as exc:  # a bug in a command must not take the proxy down
+                log.exception("control socket: command failed")
+                response = error_message(request_id, "internal_error", f"{type(exc).__name__}: {exc}")
+            if not await self._send(stream, response):
+                return
+
+    async def _send(self, stream: anyio.abc.SocketStream, message: dict[str, Any]) -> bool:
+        try:
+            with anyio.fail_after(IDLE_TIMEOUT):
+                await stream.send(encode(message))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, TimeoutError):
+            return False
+        return True
+
+
+# --- client -----------------------------------------------------------------------------
+
+
+def request(path: Path, command: str, args: dict[str, Any] | None = None, *, timeout: float = 10.0) -> dict[str, Any]:
+    """Send one command to the proxy listening at ``path`` and return its result.
+
+    ``ControlUnavailable`` if nothing listens there; ``ControlError`` if the proxy
+    refused the command (its code and message); ``TimeoutError`` if it did not answer.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            with _addressable(path) as name:
+                sock.connect(name)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise ControlUnavailable(f"no proxy listens on {path} ({exc.strerror})") from None
+        sock.sendall(encode({"id": 1, "command": command, "args": args or {}}))
+        response = _read_line(sock)
+    except TimeoutError:
+        raise TimeoutError(f"the proxy did not answer {command!r} within {timeout:g}s") from None
+    finally:
+        sock.close()
+    try:
+        message = json.loads(response)
+    except ValueError:
+        raise ControlError("bad_response", "the proxy sent an answer that is not JSON") from None
+    if not isinstance(message, dict):
+        raise ControlError("bad_response", "the proxy sent an answer that is not a JSON object")
+    if not message.get("ok"):
+        error = message.get("error") or {}
+        raise ControlError(str(error.get("code", "error")), str(error.get("message", "the proxy refused")))
+    result = message.get("result")
+    return result if isinstance(result, dict) else {}
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ControlUnavailable("the proxy closed the connection without answering")
+        chunks.append(chunk)
+        size += len(chunk)
+        if b"\n" in chunk:
+            return b"".join(chunks).split(b"\n", 1)[0]
+        if size > MAX_RESPONSE_BYTES:
+            raise ControlError("bad_response", "the proxy's answer is too large")

@@ -1,0 +1,525 @@
+"""Prompt turns as durable tasks: what ran, what it did, and how it ended.
+
+Every ``session/prompt`` the gateway sends becomes a task row the moment the proxy
+routes it, before the turn can produce any event, so no turn goes unrecorded and
+no "started" is lost. A row moves ``queued`` -> ``running`` -> one terminal status
+and never back; the status comes from the turn's answer through one pure table
+(``outcome_of``). A proxy killed mid-turn cannot write an outcome: the next proxy
+to start marks its unfinished tasks ``lost``.
+
+Progress (update count, tool calls, the tail of the agent's text) is kept in
+memory by ``Turn`` and written at most once per flush interval, never per
+message: the streaming relay only hands each block to ``Turn.observe``, which
+keeps a reference and a count and decodes nothing unless the block mentions a
+tool call.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
+from acp_proxy.jsonrpc import REQUEST_CANCELLED
+from acp_proxy.ownership import instances
+from acp_proxy.state import StateDB, now
+
+
+class TaskStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    LOST = "lost"
+
+
+ACTIVE: Final = frozenset({TaskStatus.QUEUED, TaskStatus.RUNNING})
+TERMINAL: Final = frozenset(TaskStatus) - ACTIVE
+DONE_STOP_REASONS: Final = frozenset({"end_turn", "max_tokens", "max_turn_requests", "refusal"})
+
+SUMMARY_CHARS: Final = 500
+"""How much of the tail of the agent's text a task keeps."""
+PROMPT_PREVIEW_CHARS: Final = 200
+MAX_EVENTS: Final = 32
+"""Recent events kept per task; the milestones (started, resumed, finished...) are never the ones dropped."""
+UNREAD_LIMIT: Final = 64 * 1024
+"""Bytes of streamed updates kept for the next digest; older ones only matter for text that is no longer the tail."""
+DEFAULT_LIST_LIMIT: Final = 50
+
+_DROPPABLE: Final = frozenset({"tool_call", "permission_asked", "permission_answered", "cancel_requested"})
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+# --- the status table --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: TaskStatus
+    stop_reason: str | None = None
+    error: str | None = None
+
+
+def outcome_of(
+    *, stop_reason: str | None = None, error: tuple[int, str] | None = None, timed_out: bool = False
+) -> Outcome:
+    """How a turn ended, from what the gateway was answered.
+
+    ``error`` is the JSON-RPC error ``(code, message)`` if the answer was one (the
+    adapter's own, or the proxy's when the adapter crashed or the proxy shut down);
+    ``timed_out`` says the proxy cancelled the turn because ``turn_timeout`` passed.
+    """
+    message = None if error is None else f"{error[1]} (code {error[0]})"
+    if timed_out:
+        return Outcome(TaskStatus.TIMED_OUT, stop_reason, message)
+    if error is not None:
+        status = TaskStatus.CANCELLED if error[0] == REQUEST_CANCELLED else TaskStatus.FAILED
+        return Outcome(status, None, message)
+    if stop_reason == "cancelled":
+        return Outcome(TaskStatus.CANCELLED, stop_reason)
+    if stop_reason is None:
+        return Outcome(TaskStatus.FAILED, None, "the agent answered without a stopReason")
+    # end_turn, max_tokens, max_turn_requests, refusal, and stop reasons newer than this table:
+    # the turn ended normally and the reason says how.
+    return Outcome(TaskStatus.DONE, stop_reason)
+
+
+def effective_status(recorded: TaskStatus, instance_alive: bool) -> TaskStatus:
+    """What an operator should be told: an unfinished task whose proxy is gone is lost, swept or not."""
+    return TaskStatus.LOST if recorded in ACTIVE and not instance_alive else recorded
+
+
+def traceparent_of(meta: object) -> str | None:
+    """A W3C ``traceparent`` from a request's ``_meta`` (the key ACP reserves for it), if well formed."""
+    if isinstance(meta, dict):
+        value = meta.get("traceparent")
+        if isinstance(value, str) and _TRACEPARENT.match(value):
+            return value
+    return None
+
+
+def prompt_preview(params: dict[str, Any]) -> str:
+    """The start of a prompt's text, for an operator to tell turns apart."""
+    blocks = params.get("prompt")
+    texts = []
+    if isinstance(blocks, list):
+        for block in blocks:
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif isinstance(block, dict) and isinstance(block.get("type"), str):
+                texts.append(f"[{block['type']}]")
+    text = " ".join(" ".join(texts).split())
+    return text[:PROMPT_PREVIEW_CHARS] + ("…" if len(text) > PROMPT_PREVIEW_CHARS else "")
+
+
+# --- what streamed updates say (decoded only at a digest) ------------------------------
+
+
+class _Update(msgspec.Struct, gc=False):
+    sessionUpdate: str = ""
+    content: Raw | UnsetType | None = UNSET
+    title: str | UnsetType | None = UNSET
+
+
+class _UpdateParams(msgspec.Struct, gc=False):
+    update: _Update | UnsetType | None = UNSET
+
+
+class _Notification(msgspec.Struct, gc=False):
+    method: str | None = None
+    params: _UpdateParams | UnsetType | None = UNSET
+
+
+class _Text(msgspec.Struct, gc=False):
+    type: str | None = None
+    text: str | None = None
+
+
+_notification_decoder: Final = msgspec.json.Decoder(_Notification)
+_text_decoder: Final = msgspec.json.Decoder(_Text)
+
+
+def updates_in(block: bytes) -> list[_Update]:
+    """The ``session/update`` payloads of a block of notification lines; lines that do not parse are skipped."""
+    try:
+        messages = _notification_decoder.decode_lines(block)
+    except msgspec.DecodeError:
+        messages = []
+        for line in block.splitlines():
+            try:
+                messages.append(_notification_decoder.decode(line))
+            except msgspec.DecodeError:
+                continue
+    return [
+        msg.params.update
+        for msg in messages
+        if msg.method == "session/update"
+        and isinstance(msg.params, _UpdateParams)
+        and isinstance(msg.params.update, _Update)
+    ]
+
+
+def agent_text(update: _Update) -> str:
+    if update.sessionUpdate != "agent_message_chunk" or not isinstance(update.content, Raw):
+        return ""
+    try:
+        content = _text_decoder.decode(update.content)
+    except msgspec.DecodeError:
+        return ""
+    return content.text if content.type == "text" and content.text else ""
+
+
+# --- a turn in progress -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    at: float
+    kind: str
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "kind": self.kind, "detail": self.detail}
+
+
+def keep_recent(events: list[Event], event: Event, limit: int = MAX_EVENTS) -> int:
+    """Append ``event``, dropping the oldest routine event beyond ``limit``; the number dropped."""
+    events.append(event)
+    if len(events) <= limit:
+        return 0
+    index = next((i for i, e in enumerate(events) if e.kind in _DROPPABLE), 0)
+    del events[index]
+    return 1
+
+
+def new_task_id() -> str:
+    return os.urandom(6).hex()
+
+
+@dataclass(slots=True, eq=False)
+class Turn:
+    """One prompt turn this proxy is serving: its task row's fields, kept current in memory."""
+
+    task_id: str
+    session_id: str
+    backend: str
+    request_id: str
+    """The gateway's JSON-RPC id for the prompt, as JSON text."""
+    prompt: str = ""
+    traceparent: str | None = None
+    status: TaskStatus = TaskStatus.QUEUED
+    created_at: float = field(default_factory=now)
+    started_at: float | None = None
+    first_output_at: float | None = None
+    ended_at: float | None = None
+    stop_reason: str | None = None
+    error: str | None = None
+    update_count: int = 0
+    tool_calls: int = 0
+    summary: str = ""
+    events: list[Event] = field(default_factory=list)
+    events_dropped: int = 0
+    lease_id: str | None = None
+    dirty: bool = False
+    """Progress not yet written to the database."""
+    timed_out: bool = False
+    cancel_requested: bool = False
+    """An operator cancelled it while it was queued: it is answered ``cancelled`` instead of sent."""
+    deadline: float | None = None
+    """``time.monotonic()`` after which ``turn_timeout`` cancels the turn."""
+    _unread: list[bytes] = field(default_factory=list)
+    _unread_bytes: int = 0
+
+    def event(self, kind: str, detail: str = "") -> None:
+        self.events_dropped += keep_recent(self.events, Event(now(), kind, detail))
+        self.dirty = True
+
+    def start(self, lease_id: str | None, turn_timeout: float | None) -> None:
+        self.status = TaskStatus.RUNNING
+        self.started_at = now()
+        self.lease_id = lease_id
+        if turn_timeout:
+            self.deadline = time.monotonic() + turn_timeout
+        self.event("started", f"lease {lease_id}" if lease_id else "")
+
+    def observe(self, block: bytes, count: int) -> None:
+        """``count`` notification lines of this turn were relayed as ``block``: note them, cheaply."""
+        self.update_count += count
+        if self.first_output_at is None:
+            self.first_output_at = now()
+            self.event("first_output")
+        if b'"tool_call"' in block:  # rare: worth a decode now, so no tool call goes unrecorded
+            for update in updates_in(block):
+                if update.sessionUpdate == "tool_call":
+                    self.tool_calls += 1
+                    self.event("tool_call", update.title if isinstance(update.title, str) else "")
+        self._unread.append(block)
+        self._unread_bytes += len(block)
+        while self._unread_bytes > UNREAD_LIMIT and len(self._unread) > 1:
+            self._unread_bytes -= len(self._unread.pop(0))
+        self.dirty = True
+
+    def digest(self) -> None:
+        """Fold the updates relayed since the last digest into the text summary."""
+        if not self._unread:
+            return
+        blocks, self._unread, self._unread_bytes = self._unread, [], 0
+        text = "".join(agent_text(update) for block in blocks for update in updates_in(block))
+        if text:
+            self.summary = (self.summary + text)[-SUMMARY_CHARS:]
+
+    def finish(self, outcome: Outcome) -> None:
+        self.digest()
+        self.status = outcome.status
+        self.stop_reason = outcome.stop_reason
+        self.error = outcome.error
+        self.ended_at = now()
+        detail = outcome.stop_reason or outcome.error or ""
+        self.event("finished", f"{outcome.status.value}: {detail}" if detail else outcome.status.value)
+
+
+# --- rows ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    task_id: str
+    session_id: str
+    backend: str
+    instance_id: str
+    lease_id: str | None
+    request_id: str | None
+    status: TaskStatus
+    stop_reason: str | None
+    error: str | None
+    traceparent: str | None
+    prompt: str
+    created_at: float
+    started_at: float | None
+    first_output_at: float | None
+    ended_at: float | None
+    summary: str
+    update_count: int
+    tool_calls: int
+    events: tuple[Event, ...]
+    events_dropped: int
+    updated_at: float
+
+    @classmethod
+    def from_row(cls, row: Any) -> TaskRecord:
+        return cls(
+            task_id=row["task_id"],
+            session_id=row["session_id"],
+            backend=row["backend"],
+            instance_id=row["instance_id"],
+            lease_id=row["lease_id"],
+            request_id=row["request_id"],
+            status=TaskStatus(row["status"]),
+            stop_reason=row["stop_reason"],
+            error=row["error"],
+            traceparent=row["traceparent"],
+            prompt=row["prompt"],
+            created_at=row["created_at"],
+            started_at=row["started_at"],
+            first_output_at=row["first_output_at"],
+            ended_at=row["ended_at"],
+            summary=row["progress_summary"],
+            update_count=row["update_count"],
+            tool_calls=row["tool_calls"],
+            events=tuple(Event(e["at"], e["kind"], e.get("detail", "")) for e in json.loads(row["recent_events"])),
+            events_dropped=row["events_dropped"],
+            updated_at=row["updated_at"],
+        )
+
+
+def _events_json(events: Iterable[Event]) -> str:
+    return json.dumps([e.to_json() for e in events], separators=(",", ":"))
+
+
+_PROGRESS_COLUMNS: Final = (
+    "first_output_at = ?, progress_summary = ?, update_count = ?, tool_calls = ?, recent_events = ?, "
+    "events_dropped = ?, updated_at = ?"
+)
+
+
+def _progress_values(turn: Turn) -> tuple[object, ...]:
+    return (
+        turn.first_output_at,
+        turn.summary,
+        turn.update_count,
+        turn.tool_calls,
+        _events_json(turn.events),
+        turn.events_dropped,
+        now(),
+    )
+
+
+class TaskRegistry:
+    """Task rows in the state database; each write is one short transaction, made at a turn's milestones."""
+
+    def __init__(self, db: StateDB, instance_id: str) -> None:
+        self.db = db
+        self.instance_id = instance_id
+
+    def create(self, turn: Turn) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(
+                """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
+                       traceparent, prompt, created_at, started_at, recent_events, updated_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                (
+                    turn.task_id,
+                    turn.session_id,
+                    turn.backend,
+                    self.instance_id,
+                    turn.lease_id,
+                    turn.request_id,
+                    turn.status.value,
+                    turn.traceparent,
+                    turn.prompt,
+                    turn.created_at,
+                    turn.started_at,
+                    _events_json(turn.events),
+                    now(),
+                ),
+            )
+        turn.dirty = False
+
+    def mark_running(self, turn: Turn) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(
+                f"""UPDATE tasks SET status = 'running', started_at = ?, lease_id = ?, {_PROGRESS_COLUMNS}
+                    WHERE task_id = ? AND status = 'queued'""",
+                (turn.started_at, turn.lease_id, *_progress_values(turn), turn.task_id),
+            )
+        turn.dirty = False
+
+    def save_progress(self, turn: Turn) -> None:
+        turn.digest()
+        with self.db.transaction() as conn:
+            conn.execute(
+                f"UPDATE tasks SET {_PROGRESS_COLUMNS} WHERE task_id = ? AND status IN ('queued', 'running')",
+                (*_progress_values(turn), turn.task_id),
+            )
+        turn.dirty = False
+
+    def finish(self, turn: Turn) -> bool:
+        """Record a terminal status; False if the row had already ended (terminal statuses are final)."""
+        with self.db.transaction() as conn:
+            cursor = conn.execute(
+                f"""UPDATE tasks SET status = ?, stop_reason = ?, error = ?, ended_at = ?, {_PROGRESS_COLUMNS}
+                    WHERE task_id = ? AND status IN ('queued', 'running')""",
+                (
+                    turn.status.value,
+                    turn.stop_reason,
+                    turn.error,
+                    turn.ended_at,
+                    *_progress_values(turn),
+                    turn.task_id,
+                ),
+            )
+        turn.dirty = False
+        return cursor.rowcount == 1
+
+
+# --- reading, for the CLI and the control socket ---------------------------------------------
+
+
+class AmbiguousId(Exception):
+    def __init__(self, prefix: str, matches: Sequence[str]) -> None:
+        self.matches = list(matches)
+        super().__init__(f"{prefix!r} matches {len(matches)} tasks ({', '.join(matches[:5])}); give more characters")
+
+
+def get_task(db: StateDB, task_id: str) -> TaskRecord | None:
+    """A task by id, or by a unique prefix of at least 4 characters; ``AmbiguousId`` if several match."""
+    row = db.conn.execute("SELECT * FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+    if row is not None:
+        return TaskRecord.from_row(row)
+    if len(task_id) < 4 or not task_id.isalnum():
+        return None
+    rows = db.conn.execute(
+        "SELECT * FROM tasks WHERE task_id >= ? AND task_id < ? ORDER BY task_id LIMIT 6",
+        (task_id, task_id + "\U0010ffff"),
+    ).fetchall()
+    if len(rows) > 1:
+        raise AmbiguousId(task_id, [r["task_id"] for r in rows])
+    return TaskRecord.from_row(rows[0]) if rows else None
+
+
+def list_tasks(
+    db: StateDB,
+    *,
+    statuses: Sequence[TaskStatus] = (),
+    session_id: str | None = None,
+    limit: int | None = DEFAULT_LIST_LIMIT,
+) -> list[TaskRecord]:
+    """Tasks, newest first, filtered by recorded status and session."""
+    query = "SELECT * FROM tasks WHERE 1 = 1"
+    args: list[object] = []
+    if statuses:
+        query += f" AND status IN ({', '.join('?' * len(statuses))})"
+        args += [s.value for s in statuses]
+    if session_id is not None:
+        query += " AND session_id = ?"
+        args.append(session_id)
+    query += " ORDER BY created_at DESC, task_id LIMIT ?"
+    args.append(-1 if limit is None else limit)
+    return [TaskRecord.from_row(row) for row in db.conn.execute(query, args)]
+
+
+def count_tasks(db: StateDB, since: float | None = None) -> dict[str, int]:
+    query, args = "SELECT status, COUNT(*) FROM tasks", []
+    if since is not None:
+        query += " WHERE created_at >= ?"
+        args.append(since)
+    return {status: count for status, count in db.conn.execute(query + " GROUP BY status", args)}
+
+
+# --- maintenance ------------------------------------------------------------------
+
+
+def sweep_lost(db: StateDB, own_instance: str | None) -> int:
+    """Mark ``lost`` the unfinished tasks of proxies that are gone; idempotent.
+
+    A proxy that dies (SIGKILL, OOM, power) cannot record how its turns ended;
+    its lock being free is the proof it is gone, never its PID.
+    """
+    rows = db.conn.execute(
+        "SELECT DISTINCT instance_id FROM tasks WHERE status IN ('queued', 'running') AND instance_id IS NOT ?",
+        (own_instance,),
+    ).fetchall()
+    dead = [row[0] for row in rows if not instances.instance_alive(db, row[0])]
+    swept = 0
+    at = now()
+    for instance_id in dead:
+        with db.transaction() as conn:
+            cursor = conn.execute(
+                """UPDATE tasks SET status = 'lost', ended_at = ?, updated_at = ?,
+                       error = 'the acp-proxy process serving it ended without recording an outcome'
+                   WHERE instance_id = ? AND status IN ('queued', 'running')""",
+                (at, at, instance_id),
+            )
+            swept += cursor.rowcount
+    return swept
+
+
+def prune(db: StateDB, retention: float, *, at: float | None = None) -> int:
+    """Delete terminal tasks that ended more than ``retention`` seconds ago; idempotent."""
+    cutoff = (now() if at is None else at) - retention
+    with db.transaction() as conn:
+        cursor = conn.execute(
+            "DELETE FROM tasks WHERE status NOT IN ('queued', 'running') AND ended_at < ?",
+            (cutoff,),
+        )
+    return cursor.rowcount

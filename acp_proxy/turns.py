@@ -1,0 +1,252 @@
+"""Prompt turns as they run: opening each task, following it, and settling it exactly once.
+
+``TaskKeeping`` is the part of ``Proxy`` that keeps the task registry current. A
+turn is opened (its row written) when the proxy routes the gateway's
+``session/prompt``, before it is sent or queued, so nothing the turn does can
+precede its record. It is settled once, from whatever answers the gateway: the
+adapter's answer, the proxy's own (a crash, a close, a shutdown, a queued prompt
+cancelled), or the ``turn_timeout`` watchdog. Progress is written by the
+watchdog, at most once a second per turn, never by the relay.
+
+A database that cannot be written (a full disk, a locked file) costs the record,
+never the turn: the error is logged and the prompt is served.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+import anyio.abc
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
+from acp_proxy import jsonrpc
+from acp_proxy.adapter import Adapter, AdapterGone, PendingCall
+from acp_proxy.config import Config
+from acp_proxy.jsonrpc import Message, RequestId
+from acp_proxy.logs import ids
+from acp_proxy.sessions import SessionRegistry
+from acp_proxy.tasks import (
+    TERMINAL,
+    TaskRegistry,
+    TaskStatus,
+    Turn,
+    new_task_id,
+    outcome_of,
+    prompt_preview,
+    traceparent_of,
+)
+
+if TYPE_CHECKING:
+    from acp_proxy.lifecycle import Session
+
+log = logging.getLogger("acp_proxy.tasks")
+
+FLUSH_INTERVAL: Final = 1.0
+"""How often a running turn's progress is written to the database."""
+
+
+class _PromptResult(msgspec.Struct, gc=False):
+    stopReason: str | None = None
+
+
+_prompt_result_decoder: Final = msgspec.json.Decoder(_PromptResult)
+
+
+def stop_reason_of(result: Raw | UnsetType) -> str | None:
+    if result is UNSET:
+        return None
+    try:
+        return _prompt_result_decoder.decode(result).stopReason
+    except msgspec.DecodeError:
+        return None
+
+
+def turn_ids(turn: Turn) -> dict[str, Any]:
+    return ids(session=turn.session_id, task=turn.task_id, lease=turn.lease_id, traceparent=turn.traceparent)
+
+
+class TaskKeeping:
+    """Opens, follows and settles the tasks of the prompts this proxy serves; mixed into ``Proxy``."""
+
+    config: Config
+    sessions: dict[str, Session]
+    registry: SessionRegistry
+    tasks: TaskRegistry
+    turns: dict[str, Turn]
+    """Tasks of this proxy not yet settled, by task id."""
+    _refusing: bool
+    _shutting_down: bool
+
+    if TYPE_CHECKING:
+
+        def _background(self, work: Callable[[], Any]) -> None: ...
+
+        async def _answer(self, request_id: RequestId | UnsetType, result: object) -> None: ...
+
+        def _stop_in_background(self, adapter: Adapter, session: Session | None) -> None: ...
+
+    # --- recording, never at the cost of the turn -------------------------------------------
+
+    def _record(self, write: Callable[[Turn], object], turn: Turn) -> None:
+        try:
+            write(turn)
+        except sqlite3.Error as exc:
+            log.error("task %s: could not record it in the state database: %s", turn.task_id, exc, extra=turn_ids(turn))
+
+    # --- opening -------------------------------------------------------------------------
+
+    def open_turn(self, session: Session, msg: Message, adapter: Adapter | None) -> Turn:
+        """A task for the gateway's ``session/prompt``: running on ``adapter``, else queued."""
+        params = jsonrpc.decode_object(msg.params) or {}
+        turn = Turn(
+            task_id=new_task_id(),
+            session_id=session.session_id,
+            backend=session.record.backend,
+            request_id=jsonrpc.encode_json(None if msg.id is UNSET else msg.id).decode(),
+            prompt=prompt_preview(params),
+            traceparent=traceparent_of(params.get("_meta")),
+        )
+        if adapter is not None:
+            turn.start(adapter.supervised.lease.lease_id, self._turn_timeout(turn))
+        else:
+            turn.event("queued", "waiting for the session's process")
+        self.turns[turn.task_id] = turn
+        self._record(self.tasks.create, turn)
+        log.info("task %s %s", turn.task_id, turn.status.value, extra=turn_ids(turn))
+        return turn
+
+    def start_turn(self, turn: Turn, adapter: Adapter, *, resumed: bool) -> None:
+        """A queued turn is being sent to ``adapter`` now."""
+        if resumed:
+            turn.event("resumed", f"pid {adapter.pid}")
+        turn.start(adapter.supervised.lease.lease_id, self._turn_timeout(turn))
+        self._record(self.tasks.mark_running, turn)
+        log.info("task %s running", turn.task_id, extra=turn_ids(turn))
+
+    def _turn_timeout(self, turn: Turn) -> float:
+        backend = self.config.backends.get(turn.backend)
+        if backend is not None and backend.turn_timeout is not None:
+            return backend.turn_timeout
+        return self.config.tasks.turn_timeout
+
+    # --- settling ------------------------------------------------------------------------
+
+    def settle(self, turn: Turn, *, stop_reason: str | None = None, error: tuple[int, str] | None = None) -> None:
+        """The gateway has been (or is being) answered: record how the turn ended. Once only."""
+        if turn.status in TERMINAL:
+            return
+        turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out))
+        self.turns.pop(turn.task_id, None)
+        self._record(self.tasks.finish, turn)
+        level = logging.INFO if turn.status in (TaskStatus.DONE, TaskStatus.CANCELLED) else logging.WARNING
+        detail = turn.stop_reason or turn.error or ""
+        log.log(
+            level,
+            "task %s %s%s",
+            turn.task_id,
+            turn.status.value,
+            f": {detail}" if detail else "",
+            extra=turn_ids(turn),
+        )
+
+    def settle_answer(self, turn: Turn, answer: Message) -> None:
+        """From the adapter's answer to the prompt, as the gateway gets it."""
+        if answer.error is not UNSET:
+            self.settle(turn, error=(answer.error.code, answer.error.message))
+        else:
+            self.settle(turn, stop_reason=stop_reason_of(answer.result))
+
+    def settle_calls(self, calls: list[PendingCall], code: int, message: str) -> None:
+        """In-flight requests answered with an error by the proxy: their prompts end with it."""
+        for call in calls:
+            if call.turn is not None:
+                self.settle(call.turn, error=(code, message))
+
+    def settle_leftovers(self, why: str) -> None:
+        """At the very end of a shutdown: anything not settled by then is (it should be nothing)."""
+        for turn in list(self.turns.values()):
+            log.warning("task %s was still open at exit: recorded cancelled", turn.task_id, extra=turn_ids(turn))
+            self.settle(turn, error=(jsonrpc.REQUEST_CANCELLED, why))
+
+    # --- following -----------------------------------------------------------------------
+
+    def note_cancel(self, session: Session, by: str) -> None:
+        """A ``session/cancel`` for the session (from the gateway or an operator)."""
+        adapter = session.adapter
+        if adapter is not None and adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING:
+            adapter.turn.event("cancel_requested", f"by {by}")
+
+    def note_permission(self, adapter: Adapter, kind: str, detail: str) -> None:
+        turn = adapter.turn
+        if turn is not None and turn.status is TaskStatus.RUNNING:
+            turn.event(kind, detail)
+
+    async def watch_turns(self) -> None:
+        """Write progress, and enforce ``turn_timeout``: the turn is cancelled, then answered by us."""
+        timeouts = [self.config.tasks.turn_timeout] + [b.turn_timeout or 0.0 for b in self.config.backends.values()]
+        shortest = min((t for t in timeouts if t > 0), default=FLUSH_INTERVAL * 4)
+        interval = max(0.05, min(FLUSH_INTERVAL, shortest / 4))
+        while True:
+            await anyio.sleep(interval)
+            self.flush_progress()
+            if self._shutting_down:
+                continue
+            moment = time.monotonic()
+            for turn in list(self.turns.values()):
+                if turn.deadline is not None and not turn.timed_out and moment >= turn.deadline:
+                    turn.timed_out = True
+                    self._background(lambda turn=turn: self._time_out(turn))  # type: ignore[misc]
+
+    def flush_progress(self) -> None:
+        for turn in list(self.turns.values()):
+            if turn.dirty and turn.status not in TERMINAL:
+                self._record(self.tasks.save_progress, turn)
+
+    async def _time_out(self, turn: Turn) -> None:
+        session = self.sessions.get(turn.session_id)
+        adapter = session.adapter if session is not None else None
+        limit = self._turn_timeout(turn)
+        turn.event("timed_out", f"after {limit:g}s: session/cancel sent")
+        log.warning(
+            "task %s: running longer than turn_timeout (%gs): cancelling it", turn.task_id, limit, extra=turn_ids(turn)
+        )
+        if session is None or adapter is None or adapter.gone:
+            return  # the process is gone: the turn is being answered with its exit already
+        await self.send_cancel(session, adapter)
+        with anyio.move_on_after(self.config.shutdown.close_timeout):
+            while turn.status not in TERMINAL and not adapter.gone:
+                await anyio.sleep(0.01)
+        if turn.status in TERMINAL or adapter.gone:
+            return
+        # The adapter ignored the cancel: answer the gateway ourselves and retire the process
+        # (the session is suspended, resumable; a stuck process is not worth keeping).
+        call_id = next((k for k, c in adapter.pending.items() if c.turn is turn), None)
+        if call_id is not None:
+            call = adapter.pending.pop(call_id)
+            await self._answer(call.gateway_id, {"stopReason": "cancelled", "_meta": {"acp-proxy": {"timedOut": True}}})
+        self.settle(turn, stop_reason="cancelled")
+        if session.adapter is adapter and not session.closed:
+            log.warning(
+                "session %s: pid %s did not end the timed-out turn within %gs; stopping it (session suspended)",
+                session.session_id,
+                adapter.pid,
+                self.config.shutdown.close_timeout,
+                extra=turn_ids(turn),
+            )
+            session.adapter = None
+            self.registry.mark_suspended(session.session_id)
+            self._stop_in_background(adapter, session)
+
+    async def send_cancel(self, session: Session, adapter: Adapter) -> None:
+        """``session/cancel`` to the adapter for the session, under the id it knows it by."""
+        cancel = {"sessionId": adapter.adapter_session or session.session_id}
+        try:
+            await adapter.send(jsonrpc.notification("session/cancel", cancel))
+        except AdapterGone:
+            log.info("session/cancel for session %s not sent: the adapter has exited", session.session_id)
