@@ -3,23 +3,28 @@
     acp-proxy [--config PATH] [--backend NAME]      serve with a TOML config
     acp-proxy [options] -- CMD ARG...                 serve one ad-hoc backend, no config needed
     acp-proxy config check [--config PATH]           validate a config, exit 2 on error
+    acp-proxy status [--json]                        proxies, sessions, leases, processes, turns
+    acp-proxy sessions list|show ID|suspend ID|close ID [--json]
+    acp-proxy tasks list [--status S] [--session ID]|show ID [--follow]|cancel ID [--json]
     acp-proxy leases [--json] [--all]                leases and the process trees they own
     acp-proxy reap [--dry-run] [--json]              reap what dead proxies left running
 
 Everything after the first ``--`` is the adapter's argv, taken literally.
-Exit status 2 means bad input (usage, config); the message says what to fix.
+Exit status 2 means bad input (usage, config, an unknown id); the message says what
+to fix. Exit status 1 from an acting command means the proxy it needed could not be
+reached or did not act.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
-from acp_proxy import __version__
+from acp_proxy import __version__, logs
 from acp_proxy import config as configuration
 from acp_proxy.config import Config, ConfigError
 from acp_proxy.state import StateError
@@ -27,6 +32,7 @@ from acp_proxy.state import StateError
 EXIT_USAGE = 2
 ASYNC_BACKENDS = ("asyncio", "trio")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 
 
 class UsageError(Exception):
@@ -58,7 +64,68 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_option(reap)
     reap.add_argument("--dry-run", action="store_true", help="say what would be done, signal nothing")
     reap.add_argument("--json", action="store_true", help="machine-readable output")
+    status = commands.add_parser("status", help="proxies, sessions, leases, live processes and turns")
+    _add_config_option(status)
+    _add_json(status)
+    _add_sessions_parser(commands)
+    _add_tasks_parser(commands)
     return parser
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_sessions_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sessions = commands.add_parser("sessions", help="sessions: list, show, suspend, close")
+    actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = actions.add_parser("list", help="open sessions, most recently active first")
+    listing.add_argument(
+        "--state", action="append", default=[], metavar="STATE", help="live, resuming, suspended or closed (repeatable)"
+    )
+    listing.add_argument("--all", action="store_true", help="closed sessions too")
+    show = actions.add_parser("show", help="one session: its process, its recent tasks")
+    suspend = actions.add_parser("suspend", help="stop an idle session's process; it stays resumable")
+    close = actions.add_parser("close", help="end a session's turn, reap its processes, forget it")
+    for parser in (listing, show, suspend, close):
+        _add_config_option(parser)
+        _add_json(parser)
+    for parser in (show, suspend, close):
+        parser.add_argument("id", metavar="ID", help="session id (or a unique prefix of 4+ characters)")
+
+
+def _add_tasks_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tasks = commands.add_parser("tasks", help="prompt turns: list, show, cancel")
+    actions = tasks.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = actions.add_parser("list", help="tasks, newest first")
+    listing.add_argument(
+        "--status",
+        action="append",
+        default=[],
+        metavar="S",
+        help="queued, running, done, failed, cancelled, timed_out or lost (repeatable, or comma-separated)",
+    )
+    listing.add_argument("--session", metavar="ID", help="only this session's tasks")
+    listing.add_argument("--limit", type=_positive_int, default=50, metavar="N", help="at most N tasks (default 50)")
+    show = actions.add_parser("show", help="one task: outcome, progress, recent events")
+    show.add_argument("--follow", "-f", action="store_true", help="print events as they happen, until it ends")
+    cancel = actions.add_parser("cancel", help="cancel a running or queued turn (session/cancel)")
+    cancel.add_argument("--no-wait", action="store_true", help="do not wait for the turn to end")
+    for parser in (listing, show, cancel):
+        _add_config_option(parser)
+        _add_json(parser)
+    for parser in (show, cancel):
+        parser.add_argument("id", metavar="ID", help="task id (or a unique prefix of 4+ characters)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _add_config_option(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +144,12 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         choices=LOG_LEVELS,
         default=argparse.SUPPRESS,
         help="stderr log level (default: $ACP_PROXY_LOG_LEVEL or info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=argparse.SUPPRESS,
+        help="stderr log lines as text or JSON, one event per line (default: $ACP_PROXY_LOG_FORMAT or text)",
     )
     parser.add_argument(
         "--async-backend",
@@ -132,17 +205,14 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
     async_backend = getattr(args, "async_backend", None) or _choice_from_env(
         "ACP_PROXY_ASYNC_BACKEND", ASYNC_BACKENDS, "asyncio"
     )
+    log_format = getattr(args, "log_format", None) or _choice_from_env("ACP_PROXY_LOG_FORMAT", LOG_FORMATS, "text")
     config = load_config(getattr(args, "config", None), command)
     backend = getattr(args, "backend", None)
     try:
         config.backend(backend)
     except KeyError as exc:
         raise UsageError(f"--backend: {exc.args[0]}") from None
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="acp-proxy[%(process)d] %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(level, log_format)
     from acp_proxy.adapter import Adapter
     from acp_proxy.early_signals import hold_signals_until_serving
     from acp_proxy.ownership.owner import Owner
@@ -153,6 +223,7 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
         owner = Owner.start(configuration.state_dir(config), grace=config.shutdown.term_grace)
     except StateError as exc:
         raise UsageError(f"state: {exc}") from None
+    logs.set_instance(owner.instance_id)
     try:
         # Launch the adapter now, before the event loop and the relay are even imported:
         # its start-up then overlaps ours. Nearly every gateway's first request needs it.
@@ -217,6 +288,44 @@ def _reap(args: argparse.Namespace) -> int:
     return reap_command(configuration.state_dir(config), grace=grace, dry_run=args.dry_run, as_json=args.json)
 
 
+def _status(args: argparse.Namespace) -> int:
+    from acp_proxy import reports
+
+    return reports.status(_operator_state_dir(args), as_json=args.json)
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    from acp_proxy import reports
+
+    state = _operator_state_dir(args)
+    if args.action == "list":
+        return reports.sessions_list(state, states=args.state, show_all=args.all, as_json=args.json)
+    if args.action == "show":
+        return reports.sessions_show(state, args.id, as_json=args.json)
+    return reports.sessions_act(state, args.id, action=args.action, as_json=args.json)
+
+
+def _tasks(args: argparse.Namespace) -> int:
+    from acp_proxy import reports
+
+    state = _operator_state_dir(args)
+    if args.action == "list":
+        statuses = reports.parse_statuses(args.status)
+        return reports.tasks_list(
+            state, statuses=statuses, session_id=args.session, limit=args.limit, as_json=args.json
+        )
+    if args.action == "show":
+        return reports.tasks_show(state, args.id, follow=args.follow, as_json=args.json)
+    return reports.tasks_cancel(state, args.id, wait=not args.no_wait, as_json=args.json)
+
+
+def _operator_state_dir(args: argparse.Namespace) -> Path:
+    return configuration.state_dir(_operator_config(args))
+
+
+OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks}
+
+
 def _fail(message: str) -> NoReturn:
     print(f"acp-proxy: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
@@ -232,8 +341,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _leases(args)
         if args.command == "reap":
             return _reap(args)
+        if args.command in OPERATOR_COMMANDS:
+            return OPERATOR_COMMANDS[args.command](args)
         return _serve(args, command)
     except (ConfigError, UsageError) as exc:
         _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        from acp_proxy.reports import OperatorError
+
+        if not isinstance(exc, OperatorError):
+            raise
+        print(f"acp-proxy: {exc}", file=sys.stderr)
+        return exc.exit_code
     except StateError as exc:
         _fail(f"state: {exc}")

@@ -231,9 +231,9 @@ class ControlServer:
                 with anyio.fail_after(IDLE_TIMEOUT):
                     line = await reader.receive_until(b"\n", MAX_REQUEST_BYTES)
             except anyio.DelimiterNotFound:
-                await self._send(
-                    stream, error_message(None, "too_large", f"requests are limited to {MAX_REQUEST_BYTES} bytes")
-                )
+                message = f"requests are limited to {MAX_REQUEST_BYTES} bytes"
+                if await self._send(stream, error_message(None, "too_large", message)):
+                    await self._discard_rest(stream)
                 return
             except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, TimeoutError):
                 return
@@ -251,6 +251,18 @@ class ControlServer:
                 response = error_message(request_id, "internal_error", f"{type(exc).__name__}: {exc}")
             if not await self._send(stream, response):
                 return
+
+    async def _discard_rest(self, stream: anyio.abc.SocketStream) -> None:
+        """The framing is lost: end our side, then read and drop what the client is still sending.
+
+        Closing with unread input would reset the connection, and the client could lose the
+        error it was just sent. Bounded in time and bytes.
+        """
+        dropped = 0
+        with anyio.move_on_after(1.0), contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+            await stream.send_eof()
+            while dropped < 16 * MAX_REQUEST_BYTES:
+                dropped += len(await stream.receive())
 
     async def _send(self, stream: anyio.abc.SocketStream, message: dict[str, Any]) -> bool:
         try:

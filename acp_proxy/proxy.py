@@ -38,6 +38,7 @@ from acp_proxy.jsonrpc import (
     RequestId,
 )
 from acp_proxy.lifecycle import RestoreFailed, Session, SessionLifecycle, rewrite_session_id, session_of
+from acp_proxy.operations import Operations
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.sessions import SessionRegistry
@@ -199,6 +200,8 @@ class Proxy(SessionLifecycle, TaskKeeping):
         """Queued requests the gateway withdrew with ``$/cancel_request`` before they were sent."""
         for session_id in self.registry.adopt_orphans():
             log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
+        self.maintain_tasks()
+        self.operations = Operations(self)
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -209,6 +212,7 @@ class Proxy(SessionLifecycle, TaskKeeping):
             self._tasks = tasks
             tasks.start_soon(self._suspend_idle_sessions)
             tasks.start_soon(self.watch_turns)
+            tasks.start_soon(self.operations.serve)
             with self._reading:
                 await self._relay_from_gateway(reader)
             if self._stop_reason is None:

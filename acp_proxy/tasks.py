@@ -127,7 +127,8 @@ def prompt_preview(params: dict[str, Any]) -> str:
 
 class _Update(msgspec.Struct, gc=False):
     sessionUpdate: str = ""
-    content: Raw | UnsetType | None = UNSET
+    content: Raw = Raw(b"null")
+    """Left undecoded (msgspec takes ``Raw`` only on its own, not in a union)."""
     title: str | UnsetType | None = UNSET
 
 
@@ -170,7 +171,7 @@ def updates_in(block: bytes) -> list[_Update]:
 
 
 def agent_text(update: _Update) -> str:
-    if update.sessionUpdate != "agent_message_chunk" or not isinstance(update.content, Raw):
+    if update.sessionUpdate != "agent_message_chunk":
         return ""
     try:
         content = _text_decoder.decode(update.content)

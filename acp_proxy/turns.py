@@ -39,6 +39,8 @@ from acp_proxy.tasks import (
     new_task_id,
     outcome_of,
     prompt_preview,
+    prune,
+    sweep_lost,
     traceparent_of,
 )
 
@@ -98,6 +100,19 @@ class TaskKeeping:
             write(turn)
         except sqlite3.Error as exc:
             log.error("task %s: could not record it in the state database: %s", turn.task_id, exc, extra=turn_ids(turn))
+
+    def maintain_tasks(self) -> None:
+        """At startup: unfinished tasks of proxies that are gone become ``lost``; old finished ones are pruned."""
+        try:
+            lost = sweep_lost(self.tasks.db, self.tasks.instance_id)
+            pruned = prune(self.tasks.db, self.config.tasks.retention)
+        except sqlite3.Error as exc:
+            log.error("task maintenance skipped: the state database: %s", exc)
+            return
+        if lost:
+            log.warning("%d task(s) of proxies that ended without recording an outcome marked lost", lost)
+        if pruned:
+            log.info("pruned %d task(s) that ended more than %gs ago", pruned, self.config.tasks.retention)
 
     # --- opening -------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ def write_config(
     pool: dict[str, str | int] | None = None,
     backends: dict[str, dict[str, Any]] | None = None,
     default_backend: str | None = None,
+    tasks: dict[str, str] | None = None,
 ) -> Path:
     """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options)."""
     lines = []
@@ -39,6 +40,8 @@ def write_config(
         lines.append(f'default_backend = "{default_backend}"')
     lines += ["[shutdown]", 'close_timeout = "500ms"', 'stdin_grace = "300ms"', 'term_grace = "1s"', "[pool]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in (pool or {}).items()]
+    if tasks:
+        lines += ["[tasks]", *(f"{key} = {json.dumps(value)}" for key, value in tasks.items())]
     for name, options in (backends or {"unused": {}}).items():
         settings = dict(options)
         resume = settings.pop("resume", None)

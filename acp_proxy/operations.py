@@ -1,0 +1,215 @@
+"""What an operator can ask of a running proxy through its control socket.
+
+``acp-proxy status|sessions|tasks`` read the state database and need no proxy;
+acting on a session or a turn (cancel, suspend, close) must go through the proxy
+that holds it, because only it can tell its adapter and answer its gateway. These
+are the commands it serves. Each answers once the act is done (or has clearly
+failed), so the CLI can report an outcome rather than an intention:
+
+    status                              who this proxy is, its pool, its sessions and turns
+    sessions                            the sessions it holds, with their processes
+    cancel_task {taskId, wait?}         session/cancel for the task's session; the task's outcome
+    suspend_session {sessionId}         stop an idle session's process; it stays resumable
+    close_session {sessionId}           end its turn, reap its tree, forget it (as session/close)
+
+Nothing here signals a process by PID: suspending and closing go through the same
+code as the idle TTL and ``session/close``, which stop adapters by their leases.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import anyio
+
+from acp_proxy import __version__
+from acp_proxy.control import ControlError, ControlServer, remove_stale, socket_path
+from acp_proxy.logs import ids
+from acp_proxy.ownership import instances
+from acp_proxy.tasks import TERMINAL, TaskStatus, Turn, get_task
+
+if TYPE_CHECKING:
+    from acp_proxy.lifecycle import Session
+    from acp_proxy.proxy import Proxy
+
+log = logging.getLogger("acp_proxy.operations")
+
+CANCEL_WAIT: Final = 10.0
+"""How long ``cancel_task`` waits for the agent to end the turn before answering "still running"."""
+
+
+def turn_view(turn: Turn) -> dict[str, Any]:
+    return {
+        "taskId": turn.task_id,
+        "sessionId": turn.session_id,
+        "status": turn.status.value,
+        "startedAt": turn.started_at,
+        "createdAt": turn.created_at,
+        "updateCount": turn.update_count,
+        "prompt": turn.prompt,
+    }
+
+
+def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
+    adapter = session.adapter if session.adapter is not None and not session.adapter.gone else None
+    turn = adapter.turn if adapter is not None else None
+    if session.closed:
+        state = "closing"
+    elif adapter is not None:
+        state = "live"
+    elif session.draining:
+        state = "resuming"
+    else:
+        state = "suspended"
+    return {
+        "sessionId": session.session_id,
+        "backend": session.record.backend,
+        "state": state,
+        "pid": adapter.pid if adapter is not None else None,
+        "lease": adapter.supervised.lease.lease_id if adapter is not None else None,
+        "busy": adapter.busy if adapter is not None else False,
+        "idleSeconds": round(now_monotonic - adapter.last_active, 3) if adapter is not None else None,
+        "queued": len(session.queue),
+        "taskId": turn.task_id if turn is not None and turn.status is TaskStatus.RUNNING else None,
+    }
+
+
+class Operations:
+    """The control socket's commands, served by ``proxy``."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.commands: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+            "status": self.status,
+            "sessions": self.sessions,
+            "cancel_task": self.cancel_task,
+            "suspend_session": self.suspend_session,
+            "close_session": self.close_session,
+        }
+
+    async def serve(self) -> None:
+        """Listen on this proxy's control socket until cancelled; a socket that cannot be made is logged, not fatal."""
+        db = self.proxy.owner.db
+        path = socket_path(db.state_dir, self.proxy.owner.instance_id)
+        try:
+            remove_stale(db.state_dir, lambda instance_id: instances.instance_alive(db, instance_id))
+            server = ControlServer(path, self.handle)
+            async with anyio.create_task_group() as tasks:
+                await tasks.start(server.serve)
+                log.info("control socket: %s", path)
+        except OSError as exc:
+            log.warning("control socket %s not available (%s): operators cannot act on this proxy", path, exc)
+
+    async def handle(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
+        action = self.commands.get(command)
+        if action is None:
+            raise ControlError("unknown_command", f"unknown command {command!r} (known: {', '.join(self.commands)})")
+        return await action(args)
+
+    # --- reading -------------------------------------------------------------------------
+
+    async def status(self, args: dict[str, Any]) -> dict[str, Any]:
+        proxy = self.proxy
+        live = [a for a in proxy.running if not a.gone]
+        return {
+            "instance": proxy.owner.instance_id,
+            "pid": os.getpid(),
+            "version": __version__,
+            "startedAt": proxy.started_at,
+            "uptimeSeconds": round(time.time() - proxy.started_at, 3),
+            "shuttingDown": proxy._shutting_down,
+            "backends": sorted(proxy.config.backends),
+            "pool": {
+                "live": len(live),
+                "maxLive": proxy.config.pool.max_live,
+                "spares": sum(1 for a in live if a.gateway_session is None),
+            },
+            "sessions": len(proxy.sessions),
+            "turns": [turn_view(t) for t in proxy.turns.values()],
+        }
+
+    async def sessions(self, args: dict[str, Any]) -> dict[str, Any]:
+        moment = time.monotonic()
+        return {"sessions": [session_view(s, moment) for s in self.proxy.sessions.values()]}
+
+    # --- acting --------------------------------------------------------------------------
+
+    def _acting(self) -> None:
+        if self.proxy._shutting_down:
+            raise ControlError("shutting_down", "this proxy is shutting down; its sessions are being suspended")
+
+    def _session(self, args: dict[str, Any]) -> Session:
+        session_id = _text_arg(args, "sessionId")
+        session = self.proxy.sessions.get(session_id)
+        if session is None or session.closed:
+            raise ControlError("unknown_session", f"this proxy does not hold session {session_id}")
+        return session
+
+    async def cancel_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._acting()
+        task_id = _text_arg(args, "taskId")
+        wait = args.get("wait", True)
+        if not isinstance(wait, bool):
+            raise ControlError("invalid_args", "'wait' must be true or false")
+        turn = self.proxy.turns.get(task_id)
+        if turn is None:
+            record = get_task(self.proxy.owner.db, task_id)
+            if record is not None and record.status in TERMINAL:
+                raise ControlError("task_finished", f"task {task_id} has already ended ({record.status.value})")
+            raise ControlError("unknown_task", f"this proxy is not running task {task_id}")
+        session = self.proxy.sessions.get(turn.session_id)
+        log.info("task %s: cancel requested by an operator", task_id, extra=ids(task=task_id, session=turn.session_id))
+        if turn.status is TaskStatus.QUEUED:
+            turn.cancel_requested = True  # answered "cancelled" when its turn to be sent comes
+            turn.event("cancel_requested", "by an operator (while queued)")
+        elif session is not None and session.adapter is not None and not session.adapter.gone:
+            self.proxy.note_cancel(session, "an operator")
+            await self.proxy.send_cancel(session, session.adapter)
+        if wait:
+            with anyio.move_on_after(CANCEL_WAIT):
+                while turn.status not in TERMINAL:
+                    await anyio.sleep(0.02)
+        return {"taskId": task_id, "sessionId": turn.session_id, "status": turn.status.value, "waited": wait}
+
+    async def suspend_session(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._acting()
+        session = self._session(args)
+        adapter = session.adapter
+        if adapter is None or adapter.gone:
+            return {"sessionId": session.session_id, "suspended": True, "already": True}
+        if not self.proxy.suspend_session(session, "an operator asked"):
+            raise ControlError(
+                "busy", f"session {session.session_id} is busy (a turn or request is in flight); cancel it or wait"
+            )
+        stopping = session.stopping
+        if stopping is not None:
+            with anyio.move_on_after(self._stop_budget()):
+                await stopping.wait()
+        return {"sessionId": session.session_id, "suspended": True, "already": False, "pid": adapter.pid}
+
+    async def close_session(self, args: dict[str, Any]) -> dict[str, Any]:
+        self._acting()
+        session = self._session(args)
+        closing = await self.proxy.close_session(session.session_id, None)
+        if closing is None:
+            raise ControlError("unknown_session", f"this proxy does not hold session {session.session_id}")
+        with anyio.move_on_after(self._stop_budget() + self.proxy.config.shutdown.close_timeout):
+            while self.proxy.sessions.get(closing.session_id) is closing:
+                await anyio.sleep(0.02)
+        done = self.proxy.sessions.get(closing.session_id) is not closing
+        return {"sessionId": closing.session_id, "closed": done}
+
+    def _stop_budget(self) -> float:
+        shutdown = self.proxy.config.shutdown
+        return shutdown.stdin_grace + shutdown.term_grace + 2.0
+
+
+def _text_arg(args: dict[str, Any], name: str) -> str:
+    value = args.get(name)
+    if not isinstance(value, str) or not value:
+        raise ControlError("invalid_args", f"'{name}' must be a non-empty string")
+    return value

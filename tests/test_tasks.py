@@ -1,0 +1,338 @@
+"""The task registry: the status table, a turn's bounded progress, rows, sweep and prune."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from acp_proxy.config import ConfigError, validate
+from acp_proxy.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED
+from acp_proxy.ownership import instances
+from acp_proxy.state import StateDB, now
+from acp_proxy.tasks import (
+    MAX_EVENTS,
+    SUMMARY_CHARS,
+    UNREAD_LIMIT,
+    AmbiguousId,
+    Event,
+    Outcome,
+    TaskRegistry,
+    TaskStatus,
+    Turn,
+    count_tasks,
+    effective_status,
+    get_task,
+    keep_recent,
+    list_tasks,
+    outcome_of,
+    prompt_preview,
+    prune,
+    sweep_lost,
+    traceparent_of,
+)
+
+S = TaskStatus
+
+# (stop reason, JSON-RPC error, timed out) -> outcome
+OUTCOMES = [
+    ("end_turn", None, False, Outcome(S.DONE, "end_turn")),
+    ("max_tokens", None, False, Outcome(S.DONE, "max_tokens")),
+    ("max_turn_requests", None, False, Outcome(S.DONE, "max_turn_requests")),
+    ("refusal", None, False, Outcome(S.DONE, "refusal")),
+    ("a_reason_from_a_newer_protocol", None, False, Outcome(S.DONE, "a_reason_from_a_newer_protocol")),
+    ("cancelled", None, False, Outcome(S.CANCELLED, "cancelled")),
+    (None, None, False, Outcome(S.FAILED, None, "the agent answered without a stopReason")),
+    (None, (INTERNAL_ERROR, "boom"), False, Outcome(S.FAILED, None, "boom (code -32603)")),
+    (
+        None,
+        (-32000, "The agent process exited"),
+        False,
+        Outcome(S.FAILED, None, "The agent process exited (code -32000)"),
+    ),
+    (None, (REQUEST_CANCELLED, "shutting down"), False, Outcome(S.CANCELLED, None, "shutting down (code -32800)")),
+    ("cancelled", None, True, Outcome(S.TIMED_OUT, "cancelled")),
+    ("end_turn", None, True, Outcome(S.TIMED_OUT, "end_turn")),
+    (None, (INTERNAL_ERROR, "boom"), True, Outcome(S.TIMED_OUT, None, "boom (code -32603)")),
+]
+
+
+@pytest.mark.parametrize(("stop_reason", "error", "timed_out", "expected"), OUTCOMES)
+def test_status_table(
+    stop_reason: str | None, error: tuple[int, str] | None, timed_out: bool, expected: Outcome
+) -> None:
+    assert outcome_of(stop_reason=stop_reason, error=error, timed_out=timed_out) == expected
+
+
+@pytest.mark.parametrize("recorded", list(S))
+@pytest.mark.parametrize("alive", [True, False])
+def test_an_unfinished_task_of_a_dead_proxy_reads_as_lost(recorded: TaskStatus, alive: bool) -> None:
+    expected = S.LOST if recorded in (S.QUEUED, S.RUNNING) and not alive else recorded
+    assert effective_status(recorded, alive) is expected
+
+
+@pytest.mark.parametrize(
+    ("meta", "expected"),
+    [
+        ({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}, True),
+        ({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331"}, False),
+        ({"traceparent": "not a trace"}, False),
+        ({"traceparent": 7}, False),
+        ({}, False),
+        (None, False),
+        ("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", False),
+    ],
+)
+def test_traceparent_is_taken_only_when_well_formed(meta: object, expected: bool) -> None:
+    found = traceparent_of(meta)
+    assert (found is not None) is expected
+    if expected:
+        assert isinstance(meta, dict)
+        assert found == meta["traceparent"]
+
+
+def test_prompt_preview_is_short_and_names_non_text_blocks() -> None:
+    params = {"prompt": [{"type": "text", "text": "fix\n  the   bug"}, {"type": "image", "data": "x" * 10_000}]}
+    assert prompt_preview(params) == "fix the bug [image]"
+    long = prompt_preview({"prompt": [{"type": "text", "text": "word " * 200}]})
+    assert len(long) == 201
+    assert long.endswith("…")
+    assert prompt_preview({"prompt": "not a list"}) == ""
+    assert prompt_preview({}) == ""
+
+
+def _chunk(text: str, kind: str = "agent_message_chunk") -> bytes:
+    update = {"sessionUpdate": kind, "content": {"type": "text", "text": text}}
+    if kind == "tool_call":
+        update = {"sessionUpdate": "tool_call", "toolCallId": "t1", "title": text}
+    return json.dumps(
+        {"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": "s", "update": update}}
+    ).encode()
+
+
+def _turn() -> Turn:
+    return Turn(task_id="t" * 12, session_id="s", backend="b", request_id="1")
+
+
+def test_a_turn_counts_updates_keeps_the_tail_of_the_text_and_notes_tool_calls() -> None:
+    turn = _turn()
+    turn.start("lease-1", None)
+    assert turn.status is S.RUNNING
+    assert turn.deadline is None
+    block = b"\n".join(_chunk(f"word{i} ") for i in range(300)) + b"\n"
+    turn.observe(block, 300)
+    turn.observe(_chunk("Read file", "tool_call") + b"\n" + b"not json at all\n", 2)
+    turn.observe(_chunk("the end") + b"\n", 1)
+    assert turn.update_count == 303
+    assert turn.tool_calls == 1
+    assert turn.first_output_at is not None
+    turn.digest()
+    assert len(turn.summary) == SUMMARY_CHARS
+    assert turn.summary.endswith("word299 the end")
+    kinds = [e.kind for e in turn.events]
+    assert kinds == ["started", "first_output", "tool_call"]
+    assert turn.events[-1].detail == "Read file"
+
+
+def test_unread_updates_are_bounded_between_digests() -> None:
+    turn = _turn()
+    line = _chunk("x" * 1000) + b"\n"
+    for _ in range(500):
+        turn.observe(line, 1)
+    assert turn._unread_bytes <= UNREAD_LIMIT + len(line)
+    turn.digest()
+    assert turn.summary == "x" * SUMMARY_CHARS
+
+
+@settings(max_examples=200)
+@given(st.lists(st.sampled_from(["tool_call", "permission_asked", "permission_answered", "resumed"]), max_size=200))
+def test_recent_events_are_bounded_and_milestones_survive(kinds: list[str]) -> None:
+    events = [Event(0.0, "started"), Event(0.0, "first_output")]
+    dropped = 0
+    for kind in kinds:
+        dropped += keep_recent(events, Event(0.0, kind))
+    assert len(events) <= MAX_EVENTS
+    assert len(events) + dropped == len(kinds) + 2
+    milestones = 2 + kinds.count("resumed")
+    assert sum(e.kind in ("started", "first_output", "resumed") for e in events) == min(milestones, MAX_EVENTS)
+    if milestones <= MAX_EVENTS:
+        assert [e.kind for e in events[:2]] == ["started", "first_output"]
+
+
+# --- rows -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> StateDB:
+    return StateDB(tmp_path / "state")
+
+
+def test_a_task_row_follows_its_turn_and_terminal_statuses_are_final(db: StateDB) -> None:
+    registry = TaskRegistry(db, "inst-a")
+    turn = _turn()
+    turn.prompt = "stream 3"
+    turn.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    turn.event("queued")
+    registry.create(turn)
+    assert get_task(db, turn.task_id).status is S.QUEUED  # type: ignore[union-attr]
+    turn.start("lease-1", 30.0)
+    registry.mark_running(turn)
+    turn.observe(_chunk("hello") + b"\n", 1)
+    registry.save_progress(turn)
+    row = get_task(db, turn.task_id)
+    assert row is not None
+    assert row.status is S.RUNNING
+    assert row.summary == "hello"
+    assert row.lease_id == "lease-1"
+    turn.finish(outcome_of(stop_reason="end_turn"))
+    assert registry.finish(turn)
+    row = get_task(db, turn.task_id)
+    assert row is not None
+    assert (row.status, row.stop_reason, row.update_count, row.prompt) == (S.DONE, "end_turn", 1, "stream 3")
+    assert row.traceparent == turn.traceparent
+    assert row.instance_id == "inst-a"
+    assert [e.kind for e in row.events] == ["queued", "started", "first_output", "finished"]
+    assert row.ended_at is not None
+    assert row.started_at is not None
+    assert row.ended_at >= row.started_at
+    # Once terminal, no later write changes it.
+    turn.status = S.FAILED
+    assert not registry.finish(turn)
+    registry.mark_running(turn)
+    registry.save_progress(turn)
+    assert get_task(db, turn.task_id).status is S.DONE  # type: ignore[union-attr]
+
+
+def test_tasks_are_found_by_unique_prefix_and_listed_newest_first(db: StateDB) -> None:
+    registry = TaskRegistry(db, "inst-a")
+    ids = ["abc123000001", "abc123000002", "abd999000000"]
+    for i, task_id in enumerate(ids):
+        turn = Turn(task_id=task_id, session_id="s1" if i < 2 else "s2", backend="b", request_id=str(i))
+        turn.created_at = 1000.0 + i
+        registry.create(turn)
+    assert get_task(db, "abd9").task_id == "abd999000000"  # type: ignore[union-attr]
+    with pytest.raises(AmbiguousId, match="matches 2 tasks"):
+        get_task(db, "abc1")
+    assert get_task(db, "abc") is None, "prefixes shorter than 4 characters are not guessed at"
+    assert get_task(db, "zzzz") is None
+    assert get_task(db, "ab%_") is None
+    assert [t.task_id for t in list_tasks(db)] == ids[::-1]
+    assert [t.task_id for t in list_tasks(db, session_id="s1", limit=1)] == ["abc123000002"]
+    assert list_tasks(db, statuses=[S.DONE]) == []
+    assert count_tasks(db) == {"queued": 3}
+
+
+def _instance_with_unfinished_task(db: StateDB, task_id: str) -> instances.Instance:
+    instance = instances.start_instance(db, "boot")
+    turn = Turn(task_id=task_id, session_id="s", backend="b", request_id="1")
+    turn.start(None, None)
+    TaskRegistry(db, instance.instance_id).create(turn)
+    return instance
+
+
+def test_the_sweep_marks_only_dead_proxies_tasks_lost_and_is_idempotent(db: StateDB) -> None:
+    dead = _instance_with_unfinished_task(db, "dead00000000")
+    alive = _instance_with_unfinished_task(db, "alive0000000")
+    own = _instance_with_unfinished_task(db, "own000000000")
+    os.close(dead.lock_fd)  # as the kernel does when a proxy is SIGKILLed
+    assert sweep_lost(db, own.instance_id) == 1
+    assert sweep_lost(db, own.instance_id) == 0
+    assert get_task(db, "dead00000000").status is S.LOST  # type: ignore[union-attr]
+    assert "ended without recording an outcome" in (get_task(db, "dead00000000").error or "")  # type: ignore[union-attr]
+    assert get_task(db, "alive0000000").status is S.RUNNING  # type: ignore[union-attr]
+    assert get_task(db, "own000000000").status is S.RUNNING  # type: ignore[union-attr]
+    os.close(alive.lock_fd)
+    os.close(own.lock_fd)
+
+
+def test_prune_deletes_only_old_finished_tasks_and_is_idempotent(db: StateDB) -> None:
+    registry = TaskRegistry(db, "inst-a")
+    week = 7 * 86400.0
+    moment = now()
+    for task_id, ended_ago, status in [
+        ("old000000000", week + 60, S.DONE),
+        ("oldlost00000", week + 60, S.LOST),
+        ("recent000000", week - 60, S.FAILED),
+        ("running00000", None, S.RUNNING),
+    ]:
+        turn = Turn(task_id=task_id, session_id="s", backend="b", request_id="1")
+        turn.created_at = moment - 2 * week
+        registry.create(turn)
+        if ended_ago is not None:
+            with db.transaction() as conn:
+                conn.execute(
+                    "UPDATE tasks SET status = ?, ended_at = ? WHERE task_id = ?",
+                    (status.value, moment - ended_ago, task_id),
+                )
+    assert prune(db, week, at=moment) == 2
+    assert prune(db, week, at=moment) == 0
+    assert sorted(t.task_id for t in list_tasks(db)) == ["recent000000", "running00000"]
+
+
+def _write_tasks(state_dir: str, count: int) -> None:
+    db = StateDB(Path(state_dir))
+    instance = instances.start_instance(db, "boot")
+    registry = TaskRegistry(db, instance.instance_id)
+    for i in range(count):
+        turn = Turn(task_id=os.urandom(6).hex(), session_id=f"s{os.getpid()}", backend="b", request_id=str(i))
+        registry.create(turn)
+        turn.start(None, None)
+        registry.mark_running(turn)
+        turn.observe(_chunk("x") + b"\n", 1)
+        registry.save_progress(turn)
+        turn.finish(outcome_of(stop_reason="end_turn"))
+        assert registry.finish(turn)
+
+
+def test_concurrent_writers_lose_no_task(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    StateDB(state).close()
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_tasks, args=(str(state), 150)) for _ in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(120)
+        assert writer.exitcode == 0
+    db = StateDB(state, create=False)
+    assert count_tasks(db) == {"done": 600}
+    assert db.conn.execute("SELECT COUNT(DISTINCT instance_id) FROM tasks").fetchone()[0] == 4
+    assert db.conn.execute("SELECT SUM(update_count) FROM tasks").fetchone()[0] == 600
+    assert db.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_the_status_column_accepts_only_known_statuses(db: StateDB) -> None:
+    with pytest.raises(sqlite3.IntegrityError), db.transaction() as conn:
+        conn.execute(
+            "INSERT INTO tasks (task_id, session_id, backend, instance_id, status, created_at, updated_at) "
+            "VALUES ('x', 's', 'b', 'i', 'finished', 0, 0)"
+        )
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+def test_tasks_config() -> None:
+    config = validate(
+        {
+            "tasks": {"turn_timeout": "15m", "retention": "2d"},
+            "backends": {"a": {"command": ["a"], "turn_timeout": "30s"}, "b": {"command": ["b"]}},
+        }
+    )
+    assert (config.tasks.turn_timeout, config.tasks.retention) == (900.0, 172800.0)
+    assert config.backends["a"].turn_timeout == 30.0
+    assert config.backends["b"].turn_timeout is None
+    assert validate({"backends": {"a": {"command": ["a"]}}}).tasks.retention == 7 * 86400.0
+    with pytest.raises(ConfigError) as raised:
+        validate({"tasks": {"turn_timeout": "soon", "retension": "1d"}, "backends": {"a": {"command": ["a"]}}})
+    text = str(raised.value)
+    assert "tasks.turn_timeout" in text
+    assert "tasks.retension" in text
+    with pytest.raises(ConfigError, match=r"tasks\.retention"):
+        validate({"tasks": {"retention": float("inf")}, "backends": {"a": {"command": ["a"]}}})
