@@ -22,6 +22,7 @@ from msgspec import UNSET, Raw, UnsetType
 from acp_proxy import jsonrpc
 from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, expand
 from acp_proxy.jsonrpc import LineReader, Message, RequestId
+from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
 
@@ -201,6 +202,7 @@ class Adapter:
                 owner,
                 backend=backend.name,
                 argv=argv,
+                recorded_argv=backend.command,
                 env=env,
                 cwd=backend.cwd,
                 term_grace=shutdown.term_grace,
@@ -223,6 +225,7 @@ class Adapter:
             lease.adapter_pid,
             lease.lease_id,
             list(lease.argv),
+            extra=ids(lease=lease.lease_id, backend=backend.name, pid=lease.adapter_pid),
         )
         return cls(backend, supervised, max_line_bytes)
 

@@ -34,6 +34,7 @@ from acp_proxy import jsonrpc
 from acp_proxy.adapter import Adapter, AdapterGone, AgentCapabilities, SpawnError, describe_exit
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.jsonrpc import Message, RequestId
+from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool import Admit, Slot, expired, falls_back_to_new, plan_acquire, restore_method
@@ -592,7 +593,11 @@ class SessionLifecycle:
             # reaped by then or will be by the next start), it is not ours to serve.
             if not self.registry.take_over_if_orphaned(session_id):
                 return None
-            log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
+            log.info(
+                "session %s: left live by a proxy that is gone; suspended, resumable",
+                session_id,
+                extra=ids(session=session_id),
+            )
             record = self.registry.get(session_id) or record
         session = Session(record)
         self.sessions[session_id] = session
@@ -812,6 +817,7 @@ class SessionLifecycle:
             "resumed" if adapter_session_id == record.adapter_session_id else "started afresh",
             adapter.pid,
             (time.monotonic() - started) * 1000,
+            extra=ids(session=record.session_id, lease=adapter.supervised.lease.lease_id, backend=backend.name),
         )
         # What the gateway is answered (when it asked for the load or resume itself): its own id,
         # and the settings as they are now, after re-applying them.
@@ -849,7 +855,11 @@ class SessionLifecycle:
                     {"reason": "restore_failed", "method": method, "backend": backend.name},
                 )
             log.warning(
-                "session %s: %s failed with %d; starting afresh with session/new", record.session_id, method, code
+                "session %s: %s failed with %d; starting afresh with session/new",
+                record.session_id,
+                method,
+                code,
+                extra=ids(session=record.session_id, backend=backend.name),
             )
         fresh = await self._call(adapter, "session/new", params)
         new_id = session_of(fresh.result)
@@ -982,7 +992,7 @@ class SessionLifecycle:
         self.registry.mark_closed(session.session_id)
         if self.sessions.get(session.session_id) is session:
             del self.sessions[session.session_id]
-        log.info("session %s closed", session.session_id)
+        log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
         if request_id is not None:
             await self._answer(request_id, {})
 
@@ -1016,7 +1026,13 @@ class SessionLifecycle:
             return False
         session.adapter = None
         self.registry.mark_suspended(session.session_id)
-        log.info("session %s suspended (%s): stopping pid %s", session.session_id, why, adapter.pid)
+        log.info(
+            "session %s suspended (%s): stopping pid %s",
+            session.session_id,
+            why,
+            adapter.pid,
+            extra=ids(session=session.session_id, lease=adapter.supervised.lease.lease_id),
+        )
         self._stop_in_background(adapter, session)
         return True
 

@@ -278,7 +278,7 @@ def tasks_show(state_dir: Path, task_id: str, *, follow: bool, as_json: bool) ->
 
 def _reason(view: dict[str, Any]) -> str:
     detail = view["stopReason"] or view["error"]
-    return f" ({detail})" if detail else ""
+    return f" ({detail})" if detail and detail != view["status"] else ""
 
 
 def _event_line(event: dict[str, Any]) -> str:

@@ -286,7 +286,10 @@ class Turn:
         self.error = outcome.error
         self.ended_at = now()
         detail = outcome.stop_reason or outcome.error or ""
-        self.event("finished", f"{outcome.status.value}: {detail}" if detail else outcome.status.value)
+        said = (
+            f"{outcome.status.value}: {detail}" if detail and detail != outcome.status.value else outcome.status.value
+        )
+        self.event("finished", said)
 
 
 # --- rows ---------------------------------------------------------------------------

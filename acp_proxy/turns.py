@@ -161,6 +161,7 @@ class TaskKeeping:
         self._record(self.tasks.finish, turn)
         level = logging.INFO if turn.status in (TaskStatus.DONE, TaskStatus.CANCELLED) else logging.WARNING
         detail = turn.stop_reason or turn.error or ""
+        detail = "" if detail == turn.status.value else detail
         log.log(
             level,
             "task %s %s%s",

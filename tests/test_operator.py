@@ -19,7 +19,7 @@ from acp_proxy import control
 from acp_proxy.sessions import SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks import get_task, list_tasks
-from tests.harness import Gateway, pid_alive
+from tests.harness import Gateway, fake_command, pid_alive
 from tests.test_sessions import RESUME_AND_LOAD, adapter_pid, registry, write_config
 
 pytestmark = pytest.mark.anyio
@@ -68,6 +68,10 @@ async def send_prompt(gw: Gateway, session: str, text: str, meta: dict[str, Any]
         params["_meta"] = meta
     await gw.send({"jsonrpc": "2.0", "id": request_id, "method": "session/prompt", "params": params})
     return request_id
+
+
+def files_containing(root: Path, needle: bytes) -> list[Path]:
+    return [path for path in root.rglob("*") if path.is_file() and needle in path.read_bytes()]
 
 
 TASK_KEYS = {
@@ -474,3 +478,24 @@ async def test_concurrent_proxies_record_every_turn_in_one_database(proc_env: di
     assert all(r.update_count == 3 for r in rows)
     assert len({r.instance_id for r in rows}) == 3
     assert db.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+async def test_secrets_expanded_from_the_environment_reach_neither_the_database_nor_the_logs(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    canary = "canary-5f0c1d2e9a"
+    env = {**proc_env, "ACP_PROXY_TEST_TOKEN": canary, "ACP_PROXY_LOG_FORMAT": "json", "ACP_PROXY_LOG_LEVEL": "debug"}
+    command = [*fake_command(), "--token=${ACP_PROXY_TEST_TOKEN}"]
+    config = tmp_path / "secret.toml"
+    config.write_text(
+        f'[backends.fake]\ncommand = {json.dumps(command)}\nenv = {{ FAKE_TOKEN = "${{ACP_PROXY_TEST_TOKEN}}" }}\n'
+    )
+    async with Gateway.start(env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        assert (await gw.prompt(session, "stream 2"))["result"]["stopReason"] == "end_turn"
+        leases = await cli(env, "leases", "--json")
+    assert canary not in gw.stderr.decode()
+    assert files_containing(Path(env["ACP_PROXY_STATE_DIR"]), canary.encode()) == []
+    lease_argv = json.loads(leases[1])["leases"][0]["argv"]
+    assert lease_argv[-1] == "--token=${ACP_PROXY_TEST_TOKEN}", "the template is recorded, not its value"

@@ -6,6 +6,8 @@ import json
 import multiprocessing
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -336,3 +338,14 @@ def test_tasks_config() -> None:
     assert "tasks.retension" in text
     with pytest.raises(ConfigError, match=r"tasks\.retention"):
         validate({"tasks": {"retention": float("inf")}, "backends": {"a": {"command": ["a"]}}})
+
+
+def test_the_relay_does_not_import_the_operator_cli() -> None:
+    code = (
+        "import sys, acp_proxy.proxy, acp_proxy.cli\n"
+        "found = sorted({'acp_proxy.reports', 'acp_proxy.commands', 'psutil'} & set(sys.modules))\n"
+        "print(*found)\n"
+        "sys.exit(1 if found else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"imported on the relay's path: {result.stdout}{result.stderr}"

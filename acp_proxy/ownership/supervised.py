@@ -184,15 +184,21 @@ class SupervisedProcess:
         cwd: str | None,
         term_grace: float,
         session_key: str | None = None,
+        recorded_argv: Sequence[str] | None = None,
     ) -> SupervisedProcess:
-        """Write the lease, then start the wrapper; needs no event loop (see ``ready``)."""
+        """Write the lease, then start the wrapper; needs no event loop (see ``ready``).
+
+        ``recorded_argv`` is what the lease keeps and operators are shown (default ``argv``):
+        the config's command before ``${VAR}`` expansion, so that no secret from the
+        environment is written to the state database or the logs.
+        """
         db = owner.db
         lease = leases.create_lease(
             db,
             instance_id=owner.instance_id,
             boot_id=owner.boot_id,
             backend=backend,
-            argv=tuple(argv),
+            argv=tuple(argv if recorded_argv is None else recorded_argv),
             session_key=session_key,
         )
         tombstone = prepare_tombstone(db, lease.lease_id)
