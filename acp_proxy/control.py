@@ -290,7 +290,10 @@ def request(path: Path, command: str, args: dict[str, Any] | None = None, *, tim
                 sock.connect(name)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise ControlUnavailable(f"no proxy listens on {path} ({exc.strerror})") from None
-        sock.sendall(encode({"id": 1, "command": command, "args": args or {}}))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            # A refused peer is told why at once and disconnected, maybe before this is read:
+            # the reason is still waiting to be read below.
+            sock.sendall(encode({"id": 1, "command": command, "args": args or {}}))
         response = _read_line(sock)
     except TimeoutError:
         raise TimeoutError(f"the proxy did not answer {command!r} within {timeout:g}s") from None
@@ -313,7 +316,10 @@ def _read_line(sock: socket.socket) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
-        chunk = sock.recv(65536)
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            chunk = b""
         if not chunk:
             raise ControlUnavailable("the proxy closed the connection without answering")
         chunks.append(chunk)

@@ -342,7 +342,10 @@ def tasks_cancel(state_dir: Path, task_id: str, *, wait: bool, as_json: bool) ->
     status = result.get("status", "?")
     ended = status in {s.value for s in TERMINAL}
     outcome |= {"cancelled": True, "status": status}
-    if not wait:
+    if status == TaskStatus.QUEUED.value:
+        ended = True  # nothing left to wait for: it is answered "cancelled" when its turn to be sent comes
+        message = f"task {record.task_id} is queued: it will be answered cancelled instead of being sent"
+    elif not wait:
         message = f"task {record.task_id}: session/cancel sent to session {record.session_id}"
     elif ended:
         message = f"task {record.task_id}: {status}"
@@ -378,6 +381,8 @@ def _ask(state_dir: Path, instance_id: str | None, command: str, args: dict[str,
         raise OperatorError(f"the proxy (instance {instance_id}) refused: {exc.message}", code) from None
     except PermissionError as exc:
         raise OperatorError(f"not allowed to control that proxy: {exc}", EXIT_UNREACHABLE) from None
+    except OSError as exc:
+        raise OperatorError(f"the proxy (instance {instance_id}) cannot be reached: {exc}", EXIT_UNREACHABLE) from None
 
 
 def control_timeout(command: str) -> float:

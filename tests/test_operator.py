@@ -20,7 +20,7 @@ from acp_proxy.sessions import SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks import get_task, list_tasks
 from tests.harness import Gateway, fake_command, pid_alive
-from tests.test_sessions import RESUME_AND_LOAD, adapter_pid, registry, write_config
+from tests.test_sessions import RESUME_AND_LOAD, adapter_calls, adapter_pid, registry, write_config
 
 pytestmark = pytest.mark.anyio
 
@@ -41,10 +41,12 @@ async def cli_json(env: dict[str, str], *args: str) -> Any:
     return json.loads(out)
 
 
-def start(env: dict[str, str], tmp_path: Path, *, tasks: dict[str, str] | None = None, **options: Any) -> Any:
+def start(
+    env: dict[str, str], tmp_path: Path, *, tasks: dict[str, str] | None = None, max_live: int = 4, **options: Any
+) -> Any:
     options.setdefault("store", str(tmp_path / "store"))
     options.setdefault("caps", RESUME_AND_LOAD)
-    config = write_config(tmp_path, pool={"max_live": 4}, tasks=tasks)
+    config = write_config(tmp_path, pool={"max_live": max_live}, tasks=tasks)
     return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], **options)
 
 
@@ -244,6 +246,54 @@ async def test_tasks_cancel_ends_a_running_turn_and_keeps_the_process(proc_env: 
     assert {"kind": "cancel_requested", "detail": "by an operator"} in [
         {"kind": e["kind"], "detail": e["detail"]} for e in events
     ]
+
+
+async def test_tasks_show_follow_prints_until_the_task_ends(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        request_id = await send_prompt(gw, session, "wait_cancel")
+        running = await wait_for_task(proc_env, "running")
+        argv = [sys.executable, "-m", "acp_proxy", "tasks", "show", running["taskId"], "--follow", "--json"]
+        async with await anyio.open_process(argv, env=proc_env) as follower:
+            assert follower.stdout is not None
+            await anyio.sleep(0.5)
+            await gw.notify("session/cancel", {"sessionId": session})
+            await gw.response_to(request_id)
+            output = b""
+            with anyio.fail_after(10):
+                async for chunk in follower.stdout:
+                    output += chunk
+                await follower.wait()
+    snapshots = [json.loads(line) for line in output.splitlines()]
+    assert follower.returncode == 0
+    assert snapshots[0]["status"] == "running"
+    assert snapshots[-1]["status"] == "cancelled"
+    assert [e["kind"] for e in snapshots[-1]["events"]][-1] == "finished"
+
+
+async def test_a_queued_task_cancelled_by_an_operator_is_answered_cancelled_and_never_sent(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, max_live=1) as gw:
+        await gw.initialize()
+        first = await gw.new_session()
+        second = await gw.new_session()  # the only slot: the first is suspended
+        busy = await send_prompt(gw, first, "wait_cancel")  # resumes the first, suspending the second
+        await wait_for_task(proc_env, "running")
+        waiting = await send_prompt(gw, second, "stream 1; never sent")
+        queued = await wait_for_task(proc_env, "queued")
+        result = await cli_json(proc_env, "tasks", "cancel", queued["taskId"], "--no-wait")
+        assert (result["cancelled"], result["status"]) == (True, "queued")
+        await gw.notify("session/cancel", {"sessionId": first})
+        assert (await gw.response_to(busy))["result"]["stopReason"] == "cancelled"
+        assert (await gw.response_to(waiting))["result"]["stopReason"] == "cancelled"
+    record = get_task(state_db(proc_env), queued["taskId"])
+    assert record is not None
+    assert record.status.value == "cancelled"
+    assert record.started_at is None
+    prompts = [m["params"]["prompt"][0]["text"] for m in adapter_calls(gw, "session/prompt")]
+    assert "stream 1; never sent" not in prompts
 
 
 async def test_sessions_suspend_and_close_from_the_shell(proc_env: dict[str, str], tmp_path: Path) -> None:
