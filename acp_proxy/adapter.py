@@ -220,7 +220,7 @@ class Adapter:
             raise SpawnError(f"cannot start backend {backend.name!r} ({supervised.lease.argv[0]}): {exc}") from None
         lease = supervised.lease
         log.info(
-            "adapter started: backend=%s pid=%s lease=%s argv=%s",
+            "adapter started: %s pid %s, lease %s: %s",
             backend.name,
             lease.adapter_pid,
             lease.lease_id,

@@ -170,6 +170,7 @@ class Proxy(SessionLifecycle, TaskKeeping):
         self.owner = owner
         self._warm = warm
         self.backend = config.backend(backend)
+        owner.db.defer_checkpoints()  # the checkpoints' fsyncs run in a worker thread (watch_turns)
         self.registry = SessionRegistry(owner.db, owner.instance_id)
         self.tasks = TaskRegistry(owner.db, owner.instance_id)
         self.turns: dict[str, Turn] = {}

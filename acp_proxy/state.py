@@ -7,9 +7,12 @@ interleave. The schema carries a version and is brought up to date by ordered
 migrations, each in its own transaction. The state dir is created ``0700`` and
 the database ``0600``: it names processes and commands, never secrets.
 
-Writes happen at process lifecycle events (spawn, close, reap), not per message;
-with ``synchronous=NORMAL`` in WAL mode a commit does not wait for the disk, so
-they are made directly from the event loop thread.
+Writes happen at lifecycle events (spawn, close, reap) and a prompt's milestones
+(its task created and settled; its progress at most once a second), never per
+streamed message. With ``synchronous=NORMAL`` in WAL mode a commit does not wait
+for the disk, so they are made directly from the event loop thread; the one slow
+part, the WAL checkpoint (an fsync), is moved off it by a serving proxy
+(``defer_checkpoints``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Final
 
 DB_NAME: Final = "state.db"
 BUSY_TIMEOUT_MS: Final = 10_000
+DEFERRED_AUTOCHECKPOINT_PAGES: Final = 10_000
+"""A backstop: with checkpoints deferred, a commit still checkpoints past this many WAL pages."""
 
 MIGRATIONS: Final[tuple[str, ...]] = (
     # 1: install identity, proxy instances, leases
@@ -148,6 +153,7 @@ class StateDB:
     def __init__(self, state_dir: Path, *, create: bool = True) -> None:
         self.state_dir = state_dir
         self.path = state_dir / DB_NAME
+        self._checkpointer: sqlite3.Connection | None = None
         if create:
             ensure_private_dir(state_dir)
         elif not self.path.exists():
@@ -184,6 +190,26 @@ class StateDB:
 
     def close(self) -> None:
         self.conn.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+
+    def defer_checkpoints(self) -> None:
+        """Stop this connection's commits from running WAL checkpoints; ``checkpoint`` does them instead.
+
+        SQLite checkpoints from whichever commit crosses ``wal_autocheckpoint`` pages, and
+        a checkpoint (with its fsync) takes milliseconds: a serving proxy's commits run on
+        its event loop, so it calls ``checkpoint`` from a worker thread instead. The
+        automatic checkpoint is kept, much higher, as a backstop.
+        """
+        self.conn.execute(f"PRAGMA wal_autocheckpoint = {DEFERRED_AUTOCHECKPOINT_PAGES}")
+        self._checkpointer = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+
+    def checkpoint(self) -> None:
+        """A passive WAL checkpoint on a connection of its own (blocks no reader or writer); any thread."""
+        if self._checkpointer is not None:
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

@@ -52,8 +52,13 @@ SUMMARY_CHARS: Final = 500
 PROMPT_PREVIEW_CHARS: Final = 200
 MAX_EVENTS: Final = 32
 """Recent events kept per task; the milestones (started, resumed, finished...) are never the ones dropped."""
-UNREAD_LIMIT: Final = 64 * 1024
-"""Bytes of streamed updates kept for the next digest; older ones only matter for text that is no longer the tail."""
+UNREAD_LIMIT: Final = 1024 * 1024
+"""Bytes of streamed updates kept for the next digest (about a second's worth): beyond it the oldest
+are dropped unread, which only matters for text that is no longer the tail, and for tool calls in
+blocks too large to be checked as they pass (see ``Turn.observe``)."""
+SCAN_LIMIT: Final = 8 * 1024
+"""Blocks up to this size are checked for tool calls as they are relayed (events on time); larger
+ones, which only a burst of streaming makes, at the next digest."""
 DEFAULT_LIST_LIMIT: Final = 50
 
 _DROPPABLE: Final = frozenset({"tool_call", "permission_asked", "permission_answered", "cancel_requested"})
@@ -238,7 +243,8 @@ class Turn:
     """An operator cancelled it while it was queued: it is answered ``cancelled`` instead of sent."""
     deadline: float | None = None
     """``time.monotonic()`` after which ``turn_timeout`` cancels the turn."""
-    _unread: list[bytes] = field(default_factory=list)
+    _unread: list[tuple[bytes, bool]] = field(default_factory=list)
+    """Blocks relayed since the last digest, each with whether its tool calls have been counted."""
     _unread_bytes: int = 0
 
     def event(self, kind: str, detail: str = "") -> None:
@@ -254,30 +260,45 @@ class Turn:
         self.event("started", f"lease {lease_id}" if lease_id else "")
 
     def observe(self, block: bytes, count: int) -> None:
-        """``count`` notification lines of this turn were relayed as ``block``: note them, cheaply."""
+        """``count`` notification lines of this turn were relayed as ``block``: note them, cheaply.
+
+        Nothing is decoded here unless a small block mentions a tool call. Large blocks
+        (a burst) are looked at by the next digest, within ``UNREAD_LIMIT``, so that
+        recording a turn never costs the streaming path a pass over every byte.
+        """
         self.update_count += count
         if self.first_output_at is None:
             self.first_output_at = now()
             self.event("first_output")
-        if b'"tool_call"' in block:  # rare: worth a decode now, so no tool call goes unrecorded
-            for update in updates_in(block):
-                if update.sessionUpdate == "tool_call":
-                    self.tool_calls += 1
-                    self.event("tool_call", update.title if isinstance(update.title, str) else "")
-        self._unread.append(block)
+        scanned = len(block) <= SCAN_LIMIT
+        if scanned and b'"tool_call"' in block:
+            self._count_tool_calls(updates_in(block))
+        self._unread.append((block, scanned))
         self._unread_bytes += len(block)
         while self._unread_bytes > UNREAD_LIMIT and len(self._unread) > 1:
-            self._unread_bytes -= len(self._unread.pop(0))
+            self._unread_bytes -= len(self._unread.pop(0)[0])
         self.dirty = True
 
+    def _count_tool_calls(self, updates: Iterable[_Update]) -> None:
+        for update in updates:
+            if update.sessionUpdate == "tool_call":
+                self.tool_calls += 1
+                self.event("tool_call", update.title if isinstance(update.title, str) else "")
+
     def digest(self) -> None:
-        """Fold the updates relayed since the last digest into the text summary."""
+        """Fold the updates relayed since the last digest into the text summary (and unseen tool calls)."""
         if not self._unread:
             return
         blocks, self._unread, self._unread_bytes = self._unread, [], 0
-        text = "".join(agent_text(update) for block in blocks for update in updates_in(block))
-        if text:
-            self.summary = (self.summary + text)[-SUMMARY_CHARS:]
+        text = []
+        for block, scanned in blocks:
+            updates = updates_in(block)
+            if not scanned:
+                self._count_tool_calls(updates)
+            text += [agent_text(update) for update in updates]
+        joined = "".join(text)
+        if joined:
+            self.summary = (self.summary + joined)[-SUMMARY_CHARS:]
 
     def finish(self, outcome: Outcome) -> None:
         self.digest()

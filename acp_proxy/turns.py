@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
@@ -51,6 +52,8 @@ log = logging.getLogger("acp_proxy.tasks")
 
 FLUSH_INTERVAL: Final = 1.0
 """How often a running turn's progress is written to the database."""
+CHECKPOINT_INTERVAL: Final = 1.0
+"""How often the state database's WAL is checkpointed, off the event loop."""
 
 
 class _PromptResult(msgspec.Struct, gc=False):
@@ -133,7 +136,7 @@ class TaskKeeping:
             turn.event("queued", "waiting for the session's process")
         self.turns[turn.task_id] = turn
         self._record(self.tasks.create, turn)
-        log.info("task %s %s", turn.task_id, turn.status.value, extra=turn_ids(turn))
+        log.debug("task %s %s", turn.task_id, turn.status.value, extra=turn_ids(turn))
         return turn
 
     def start_turn(self, turn: Turn, adapter: Adapter, *, resumed: bool) -> None:
@@ -142,7 +145,7 @@ class TaskKeeping:
             turn.event("resumed", f"pid {adapter.pid}")
         turn.start(adapter.supervised.lease.lease_id, self._turn_timeout(turn))
         self._record(self.tasks.mark_running, turn)
-        log.info("task %s running", turn.task_id, extra=turn_ids(turn))
+        log.debug("task %s running", turn.task_id, extra=turn_ids(turn))
 
     def _turn_timeout(self, turn: Turn) -> float:
         backend = self.config.backends.get(turn.backend)
@@ -208,9 +211,13 @@ class TaskKeeping:
         timeouts = [self.config.tasks.turn_timeout] + [b.turn_timeout or 0.0 for b in self.config.backends.values()]
         shortest = min((t for t in timeouts if t > 0), default=FLUSH_INTERVAL * 4)
         interval = max(0.05, min(FLUSH_INTERVAL, shortest / 4))
+        checkpointed = time.monotonic()
         while True:
             await anyio.sleep(interval)
             self.flush_progress()
+            if time.monotonic() - checkpointed >= CHECKPOINT_INTERVAL:
+                await self._checkpoint()
+                checkpointed = time.monotonic()
             if self._shutting_down:
                 continue
             moment = time.monotonic()
@@ -218,6 +225,13 @@ class TaskKeeping:
                 if turn.deadline is not None and not turn.timed_out and moment >= turn.deadline:
                     turn.timed_out = True
                     self._background(lambda turn=turn: self._time_out(turn))  # type: ignore[misc]
+
+    async def _checkpoint(self) -> None:
+        """The state database's WAL checkpoint, in a worker thread (see ``StateDB.defer_checkpoints``)."""
+        try:
+            await anyio.to_thread.run_sync(self.tasks.db.checkpoint)
+        except sqlite3.Error as exc:
+            log.warning("state database checkpoint failed (retried in %gs): %s", CHECKPOINT_INTERVAL, exc)
 
     def flush_progress(self) -> None:
         for turn in list(self.turns.values()):

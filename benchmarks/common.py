@@ -11,6 +11,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PYCACHE = ROOT / "bench-results" / "pycache"
+STATE = ROOT / "bench-results" / "state"
+"""The proxies' state dir where a section does not choose its own: never the user's own."""
 
 
 class BenchError(Exception):
@@ -23,10 +25,12 @@ def child_environment() -> dict[str, str]:
     An installed proxy runs from compiled bytecode; with ``PYTHONDONTWRITEBYTECODE``
     set, every start would recompile the project's modules from source and the
     cold start would measure the compiler. The cache lives outside the source tree.
+    The proxies keep their state under ``bench-results/`` too, never in the user's state dir.
     """
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+    env["ACP_PROXY_STATE_DIR"] = str(STATE)
     return env
 
 

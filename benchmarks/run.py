@@ -2,11 +2,12 @@
 
     scripts/bench                  full run: 1,000,000 updates (median of 3 runs),
                                    10,000 round trips, 20 cold starts, 20 closes and spawns,
-                                   30 resumes
+                                   30 resumes, 2,000 prompt turns
     scripts/bench --quick          a fast check: 100,000 updates (1 run), 1,000 round trips,
-                                   5 cold starts, 5 closes and spawns, 8 resumes
+                                   5 cold starts, 5 closes and spawns, 8 resumes, 200 turns
     scripts/bench --only ownership the process-ownership figures alone
     scripts/bench --only sessions  the session figures alone (resume, memory, registry)
+    scripts/bench --only tasks     the task figures alone (per-turn overhead, bookkeeping, writes)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
 One synchronous client (``Peer``) talks newline-delimited JSON-RPC over pipes to
@@ -24,7 +25,9 @@ request latency (``_bench/ping`` round trips), cold start (spawn to the
 tree costs (closing it, spawning under the wrapper, reaping dead leases at startup:
 see ``benchmarks/ownership.py``); and what sessions cost (resuming a suspended
 session, the proxy's memory with 1,000 registered sessions, registry operations:
-see ``benchmarks/sessions.py``). The figures are reported, never
+see ``benchmarks/sessions.py``); and what recording every prompt turn as a task
+costs (short turns' time, the bookkeeping alone, task writes: see
+``benchmarks/tasks.py``). The figures are reported, never
 asserted: a missed target is printed, it does not fail the run. A run fails only
 when a relay loses, reorders or corrupts messages, or a process hangs.
 
@@ -56,7 +59,7 @@ from typing import IO, Any
 import msgspec
 import psutil
 
-from benchmarks import ownership, sessions
+from benchmarks import ownership, sessions, tasks
 from benchmarks.common import (
     ROOT,
     BenchError,
@@ -85,7 +88,7 @@ TARGET_LATENCY_ADDED_US = 100.0
 TARGET_COLD_START_ADDED_MS = 80.0
 TARGET_RSS_MB = 35.0
 
-MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership", "sessions")
+MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership", "sessions", "tasks")
 
 DIRECT = "direct"
 CAT = "cat"
@@ -98,9 +101,10 @@ CLIENT_LABELS = {
 
 @dataclass
 class BenchReport(Report):
-    """The report, with the session figures (``benchmarks/sessions.py``) under ``sessions``."""
+    """The report, with the session and task figures (``benchmarks/sessions.py``, ``benchmarks/tasks.py``)."""
 
     sessions: dict[str, Any] = field(default_factory=dict)
+    tasks: dict[str, Any] = field(default_factory=dict)
 
 
 def mode_label(mode: str) -> str:
@@ -800,6 +804,7 @@ def render(report: BenchReport) -> str:
         out += [""]
     out += ownership.render(report)
     out += sessions.render(report.sessions)
+    out += tasks.render(report.tasks)
     if report.targets:
         out += ["## Targets", ""]
         rows = [
@@ -866,7 +871,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings, "
-        "8 resumes, 1 memory run, 2,000 registry operations",
+        "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
@@ -904,6 +909,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--registry-ops", type=int, help="sessions: registry operations per kind (10,000; --quick: 2,000)"
     )
+    parser.add_argument("--turns", type=int, help="tasks: timed prompt turns per relay (2,000; --quick: 200)")
+    parser.add_argument(
+        "--task-ops", type=int, help="tasks: turns recorded in-process, task writes per kind (10,000; --quick: 2,000)"
+    )
     parser.add_argument(
         "--only",
         default=",".join(MEASUREMENTS),
@@ -922,6 +931,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.resumes = args.resumes if args.resumes is not None else (8 if quick else 30)
     args.rss_runs = args.rss_runs if args.rss_runs is not None else (1 if quick else 3)
     args.registry_ops = args.registry_ops if args.registry_ops is not None else (2_000 if quick else 10_000)
+    args.turns = args.turns if args.turns is not None else (200 if quick else 2_000)
+    args.task_ops = args.task_ops if args.task_ops is not None else (2_000 if quick else 10_000)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.only = {o.strip() for o in args.only.split(",") if o.strip()}
     for backend in args.backends:
@@ -936,6 +947,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--close-runs, --spawn-runs, --reap-runs and --dead-leases must be at least 1")
     if min(args.resumes, args.rss_runs, args.registry_ops) < 1:
         parser.error("--resumes, --rss-runs and --registry-ops must be at least 1")
+    if min(args.turns, args.task_ops) < 1:
+        parser.error("--turns and --task-ops must be at least 1")
     if args.replay < 0:
         parser.error("--replay must not be negative")
     if min(args.stdin_grace, args.term_grace) < 0:
@@ -964,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
             "replay": args.replay,
             "rss_runs": args.rss_runs,
             "registry_ops": args.registry_ops,
+            "turns": args.turns,
+            "task_ops": args.task_ops,
             "only": sorted(args.only),
         },
         machine=machine_info(),
@@ -979,6 +994,8 @@ def main(argv: list[str] | None = None) -> int:
         ownership.measure_ownership(report, args)
     if "sessions" in args.only:
         report.sessions = sessions.measure_sessions(report, args)
+    if "tasks" in args.only:
+        report.tasks = tasks.measure_tasks(report, args)
     evaluate_targets(report, args.backends)
     report.options["elapsed_s"] = time.perf_counter() - started
     print(render(report), flush=True)

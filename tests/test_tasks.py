@@ -20,6 +20,7 @@ from acp_proxy.ownership import instances
 from acp_proxy.state import StateDB, now
 from acp_proxy.tasks import (
     MAX_EVENTS,
+    SCAN_LIMIT,
     SUMMARY_CHARS,
     UNREAD_LIMIT,
     AmbiguousId,
@@ -142,10 +143,26 @@ def test_a_turn_counts_updates_keeps_the_tail_of_the_text_and_notes_tool_calls()
     assert turn.events[-1].detail == "Read file"
 
 
+def test_tool_calls_in_a_burst_are_counted_at_the_digest() -> None:
+    turn = _turn()
+    burst = b"".join(_chunk(f"w{i} ") + b"\n" for i in range(100)) + _chunk("Edit", "tool_call") + b"\n"
+    assert len(burst) > SCAN_LIMIT
+    turn.observe(burst, 101)
+    assert turn.tool_calls == 0, "a large block is not scanned on the streaming path"
+    turn.digest()
+    assert turn.tool_calls == 1
+    assert turn.events[-1].kind == "tool_call"
+    assert turn.summary.endswith("w99 ")
+    turn.observe(_chunk("Read", "tool_call") + b"\n", 1)
+    assert turn.tool_calls == 2, "a small block is scanned as it passes"
+    turn.digest()
+    assert turn.tool_calls == 2, "and not counted again"
+
+
 def test_unread_updates_are_bounded_between_digests() -> None:
     turn = _turn()
     line = _chunk("x" * 1000) + b"\n"
-    for _ in range(500):
+    for _ in range(2 * UNREAD_LIMIT // len(line)):
         turn.observe(line, 1)
     assert turn._unread_bytes <= UNREAD_LIMIT + len(line)
     turn.digest()

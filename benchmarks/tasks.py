@@ -1,0 +1,657 @@
+"""Task benchmarks: what recording every prompt turn as a task row costs.
+
+Every ``session/prompt`` the proxy relays is a task row in its state database,
+written when the turn is routed (``TaskRegistry.create``), when a queued turn is
+sent (``mark_running``), at most once a second while it runs (``save_progress``)
+and when it is answered (``finish``); the relay hands each block of the turn's
+streamed ``session/update`` lines to ``Turn.observe``.
+
+1. Per-turn overhead of short turns. One session on ``benchmarks/stream_agent.py``;
+   ``--turns`` sequential ``session/prompt`` turns, each answered by
+   ``TURN_UPDATES`` ``session/update`` lines of 180 B, then
+   ``{"stopReason": "end_turn"}``. Timed: from sending the prompt to reading its
+   answer. Direct (the client runs the agent) against the proxy, which records a
+   task per turn in a fresh state dir, so its figure includes the bookkeeping.
+   The connections are open side by side and take turns in blocks of
+   ``TURN_BLOCK`` turns, after ``TURN_WARMUP`` untimed turns each. Every turn's
+   lines are checked; at the end the proxy's database must hold one ``done`` task
+   per turn, each having counted its ``TURN_UPDATES`` updates.
+2. The bookkeeping alone, in-process on a fresh state dir: a turn's whole record
+   per second (``Turn``, the writes, one ``observe`` of a 10-line block,
+   ``Turn.finish``), for a prompt to a live session (``create`` as running, then
+   ``finish``: what every turn of (1) costs the proxy) and for a queued one
+   (``create``, ``mark_running``, ``finish``); and ``Turn.observe`` on a 10-line
+   block, timed with ``timeit``, with and without a ``tool_call`` update in it.
+3. Task writes per second on a fresh state dir: ``create`` (``--task-ops`` new
+   rows), ``mark_running``, ``save_progress`` (each after a 10-line block was
+   observed, so it digests 10 updates) and ``finish`` of each of them. These are
+   absolute figures: there is no "without the proxy" to compare them with.
+
+Every process started here carries ``ACP_PROXY_BENCH=<token>`` in its
+environment; at the end ``/proc`` is searched for it, and anything found is a
+failed run (and is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+
+from acp_proxy.state import StateDB
+from acp_proxy.tasks import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
+from benchmarks.common import (
+    ROOT,
+    BenchError,
+    Report,
+    attempt,
+    child_environment,
+    fmt,
+    percentile,
+    progress,
+    proxy_mode,
+    table,
+)
+from benchmarks.ownership import BENCH_MARKER, kill_if_alive, start_ticks
+from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, Connection, wait_for_leftovers
+from benchmarks.stream_agent import update_line
+
+STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
+DIRECT = "direct"
+
+TURN_UPDATES = 10
+TURN_WARMUP = 100
+TURN_BLOCK = 100
+TURN_SESSIONS = 10
+"""Sessions the in-process turns are spread over."""
+OBSERVE_CALLS = 100_000
+OBSERVE_REPEAT = 5
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+PROMPT_TEXT = "Rename the config loader's helpers and update their call sites; run the tests when done."
+TOOL_CALL_LINE = (
+    json.dumps(
+        {
+            "jsonrpc": "2.0",
+            "method": "session/update",
+            "params": {
+                "sessionId": "bench-1",
+                "update": {
+                    "sessionUpdate": "tool_call",
+                    "toolCallId": "call_0001",
+                    "title": "Read acp_proxy/config.py",
+                    "kind": "read",
+                    "status": "pending",
+                },
+            },
+        },
+        separators=(",", ":"),
+    ).encode()
+    + b"\n"
+)
+
+
+def mode_label(mode: str) -> str:
+    if mode.startswith("proxy-"):
+        return f"proxy ({mode.removeprefix('proxy-')})"
+    return "direct (client runs the agent)"
+
+
+def agent_argv() -> list[str]:
+    return [sys.executable, str(STREAM_AGENT)]
+
+
+def proxy_argv(backend: str) -> list[str]:
+    return [sys.executable, "-m", "acp_proxy", "--async-backend", backend, "--", *agent_argv()]
+
+
+def text_block(session_id: str = "bench-1", lines: int = TURN_UPDATES) -> bytes:
+    """``lines`` ``agent_message_chunk`` updates, exactly as ``stream_agent.py`` streams them."""
+    return b"".join(update_line(session_id, i) for i in range(lines))
+
+
+def tool_call_block() -> bytes:
+    """A 10-line block of which one line is a ``tool_call`` (``Turn.observe`` decodes such a block)."""
+    return text_block(lines=TURN_UPDATES - 1) + TOOL_CALL_LINE
+
+
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system
+
+
+# --- (1) per-turn overhead ---------------------------------------------------------------------
+
+
+class TurnCase:
+    """One connection serving short prompt turns on one session: to the agent, or through a proxy."""
+
+    def __init__(self, mode: str, env: dict[str, str], workdir: Path) -> None:
+        self.mode = mode
+        self.label = mode_label(mode)
+        self.state: Path | None = None
+        if mode == DIRECT:
+            self.argv, self.env = agent_argv(), env
+        else:
+            backend = mode.removeprefix("proxy-")
+            self.state = workdir / f"state-turns-{backend}"
+            self.argv, self.env = proxy_argv(backend), {**env, "ACP_PROXY_STATE_DIR": str(self.state)}
+        self._conn: Connection | None = None
+        self.session_id = ""
+        self.turns = 0
+        self.cpu_s = 0.0
+        self.cpu_known = True
+
+    @property
+    def conn(self) -> Connection:
+        assert self._conn is not None
+        return self._conn
+
+    def open(self) -> bool:
+        self._conn = Connection(self.argv, self.env, self.label)
+        self.conn.call("initialize", INITIALIZE_PARAMS)
+        result, _ = self.conn.call("session/new", {"cwd": str(ROOT), "mcpServers": []})
+        session_id = result.get("sessionId") if isinstance(result, dict) else None
+        if not isinstance(session_id, str):
+            raise BenchError(f"{self.label}: session/new returned {result!r}")
+        self.session_id = session_id
+        return True
+
+    def params(self) -> dict[str, Any]:
+        meta = {"traceparent": TRACEPARENT, "bench": {"updates": TURN_UPDATES}}
+        return {"sessionId": self.session_id, "prompt": [{"type": "text", "text": PROMPT_TEXT}], "_meta": meta}
+
+    def turn_once(self) -> float:
+        """One turn; microseconds from sending the prompt to reading its answer."""
+        request_id, data = self.conn.request("session/prompt", self.params())
+        deadline = time.monotonic() + IO_TIMEOUT
+        clock = time.perf_counter_ns
+        start = clock()
+        self.conn.send(data)
+        lines = [self.conn.read_line(deadline) for _ in range(TURN_UPDATES + 1)]
+        elapsed = clock() - start
+        self.check(lines, request_id)
+        self.turns += 1
+        return elapsed / 1000
+
+    def check(self, lines: list[bytes], request_id: int) -> None:
+        try:
+            decoded = [msgspec.json.decode(line) for line in lines]
+        except msgspec.DecodeError:
+            raise BenchError(f"{self.label}: a turn's line is not JSON: {lines!r:.300}") from None
+        for msg in decoded[:-1]:
+            params = msg.get("params") if isinstance(msg, dict) else None
+            if (
+                not isinstance(params, dict)
+                or msg.get("method") != "session/update"
+                or "id" in msg
+                or params.get("sessionId") != self.session_id
+            ):
+                raise BenchError(f"{self.label}: expected {TURN_UPDATES} updates, then the answer; got {msg!r:.300}")
+        answer = decoded[-1]
+        if (
+            not isinstance(answer, dict)
+            or answer.get("id") != request_id
+            or answer.get("result") != {"stopReason": "end_turn"}
+        ):
+            raise BenchError(f"{self.label}: expected the answer to request {request_id}, got {answer!r:.300}")
+
+    def block(self, turns: int, samples: list[float]) -> bool:
+        """``turns`` timed turns, and the middle process's CPU time over them."""
+        before = cpu_seconds(self.conn.pid)
+        for _ in range(turns):
+            samples.append(self.turn_once())
+        after = cpu_seconds(self.conn.pid)
+        if before is None or after is None:
+            self.cpu_known = False
+        else:
+            self.cpu_s += after - before
+        return True
+
+    def finish(self) -> bool:
+        conn, self._conn = self.conn, None
+        try:
+            status = conn.close()
+        finally:
+            conn.dispose()
+        if status != 0:
+            raise BenchError(f"{self.label}: exited with status {status}")
+        if self.state is not None:
+            self.check_tasks(self.state)
+        return True
+
+    def check_tasks(self, state: Path) -> None:
+        """One ``done`` task per turn, each with its updates counted."""
+        db = StateDB(state, create=False)
+        try:
+            counts = count_tasks(db)
+            records = list_tasks(db, limit=None)
+        finally:
+            db.close()
+        if counts != {TaskStatus.DONE.value: self.turns}:
+            raise BenchError(f"{self.label}: the proxy recorded {counts} tasks for {self.turns} turns")
+        wrong = [r for r in records if r.update_count != TURN_UPDATES or r.stop_reason != "end_turn"]
+        if wrong:
+            r = wrong[0]
+            raise BenchError(
+                f"{self.label}: {len(wrong)} task(s) recorded wrongly, e.g. {r.task_id}: "
+                f"{r.update_count} updates (expected {TURN_UPDATES}), stop reason {r.stop_reason!r}"
+            )
+
+    def kill(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.kill()
+            conn.close()
+            conn.dispose()
+
+
+def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    cases = [TurnCase(mode, env, workdir) for mode in [DIRECT, *(proxy_mode(b) for b in args.backends)]]
+    samples: dict[str, list[float]] = {case.mode: [] for case in cases}
+    broken: set[str] = set()
+    finished: set[str] = set()
+
+    def drop(case: TurnCase) -> None:
+        broken.add(case.mode)
+        case.kill()
+
+    def warm_up(case: TurnCase) -> bool:
+        for _ in range(TURN_WARMUP):
+            case.turn_once()
+        return True
+
+    blocks = [min(TURN_BLOCK, args.turns - start) for start in range(0, args.turns, TURN_BLOCK)]
+    try:
+        for case in cases:
+            opened = attempt(report, f"turns {case.label}: setup", case.open) is not None
+            if not opened or attempt(report, f"turns {case.label}: warm-up", lambda c=case: warm_up(c)) is None:
+                drop(case)
+        for index, turns in enumerate(blocks):
+            if index % 5 == 0:
+                progress(f"tasks: turns, block {index + 1}/{len(blocks)} x {len(cases) - len(broken)} relays ...")
+            for case in cases:
+                if case.mode in broken:
+                    continue
+                timed = samples[case.mode]
+                if attempt(report, f"turns {case.label}", lambda c=case, n=turns, s=timed: c.block(n, s)) is None:
+                    drop(case)
+        for case in cases:
+            if case.mode not in broken:
+                finished.add(case.mode)
+                if attempt(report, f"turns {case.label}: shutdown", case.finish) is None:
+                    broken.add(case.mode)
+    finally:
+        for case in cases:
+            if case.mode not in broken and case.mode not in finished:
+                case.kill()
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        values = sorted(samples[case.mode])
+        if case.mode in broken or not values:
+            continue
+        rows.append(
+            {
+                "mode": case.mode,
+                "turns": len(values),
+                "updates_per_turn": TURN_UPDATES,
+                "p50_us": percentile(values, 50),
+                "p90_us": percentile(values, 90),
+                "p99_us": percentile(values, 99),
+                "mean_us": statistics.fmean(values),
+                "min_us": values[0],
+                "max_us": values[-1],
+                "middle_cpu_us_per_turn": case.cpu_s / len(values) * 1e6 if case.cpu_known else None,
+            }
+        )
+    direct = next((row for row in rows if row["mode"] == DIRECT), None)
+    for row in rows:
+        is_proxy = row["mode"] != DIRECT
+        row["added_p50_us"] = row["p50_us"] - direct["p50_us"] if direct and is_proxy else None
+        row["added_p99_us"] = row["p99_us"] - direct["p99_us"] if direct and is_proxy else None
+        row["vs_direct_p50"] = row["p50_us"] / direct["p50_us"] if direct and is_proxy else None
+    return rows
+
+
+# --- (2) the bookkeeping alone ---------------------------------------------------------------
+
+
+def new_turn(index: int) -> Turn:
+    """A turn as ``TaskKeeping.open_turn`` makes one for a gateway's prompt."""
+    return Turn(
+        task_id=new_task_id(),
+        session_id=f"sess-bench-{index % TURN_SESSIONS:02d}",
+        backend="default",
+        request_id=str(index),
+        prompt=PROMPT_TEXT,
+        traceparent=TRACEPARENT,
+    )
+
+
+def measure_bookkeeping(workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Whole turns' records per second, and ``Turn.observe`` per call."""
+    count = args.task_ops
+    block = text_block()
+    done = outcome_of(stop_reason="end_turn")
+    lease = "lease-bench"
+
+    def live(registry: TaskRegistry, index: int) -> None:
+        turn = new_turn(index)
+        turn.start(lease, None)
+        registry.create(turn)
+        turn.observe(block, TURN_UPDATES)
+        turn.finish(done)
+        registry.finish(turn)
+
+    def queued(registry: TaskRegistry, index: int) -> None:
+        turn = new_turn(index)
+        turn.event("queued", "waiting for the session's process")
+        registry.create(turn)
+        turn.start(lease, None)
+        registry.mark_running(turn)
+        turn.observe(block, TURN_UPDATES)
+        turn.finish(done)
+        registry.finish(turn)
+
+    lifecycles: list[dict[str, Any]] = []
+    cases: list[tuple[str, str, int, Callable[[TaskRegistry, int], None]]] = [
+        ("live", "a prompt to a live session: create (running), finish", 2, live),
+        ("queued", "a queued prompt: create, mark_running, finish", 3, queued),
+    ]
+    for name, label, writes, one in cases:
+        progress(f"tasks: bookkeeping, {count:,} turns, {label} ...")
+        db = StateDB(workdir / f"state-bookkeeping-{name}")
+        try:
+            registry = TaskRegistry(db, "bench")
+            start = time.perf_counter()
+            for index in range(count):
+                one(registry, index)
+            seconds = time.perf_counter() - start
+            counts = count_tasks(db)
+        finally:
+            db.close()
+        if counts != {TaskStatus.DONE.value: count}:
+            raise BenchError(f"bookkeeping, {label}: {counts} tasks recorded for {count} turns")
+        lifecycles.append(
+            {
+                "case": name,
+                "label": label,
+                "writes": writes,
+                "turns": count,
+                "seconds": seconds,
+                "turns_per_s": count / seconds,
+                "us_per_turn": seconds / count * 1e6,
+            }
+        )
+
+    calls = OBSERVE_CALLS // 5 if args.quick else OBSERVE_CALLS
+    progress(f"tasks: Turn.observe, {OBSERVE_REPEAT} x {calls:,} calls per block ...")
+    observe: list[dict[str, Any]] = []
+    for name, label, data in (
+        ("text", f"{TURN_UPDATES} agent_message_chunk lines of 180 B", block),
+        ("tool_call", f"{TURN_UPDATES} lines, one of them a tool_call (the block is decoded)", tool_call_block()),
+    ):
+        turn = new_turn(0)
+        turn.start(lease, None)
+        turn.observe(data, TURN_UPDATES)  # the first block also records first_output
+        timer = timeit.Timer("turn.observe(block, count)", globals={"turn": turn, "block": data, "count": 10})
+        best = min(timer.repeat(repeat=OBSERVE_REPEAT, number=calls)) / calls
+        if turn.update_count != TURN_UPDATES * (1 + OBSERVE_REPEAT * calls):
+            raise BenchError(f"Turn.observe counted {turn.update_count} updates")
+        observe.append(
+            {
+                "block": name,
+                "label": label,
+                "block_bytes": len(data),
+                "calls": calls,
+                "repeat": OBSERVE_REPEAT,
+                "ns_per_call": best * 1e9,
+                "ns_per_line": best * 1e9 / TURN_UPDATES,
+            }
+        )
+    return {"lifecycle": lifecycles, "observe": observe}
+
+
+# --- (3) task writes ---------------------------------------------------------------------------
+
+
+def measure_writes(workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    count = args.task_ops
+    rows: list[dict[str, Any]] = []
+
+    def timed(name: str, label: str, action: Callable[[int], object]) -> None:
+        clock = time.perf_counter_ns
+        each: list[float] = []
+        start = clock()
+        for i in range(count):
+            before = clock()
+            action(i)
+            each.append((clock() - before) / 1000)
+        seconds = (clock() - start) / 1e9
+        each.sort()
+        rows.append(
+            {
+                "op": name,
+                "label": label,
+                "ops": count,
+                "seconds": seconds,
+                "ops_per_s": count / seconds,
+                "us_per_op": seconds / count * 1e6,
+                "p50_us": percentile(each, 50),
+                "p99_us": percentile(each, 99),
+                "max_us": each[-1],
+                "over_1ms": sum(1 for us in each if us > 1000),
+            }
+        )
+
+    block = text_block()
+    done = outcome_of(stop_reason="end_turn")
+    finished: list[bool] = []
+    db = StateDB(workdir / "state-writes")
+    try:
+        registry = TaskRegistry(db, "bench")
+        turns = [new_turn(index) for index in range(count)]
+        for turn in turns:
+            turn.event("queued", "waiting for the session's process")
+        progress(f"tasks: task writes, {count:,} rows, 4 operations each ...")
+        timed("create", f"create ({count:,} new rows, queued)", lambda i: registry.create(turns[i]))
+        for turn in turns:
+            turn.start("lease-bench", None)
+        timed("mark_running", "mark_running", lambda i: registry.mark_running(turns[i]))
+        for turn in turns:
+            turn.observe(block, TURN_UPDATES)
+        timed(
+            "save_progress",
+            f"save_progress (digests {TURN_UPDATES} updates, then writes)",
+            lambda i: registry.save_progress(turns[i]),
+        )
+        for turn in turns:
+            turn.finish(done)
+        timed("finish", "finish", lambda i: finished.append(registry.finish(turns[i])))
+        counts = count_tasks(db)
+    finally:
+        db.close()
+    if not all(finished) or counts != {TaskStatus.DONE.value: count}:
+        raise BenchError(f"task writes: {counts} tasks recorded, {finished.count(False)} finish() calls refused")
+    return rows
+
+
+# --- the section -----------------------------------------------------------------------------
+
+
+def measure_tasks(report: Report, args: argparse.Namespace) -> dict[str, Any]:
+    token = secrets.token_hex(8)
+    env = {**child_environment(), BENCH_MARKER: token}
+    env.pop("ACP_PROXY_CONFIG", None)
+    results: dict[str, Any] = {
+        "turns": args.turns,
+        "turn_warmup": TURN_WARMUP,
+        "turn_block": TURN_BLOCK,
+        "updates_per_turn": TURN_UPDATES,
+        "task_ops": args.task_ops,
+    }
+    with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-tasks-") as name:
+        workdir = Path(name)
+        results["turn_overhead"] = measure_turns(report, env, workdir, args)
+        bookkeeping = attempt(report, "tasks: bookkeeping", lambda: measure_bookkeeping(workdir, args)) or {}
+        results["lifecycle"] = bookkeeping.get("lifecycle", [])
+        results["observe"] = bookkeeping.get("observe", [])
+        results["writes"] = attempt(report, "tasks: task writes", lambda: measure_writes(workdir, args)) or []
+    leftover = wait_for_leftovers(token)
+    results["left_running"] = leftover
+    if leftover:
+        for pid in leftover:
+            kill_if_alive(pid, start_ticks(pid))
+        report.errors.append(f"tasks: processes outlived the benchmark (killed now): {leftover}")
+    return results
+
+
+# --- reporting -------------------------------------------------------------------------------
+
+
+def render(results: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    if results.get("turn_overhead"):
+        out += [
+            f"## Tasks: per-turn overhead, {results['turns']:,} sequential prompt turns of "
+            f"{results['updates_per_turn']} session/update lines (after {results['turn_warmup']} warm-up)",
+            "",
+            f"One session; each turn is one `session/prompt` answered by {results['updates_per_turn']} "
+            "`session/update` lines of 180 B, then `end_turn`. Timed from sending the prompt to reading its "
+            "answer. Through the proxy every turn is a task row (created, finished) in a fresh state dir, so "
+            "the figure includes the bookkeeping (and the session's `touch`, the proxy's other write per prompt). "
+            "The proxy runs at its default log level (info), which logs two lines per turn. "
+            "The relays take turns in blocks of "
+            f"{results['turn_block']} turns. Middle CPU: the proxy process's (for direct: the agent's).",
+            "",
+        ]
+        rows = []
+        for row in results["turn_overhead"]:
+            is_proxy = row["mode"] != DIRECT
+            rows.append(
+                [
+                    mode_label(row["mode"]),
+                    fmt(row["p50_us"], 1),
+                    fmt(row["p90_us"], 1),
+                    fmt(row["p99_us"], 1),
+                    fmt(row["mean_us"], 1),
+                    fmt(row["added_p50_us"], 1) if is_proxy else "",
+                    fmt(row["added_p99_us"], 1) if is_proxy else "",
+                    fmt(row["vs_direct_p50"], 2, "x") if is_proxy else "",
+                    fmt(row["middle_cpu_us_per_turn"], 0),
+                ]
+            )
+        header = [
+            "run by",
+            "p50 us",
+            "p90 us",
+            "p99 us",
+            "mean us",
+            "added p50 us",
+            "added p99 us",
+            "vs direct (p50)",
+            "middle CPU us/turn",
+        ]
+        out += table(header, rows)
+        out += [""]
+    if results.get("lifecycle") or results.get("observe"):
+        out += [
+            "## Tasks: the bookkeeping alone, in-process",
+            "",
+            "A turn's whole record on a fresh state database (WAL, `synchronous = NORMAL`; every write its "
+            f"own transaction): `Turn`, the writes, one `observe` of {TURN_UPDATES} lines, `Turn.finish` "
+            "(which digests them).",
+            "",
+        ]
+        rows = [
+            [
+                row["label"],
+                str(row["writes"]),
+                f"{row['turns']:,}",
+                fmt(row["seconds"], 3),
+                fmt(row["turns_per_s"], 0),
+                fmt(row["us_per_turn"], 1),
+            ]
+            for row in results.get("lifecycle", [])
+        ]
+        if rows:
+            out += table(["turn", "writes", "turns (rows)", "total s", "rows/s", "us/turn"], rows)
+            out += [""]
+        live = next((row for row in results.get("lifecycle", []) if row["case"] == "live"), None)
+        for row in results.get("turn_overhead", []):
+            if live and row["added_p50_us"]:
+                share = live["us_per_turn"] / row["added_p50_us"] * 100
+                out += [
+                    f"* {mode_label(row['mode'])}: the bookkeeping of a turn to a live session "
+                    f"({fmt(live['us_per_turn'], 1)} us) is {share:.0f}% of the added p50 per turn "
+                    f"({fmt(row['added_p50_us'], 1)} us)."
+                ]
+        if live and results.get("turn_overhead"):
+            out += [""]
+        rows = [
+            [
+                row["label"],
+                f"{row['block_bytes']:,}",
+                fmt(row["ns_per_call"], 0),
+                fmt(row["ns_per_line"], 1),
+            ]
+            for row in results.get("observe", [])
+        ]
+        if rows:
+            first = results["observe"][0]
+            out += [
+                f"`Turn.observe(block, {TURN_UPDATES})` on a running turn, `timeit`: best of "
+                f"{first['repeat']} x {first['calls']:,} calls.",
+                "",
+            ]
+            out += table(["block", "bytes", "ns/call", "ns/line"], rows)
+            out += [""]
+    if results.get("writes"):
+        out += [
+            f"## Tasks: task writes, in-process, {results['task_ops']:,} rows",
+            "",
+            "`TaskRegistry` on a fresh state database (WAL, `synchronous = NORMAL`); every write is its own "
+            f"transaction. Each of the {results['task_ops']:,} rows is created queued, marked running, has its "
+            "progress saved once and is finished. Percentiles are of single writes; the slow ones are those "
+            "that checkpoint the WAL into the database file. Absolute figures: there is no "
+            '"without the proxy" to compare them with, so no target.',
+            "",
+        ]
+        rows = [
+            [
+                row["label"],
+                f"{row['ops']:,}",
+                fmt(row["seconds"], 3),
+                fmt(row["ops_per_s"], 0),
+                fmt(row["us_per_op"], 1),
+                fmt(row["p50_us"], 1),
+                fmt(row["p99_us"], 1),
+                fmt(row["max_us"], 0),
+                f"{row['over_1ms']:,}",
+            ]
+            for row in results["writes"]
+        ]
+        header = ["operation", "ops", "total s", "ops/s", "us/op (mean)", "p50 us", "p99 us", "max us", "over 1 ms"]
+        out += table(header, rows)
+        out += [""]
+    if "left_running" in results:
+        left = results["left_running"]
+        out += [
+            "Processes carrying this run's marker left running at the end of the task benchmarks: "
+            + (", ".join(map(str, left)) + " (killed)" if left else "none"),
+            "",
+        ]
+    return out
