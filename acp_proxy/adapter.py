@@ -145,6 +145,8 @@ class Adapter:
         self.upstream_pending = 0
         """Agent->client requests of this adapter the gateway has not answered yet."""
         self.last_active = 0.0
+        self.stopping = False
+        """``stop`` has begun: if it exits now, it is because we are ending it."""
         self.turn: Turn | None = None
         """The prompt turn running on this process, whose streamed updates are counted against it."""
 
@@ -326,6 +328,7 @@ class Adapter:
         First ``session/close`` for each session it has open, if it advertises
         that (bounded by ``close_timeout``), then ``SupervisedProcess.stop``.
         """
+        self.stopping = True
         with anyio.CancelScope(shield=True):
             await self.close_sessions(shutdown.close_timeout)
         return await self.supervised.stop(stdin_grace=shutdown.stdin_grace, term_grace=shutdown.term_grace)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sqlite3
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -346,8 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args, command)
     except (ConfigError, UsageError) as exc:
         _fail(str(exc))
+    except StateError as exc:
+        _fail(f"state: {exc}")
+    except PermissionError as exc:
+        _fail(f"permission denied: {exc.filename or exc}" + (f" ({exc.strerror})" if exc.filename else ""))
     except KeyboardInterrupt:
         return 130
+    except sqlite3.Error as exc:
+        print(f"acp-proxy: the state database: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         from acp_proxy.reports import OperatorError
 
@@ -355,5 +363,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"acp-proxy: {exc}", file=sys.stderr)
         return exc.exit_code
-    except StateError as exc:
-        _fail(f"state: {exc}")

@@ -42,6 +42,7 @@ MAX_REQUEST_BYTES: Final = 64 * 1024
 MAX_RESPONSE_BYTES: Final = 16 * 1024 * 1024
 MAX_CONNECTIONS: Final = 16
 IDLE_TIMEOUT: Final = 30.0
+ACCEPT_BACKOFF: Final = 1.0
 SOCKET_DIR: Final = "control"
 _SUN_PATH_MAX: Final = 100
 """``sockaddr_un.sun_path`` holds 104-108 bytes depending on the platform; longer paths go through a dir fd."""
@@ -184,14 +185,28 @@ class ControlServer:
         self.uid_of = uid_of
         self.connections = 0
 
-    async def serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Listen until cancelled; the socket file is removed on the way out."""
-        listener = await anyio.abc.SocketListener.from_socket(bind_private(self.path))
+    async def serve(
+        self,
+        sock: socket.socket | None = None,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen (on ``sock``, else a socket bound now) until cancelled; the socket file is removed on the way out.
+
+        A failing ``accept`` (out of file descriptors) is logged and retried: the
+        control socket must never be what takes a proxy down.
+        """
+        listener = await anyio.abc.SocketListener.from_socket(sock if sock is not None else bind_private(self.path))
         try:
             task_status.started()
             async with anyio.create_task_group() as tasks:
                 while True:
-                    stream = await listener.accept()
+                    try:
+                        stream = await listener.accept()
+                    except (OSError, anyio.BrokenResourceError) as exc:
+                        log.warning("control socket: accept failed (%s); retrying in %gs", exc, ACCEPT_BACKOFF)
+                        await anyio.sleep(ACCEPT_BACKOFF)
+                        continue
                     tasks.start_soon(self._connection, stream)
         finally:
             with anyio.CancelScope(shield=True):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 
 from acp_proxy import __version__
-from acp_proxy.control import ControlError, ControlServer, remove_stale, socket_path
+from acp_proxy.control import ControlError, ControlServer, bind_private, remove_stale, socket_path
 from acp_proxy.logs import ids
 from acp_proxy.ownership import instances
 from acp_proxy.tasks import TERMINAL, TaskStatus, Turn, get_task
@@ -97,12 +97,12 @@ class Operations:
         path = socket_path(db.state_dir, self.proxy.owner.instance_id)
         try:
             remove_stale(db.state_dir, lambda instance_id: instances.instance_alive(db, instance_id))
-            server = ControlServer(path, self.handle)
-            async with anyio.create_task_group() as tasks:
-                await tasks.start(server.serve)
-                log.info("control socket: %s", path)
+            sock = bind_private(path)
         except OSError as exc:
             log.warning("control socket %s not available (%s): operators cannot act on this proxy", path, exc)
+            return
+        log.info("control socket: %s", path)
+        await ControlServer(path, self.handle).serve(sock)
 
     async def handle(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
         action = self.commands.get(command)

@@ -174,6 +174,7 @@ class Proxy(SessionLifecycle, TaskKeeping):
         self.registry = SessionRegistry(owner.db, owner.instance_id)
         self.tasks = TaskRegistry(owner.db, owner.instance_id)
         self.turns: dict[str, Turn] = {}
+        self.unwritten: dict[str, Turn] = {}
         self.started_at = time.time()
         self.sessions: dict[str, Session] = {}
         self.running: set[Adapter] = set()
@@ -268,6 +269,8 @@ class Proxy(SessionLifecycle, TaskKeeping):
                     await anyio.sleep(0.01)
             await self._stop_all()
             self.settle_leftovers("acp-proxy shut down before the turn was answered")
+            if self.unwritten:
+                self.retry_unwritten()  # a last try; what still fails is swept "lost" by the next start
             suspended = self.registry.suspend_all_of_this_instance()
             if suspended:
                 log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
@@ -600,12 +603,21 @@ class Proxy(SessionLifecycle, TaskKeeping):
                 describe_exit(returncode),
                 len(failed),
             )
-        await self._fail_calls(
-            failed,
-            jsonrpc.INTERNAL_ERROR,
-            f"The agent process exited before answering ({describe_exit(returncode)})",
-            {"reason": "adapter_exited", "exitStatus": returncode, "backend": adapter.backend.name},
-        )
+        if self._shutting_down and adapter.stopping:
+            # We ended it (its stdin closed, or a signal): the requests end with the shutdown.
+            await self._fail_calls(
+                failed,
+                jsonrpc.REQUEST_CANCELLED,
+                "acp-proxy is shutting down",
+                {"reason": "proxy_shutdown", "exitStatus": returncode, "backend": adapter.backend.name},
+            )
+        else:
+            await self._fail_calls(
+                failed,
+                jsonrpc.INTERNAL_ERROR,
+                f"The agent process exited before answering ({describe_exit(returncode)})",
+                {"reason": "adapter_exited", "exitStatus": returncode, "backend": adapter.backend.name},
+            )
         orphaned = [uid for uid, (owner, _, _) in self._upstream.items() if owner is adapter]
         for upstream_id in orphaned:
             del self._upstream[upstream_id]

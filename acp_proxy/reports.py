@@ -51,6 +51,10 @@ STATUS_TIMEOUT: Final = 2.0
 RECENT_WINDOW: Final = 86400.0
 
 
+class FinishedMeanwhile(Exception):
+    """The task ended between reading it and asking its proxy to cancel it."""
+
+
 class OperatorError(Exception):
     """Printed as ``acp-proxy: MESSAGE``; the process exits with ``exit_code``."""
 
@@ -336,6 +340,12 @@ def tasks_cancel(state_dir: Path, task_id: str, *, wait: bool, as_json: bool) ->
         )
     try:
         result = _ask(state_dir, record.instance_id, "cancel_task", {"taskId": record.task_id, "wait": wait})
+    except FinishedMeanwhile:
+        with opened(state_dir) as db:
+            latest = get_task(db, record.task_id) if db is not None else None
+        status = latest.status.value if latest is not None else "ended"
+        outcome |= {"cancelled": False, "status": status, "reason": "already ended"}
+        return _report(outcome, as_json, f"task {record.task_id} has already ended: {status}", 0)
     except OperatorError as exc:
         outcome |= {"cancelled": False, "status": view["status"], "reason": str(exc)}
         return _report(outcome, as_json, str(exc), exc.exit_code)
@@ -377,6 +387,8 @@ def _ask(state_dir: Path, instance_id: str | None, command: str, args: dict[str,
     except TimeoutError as exc:
         raise OperatorError(f"the proxy (instance {instance_id}): {exc}", EXIT_UNREACHABLE) from None
     except control.ControlError as exc:
+        if exc.code == "task_finished":
+            raise FinishedMeanwhile(exc.message) from None
         code = EXIT_USAGE if exc.code in ("unknown_task", "unknown_session", "invalid_args") else EXIT_UNREACHABLE
         raise OperatorError(f"the proxy (instance {instance_id}) refused: {exc.message}", code) from None
     except PermissionError as exc:
@@ -584,8 +596,13 @@ def sessions_act(state_dir: Path, session_id: str, *, action: str, as_json: bool
                 return _report(outcome, as_json, message, 0 if done else EXIT_UNREACHABLE)
         # No live proxy holds it: its process tree (if any) went with its proxy's lease.
         if action == "suspend":
-            if record.state in (SessionState.LIVE, SessionState.RESUMING):
-                registry.take_over_if_orphaned(session_id)
+            if record.state in (SessionState.LIVE, SessionState.RESUMING) and not registry.take_over_if_orphaned(
+                session_id
+            ):
+                outcome |= {"done": False, "state": record.state.value, "reason": "changed meanwhile"}
+                return _report(
+                    outcome, as_json, f"session {session_id} changed meanwhile (a proxy took it); try again", 1
+                )
             outcome |= {"done": True, "state": "suspended", "via": "database"}
             return _report(outcome, as_json, f"session {session_id} is suspended (no proxy holds it)", 0)
         with db.transaction() as conn:

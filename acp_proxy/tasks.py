@@ -82,10 +82,13 @@ def outcome_of(
 
     ``error`` is the JSON-RPC error ``(code, message)`` if the answer was one (the
     adapter's own, or the proxy's when the adapter crashed or the proxy shut down);
-    ``timed_out`` says the proxy cancelled the turn because ``turn_timeout`` passed.
+    ``timed_out`` says the proxy cancelled the turn because ``turn_timeout`` passed:
+    the turn is ``timed_out`` if it then ended cancelled; a turn that ended otherwise
+    meanwhile (it finished, or its adapter crashed) is recorded as it ended.
     """
     message = None if error is None else f"{error[1]} (code {error[0]})"
-    if timed_out:
+    cancelled = stop_reason == "cancelled" or (error is not None and error[0] == REQUEST_CANCELLED)
+    if timed_out and cancelled:  # ended by the cancel the timeout sent (or the proxy's own answer)
         return Outcome(TaskStatus.TIMED_OUT, stop_reason, message)
     if error is not None:
         status = TaskStatus.CANCELLED if error[0] == REQUEST_CANCELLED else TaskStatus.FAILED
@@ -435,6 +438,46 @@ class TaskRegistry:
             conn.execute(
                 f"UPDATE tasks SET {_PROGRESS_COLUMNS} WHERE task_id = ? AND status IN ('queued', 'running')",
                 (*_progress_values(turn), turn.task_id),
+            )
+        turn.dirty = False
+
+    def write_whole(self, turn: Turn) -> None:
+        """The turn's whole row, created or brought up to date (a retry after a failed write).
+
+        A row that has already ended is left as it is: terminal statuses are final.
+        """
+        turn.digest()
+        with self.db.transaction() as conn:
+            conn.execute(
+                """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
+                       stop_reason, error, traceparent, prompt, created_at, started_at, ended_at, first_output_at,
+                       progress_summary, update_count, tool_calls, recent_events, events_dropped, updated_at)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   ON CONFLICT (task_id) DO UPDATE SET
+                       lease_id = excluded.lease_id, status = excluded.status, stop_reason = excluded.stop_reason,
+                       error = excluded.error, started_at = excluded.started_at, ended_at = excluded.ended_at,
+                       first_output_at = excluded.first_output_at, progress_summary = excluded.progress_summary,
+                       update_count = excluded.update_count, tool_calls = excluded.tool_calls,
+                       recent_events = excluded.recent_events, events_dropped = excluded.events_dropped,
+                       updated_at = excluded.updated_at
+                   WHERE tasks.status IN ('queued', 'running')""",
+                (
+                    turn.task_id,
+                    turn.session_id,
+                    turn.backend,
+                    self.instance_id,
+                    turn.lease_id,
+                    turn.request_id,
+                    turn.status.value,
+                    turn.stop_reason,
+                    turn.error,
+                    turn.traceparent,
+                    turn.prompt,
+                    turn.created_at,
+                    turn.started_at,
+                    turn.ended_at,
+                    *_progress_values(turn),
+                ),
             )
         turn.dirty = False
 

@@ -52,6 +52,8 @@ log = logging.getLogger("acp_proxy.tasks")
 
 FLUSH_INTERVAL: Final = 1.0
 """How often a running turn's progress is written to the database."""
+PRUNE_INTERVAL: Final = 3600.0
+"""How often a running proxy prunes finished tasks older than ``[tasks] retention``."""
 CHECKPOINT_INTERVAL: Final = 1.0
 """How often the state database's WAL is checkpointed, off the event loop."""
 
@@ -85,6 +87,8 @@ class TaskKeeping:
     tasks: TaskRegistry
     turns: dict[str, Turn]
     """Tasks of this proxy not yet settled, by task id."""
+    unwritten: dict[str, Turn]
+    """Turns whose last database write failed, to be written whole by the watchdog."""
     _refusing: bool
     _shutting_down: bool
 
@@ -102,18 +106,43 @@ class TaskKeeping:
         try:
             write(turn)
         except sqlite3.Error as exc:
-            log.error("task %s: could not record it in the state database: %s", turn.task_id, exc, extra=turn_ids(turn))
+            if turn.task_id not in self.unwritten:
+                log.error(
+                    "task %s: could not record it in the state database (retried every %gs): %s",
+                    turn.task_id,
+                    FLUSH_INTERVAL,
+                    exc,
+                    extra=turn_ids(turn),
+                )
+            self.unwritten[turn.task_id] = turn
+
+    def retry_unwritten(self) -> None:
+        """Turns whose last write failed (a locked or full database): write them whole, once it works."""
+        for task_id, turn in list(self.unwritten.items()):
+            try:
+                self.tasks.write_whole(turn)
+            except sqlite3.Error:
+                return  # still failing: the next round tries again
+            del self.unwritten[task_id]
+            log.info("task %s: recorded in the state database after all", task_id, extra=turn_ids(turn))
 
     def maintain_tasks(self) -> None:
         """At startup: unfinished tasks of proxies that are gone become ``lost``; old finished ones are pruned."""
         try:
             lost = sweep_lost(self.tasks.db, self.tasks.instance_id)
+        except sqlite3.Error as exc:
+            log.error("task sweep skipped: the state database: %s", exc)
+        else:
+            if lost:
+                log.warning("%d task(s) of proxies that ended without recording an outcome marked lost", lost)
+        self._prune()
+
+    def _prune(self) -> None:
+        try:
             pruned = prune(self.tasks.db, self.config.tasks.retention)
         except sqlite3.Error as exc:
-            log.error("task maintenance skipped: the state database: %s", exc)
+            log.error("task pruning skipped: the state database: %s", exc)
             return
-        if lost:
-            log.warning("%d task(s) of proxies that ended without recording an outcome marked lost", lost)
         if pruned:
             log.info("pruned %d task(s) that ended more than %gs ago", pruned, self.config.tasks.retention)
 
@@ -211,13 +240,18 @@ class TaskKeeping:
         timeouts = [self.config.tasks.turn_timeout] + [b.turn_timeout or 0.0 for b in self.config.backends.values()]
         shortest = min((t for t in timeouts if t > 0), default=FLUSH_INTERVAL * 4)
         interval = max(0.05, min(FLUSH_INTERVAL, shortest / 4))
-        checkpointed = time.monotonic()
+        checkpointed = pruned = time.monotonic()
         while True:
             await anyio.sleep(interval)
             self.flush_progress()
+            if self.unwritten:
+                self.retry_unwritten()
             if time.monotonic() - checkpointed >= CHECKPOINT_INTERVAL:
                 await self._checkpoint()
                 checkpointed = time.monotonic()
+            if time.monotonic() - pruned >= PRUNE_INTERVAL:  # a long-lived proxy prunes too, not only at start
+                pruned = time.monotonic()
+                self._prune()
             if self._shutting_down:
                 continue
             moment = time.monotonic()
@@ -235,7 +269,7 @@ class TaskKeeping:
 
     def flush_progress(self) -> None:
         for turn in list(self.turns.values()):
-            if turn.dirty and turn.status not in TERMINAL:
+            if turn.dirty and turn.status not in TERMINAL and turn.task_id not in self.unwritten:
                 self._record(self.tasks.save_progress, turn)
 
     async def _time_out(self, turn: Turn) -> None:

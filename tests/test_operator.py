@@ -549,3 +549,48 @@ async def test_secrets_expanded_from_the_environment_reach_neither_the_database_
     assert files_containing(Path(env["ACP_PROXY_STATE_DIR"]), canary.encode()) == []
     lease_argv = json.loads(leases[1])["leases"][0]["argv"]
     assert lease_argv[-1] == "--token=${ACP_PROXY_TEST_TOKEN}", "the template is recorded, not its value"
+
+
+async def test_a_turn_in_flight_when_the_gateway_leaves_is_recorded_cancelled(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        request_id = await send_prompt(gw, session, "wait_cancel")
+        running = await wait_for_task(proc_env, "running")
+        assert await gw.close() == 0
+    [answer] = [m for m in gw.received if m.get("id") == request_id]
+    assert answer["error"]["code"] == -32800
+    assert answer["error"]["data"]["reason"] == "proxy_shutdown"
+    record = get_task(state_db(proc_env), running["taskId"])
+    assert record is not None
+    assert record.status.value == "cancelled"
+
+
+async def test_a_control_socket_that_cannot_be_made_does_not_stop_the_proxy(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    await anyio.to_thread.run_sync(lambda: state.mkdir(mode=0o700))
+    await anyio.to_thread.run_sync((state / "control").write_text, "in the way")
+    async with start(proc_env, tmp_path) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        assert (await gw.prompt(session, "stream 2"))["result"]["stopReason"] == "end_turn"
+        code, _, err = await cli(proc_env, "sessions", "suspend", session)
+        assert code == 1
+        assert "cannot be reached" in err
+    assert "control socket" in gw.stderr.decode()
+    assert "not available" in gw.stderr.decode()
+
+
+async def test_a_corrupt_database_is_a_clear_message_not_a_traceback(proc_env: dict[str, str], tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    await anyio.to_thread.run_sync(lambda: state.mkdir(mode=0o700))
+    await anyio.to_thread.run_sync((state / "state.db").write_bytes, b"this is not a database" * 100)
+    for args in [("status",), ("tasks", "list"), ("sessions", "list", "--json"), ("leases",)]:
+        code, _, err = await cli(proc_env, *args)
+        assert code == 2, (args, err)
+        assert err.startswith("acp-proxy: state: ")
+        assert "Traceback" not in err

@@ -40,6 +40,7 @@ from acp_proxy.tasks import (
     sweep_lost,
     traceparent_of,
 )
+from acp_proxy.turns import TaskKeeping
 
 S = TaskStatus
 
@@ -61,8 +62,10 @@ OUTCOMES = [
     ),
     (None, (REQUEST_CANCELLED, "shutting down"), False, Outcome(S.CANCELLED, None, "shutting down (code -32800)")),
     ("cancelled", None, True, Outcome(S.TIMED_OUT, "cancelled")),
-    ("end_turn", None, True, Outcome(S.TIMED_OUT, "end_turn")),
-    (None, (INTERNAL_ERROR, "boom"), True, Outcome(S.TIMED_OUT, None, "boom (code -32603)")),
+    (None, (REQUEST_CANCELLED, "gone"), True, Outcome(S.TIMED_OUT, None, "gone (code -32800)")),
+    # The timeout fired, but the turn ended otherwise before its cancel took effect: as it ended.
+    ("end_turn", None, True, Outcome(S.DONE, "end_turn")),
+    (None, (INTERNAL_ERROR, "boom"), True, Outcome(S.FAILED, None, "boom (code -32603)")),
 ]
 
 
@@ -366,3 +369,40 @@ def test_the_relay_does_not_import_the_operator_cli() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert result.returncode == 0, f"imported on the relay's path: {result.stdout}{result.stderr}"
+
+
+def test_a_failed_write_is_retried_whole_and_never_reopens_an_ended_row(db: StateDB) -> None:
+    class Keeper(TaskKeeping):
+        def __init__(self) -> None:
+            self.tasks = TaskRegistry(db, "inst-a")
+            self.turns = {}
+            self.unwritten = {}
+
+    keeper = Keeper()
+    turn = _turn()
+    turn.start("lease-1", None)
+    real_create = keeper.tasks.create
+
+    def locked(turn: Turn) -> None:
+        raise sqlite3.OperationalError("database is locked")
+
+    keeper._record(locked, turn)  # the create failed: nothing on record yet
+    assert get_task(db, turn.task_id) is None
+    assert keeper.unwritten == {turn.task_id: turn}
+    turn.observe(_chunk("some text") + b"\n", 1)
+    turn.finish(outcome_of(stop_reason="end_turn"))
+    keeper._record(keeper.tasks.finish, turn)  # an UPDATE of a row that does not exist: changes nothing
+    keeper.retry_unwritten()
+    assert keeper.unwritten == {}
+    row = get_task(db, turn.task_id)
+    assert row is not None
+    assert (row.status, row.stop_reason, row.summary, row.update_count) == (S.DONE, "end_turn", "some text", 1)
+    # An upsert never reopens a row that has ended.
+    other = _turn()
+    other.task_id = "o" * 12
+    real_create(other)
+    other.finish(outcome_of(stop_reason="cancelled"))
+    keeper.tasks.finish(other)
+    other.status = S.RUNNING
+    keeper.tasks.write_whole(other)
+    assert get_task(db, other.task_id).status is S.CANCELLED  # type: ignore[union-attr]
