@@ -74,6 +74,26 @@ def stop_reason_of(result: Raw | UnsetType) -> str | None:
         return None
 
 
+ERROR_DETAIL_CHARS: Final = 300
+
+
+def error_text(error: jsonrpc.ErrorObject) -> str:
+    """An error's message, with what its ``data`` says when that is text (adapters often put the cause there)."""
+    detail: object = None
+    if error.data is not UNSET:
+        try:
+            data = msgspec.json.decode(error.data)
+        except msgspec.DecodeError:
+            data = None
+        detail = data.get("message") if isinstance(data, dict) else data
+    if not isinstance(detail, str) or not detail.strip() or detail == error.message:
+        return error.message
+    detail = " ".join(detail.split())
+    if len(detail) > ERROR_DETAIL_CHARS:
+        detail = detail[:ERROR_DETAIL_CHARS] + "…"
+    return f"{error.message}: {detail}"
+
+
 def turn_ids(turn: Turn) -> dict[str, Any]:
     return ids(session=turn.session_id, task=turn.task_id, lease=turn.lease_id, traceparent=turn.traceparent)
 
@@ -206,7 +226,7 @@ class TaskKeeping:
     def settle_answer(self, turn: Turn, answer: Message) -> None:
         """From the adapter's answer to the prompt, as the gateway gets it."""
         if answer.error is not UNSET:
-            self.settle(turn, error=(answer.error.code, answer.error.message))
+            self.settle(turn, error=(answer.error.code, error_text(answer.error)))
         else:
             self.settle(turn, stop_reason=stop_reason_of(answer.result))
 

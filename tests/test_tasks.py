@@ -10,12 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from acp_proxy.config import ConfigError, validate
-from acp_proxy.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED
+from acp_proxy.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, ErrorObject
 from acp_proxy.ownership import instances
 from acp_proxy.state import StateDB, now
 from acp_proxy.tasks import (
@@ -40,7 +41,7 @@ from acp_proxy.tasks import (
     sweep_lost,
     traceparent_of,
 )
-from acp_proxy.turns import TaskKeeping
+from acp_proxy.turns import TaskKeeping, error_text
 
 S = TaskStatus
 
@@ -406,3 +407,26 @@ def test_a_failed_write_is_retried_whole_and_never_reopens_an_ended_row(db: Stat
     other.status = S.RUNNING
     keeper.tasks.write_whole(other)
     assert get_task(db, other.task_id).status is S.CANCELLED  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (None, "Internal error"),
+        ('"CODEX_API_KEY is not set"', "Internal error: CODEX_API_KEY is not set"),
+        (
+            '{"message": "stream disconnected\\n before completion"}',
+            "Internal error: stream disconnected before completion",
+        ),
+        ('{"reason": "adapter_exited"}', "Internal error"),
+        ("[1, 2]", "Internal error"),
+        ('"Internal error"', "Internal error"),
+        ('"   "', "Internal error"),
+        ('"' + "x" * 400 + '"', "Internal error: " + "x" * 300 + "…"),
+    ],
+)
+def test_an_adapter_error_is_recorded_with_the_cause_its_data_gives(data: str | None, expected: str) -> None:
+    error = ErrorObject(code=INTERNAL_ERROR, message="Internal error")
+    if data is not None:
+        error.data = msgspec.Raw(data.encode())
+    assert error_text(error) == expected
