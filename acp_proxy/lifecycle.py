@@ -218,7 +218,12 @@ class SessionLifecycle:
         def start_turn(self, turn: Turn, adapter: Adapter, *, resumed: bool) -> None: ...
 
         def settle(
-            self, turn: Turn, *, stop_reason: str | None = None, error: tuple[int, str] | None = None
+            self,
+            turn: Turn,
+            *,
+            stop_reason: str | None = None,
+            error: tuple[int, str] | None = None,
+            write_later: bool = False,
         ) -> None: ...
 
         async def _answer(self, request_id: RequestId | UnsetType, result: object) -> None: ...
@@ -664,9 +669,6 @@ class SessionLifecycle:
     def _bookkeeping(self, session: Session, msg: Message) -> Callable[[Message], Message | None] | None:
         """What to record when the adapter answers a request of this session."""
         method = msg.method
-        if method == "session/prompt":
-            self.registry.touch(session.session_id)
-            return None
         if method in SETTING_METHODS:
 
             def remember(answer: Message) -> None:

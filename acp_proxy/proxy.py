@@ -175,6 +175,7 @@ class Proxy(SessionLifecycle, TaskKeeping):
         self.tasks = TaskRegistry(owner.db, owner.instance_id)
         self.turns: dict[str, Turn] = {}
         self.unwritten: dict[str, Turn] = {}
+        self.settled_unwritten: list[Turn] = []
         self.started_at = time.time()
         self.sessions: dict[str, Session] = {}
         self.running: set[Adapter] = set()
@@ -269,6 +270,7 @@ class Proxy(SessionLifecycle, TaskKeeping):
                     await anyio.sleep(0.01)
             await self._stop_all()
             self.settle_leftovers("acp-proxy shut down before the turn was answered")
+            self.write_settled()
             if self.unwritten:
                 self.retry_unwritten()  # a last try; what still fails is swept "lost" by the next start
             suspended = self.registry.suspend_all_of_this_instance()
@@ -507,6 +509,8 @@ class Proxy(SessionLifecycle, TaskKeeping):
                         out.append(data)
                 if out:
                     await self._send_gateway(b"".join(out))
+                if self.settled_unwritten:
+                    self.write_settled()  # the gateway has its answers: now their records
         finally:
             with anyio.CancelScope(shield=True):
                 await self._adapter_gone(adapter)
@@ -573,7 +577,7 @@ class Proxy(SessionLifecycle, TaskKeeping):
         if call.on_answer is not None:
             msg = call.on_answer(msg) or msg
         if call.turn is not None:
-            self.settle_answer(call.turn, msg)
+            self.settle_answer(call.turn, msg, write_later=True)
             if adapter.turn is call.turn:
                 adapter.turn = None
         if not adapter.busy:

@@ -400,7 +400,11 @@ class TaskRegistry:
         self.instance_id = instance_id
 
     def create(self, turn: Turn) -> None:
+        """The turn's row; the session's last activity is the prompt's, in the same transaction."""
         with self.db.transaction() as conn:
+            conn.execute(
+                "UPDATE sessions SET last_active_at = ? WHERE session_id = ?", (turn.created_at, turn.session_id)
+            )
             conn.execute(
                 """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
                        traceparent, prompt, created_at, started_at, recent_events, updated_at)

@@ -109,6 +109,8 @@ class TaskKeeping:
     """Tasks of this proxy not yet settled, by task id."""
     unwritten: dict[str, Turn]
     """Turns whose last database write failed, to be written whole by the watchdog."""
+    settled_unwritten: list[Turn]
+    """Turns settled while their answer was being relayed, recorded once it is sent."""
     _refusing: bool
     _shutting_down: bool
 
@@ -204,13 +206,37 @@ class TaskKeeping:
 
     # --- settling ------------------------------------------------------------------------
 
-    def settle(self, turn: Turn, *, stop_reason: str | None = None, error: tuple[int, str] | None = None) -> None:
-        """The gateway has been (or is being) answered: record how the turn ended. Once only."""
+    def settle(
+        self,
+        turn: Turn,
+        *,
+        stop_reason: str | None = None,
+        error: tuple[int, str] | None = None,
+        write_later: bool = False,
+    ) -> None:
+        """The gateway has been (or is being) answered: record how the turn ended. Once only.
+
+        ``write_later``: the relay is about to send the answer; it writes the record right
+        after (``write_settled``), so the gateway does not wait for the database.
+        """
         if turn.status in TERMINAL:
             return
         turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out))
         self.turns.pop(turn.task_id, None)
-        self._record(self.tasks.finish, turn)
+        if write_later:
+            self.settled_unwritten.append(turn)
+        else:
+            self._record(self.tasks.finish, turn)
+            self._log_outcome(turn)
+
+    def write_settled(self) -> None:
+        """Record the turns settled with ``write_later`` (the relay calls this once their answers are sent)."""
+        settled, self.settled_unwritten = self.settled_unwritten, []
+        for turn in settled:
+            self._record(self.tasks.finish, turn)
+            self._log_outcome(turn)
+
+    def _log_outcome(self, turn: Turn) -> None:
         level = logging.INFO if turn.status in (TaskStatus.DONE, TaskStatus.CANCELLED) else logging.WARNING
         detail = turn.stop_reason or turn.error or ""
         detail = "" if detail == turn.status.value else detail
@@ -223,12 +249,12 @@ class TaskKeeping:
             extra=turn_ids(turn),
         )
 
-    def settle_answer(self, turn: Turn, answer: Message) -> None:
+    def settle_answer(self, turn: Turn, answer: Message, *, write_later: bool = False) -> None:
         """From the adapter's answer to the prompt, as the gateway gets it."""
         if answer.error is not UNSET:
-            self.settle(turn, error=(answer.error.code, error_text(answer.error)))
+            self.settle(turn, error=(answer.error.code, error_text(answer.error)), write_later=write_later)
         else:
-            self.settle(turn, stop_reason=stop_reason_of(answer.result))
+            self.settle(turn, stop_reason=stop_reason_of(answer.result), write_later=write_later)
 
     def settle_calls(self, calls: list[PendingCall], code: int, message: str) -> None:
         """In-flight requests answered with an error by the proxy: their prompts end with it."""
@@ -263,6 +289,8 @@ class TaskKeeping:
         checkpointed = pruned = time.monotonic()
         while True:
             await anyio.sleep(interval)
+            if self.settled_unwritten:  # normally written by the relay at once; never left behind
+                self.write_settled()
             self.flush_progress()
             if self.unwritten:
                 self.retry_unwritten()

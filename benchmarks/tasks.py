@@ -532,8 +532,9 @@ def render(results: dict[str, Any]) -> list[str]:
             f"One session; each turn is one `session/prompt` answered by {results['updates_per_turn']} "
             "`session/update` lines of 180 B, then `end_turn`. Timed from sending the prompt to reading its "
             "answer. Through the proxy every turn is a task row (created, finished) in a fresh state dir, so "
-            "the figure includes the bookkeeping (and the session's `touch`, the proxy's other write per prompt). "
-            "The proxy runs at its default log level (info), which logs two lines per turn. "
+            "the figure includes the bookkeeping: the row is created with the session's last activity in one "
+            "transaction, and written finished once the answer is sent. "
+            "The proxy runs at its default log level (info), which logs one line per turn. "
             "The relays take turns in blocks of "
             f"{results['turn_block']} turns. Middle CPU: the proxy process's (for direct: the agent's).",
             "",
