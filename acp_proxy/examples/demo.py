@@ -282,6 +282,28 @@ def main() -> int:
         f"{len(final)} leases, all closed; no process left. Session B stays suspended, resumable by the next proxy.",
         f"lease states {states}; still running: {running}",
     )
+
+    step("10. Every turn is on record (acp-proxy tasks list, read from the state database)")
+    table = subprocess.run(
+        [sys.executable, "-m", "acp_proxy", "tasks", "list"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    for row in table.splitlines():
+        print(f"      {DIM}{row}{RESET}")
+    tasks = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "acp_proxy", "tasks", "list", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )["tasks"]
+    outcomes = sorted(task["status"] for task in tasks)
+    check(
+        bool(tasks) and set(outcomes) == {"done", "cancelled"} and outcomes.count("cancelled") == 1,
+        f"{len(tasks)} prompt turns, each with its outcome: the cancelled one too",
+        f"outcomes: {outcomes}",
+    )
     shutil.rmtree(state, ignore_errors=True)
     print()
     return 1 if failures or status != 0 else 0
