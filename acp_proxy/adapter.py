@@ -328,7 +328,8 @@ class Adapter:
         First ``session/close`` for each session it has open, if it advertises
         that (bounded by ``close_timeout``), then ``SupervisedProcess.stop``.
         """
-        self.stopping = True
+        # Only if it is still running: one that crashed by itself is not being ended by us.
+        self.stopping = self.stopping or self.supervised.returncode is None
         with anyio.CancelScope(shield=True):
             await self.close_sessions(shutdown.close_timeout)
         return await self.supervised.stop(stdin_grace=shutdown.stdin_grace, term_grace=shutdown.term_grace)

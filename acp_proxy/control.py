@@ -202,9 +202,10 @@ class ControlServer:
             async with anyio.create_task_group() as tasks:
                 while True:
                     try:
-                        stream = await listener.accept()
+                        stream = await self._accept(listener)
                     except (OSError, anyio.BrokenResourceError) as exc:
-                        log.warning("control socket: accept failed (%s); retrying in %gs", exc, ACCEPT_BACKOFF)
+                        reason = exc.__cause__ or exc
+                        log.warning("control socket: accept failed (%r); retrying in %gs", reason, ACCEPT_BACKOFF)
                         await anyio.sleep(ACCEPT_BACKOFF)
                         continue
                     tasks.start_soon(self._connection, stream)
@@ -213,6 +214,9 @@ class ControlServer:
                 await listener.aclose()
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
+
+    async def _accept(self, listener: anyio.abc.SocketListener) -> anyio.abc.SocketStream:
+        return await listener.accept()
 
     async def _connection(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:

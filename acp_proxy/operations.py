@@ -156,6 +156,11 @@ class Operations:
         if not isinstance(wait, bool):
             raise ControlError("invalid_args", "'wait' must be true or false")
         turn = self.proxy.turns.get(task_id)
+        ended = next(
+            (t for t in (*self.proxy.settled_unwritten, *self.proxy.unwritten.values()) if t.task_id == task_id), None
+        )
+        if turn is None and ended is not None and ended.status in TERMINAL:  # ended; its row is being written
+            raise ControlError("task_finished", f"task {task_id} has already ended ({ended.status.value})")
         if turn is None:
             record = get_task(self.proxy.owner.db, task_id)
             if record is not None and record.status in TERMINAL:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sqlite3
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import suppress
@@ -575,7 +576,10 @@ class Proxy(SessionLifecycle, TaskKeeping):
                 msg.result = rewritten
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
-            msg = call.on_answer(msg) or msg
+            try:
+                msg = call.on_answer(msg) or msg
+            except sqlite3.Error as exc:  # the state database failed: the answer is still relayed
+                log.error("could not record the answer to %s in the state database: %s", call.method, exc)
         if call.turn is not None:
             self.settle_answer(call.turn, msg, write_later=True)
             if adapter.turn is call.turn:

@@ -453,6 +453,10 @@ class TaskRegistry:
         turn.digest()
         with self.db.transaction() as conn:
             conn.execute(
+                "UPDATE sessions SET last_active_at = MAX(last_active_at, ?) WHERE session_id = ?",
+                (turn.created_at, turn.session_id),
+            )
+            conn.execute(
                 """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
                        stop_reason, error, traceparent, prompt, created_at, started_at, ended_at, first_output_at,
                        progress_summary, update_count, tool_calls, recent_events, events_dropped, updated_at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -198,3 +199,24 @@ async def test_a_silent_client_does_not_hold_the_server(tmp_path: Path, monkeypa
             assert await in_thread(idle.recv, 100) == b"", "dropped after the idle timeout"
         assert server.connections == 0
         assert await in_thread(control.request, path, "echo", {}) == {"args": {}}
+
+
+async def test_a_failing_accept_is_logged_and_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(control, "ACCEPT_BACKOFF", 0.05)
+    failures = [OSError(errno.EMFILE, "Too many open files") for _ in range(2)]
+    real_accept = ControlServer._accept
+
+    async def out_of_descriptors(self: ControlServer, listener: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return await real_accept(self, listener)
+
+    monkeypatch.setattr(ControlServer, "_accept", out_of_descriptors)
+    path = tmp_path / "c.sock"
+    async with serving(path):
+        assert await in_thread(control.request, path, "echo", {}) == {"args": {}}
+    assert failures == []
+    assert caplog.text.count("accept failed") == 2
+    assert "Too many open files" in caplog.text

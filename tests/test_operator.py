@@ -604,3 +604,20 @@ def test_the_demo_runs_clean(proc_env: dict[str, str]) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "✗" not in result.stdout
     assert "Every turn is on record" in result.stdout
+
+
+async def test_cancelling_a_task_whose_end_is_being_written_says_it_ended(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from acp_proxy.control import ControlError
+    from acp_proxy.operations import Operations
+    from acp_proxy.tasks import Turn, outcome_of
+
+    turn = Turn(task_id="0123456789ab", session_id="s", backend="b", request_id="1")
+    turn.start(None, None)
+    turn.finish(outcome_of(stop_reason="end_turn"))
+    proxy = SimpleNamespace(turns={}, settled_unwritten=[turn], unwritten={}, _shutting_down=False)
+    with pytest.raises(ControlError) as refused:
+        await Operations(proxy).cancel_task({"taskId": turn.task_id})  # type: ignore[arg-type]
+    assert refused.value.code == "task_finished"
+    assert "(done)" in refused.value.message
