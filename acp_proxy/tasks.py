@@ -401,31 +401,7 @@ class TaskRegistry:
 
     def create(self, turn: Turn) -> None:
         """The turn's row; the session's last activity is the prompt's, in the same transaction."""
-        with self.db.transaction() as conn:
-            conn.execute(
-                "UPDATE sessions SET last_active_at = ? WHERE session_id = ?", (turn.created_at, turn.session_id)
-            )
-            conn.execute(
-                """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
-                       traceparent, prompt, created_at, started_at, recent_events, updated_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-                (
-                    turn.task_id,
-                    turn.session_id,
-                    turn.backend,
-                    self.instance_id,
-                    turn.lease_id,
-                    turn.request_id,
-                    turn.status.value,
-                    turn.traceparent,
-                    turn.prompt,
-                    turn.created_at,
-                    turn.started_at,
-                    _events_json(turn.events),
-                    now(),
-                ),
-            )
-        turn.dirty = False
+        self.write_whole(turn)
 
     def mark_running(self, turn: Turn) -> None:
         with self.db.transaction() as conn:
@@ -446,9 +422,9 @@ class TaskRegistry:
         turn.dirty = False
 
     def write_whole(self, turn: Turn) -> None:
-        """The turn's whole row, created or brought up to date (a retry after a failed write).
-
-        A row that has already ended is left as it is: terminal statuses are final.
+        """The turn's whole row, created or brought up to date (``create``, or a retry after a failed
+        write), with the session's last activity. A row that has already ended is left as it is:
+        terminal statuses are final.
         """
         turn.digest()
         with self.db.transaction() as conn:

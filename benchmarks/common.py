@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 ROOT = Path(__file__).resolve().parent.parent
 PYCACHE = ROOT / "bench-results" / "pycache"
 STATE = ROOT / "bench-results" / "state"
@@ -32,6 +34,15 @@ def child_environment() -> dict[str, str]:
     env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
     env["ACP_PROXY_STATE_DIR"] = str(STATE)
     return env
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (``None`` once it is gone)."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return times.user + times.system
 
 
 def proc_status_kb(pid: int, field_name: str) -> int | None:

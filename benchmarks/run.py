@@ -66,6 +66,7 @@ from benchmarks.common import (
     Report,
     attempt,
     child_environment,
+    cpu_seconds,
     fmt,
     percentile,
     proc_status_kb,
@@ -363,14 +364,6 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.wait(RSS_SAMPLE_INTERVAL):
             self._sample()
-
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except psutil.Error:
-        return None
-    return times.user + times.system
 
 
 def mb(value_bytes: float | None) -> float | None:

@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import psutil
 
 from acp_proxy.state import StateDB
 from acp_proxy.tasks import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
@@ -57,6 +56,7 @@ from benchmarks.common import (
     Report,
     attempt,
     child_environment,
+    cpu_seconds,
     fmt,
     percentile,
     progress,
@@ -64,7 +64,7 @@ from benchmarks.common import (
     table,
 )
 from benchmarks.ownership import BENCH_MARKER, kill_if_alive, start_ticks
-from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, Connection, wait_for_leftovers
+from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, Connection, mode_label, wait_for_leftovers
 from benchmarks.stream_agent import update_line
 
 STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
@@ -101,12 +101,6 @@ TOOL_CALL_LINE = (
 )
 
 
-def mode_label(mode: str) -> str:
-    if mode.startswith("proxy-"):
-        return f"proxy ({mode.removeprefix('proxy-')})"
-    return "direct (client runs the agent)"
-
-
 def agent_argv() -> list[str]:
     return [sys.executable, str(STREAM_AGENT)]
 
@@ -123,14 +117,6 @@ def text_block(session_id: str = "bench-1", lines: int = TURN_UPDATES) -> bytes:
 def tool_call_block() -> bytes:
     """A 10-line block of which one line is a ``tool_call`` (``Turn.observe`` decodes such a block)."""
     return text_block(lines=TURN_UPDATES - 1) + TOOL_CALL_LINE
-
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except psutil.Error:
-        return None
-    return times.user + times.system
 
 
 # --- (1) per-turn overhead ---------------------------------------------------------------------
