@@ -1,0 +1,891 @@
+"""Chaos soak: a seeded random gateway against a real proxy, with faults, then every invariant checked.
+
+Several workers drive one proxy at a time, each with sessions of its own over three
+backends of the fake adapter (``alpha``: resume and load, modes; ``beta``: load only,
+modes, chatty; ``gamma``: ignores SIGTERM and stdin EOF, turns time out after 2 s).
+Operations: session/new, prompt (streaming, spawning a tree, escaping with setsid
+and a double fork), cancel, close, load, list, set_mode, a prompt to a closed session,
+and a ``state`` prompt that asks the adapter what it knows. Faults: an adapter crash
+mid-turn, an adapter hang (the turn timeout ends it), the stubborn backend's teardown,
+grandchild escapes, and each proxy's end, drawn per epoch: a clean gateway EOF, a
+gateway EOF in the middle of turns, or SIGKILL of the proxy, after which the next proxy
+starts on the same state dir. Decoy processes that look like the proxy's own run
+throughout.
+
+Checked after the run: no process with the run's marker survives, every decoy is alive
+(nothing outside the leases was signalled), every request got exactly one answer
+(except those in flight when a proxy was SIGKILLed: those are counted), every session
+not closed is still resumable with its history (``session/load`` replays what the
+adapter reports, its completed turns are within what the gateway saw, its mode is the
+last one set), ``session/list`` agrees, the database passes ``PRAGMA integrity_check``,
+and every task and lease has ended. Each ``state`` prompt checks turns and mode along
+the way too.
+
+The sequence of operations and faults follows from the seed; the interleaving of the
+workers depends on timing, as it would in production. ``scripts/soak --ops N`` runs it
+from the shell; ``tests/test_soak.py`` runs a bounded version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import psutil
+
+from tests.conformance import ConformanceError, Conversation
+from tests.harness import MARKER_VARIABLE, fake_command, kill_marked, marked_processes
+
+ANSWER_TIMEOUT = 60.0
+SESSION_NOT_FOUND = -32002
+MODES = ("default", "plan")
+BACKENDS: dict[str, dict[str, Any]] = {
+    "alpha": {"caps": {"loadSession": True, "sessionCapabilities": {"resume": {}, "close": {}}}, "modes": True},
+    "beta": {"caps": {"loadSession": True}, "modes": True, "chatty": True},
+    "gamma": {"caps": {"loadSession": True}, "ignore_sigterm": True, "ignore_eof": True},
+}
+BACKEND_WEIGHTS = {"alpha": 4, "beta": 4, "gamma": 2}
+HANGING_BACKEND = "gamma"  # the one with a turn timeout
+STUBBORN_BACKEND = "gamma"  # ignores SIGTERM and stdin EOF
+OP_WEIGHTS = {
+    "prompt": 20,
+    "state": 10,
+    "cancel": 7,
+    "tree": 4,
+    "escape": 3,
+    "crash": 4,
+    "hang": 2,
+    "set_mode": 6,
+    "load": 6,
+    "list": 5,
+    "close": 4,
+    "closed_probe": 2,
+    "new": 6,
+}
+ENDINGS = {"clean": 2, "eof_mid_turn": 2, "sigkill": 3}
+TERMINAL_TASKS = ("done", "failed", "cancelled", "timed_out", "lost")
+
+
+class ProxyGone(Exception):
+    """The proxy ended (or its input was closed) before the request could be answered or sent."""
+
+
+@dataclasses.dataclass
+class Options:
+    seed: int
+    ops: int
+    workers: int = 3
+    sessions_per_worker: int = 3
+    max_live: int = 3
+    async_backend: str = "asyncio"
+
+
+@dataclasses.dataclass
+class Tracked:
+    """What the gateway knows of one session: the adapter's completed turns lie in [lo, hi]."""
+
+    session_id: str
+    backend: str
+    lo: int = 0
+    hi: int = 0
+    modes: set[str | None] = dataclasses.field(default_factory=set)
+    closed: bool | None = False  # None: a close was in flight when its proxy ended
+    closing: bool = False
+
+
+@dataclasses.dataclass
+class Report:
+    seed: int
+    async_backend: str
+    ops: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    epochs: int = 0
+    sent: int = 0
+    answered_once: int = 0
+    abandoned: int = 0
+    sessions_checked: int = 0
+    tasks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    leases: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    decoys: int = 0
+    seconds: float = 0.0
+    violations: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def total_ops(self) -> int:
+        return sum(self.ops.values())
+
+    def violation(self, text: str) -> None:
+        self.violations.append(text)
+
+    def summary(self) -> str:
+        def counts(counter: collections.Counter[str]) -> str:
+            return ", ".join(f"{name} {n}" for name, n in sorted(counter.items())) or "none"
+
+        lines = [
+            f"soak: seed {self.seed}, {self.async_backend}, {self.total_ops} ops in {self.epochs} proxy lifetimes, "
+            f"{self.seconds:.1f} s",
+            f"  ops         {counts(self.ops)}",
+            f"  faults      {counts(self.faults)}",
+            f"  requests    {self.sent} sent, {self.answered_once} answered exactly once, "
+            f"{self.abandoned} in flight at a proxy SIGKILL",
+            f"  sessions    {self.sessions_checked} resumed with their history at the end",
+            f"  tasks       {counts(self.tasks)}",
+            f"  leases      {counts(self.leases)}",
+            f"  decoys      {self.decoys} started, all alive and unsignalled at the end"
+            if not any("decoy" in v for v in self.violations)
+            else f"  decoys      {self.decoys} started, SOME SIGNALLED",
+            f"  violations  {len(self.violations)}",
+        ]
+        lines += [f"    - {v}" for v in self.violations]
+        return "\n".join(lines)
+
+
+# --- one proxy lifetime, seen from the gateway ------------------------------------------------
+
+
+class Link:
+    """A proxy process and the gateway's side of its stdio: ids, answers, updates, agent requests."""
+
+    def __init__(self, process: anyio.abc.Process, report: Report, log: Path) -> None:
+        self.process = process
+        self.report = report
+        self.log = log
+        self.conformance = Conversation("client")
+        self.closing = False
+        self.gone = anyio.Event()
+        self.ops_done = 0
+        self.prompts_in_flight = 0
+        self._send_lock = anyio.Lock()
+        self._next_id = 0
+        self._waiting: dict[int, tuple[anyio.Event, list[dict[str, Any]]]] = {}
+        self._answers: collections.Counter[int] = collections.Counter()
+        self._sent: dict[int, str] = {}
+        self.updates: collections.Counter[str] = collections.Counter()
+        self.last_update: dict[str, dict[str, Any]] = {}
+        self.history_resets: set[str] = set()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, env: dict[str, str], config: Path, report: Report, log: Path) -> AsyncIterator[Link]:
+        argv = [sys.executable, "-m", "acp_proxy", "--async-backend", report.async_backend, "--config", str(config)]
+        stderr = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the proxy's log, kept per lifetime
+        try:
+            process = await anyio.open_process(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env
+            )
+        finally:
+            os.close(stderr)
+        link = cls(process, report, log)
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(link._read)
+                try:
+                    yield link
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await link.close_input()
+                        with anyio.move_on_after(45):
+                            await link.gone.wait()
+                            # Wait for the exit here: killing a process that has just exited would
+                            # reap it behind the back of asyncio's child watcher (status 255).
+                            await process.wait()
+                        tasks.cancel_scope.cancel()
+        finally:
+            if process.returncode is None:
+                process.kill()
+            with anyio.CancelScope(shield=True):
+                await process.aclose()
+
+    # --- output -------------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        assert self.process.stdout is not None
+        buffer = b""
+        try:
+            async for chunk in self.process.stdout:
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    await self._on_line(line)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        finally:
+            self.gone.set()
+            for event, _ in self._waiting.values():
+                event.set()
+
+    async def _on_line(self, line: bytes) -> None:
+        try:
+            msg = json.loads(line)
+            self.conformance.check(msg)
+        except (ValueError, ConformanceError) as exc:
+            self.report.violation(f"the proxy wrote a bad line to the gateway: {exc}: {line[:200]!r}")
+            return
+        if "method" not in msg:
+            request_id = msg.get("id")
+            if not isinstance(request_id, int) or request_id not in self._sent:
+                self.report.violation(f"an answer to an id never sent: {line[:200]!r}")
+                return
+            self._answers[request_id] += 1
+            if self._answers[request_id] > 1:
+                self.report.violation(f"a second answer to {self._sent[request_id]} id {request_id}")
+                return
+            waiter = self._waiting.pop(request_id, None)
+            if waiter is not None:
+                waiter[1].append(msg)
+                waiter[0].set()
+        elif "id" in msg:
+            await self._answer_agent_request(msg)
+        elif msg["method"] == "session/update":
+            session_id, update = msg["params"]["sessionId"], msg["params"]["update"]
+            if update["sessionUpdate"] == "agent_message_chunk":  # what the adapter keeps as history
+                self.updates[session_id] += 1
+                self.last_update[session_id] = update
+            meta = update.get("_meta") or {}
+            if (meta.get("acp-proxy") or {}).get("historyReset"):
+                self.history_resets.add(session_id)
+
+    async def _answer_agent_request(self, msg: dict[str, Any]) -> None:
+        if msg["method"] == "session/request_permission":
+            answer: dict[str, Any] = {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+        elif msg["method"] == "fs/read_text_file":
+            answer = {"result": {"content": "soak"}}
+        else:
+            answer = {"error": {"code": -32601, "message": f"Method not found: {msg['method']}"}}
+        with contextlib.suppress(ProxyGone):
+            await self._write({"jsonrpc": "2.0", "id": msg["id"], **answer})
+
+    # --- input --------------------------------------------------------------------------------
+
+    async def _write(self, msg: dict[str, Any]) -> None:
+        async with self._send_lock:
+            if self.closing or self.gone.is_set():
+                raise ProxyGone
+            assert self.process.stdin is not None
+            try:
+                await self.process.stdin.send(json.dumps(msg).encode() + b"\n")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                raise ProxyGone from None
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Send a request and wait for its answer; ``ProxyGone`` if the proxy ended first."""
+        self._next_id += 1
+        request_id = self._next_id
+        msg = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+        event, box = anyio.Event(), []
+        self._waiting[request_id] = (event, box)
+        self.conformance.track_request(msg)
+        try:
+            await self._write(msg)
+        except ProxyGone:
+            del self._waiting[request_id]
+            raise
+        self._sent[request_id] = method
+        self.report.sent += 1
+        with anyio.move_on_after(ANSWER_TIMEOUT):
+            await event.wait()
+        if box:
+            return box[0]
+        if self.gone.is_set():
+            raise ProxyGone
+        self.report.violation(f"no answer to {method} within {ANSWER_TIMEOUT:.0f} s")
+        self.kill()
+        raise ProxyGone
+
+    async def notify(self, method: str, params: dict[str, Any]) -> None:
+        await self._write({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def close_input(self) -> None:
+        async with self._send_lock:
+            self.closing = True
+            assert self.process.stdin is not None
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                await self.process.stdin.aclose()
+
+    def kill(self) -> None:
+        self.closing = True
+        if self.process.returncode is None:
+            # os.kill, not Popen.send_signal: that polls first and could reap the process behind the
+            # back of asyncio's child watcher. The proxy is our unreaped child: the pid is still its.
+            os.kill(self.process.pid, signal.SIGKILL)
+
+    def unanswered(self) -> list[str]:
+        return [f"{method} id {rid}" for rid, method in self._sent.items() if not self._answers[rid]]
+
+    def answered_once(self) -> int:
+        return sum(1 for rid in self._sent if self._answers[rid] == 1)
+
+    async def initialize(self) -> None:
+        response = await self.request(
+            "initialize",
+            {
+                "protocolVersion": 1,
+                "clientCapabilities": {"fs": {"readTextFile": True, "writeTextFile": False}},
+                "clientInfo": {"name": "soak-gateway", "version": "1"},
+            },
+        )
+        if "result" not in response:
+            self.report.violation(f"initialize failed: {response}")
+
+
+# --- the gateway's operations ----------------------------------------------------------------
+
+
+def _error_reason(response: dict[str, Any]) -> str | None:
+    data = response.get("error", {}).get("data")
+    return data.get("reason") if isinstance(data, dict) else None
+
+
+class Worker:
+    """Runs seeded random operations on sessions only it uses (one operation at a time)."""
+
+    def __init__(self, index: int, options: Options, report: Report, sessions: list[Tracked]) -> None:
+        self.peers: list[Worker] = [self]  # every worker of the run, for session/list checks
+        self.rng = random.Random(f"{options.seed}-worker-{index}")
+        self.options = options
+        self.report = report
+        self.sessions = sessions  # this worker's, closed ones included
+        self.unknown_news = 0  # session/new sent, proxy gone before the answer
+
+    def open_sessions(self) -> list[Tracked]:
+        return [s for s in self.sessions if s.closed is False]
+
+    async def run(self, link: Link, budget: int) -> None:
+        for _ in range(budget):
+            if link.closing or link.gone.is_set():
+                return
+            op = self.rng.choices(list(OP_WEIGHTS), weights=list(OP_WEIGHTS.values()))[0]
+            live = self.open_sessions()
+            if op == "new" or not live:
+                op = "prompt" if len(live) >= self.options.sessions_per_worker else "new"
+            if op == "closed_probe" and not any(s.closed is True for s in self.sessions):
+                op = "state"
+            session = self.rng.choice(live) if live else None
+            if op == "hang":
+                hangable = [s for s in live if s.backend == HANGING_BACKEND]
+                if not hangable:
+                    op = "prompt"
+                else:
+                    session = self.rng.choice(hangable)
+            if op == "set_mode" and session is not None and session.backend == HANGING_BACKEND:
+                op = "prompt"
+            try:
+                await self.perform(link, op, session)
+            except ProxyGone:
+                return
+            finally:
+                link.ops_done += 1
+            self.report.ops[op] += 1
+
+    async def perform(self, link: Link, op: str, session: Tracked | None) -> None:
+        if op == "new":
+            await self.new(link)
+            return
+        if op == "list":
+            await self.list(link)
+            return
+        if op == "closed_probe":
+            await self.closed_probe(link)
+            return
+        assert session is not None
+        if op == "prompt":
+            await self.turn(link, session, f"stream {self.rng.randint(1, 30)}")
+        elif op == "tree":
+            await self.turn(link, session, "spawn_tree; stream 2")
+        elif op == "escape":
+            self.report.faults["grandchild escape"] += 1
+            await self.turn(link, session, "escape; stream 1")
+        elif op == "crash":
+            self.report.faults["adapter crash mid-turn"] += 1
+            await self.turn(link, session, f"stream {self.rng.randint(1, 5)}; crash 3", crash=True)
+        elif op == "hang":
+            self.report.faults["adapter hang (turn timeout)"] += 1
+            await self.turn(link, session, "stream 1; sleep 60", hang=True)
+        elif op == "state":
+            await self.state(link, session)
+        elif op == "cancel":
+            await self.cancel(link, session)
+        elif op == "set_mode":
+            await self.set_mode(link, session)
+        elif op == "load":
+            await self.load(link, session)
+        elif op == "close":
+            await self.close(link, session)
+
+    def unexpected(self, link: Link, what: str, response: dict[str, Any]) -> None:
+        if link.closing and _error_reason(response) == "proxy_shutdown":
+            return  # in flight when the gateway closed its end: answered, outcome unknown
+        self.report.violation(f"{what}: unexpected answer {json.dumps(response)[:300]}")
+
+    async def new(self, link: Link) -> None:
+        backend = self.rng.choices(list(BACKEND_WEIGHTS), weights=list(BACKEND_WEIGHTS.values()))[0]
+        params = {"cwd": "/tmp", "mcpServers": [], "_meta": {"acp-proxy": {"backend": backend}}}
+        try:
+            response = await link.request("session/new", params)
+        except ProxyGone:
+            self.unknown_news += 1
+            raise
+        if "result" not in response:
+            self.unexpected(link, f"session/new on {backend}", response)
+            return
+        modes: set[str | None] = {"default"} if BACKENDS[backend].get("modes") else {None}
+        self.sessions.append(Tracked(response["result"]["sessionId"], backend, modes=modes))
+
+    async def turn(self, link: Link, s: Tracked, text: str, *, crash: bool = False, hang: bool = False) -> None:
+        s.hi += 1  # from here on the adapter may count the turn
+        link.prompts_in_flight += 1
+        try:
+            response = await link.request("session/prompt", _prompt(s.session_id, text))
+        finally:
+            link.prompts_in_flight -= 1
+        result = response.get("result")
+        if crash:
+            if "error" in response:
+                s.hi -= 1  # the adapter exits before it counts the turn
+            else:
+                self.unexpected(link, f"a crashing turn on {s.session_id}", response)
+            return
+        if hang:
+            meta = (result or {}).get("_meta", {}).get("acp-proxy", {})
+            if not (result and result.get("stopReason") == "cancelled" and meta.get("timedOut")):
+                self.unexpected(link, f"a hanging turn on {s.session_id}", response)
+            return
+        if result is None:
+            self.unexpected(link, f"a turn on {s.session_id}", response)
+        elif result.get("stopReason") == "end_turn":
+            s.lo += 1
+        else:
+            self.unexpected(link, f"a turn on {s.session_id}", response)
+
+    async def state(self, link: Link, s: Tracked) -> dict[str, Any] | None:
+        """Ask the adapter what it knows of the session; check it against what the gateway saw."""
+        s.hi += 1
+        response = await link.request("session/prompt", _prompt(s.session_id, "state"))
+        result = response.get("result")
+        if result is None or result.get("stopReason") != "end_turn":
+            self.unexpected(link, f"a state turn on {s.session_id}", response)
+            return None
+        update = link.last_update.get(s.session_id, {})
+        try:
+            known = json.loads(update["content"]["text"])
+        except (KeyError, TypeError, ValueError):
+            self.report.violation(f"no state report for {s.session_id}: {update}")
+            return None
+        if not s.lo <= known["turns"] <= s.hi - 1:
+            self.report.violation(
+                f"{s.session_id} ({s.backend}): the adapter has {known['turns']} completed turns, "
+                f"the gateway saw between {s.lo} and {s.hi - 1}"
+            )
+        if known["mode"] not in s.modes:
+            self.report.violation(
+                f"{s.session_id}: mode {known['mode']!r}, expected one of {sorted(map(str, s.modes))}"
+            )
+        s.lo = s.hi = known["turns"] + 1
+        s.modes = {known["mode"]}
+        return dict(known)
+
+    async def cancel(self, link: Link, s: Tracked) -> None:
+        """A turn that runs until cancelled; cancelled once it has started streaming."""
+        s.hi += 1
+        before = link.updates[s.session_id]
+        link.prompts_in_flight += 1
+        answer: list[dict[str, Any]] = []
+        try:
+            async with anyio.create_task_group() as tasks:
+
+                async def prompt() -> None:
+                    with contextlib.suppress(ProxyGone):
+                        answer.append(await link.request("session/prompt", _prompt(s.session_id, "wait_cancel")))
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(prompt)
+                with anyio.move_on_after(ANSWER_TIMEOUT):
+                    while link.updates[s.session_id] == before and not link.gone.is_set():
+                        await anyio.sleep(0.005)
+                await anyio.sleep(self.rng.uniform(0, 0.05))
+                with contextlib.suppress(ProxyGone):  # the gateway's end closed: the proxy answers anyway
+                    await link.notify("session/cancel", {"sessionId": s.session_id})
+                await anyio.sleep_forever()
+        finally:
+            link.prompts_in_flight -= 1
+        if not answer:
+            raise ProxyGone
+        result = answer[0].get("result")
+        if result is not None and result.get("stopReason") == "cancelled":
+            s.lo += 1  # it had streamed: the adapter ran it and counts it
+        else:
+            self.unexpected(link, f"a cancelled turn on {s.session_id}", answer[0])
+
+    async def set_mode(self, link: Link, s: Tracked) -> None:
+        mode = self.rng.choice(MODES)
+        s.modes.add(mode)
+        response = await link.request("session/set_mode", {"sessionId": s.session_id, "modeId": mode})
+        if "result" in response:
+            s.modes = {mode}
+        else:
+            self.unexpected(link, f"set_mode on {s.session_id}", response)
+
+    async def load(self, link: Link, s: Tracked) -> None:
+        """session/load replays the whole history: as many updates as the adapter then reports."""
+        before = link.updates[s.session_id]
+        response = await link.request("session/load", {"sessionId": s.session_id, "cwd": "/tmp", "mcpServers": []})
+        if s.closed is None and response.get("error", {}).get("code") == SESSION_NOT_FOUND:
+            s.closed = True  # its close went through before its proxy ended
+            return
+        if "result" not in response:
+            self.unexpected(link, f"session/load of {s.session_id}", response)
+            return
+        replayed = link.updates[s.session_id] - before
+        known = await self.state(link, s)
+        if known is not None and known["history"] != replayed:
+            self.report.violation(
+                f"{s.session_id}: load replayed {replayed} updates, the adapter has {known['history']}"
+            )
+
+    async def close(self, link: Link, s: Tracked) -> None:
+        s.closing = True
+        try:
+            response = await link.request("session/close", {"sessionId": s.session_id})
+        except ProxyGone:
+            s.closed = None
+            raise
+        finally:
+            s.closing = False
+        if response.get("result") == {}:
+            s.closed = True
+        else:
+            s.closed = None
+            self.unexpected(link, f"session/close of {s.session_id}", response)
+
+    async def closed_probe(self, link: Link, s: Tracked | None = None) -> None:
+        s = s or self.rng.choice([s for s in self.sessions if s.closed is True])
+        response = await link.request("session/prompt", _prompt(s.session_id, "stream 1"))
+        if response.get("error", {}).get("code") != SESSION_NOT_FOUND:
+            self.unexpected(link, f"a prompt to closed {s.session_id}", response)
+
+    async def list(self, link: Link) -> None:
+        await check_list(link, self.report, [s for w in self.peers for s in w.sessions], tolerance=0, strict=False)
+
+
+async def check_list(link: Link, report: Report, sessions: list[Tracked], tolerance: int, strict: bool) -> None:
+    """session/list shows every open session and no closed one (all pages)."""
+    listed: dict[str, str] = {}
+    cursor = None
+    while True:
+        params = {} if cursor is None else {"cursor": cursor}
+        response = await link.request("session/list", params)
+        result = response.get("result")
+        if result is None:
+            report.violation(f"session/list: {json.dumps(response)[:300]}")
+            return
+        for entry in result["sessions"]:
+            listed[entry["sessionId"]] = entry["_meta"]["acp-proxy"]["state"]
+        cursor = result.get("nextCursor")
+        if not cursor:
+            break
+    known = {s.session_id: s for s in sessions}
+    for s in sessions:
+        if s.closing or s.closed is None:
+            continue
+        if s.closed is False and s.session_id not in listed:
+            report.violation(f"session/list lacks open session {s.session_id}")
+        if s.closed is True and s.session_id in listed:
+            report.violation(f"session/list shows closed session {s.session_id}")
+    if strict:
+        strangers = [sid for sid in listed if sid not in known]
+        if len(strangers) > tolerance:
+            report.violation(f"session/list shows {len(strangers)} sessions never created: {strangers[:5]}")
+
+
+def _prompt(session_id: str, text: str) -> dict[str, Any]:
+    return {"sessionId": session_id, "prompt": [{"type": "text", "text": text}]}
+
+
+# --- decoys: processes that look like the proxy's but are not in any lease -----------------------
+
+
+class Decoys:
+    """Processes the proxy must never signal, each remembered with its start time."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.identity: dict[int, float] = {}
+
+    def start(self, argv: list[str], env: dict[str, str]) -> None:
+        process = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        self.processes.append(process)
+        self.identity[process.pid] = psutil.Process(process.pid).create_time()
+
+    def signalled(self) -> list[str]:
+        hurt = []
+        for process in self.processes:
+            try:
+                alive = (
+                    process.poll() is None and psutil.Process(process.pid).create_time() == self.identity[process.pid]
+                )
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                hurt.append(f"decoy {process.pid} ({process.args!r:.80}) was signalled: status {process.returncode}")
+        return hurt
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            if process.stdin is not None:
+                process.stdin.close()
+
+
+def _sleeper() -> list[str]:
+    return [sys.executable, "-c", "import time; time.sleep(3600)"]
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def write_config(workdir: Path, max_live: int) -> Path:
+    store = workdir / "store"
+    lines = [
+        'default_backend = "alpha"',
+        "[pool]",
+        f"max_live = {max_live}",
+        'idle_ttl = "3s"',
+        'acquire_timeout = "45s"',
+        "[shutdown]",
+        'close_timeout = "500ms"',
+        'stdin_grace = "300ms"',
+        'term_grace = "1s"',
+    ]
+    for name, options in BACKENDS.items():
+        lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(store=str(store), **options))}"]
+        if name == HANGING_BACKEND:
+            lines.append('turn_timeout = "2s"')
+    path = workdir / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+async def run(options: Options, workdir: Path, env: dict[str, str]) -> Report:
+    """One soak run in ``workdir`` (state dir from ``env``); the report lists every violation."""
+    report = Report(seed=options.seed, async_backend=options.async_backend)
+    started = time.monotonic()
+    rng = random.Random(f"{options.seed}-epochs")
+    config = write_config(workdir, options.max_live)
+    state_dir = Path(env["ACP_PROXY_STATE_DIR"])
+    workers = [Worker(i, options, report, []) for i in range(options.workers)]
+    for worker in workers:
+        worker.peers = workers
+    decoys = Decoys()
+    # A process that looks exactly like an adapter of the proxy's (same argv, same test marker), started
+    # outside it: command lines and inherited variables prove nothing.
+    decoys.start(fake_command(store=str(workdir / "store"), **BACKENDS["alpha"]), env)
+    try:
+        while report.total_ops < options.ops:
+            report.epochs += 1
+            budget = min(options.ops - report.total_ops, rng.randint(30, 90))
+            ending = rng.choices(list(ENDINGS), weights=list(ENDINGS.values()))[0]
+            at = rng.randint(budget // 3, budget)
+            if not await _epoch(workdir, env, config, report, workers, budget, ending, at):
+                break
+            if report.epochs == 1:
+                _start_lease_decoys(decoys, state_dir, env)
+        report.epochs += 1
+        await _final_epoch(workdir, env, config, report, workers)
+    finally:
+        deadline = time.monotonic() + 10
+        ignored = set(decoys.identity)
+        while (left := set(marked_processes(env[MARKER_VARIABLE])) - ignored) and time.monotonic() < deadline:
+            await anyio.sleep(0.1)
+        if left:
+            survivors = {pid: text for pid, text in marked_processes(env[MARKER_VARIABLE]).items() if pid in left}
+            report.violation(f"processes survived: {survivors}")
+        report.violations += decoys.signalled()
+        report.decoys = len(decoys.processes)
+        decoys.stop()
+        if left:
+            kill_marked(env[MARKER_VARIABLE])
+    _check_database(state_dir, report)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _start_lease_decoys(decoys: Decoys, state_dir: Path, env: dict[str, str]) -> None:
+    """Processes carrying this install's lease marker variable, for leases that do not exist."""
+    with contextlib.closing(sqlite3.connect(f"file:{state_dir / 'state.db'}?mode=ro", uri=True)) as db:
+        install = db.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()[0]
+        recent = db.execute("SELECT lease_id FROM leases ORDER BY created_at DESC LIMIT 1").fetchone()
+    forged = [f"{install}.{uuid.uuid4().hex[:12]}.{uuid.uuid4().hex}"]
+    if recent is not None:  # a real lease id with a made-up random part
+        forged.append(f"{install}.{recent[0]}.{uuid.uuid4().hex}")
+    for value in forged:
+        decoys.start(_sleeper(), {**env, "ACP_PROXY_LEASE": value})
+
+
+async def _epoch(
+    workdir: Path,
+    env: dict[str, str],
+    config: Path,
+    report: Report,
+    workers: list[Worker],
+    budget: int,
+    ending: str,
+    at: int,
+) -> bool:
+    """One proxy lifetime: the workers' operations, then its end as drawn; False if it never served."""
+    log = workdir / f"proxy-{report.epochs}.log"
+    async with Link.start(env, config, report, log) as link:
+        try:
+            await link.initialize()
+        except ProxyGone:
+            report.violation(f"proxy {report.epochs} ended before answering initialize; see {log}")
+            return False
+        share = -(-budget // len(workers))
+        async with anyio.create_task_group() as tasks:
+            for worker in workers:
+                tasks.start_soon(worker.run, link, share)
+            if ending != "clean":
+                tasks.start_soon(_end_abruptly, link, report, ending, at)
+        if ending == "sigkill" and link.process.returncode is None and not link.closing:
+            link.kill()  # the workers finished before the fault was due: it still happens
+            report.faults["proxy SIGKILL"] += 1
+        await link.close_input()
+        with anyio.move_on_after(45):
+            await link.gone.wait()
+            await link.process.wait()
+        code = link.process.returncode
+        killed = code == -signal.SIGKILL
+        if not killed and code != 0:
+            report.violation(f"proxy {report.epochs} exited with status {code}; see {log}")
+        unanswered = link.unanswered()
+        report.answered_once += link.answered_once()
+        if killed:
+            report.abandoned += len(unanswered)
+        elif unanswered:
+            report.violation(f"proxy {report.epochs} never answered: {unanswered[:10]}")
+        for session_id in link.history_resets:
+            report.violation(f"{session_id} lost its history (historyReset) in proxy {report.epochs}")
+    return True
+
+
+async def _end_abruptly(link: Link, report: Report, ending: str, at: int) -> None:
+    while link.ops_done < at and not link.gone.is_set():
+        await anyio.sleep(0.01)
+    if ending == "eof_mid_turn":
+        with anyio.move_on_after(3):
+            while link.prompts_in_flight == 0:
+                await anyio.sleep(0.005)
+        report.faults["gateway EOF mid-turn" if link.prompts_in_flight else "gateway EOF"] += 1
+        await link.close_input()
+    elif ending == "sigkill" and not link.closing:
+        report.faults["proxy SIGKILL"] += 1
+        link.kill()
+
+
+async def _final_epoch(workdir: Path, env: dict[str, str], config: Path, report: Report, workers: list[Worker]) -> None:
+    """A fresh proxy: every session not closed comes back with its history; the registry agrees."""
+    log = workdir / "proxy-final.log"
+    sessions = [s for w in workers for s in w.sessions]
+    async with Link.start(env, config, report, log) as link:
+        await link.initialize()
+        checker = Worker(-1, Options(seed=0, ops=0), report, sessions)
+        for s in sessions:
+            if s.closed is True:
+                await checker.closed_probe(link, s)
+                continue
+            maybe_closed = s.closed is None
+            await checker.load(link, s)
+            if s.closed is True:
+                continue
+            if maybe_closed:
+                s.closed = False
+            report.sessions_checked += 1
+        tolerance = sum(w.unknown_news for w in workers)
+        await check_list(link, report, sessions, tolerance=tolerance, strict=True)
+        for session_id in link.history_resets:
+            report.violation(f"{session_id} lost its history (historyReset) after restarts")
+    if link.process.returncode != 0:
+        report.violation(f"the final proxy exited with status {link.process.returncode}; see {log}")
+    if link.unanswered():
+        report.violation(f"the final proxy never answered: {link.unanswered()[:10]}")
+    report.answered_once += link.answered_once()
+
+
+def _check_database(state_dir: Path, report: Report) -> None:
+    with contextlib.closing(sqlite3.connect(f"file:{state_dir / 'state.db'}?mode=ro", uri=True)) as db:
+        integrity = db.execute("PRAGMA integrity_check").fetchall()
+        if integrity != [("ok",)]:
+            report.violation(f"integrity_check: {integrity[:5]}")
+        report.tasks.update(dict(db.execute("SELECT status, count(*) FROM tasks GROUP BY status").fetchall()))
+        report.leases.update(dict(db.execute("SELECT state, count(*) FROM leases GROUP BY state").fetchall()))
+        stubborn = db.execute("SELECT count(*) FROM leases WHERE backend = ?", (STUBBORN_BACKEND,)).fetchone()[0]
+        report.faults["adapter ignoring SIGTERM and EOF, torn down"] = stubborn
+        live = db.execute("SELECT count(*) FROM sessions WHERE state IN ('live', 'resuming')").fetchone()[0]
+    unended = {status: n for status, n in report.tasks.items() if status not in TERMINAL_TASKS}
+    if unended:
+        report.violation(f"tasks not ended after the last proxy stopped: {unended}")
+    open_leases = {state: n for state, n in report.leases.items() if state not in ("closed", "lost")}
+    if open_leases:
+        report.violation(f"leases not ended after the last proxy stopped: {open_leases}")
+    if live:
+        report.violation(f"{live} sessions still live after the last proxy stopped")
+
+
+# --- shell -----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", type=int, default=2000, help="gateway operations in all (default 2000)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed (default: time-based, printed)")
+    parser.add_argument("--workers", type=int, default=4, help="concurrent gateway workers (default 4)")
+    parser.add_argument("--max-live", type=int, default=3, help="[pool] max_live of the proxy (default 3)")
+    parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help="the proxy's anyio backend")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (state, logs) for inspection")
+    args = parser.parse_args(argv)
+    if args.ops < 1 or args.workers < 1 or args.max_live < 1:
+        parser.error("--ops, --workers and --max-live must be positive")
+    seed = args.seed if args.seed is not None else int(time.time()) % 100_000
+    options = Options(seed=seed, ops=args.ops, workers=args.workers, max_live=args.max_live, async_backend=args.backend)
+    workdir = Path(tempfile.mkdtemp(prefix="acp-proxy-soak-"))
+    env = dict(os.environ)
+    env[MARKER_VARIABLE] = uuid.uuid4().hex
+    env["ACP_PROXY_STATE_DIR"] = str(workdir / "state")
+    env.pop("ACP_PROXY_CONFIG", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    print(f"soak: seed {seed}, {args.ops} ops, work dir {workdir}", file=sys.stderr, flush=True)
+    report = anyio.run(run, options, workdir, env, backend=args.backend)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report) | {"total_ops": report.total_ops}, indent=2))
+    else:
+        print(report.summary())
+    if args.keep or report.violations:
+        print(f"work dir kept: {workdir}", file=sys.stderr)
+    else:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if report.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The chaos soak, bounded: a fixed seed whose draw includes every kind of fault.
+
+``scripts/soak --ops N`` runs the same thing as long as asked, with any seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests import soak
+
+pytestmark = pytest.mark.anyio
+
+SEED = 15  # its epochs end by gateway EOF mid-turn, SIGKILL, then a clean EOF; every turn fault is drawn
+OPS = 150
+
+
+async def test_a_bounded_soak_keeps_every_invariant(proc_env: dict[str, str], tmp_path: Path, anyio_backend: str) -> None:
+    options = soak.Options(seed=SEED, ops=OPS, workers=3, async_backend=anyio_backend)
+    report = await soak.run(options, tmp_path, proc_env)
+    print(report.summary())
+    assert report.violations == []
+    # The run did what it claims: each fault happened, and there was something to check at the end.
+    for fault in ("proxy SIGKILL", "gateway EOF mid-turn", "adapter crash mid-turn", "adapter hang (turn timeout)"):
+        assert report.faults[fault] >= 1, (fault, report.faults)
+    assert report.faults["grandchild escape"] + report.ops["tree"] >= 1
+    assert report.faults["adapter ignoring SIGTERM and EOF, torn down"] >= 1
+    assert report.total_ops >= OPS
+    assert report.sessions_checked >= 3
+    assert report.decoys == 3
+    assert report.answered_once + report.abandoned == report.sent
