@@ -17,7 +17,7 @@ SEED = 15  # its epochs end by gateway EOF mid-turn, SIGKILL, then a clean EOF; 
 OPS = 150
 
 
-async def test_a_bounded_soak_keeps_every_invariant(proc_env: dict[str, str], tmp_path: Path, anyio_backend: str) -> None:
+async def test_a_soak_run_keeps_every_invariant(proc_env: dict[str, str], tmp_path: Path, anyio_backend: str) -> None:
     options = soak.Options(seed=SEED, ops=OPS, workers=3, async_backend=anyio_backend)
     report = await soak.run(options, tmp_path, proc_env)
     print(report.summary())
