@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import operator
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import anyio
 import msgspec
@@ -44,7 +44,7 @@ class ErrorObject(msgspec.Struct, gc=False, omit_defaults=True):
 class Message(msgspec.Struct, gc=False, omit_defaults=True):
     """The envelope of any JSON-RPC message. Absent members are ``UNSET``."""
 
-    jsonrpc: str | UnsetType = UNSET
+    jsonrpc: Literal["2.0"] | UnsetType = UNSET
     id: int | str | UnsetType | None = UNSET
     method: str | UnsetType = UNSET
     params: Raw | UnsetType = UNSET
@@ -59,7 +59,13 @@ class Kind(enum.Enum):
 
 
 def classify(msg: Message) -> Kind | None:
-    """What a decoded envelope is, or ``None`` if it is not valid JSON-RPC 2.0."""
+    """What a decoded envelope is, or ``None`` if it is not valid JSON-RPC 2.0.
+
+    ``jsonrpc`` must be there (the decoder has checked it says ``"2.0"``): without it
+    the message is JSON-RPC 1.0, whose notifications look like requests with a null id.
+    """
+    if msg.jsonrpc is UNSET:
+        return None
     if msg.method is not UNSET:
         if msg.result is not UNSET or msg.error is not UNSET:
             return None
@@ -85,13 +91,35 @@ class _IdOnly(msgspec.Struct, gc=False):
 _id_decoder: Final = msgspec.json.Decoder(_IdOnly)
 
 
+def is_utf8(data: bytes) -> bool:
+    """Whether ``data`` is valid UTF-8, as JSON between systems must be (RFC 8259 §8.1).
+
+    msgspec checks the strings it decodes, and raises ``UnicodeDecodeError`` (not a
+    ``DecodeError``) for a bad one, but not the bytes it keeps as ``Raw``: so every
+    line is checked before it is decoded or forwarded. ASCII, the common case, is one C scan.
+    """
+    if data.isascii():
+        return True
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def decode_line(line: bytes) -> tuple[Message, Kind] | BadLine:
-    """Decode one line; a bad line says whether it was not JSON or not JSON-RPC."""
+    """Decode one line; a bad line says whether it was not JSON or not JSON-RPC.
+
+    Invalid UTF-8 is a parse error, and so is nesting deeper than the decoder goes
+    (msgspec recurses, and raises ``RecursionError``; RFC 8259 §9 lets a parser limit depth).
+    """
+    if not is_utf8(line):
+        return BadLine.PARSE
     try:
         msg = _decoder.decode(line)
     except msgspec.ValidationError:
         return BadLine.INVALID
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return BadLine.PARSE
     kind = classify(msg)
     if kind is None:
@@ -103,7 +131,7 @@ def salvage_id(line: bytes) -> RequestId:
     """The id of an invalid request if one can be read, so its error can name it."""
     try:
         raw_id = _id_decoder.decode(line).id
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     return raw_id if isinstance(raw_id, int | str) and not isinstance(raw_id, bool) else None
 
@@ -112,7 +140,7 @@ class _PlainNotification(msgspec.Struct, gc=False):
     """Decodes only a notification: an ``id``, ``result`` or ``error`` member fails validation."""
 
     method: str
-    jsonrpc: str | UnsetType = UNSET
+    jsonrpc: Literal["2.0"]
     params: Raw | UnsetType = UNSET
     id: UnsetType = UNSET
     result: UnsetType = UNSET
@@ -137,13 +165,14 @@ def decode_block(block: bytes, line_count: int) -> list[Message] | None:
     """Decode a block of ``line_count`` complete lines with one call.
 
     Returns one envelope per line, or ``None`` when the block needs line-by-line
-    handling (a line that is not exactly one JSON object, or surrounding whitespace).
+    handling (a line that is not exactly one JSON object, or surrounding whitespace,
+    or a line :func:`decode_line` rejects as unparseable).
     """
-    if not _one_object_per_line(block, line_count):
+    if not _one_object_per_line(block, line_count) or not is_utf8(block):
         return None
     try:
         msgs = _decoder.decode_lines(block)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     return msgs if len(msgs) == line_count else None
 
@@ -154,11 +183,11 @@ def notification_methods(block: bytes, line_count: int) -> set[str] | None:
     The streaming hot path: one decode call over the whole block, into a struct
     that only a notification satisfies, and the set of methods built in C.
     """
-    if not _one_object_per_line(block, line_count):
+    if not _one_object_per_line(block, line_count) or not is_utf8(block):
         return None
     try:
         msgs = _notification_decoder.decode_lines(block)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     return set(map(_method_of, msgs)) if len(msgs) == line_count else None
 
@@ -224,13 +253,21 @@ def bad_line_response(bad: BadLine, line: bytes) -> bytes:
     )
 
 
+def params_structured(params: Raw | UnsetType) -> bool:
+    """JSON-RPC 2.0 §4.2: ``params``, if present, is an object or an array.
+
+    ``null`` is let through as if absent: some peers write it for "no params".
+    """
+    return params is UNSET or bytes(memoryview(params)[:1]) in (b"{", b"[", b"n")
+
+
 def decode_object(raw: Raw | UnsetType) -> dict[str, Any] | None:
     """Decode params/result that must be a JSON object; anything else is ``None``."""
     if raw is UNSET:
         return None
     try:
         value = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 

@@ -69,7 +69,7 @@ def session_of(params: Raw | UnsetType) -> str | None:
         return None
     try:
         value = _session_params_decoder.decode(params).sessionId
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # nesting deeper than msgspec decodes
         return None
     return value if isinstance(value, str) else None
 

@@ -49,6 +49,22 @@ from acp_proxy.turns import TaskKeeping
 log = logging.getLogger("acp_proxy.proxy")
 
 CANCEL_REQUEST: Final = "$/cancel_request"
+SESSION_SCOPED: Final = frozenset(
+    {
+        "session/prompt",
+        "session/cancel",
+        "session/load",
+        "session/resume",
+        "session/close",
+        "session/delete",
+        "session/set_mode",
+        "session/set_config_option",
+        "session/set_model",
+    }
+)
+"""ACP methods whose params must name their session: without a string ``sessionId`` the
+proxy has no session to route them to, and handing one to an arbitrary adapter could act
+on the wrong session."""
 _LOGGED_LINE_BYTES: Final = 200
 SHUTDOWN_WRITE_GRACE: Final = 2.0
 """How long a write to the gateway may block once the proxy is shutting down."""
@@ -315,6 +331,15 @@ class Proxy(SessionLifecycle, TaskKeeping):
                     await self._send_gateway(jsonrpc.bad_line_response(decoded, line))
                     continue
                 msg, kind = decoded
+                if kind is not Kind.RESPONSE and not jsonrpc.params_structured(msg.params):
+                    log.warning("gateway sent params that are neither an object nor an array: %s", _preview(line))
+                    await self._fail(
+                        msg.id,
+                        jsonrpc.INVALID_REQUEST,
+                        "Invalid request: params must be an object or an array",
+                        {"reason": "invalid_request"},
+                    )
+                    continue
                 if kind is Kind.REQUEST:
                     await self._route_request(msg)
                 elif kind is Kind.NOTIFICATION:
@@ -358,7 +383,14 @@ class Proxy(SessionLifecycle, TaskKeeping):
             await self._list_sessions(msg)
         else:
             session_id = session_of(msg.params)
-            if session_id is None:
+            if session_id is None and method in SESSION_SCOPED:
+                await self._fail(
+                    msg.id,
+                    jsonrpc.INVALID_PARAMS,
+                    f"Invalid params: {method} needs params.sessionId, a string",
+                    {"reason": "invalid_params"},
+                )
+            elif session_id is None:
                 self._background(lambda: self._forward_to_any(msg))
             elif method == "session/close":
                 await self.close_session(session_id, msg.id)  # ordered now; the work queues behind the session's
@@ -372,6 +404,9 @@ class Proxy(SessionLifecycle, TaskKeeping):
             await self._forward_cancel_request(msg, line)
             return
         session_id = session_of(msg.params)
+        if session_id is None and msg.method in SESSION_SCOPED:
+            log.info("dropped %s: its params name no session", msg.method)
+            return
         session = self.sessions.get(session_id) if session_id is not None else None
         if msg.method == "session/cancel" and session is not None:
             self.cancel_turn(session)

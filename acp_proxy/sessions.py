@@ -136,7 +136,7 @@ def decode_cursor(text: str) -> Cursor:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
         return msgspec.json.decode(raw, type=Cursor)
-    except (binascii.Error, ValueError, msgspec.DecodeError):
+    except (binascii.Error, ValueError, msgspec.DecodeError, RecursionError):
         raise ValueError(f"invalid cursor {text!r}: pass back a nextCursor from session/list") from None
 
 

@@ -44,6 +44,9 @@ then the turn ends with end_turn unless a command ended it first.
                        before this turn, "pid"}
     auth               a message chunk whose text is the JSON list of methodIds authenticated
                        in this process
+    emit Z             write base64(zlib(bytes)) Z to stdout exactly as the bytes are, not recorded:
+                       garbage, broken or oversized lines, stray messages (compressed so that a
+                       long line fits in a prompt under the proxy's line limit)
 
 A turn that ends (whatever the stop reason) counts as completed; a crash does not.
 
@@ -61,6 +64,7 @@ Anything unknown gets -32601.
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import itertools
 import json
@@ -71,6 +75,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from typing import Any
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
@@ -383,6 +388,11 @@ class FakeAdapter:
                 self.say(session_id, json.dumps(report, sort_keys=True))
         elif verb == "auth":
             self.say(session_id, json.dumps(self.authenticated))
+        elif verb == "emit":
+            with self.out_lock:
+                sys.stdout.flush()
+                sys.stdout.buffer.write(zlib.decompress(base64.b64decode(arg)))
+                sys.stdout.buffer.flush()
         return None
 
     @staticmethod
