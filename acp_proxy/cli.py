@@ -28,7 +28,7 @@ from typing import NoReturn
 from acp_proxy import __version__, logs
 from acp_proxy import config as configuration
 from acp_proxy.config import Config, ConfigError
-from acp_proxy.state import StateError
+from acp_proxy.state import DB_NAME, StateError, explain_failure
 
 EXIT_USAGE = 2
 ASYNC_BACKENDS = ("asyncio", "trio")
@@ -220,10 +220,13 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
 
     hold_signals_until_serving()
 
+    state = configuration.state_dir(config)
     try:
-        owner = Owner.start(configuration.state_dir(config), grace=config.shutdown.term_grace)
+        owner = Owner.start(state, grace=config.shutdown.term_grace)
     except StateError as exc:
         raise UsageError(f"state: {exc}") from None
+    except sqlite3.Error as exc:  # opened, then failed registering or reaping: damaged, full, read-only
+        raise UsageError(f"state: {explain_failure(state / DB_NAME, exc)}") from None
     logs.set_instance(owner.instance_id)
     try:
         # Launch the adapter now, before the event loop and the relay are even imported:
@@ -327,6 +330,14 @@ def _operator_state_dir(args: argparse.Namespace) -> Path:
 OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks}
 
 
+def _database_path(args: argparse.Namespace) -> Path | None:
+    """The state database a failing command was using, to name it in the message."""
+    try:
+        return _operator_state_dir(args) / DB_NAME
+    except (ConfigError, OSError):
+        return None
+
+
 def _fail(message: str) -> NoReturn:
     print(f"acp-proxy: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
@@ -354,8 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except sqlite3.Error as exc:
-        print(f"acp-proxy: the state database: {exc}", file=sys.stderr)
-        return 1
+        path = _database_path(args)
+        print(f"acp-proxy: state: {explain_failure(path, exc) if path else exc}", file=sys.stderr)
+        return 1 if isinstance(exc, sqlite3.OperationalError) else EXIT_USAGE
     except Exception as exc:
         from acp_proxy.reports import OperatorError
 

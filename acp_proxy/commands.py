@@ -15,6 +15,7 @@ from typing import Any
 
 import psutil
 
+from acp_proxy.config import referenced_names
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.leases import ACTIVE_STATES, Lease, all_leases
 from acp_proxy.ownership.owner import detect_platform
@@ -37,13 +38,43 @@ def _age(seconds: float) -> str:
     return f"{int(seconds)}s"
 
 
-def owned_tree(lease: Lease) -> list[dict[str, Any]]:
-    """Live processes carrying the lease's marker and proved ours, with what an operator needs."""
-    table = process_table()
-    tree = []
-    for pid in marked_pids(lease, table):
-        if check_claim(lease.descendant_claim(pid), table).verdict is not Verdict.OURS:
+def expanded_values(lease: Lease, pids: list[int]) -> dict[str, str]:
+    """``{value: "${NAME}"}`` for each ``${NAME}`` in the lease's argv, as the proxy expanded it.
+
+    The live command lines of a lease's tree carry the values (often secrets) that were
+    expanded into the adapter's argv; the lease records only the template. The values are
+    read from the tree's environment, which is the one the proxy expanded them from.
+    """
+    names = referenced_names(lease.argv)
+    for pid in pids if names else []:
+        try:
+            environ = psutil.Process(pid).environ()
+        except psutil.Error:
             continue
+        return {environ[name]: f"${{{name}}}" for name in names if environ.get(name)}
+    return {}
+
+
+def redact(command: str, values: dict[str, str]) -> str:
+    for value in sorted(values, key=len, reverse=True):
+        command = command.replace(value, values[value])
+    return command
+
+
+def owned_tree(lease: Lease) -> list[dict[str, Any]]:
+    """Live processes carrying the lease's marker and proved ours, with what an operator needs.
+
+    Command lines are shown with ``${NAME}`` in place of what the config expanded into them.
+    """
+    table = process_table()
+    pids = [
+        pid
+        for pid in marked_pids(lease, table)
+        if check_claim(lease.descendant_claim(pid), table).verdict is Verdict.OURS
+    ]
+    hidden = expanded_values(lease, pids)
+    tree = []
+    for pid in pids:
         try:
             proc = psutil.Process(pid)
             with proc.oneshot():
@@ -51,7 +82,7 @@ def owned_tree(lease: Lease) -> list[dict[str, Any]]:
                 command = " ".join(proc.cmdline()) or proc.name()
         except psutil.Error:
             continue
-        tree.append({"pid": pid, "pgid": os.getpgid(pid), "rssBytes": rss, "command": command})
+        tree.append({"pid": pid, "pgid": os.getpgid(pid), "rssBytes": rss, "command": redact(command, hidden)})
     return sorted(tree, key=lambda entry: entry["pid"])
 
 

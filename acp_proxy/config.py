@@ -12,8 +12,9 @@ import json
 import math
 import os
 import re
+import stat
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -291,13 +292,38 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
     return Config(backends=backends, pool=pool, shutdown=shutdown, tasks=tasks, source=source, **rest)
 
 
+def unsafe_ownership(info: os.stat_result, source: str, uid: int | None = None) -> str | None:
+    """Why a config file with this ``stat`` must not be trusted, or ``None`` if it may be.
+
+    A config names the commands the proxy executes: anyone who can change it can run
+    programs as us. So it must be ours (or root's) and writable by no one else; the
+    check is made on the opened file, so a swapped symlink cannot slip past it.
+    """
+    uid = os.getuid() if uid is None else uid
+    if info.st_uid not in (uid, 0):
+        return (
+            f"belongs to uid {info.st_uid}, not to you (uid {uid}) or root, and names the commands to run; "
+            f"refusing it: use a copy of your own, or run: chown {uid} {source}"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "anyone" if info.st_mode & stat.S_IWOTH else "its group"
+        return (
+            f"is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}) and names the commands to run; "
+            f"refusing it: run: chmod go-w {source}"
+        )
+    return None
+
+
 def load(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a TOML config file."""
+    """Read and validate a TOML config file; one that others could change is refused."""
     import tomllib  # not needed at all for `acp-proxy -- CMD`
 
     source = os.fspath(path)
     try:
         with open(source, "rb") as fh:
+            unsafe = unsafe_ownership(os.fstat(fh.fileno()), source)
+            if unsafe is not None:
+                raise ConfigError([unsafe], source)
             doc = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(["file not found"], source) from None
@@ -372,10 +398,14 @@ def expand(text: str, environ: Mapping[str, str]) -> str:
     return _VAR.sub(substitute, text)
 
 
+def referenced_names(texts: Iterable[str]) -> set[str]:
+    """Every ``NAME`` that ``${NAME}`` refers to in ``texts``."""
+    return {m.group(1) for text in texts for m in _VAR.finditer(text) if m.group(1)}
+
+
 def referenced_variables(config: Config) -> set[str]:
     """Every ``${NAME}`` a config refers to, for ``config check`` to report unset ones."""
     names: set[str] = set()
     for backend in config.backends.values():
-        for text in (*backend.command, *backend.env.values()):
-            names.update(m.group(1) for m in _VAR.finditer(text) if m.group(1))
+        names |= referenced_names((*backend.command, *backend.env.values()))
     return names

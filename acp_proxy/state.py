@@ -137,14 +137,64 @@ class StateError(Exception):
     """The state dir or database cannot be used; the message says what to do."""
 
 
+ELSEWHERE: Final = "or point $ACP_PROXY_STATE_DIR (or state_dir in the config) at a directory of your own"
+
+
 def ensure_private_dir(path: Path) -> None:
     """Create ``path`` (0700) if missing; refuse one that others could write to."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StateError(f"cannot create {path}: {exc.strerror}; create it yourself (mode 700), {ELSEWHERE}") from None
+    check_private_dir(path)
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse a directory of another user's, or one that others could write to: its contents decide what we signal."""
     info = path.stat()
     if info.st_uid != os.getuid():
-        raise StateError(f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); refusing to use it")
+        raise StateError(
+            f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}); refusing to use it: {ELSEWHERE}"
+        )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise StateError(f"{path} is writable by other users; run: chmod 700 {path}")
+
+
+def explain_failure(path: Path, exc: sqlite3.Error) -> str:
+    """What went wrong with the state database at ``path``, and what to do about it, for people."""
+    directory = path.parent
+    if not isinstance(exc, sqlite3.OperationalError):
+        return f"{path} is not a usable state database ({exc}); move it aside to start afresh (mv {path} {path}.broken)"
+    if "full" in str(exc):
+        return f"cannot write {path}: {exc}; free some space on the disk holding {directory}"
+    for target in (path, directory):
+        try:
+            info = target.stat()
+        except OSError:
+            continue
+        if info.st_uid != os.getuid():
+            return f"cannot use {path} ({exc}): {target} belongs to uid {info.st_uid}, not to you; {ELSEWHERE}"
+    beside = "(SQLite writes beside the database)"
+    if _read_only_mount(directory):
+        return (
+            f"cannot use {path} ({exc}): the state dir {directory} is on a read-only file system {beside}; "
+            f"mount it read-write, {ELSEWHERE.removeprefix('or ')}"
+        )
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        return f"cannot use {path} ({exc}): you may not read and write it; run: chmod 600 {path}"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return (
+            f"cannot use {path} ({exc}): the state dir {directory} is not writable {beside}; "
+            f"run: chmod 700 {directory}, {ELSEWHERE}"
+        )
+    return f"cannot use {path}: {exc}"
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 class StateDB:
@@ -158,11 +208,13 @@ class StateDB:
             ensure_private_dir(state_dir)
         elif not self.path.exists():
             raise StateError(f"no state database at {self.path}")
+        else:
+            check_private_dir(state_dir)
         old_umask = os.umask(0o077)
         try:
             self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         except sqlite3.Error as exc:
-            raise StateError(f"cannot open {self.path}: {exc}") from None
+            raise StateError(explain_failure(self.path, exc)) from None
         finally:
             os.umask(old_umask)
         self.conn.row_factory = sqlite3.Row
@@ -181,12 +233,10 @@ class StateDB:
                     f"{self.path} stayed locked for {BUSY_TIMEOUT_MS // 1000} s ({exc}); "
                     "another process holds a long write transaction on it"
                 ) from None
-            raise StateError(f"cannot use {self.path}: {exc}") from None
+            raise StateError(explain_failure(self.path, exc)) from None
         except sqlite3.DatabaseError as exc:
             self.conn.close()
-            raise StateError(
-                f"{self.path} is not a usable state database ({exc}); move it aside to start afresh"
-            ) from None
+            raise StateError(explain_failure(self.path, exc)) from None
 
     def close(self) -> None:
         self.conn.close()
@@ -218,7 +268,10 @@ class StateDB:
         try:
             yield self.conn
         except BaseException:
-            self.conn.execute("ROLLBACK")
+            # After some errors (a full disk) SQLite has rolled back already; a ROLLBACK then
+            # fails and would hide the error that matters.
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
             raise
         self.conn.execute("COMMIT")
 
