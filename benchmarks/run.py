@@ -8,6 +8,7 @@
     scripts/bench --only ownership the process-ownership figures alone
     scripts/bench --only sessions  the session figures alone (resume, memory, registry)
     scripts/bench --only tasks     the task figures alone (per-turn overhead, bookkeeping, writes)
+    scripts/bench --only load      200 concurrent sessions over max_live = 8 (--quick: 1 burst each)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
 One synchronous client (``Peer``) talks newline-delimited JSON-RPC over pipes to
@@ -59,7 +60,7 @@ from typing import IO, Any
 import msgspec
 import psutil
 
-from benchmarks import ownership, sessions, tasks
+from benchmarks import load, ownership, sessions, tasks
 from benchmarks.common import (
     ROOT,
     BenchError,
@@ -89,7 +90,7 @@ TARGET_LATENCY_ADDED_US = 100.0
 TARGET_COLD_START_ADDED_MS = 80.0
 TARGET_RSS_MB = 35.0
 
-MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership", "sessions", "tasks")
+MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership", "sessions", "tasks", "load")
 
 DIRECT = "direct"
 CAT = "cat"
@@ -102,10 +103,11 @@ CLIENT_LABELS = {
 
 @dataclass
 class BenchReport(Report):
-    """The report, with the session and task figures (``benchmarks/sessions.py``, ``benchmarks/tasks.py``)."""
+    """The report, with the session, task and load figures (``benchmarks/sessions.py``, ``tasks.py``, ``load.py``)."""
 
     sessions: dict[str, Any] = field(default_factory=dict)
     tasks: dict[str, Any] = field(default_factory=dict)
+    load: dict[str, Any] = field(default_factory=dict)
 
 
 def mode_label(mode: str) -> str:
@@ -798,6 +800,7 @@ def render(report: BenchReport) -> str:
     out += ownership.render(report)
     out += sessions.render(report.sessions)
     out += tasks.render(report.tasks)
+    out += load.render(report.load)
     if report.targets:
         out += ["## Targets", ""]
         rows = [
@@ -864,7 +867,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings, "
-        "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes",
+        "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes, "
+        "1 burst of turns per load session",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
@@ -989,6 +993,8 @@ def main(argv: list[str] | None = None) -> int:
         report.sessions = sessions.measure_sessions(report, args)
     if "tasks" in args.only:
         report.tasks = tasks.measure_tasks(report, args)
+    if "load" in args.only:
+        report.load = load.measure_load(report, args)
     evaluate_targets(report, args.backends)
     report.options["elapsed_s"] = time.perf_counter() - started
     print(render(report), flush=True)

@@ -1,0 +1,871 @@
+"""Load benchmark: 200 concurrent sessions over ``max_live = 8``, streaming turns, one gateway.
+
+Every adapter is ``benchmarks/load_agent.py``: it resumes any session id at once and
+answers each prompt with ``UPDATES`` streamed ``session/update`` lines (180 B), then
+the answer, whose ``_meta`` says which process served the turn, which request opened
+the session there and how many turns it had served: so every turn is classified
+*resumed* (the first turn after its session was brought back on a new process) or
+*live* (its session already had a process) from what the adapter saw, the same way
+in every run.
+
+The workload, identical in every run: ``SESSIONS`` sessions, each driven by its own
+client thread. All of them send ``session/new`` at once; then each runs ``bursts``
+bursts of ``BURST_TURNS`` back-to-back prompts, with a seeded random pause of up to
+``THINK_MAX`` s before each burst. With 8 processes for 200 sessions the first turn of
+a burst normally finds its session suspended; the next ones normally find it live
+(unless the pool took its process between two turns, which happens: an idle session
+is fair game).
+
+Runs, side by side on one machine:
+
+* ``proxy (asyncio)`` / ``proxy (trio)``: one client connection to one
+  ``acp-proxy`` with ``[pool] max_live = 8`` (other settings at their defaults),
+  run by ``benchmarks/load_proxy.py``, which times every wait for a process slot;
+* ``direct, 8 at a time``: the same work without the proxy. The client runs the
+  agents itself under the same rule: a turn for a session without a process stops
+  the least recently used idle agent (closes its stdin and waits for it to exit,
+  as the proxy does before the slot counts as free), spawns the agent (plain
+  ``Popen``), ``initialize``, ``session/resume``, then prompts. No wrapper, lease,
+  state database or task record. This is the comparison for the ratios;
+* ``direct, all 200 live``: no cap at all, one agent per session for the whole run;
+  no turn ever resumes. What the cap saves in memory, and what resuming costs.
+
+Reported per run: turns/s and ``session/update`` messages/s over the turn phase;
+p50/p99 latency (prompt sent -> answer read) of resumed and of live turns; waits
+for a process slot (p50/p99/max: through the proxy from ``load_proxy.py``, direct
+from the client's own pool); peak live adapter processes (sampled every
+``SAMPLE_INTERVAL`` s from ``/proc``, and exactly from the agents' own records of
+when each started and exited; the lease rows are no tight bound, a lease being
+closed only after the proxy's sweep, which lags under load); peak
+RSS of the proxy (``VmHWM``) and the peak sampled sum of the RSS of the whole
+tree (proxy, wrappers, adapters; direct: the agents); requests lost (every request
+must get exactly one answer). More than ``max_live`` live adapters (in a
+capped run), a lost or duplicated answer, or a turn that did not stream all its
+updates make the run fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import itertools
+import json
+import os
+import random
+import secrets
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+import psutil
+
+from benchmarks.common import (
+    ROOT,
+    BenchError,
+    Report,
+    attempt,
+    child_environment,
+    fmt,
+    percentile,
+    proc_status_kb,
+    progress,
+    proxy_mode,
+    table,
+)
+from benchmarks.ownership import BENCH_MARKER, kill_if_alive, marked_processes, start_ticks
+
+LOAD_AGENT = ROOT / "benchmarks" / "load_agent.py"
+LOAD_PROXY = ROOT / "benchmarks" / "load_proxy.py"
+BACKEND = "load"
+
+SESSIONS = 200
+MAX_LIVE = 8
+UPDATES = 20
+BURST_TURNS = 3
+BURSTS = 3
+QUICK_BURSTS = 1
+THINK_MAX = 0.05
+SEED = 20_251_123
+
+TURN_TIMEOUT = 120.0
+CLOSE_TIMEOUT = 60.0
+LEFTOVER_WAIT = 5.0
+SAMPLE_INTERVAL = 0.1
+READ_SIZE = 1 << 16
+
+DIRECT_POOL = "direct-pool"
+DIRECT_ALL = "direct-all"
+RESTORES = ("session/resume", "session/load")
+
+INITIALIZE_PARAMS = {
+    "protocolVersion": 1,
+    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
+    "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
+}
+SESSION_PARAMS = {"cwd": str(ROOT), "mcpServers": []}
+
+
+def mode_label(mode: str) -> str:
+    if mode.startswith("proxy-"):
+        return f"proxy ({mode.removeprefix('proxy-')})"
+    return {DIRECT_POOL: f"direct, {MAX_LIVE} at a time", DIRECT_ALL: f"direct, all {SESSIONS} live"}[mode]
+
+
+def agent_argv() -> list[str]:
+    return [sys.executable, str(LOAD_AGENT)]
+
+
+def prompt_params(session_id: str) -> dict[str, Any]:
+    return {
+        "sessionId": session_id,
+        "prompt": [{"type": "text", "text": "go on"}],
+        "_meta": {"bench": {"updates": UPDATES}},
+    }
+
+
+@dataclass
+class Turn:
+    """One prompt's outcome as the client saw it."""
+
+    seconds: float
+    resumed: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Tally:
+    """Every request sent and every answer read, by id: what "requests lost" is computed from."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: set[Any] = field(default_factory=set)
+    answers: collections.Counter[Any] = field(default_factory=collections.Counter)
+
+    def lost(self) -> dict[str, int]:
+        with self.lock:
+            return {
+                "sent": len(self.sent),
+                "lost": sum(1 for i in self.sent if self.answers[i] == 0),
+                "duplicated": sum(1 for i in self.sent if self.answers[i] > 1),
+                "stray": sum(n for i, n in self.answers.items() if i not in self.sent),
+            }
+
+
+def check_turn(result: Any, updates: int) -> tuple[bool, str | None]:
+    """(resumed, error) for a prompt's result and the updates streamed before it."""
+    if not isinstance(result, dict) or result.get("stopReason") != "end_turn":
+        return False, f"the prompt answered {str(result)[:200]}"
+    report = (result.get("_meta") or {}).get("bench") or {}
+    if updates != UPDATES:
+        return False, f"{updates} updates streamed instead of {UPDATES}"
+    return report.get("openedBy") in RESTORES and report.get("turn") == 0, None
+
+
+def error_reason(msg: dict[str, Any]) -> str:
+    error = msg.get("error") or {}
+    data = error.get("data")
+    reason = data.get("reason") if isinstance(data, dict) else None
+    return f"error {error.get('code')}" + (f" ({reason})" if reason else "")
+
+
+# --- through the proxy -------------------------------------------------------------------------
+
+
+class ProxyClient:
+    """One gateway connection to a proxy, shared by every session's thread (answers routed by id)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], who: str) -> None:
+        self.who = who
+        self.tally = Tally()
+        self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115  (closed in dispose)
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, cwd=ROOT, env=env, bufsize=0
+        )
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self._stdin, self._stdout = self.process.stdin, self.process.stdout
+        self._write_lock = threading.Lock()
+        self._next_id = 0
+        self._waiters: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
+        self._updates: collections.Counter[str] = collections.Counter()
+        self.unexpected: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        decode = msgspec.json.decode
+        buf = b""
+        fd = self._stdout.fileno()
+        while chunk := os.read(fd, READ_SIZE):
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                try:
+                    msg = decode(line)
+                except msgspec.DecodeError:
+                    self.unexpected.append(line[:200])
+                    continue
+                if not isinstance(msg, dict):
+                    self.unexpected.append(line[:200])
+                elif "method" not in msg and "id" in msg:
+                    with self.tally.lock:
+                        self.tally.answers[msg["id"]] += 1
+                        waiter = self._waiters.pop(msg["id"], None)
+                    if waiter is not None:
+                        waiter[1].append(msg)
+                        waiter[0].set()
+                elif msg.get("method") == "session/update" and "id" not in msg:
+                    self._updates[str((msg.get("params") or {}).get("sessionId"))] += 1
+                else:
+                    self.unexpected.append(line[:200])
+
+    def call(self, method: str, params: object, timeout: float = TURN_TIMEOUT) -> dict[str, Any] | None:
+        """The answer to a request, or None if none came within ``timeout``."""
+        event, box = threading.Event(), list[dict[str, Any]]()
+        with self._write_lock:
+            request_id = self._next_id
+            self._next_id += 1
+            with self.tally.lock:
+                self.tally.sent.add(request_id)
+                self._waiters[request_id] = (event, box)
+            data = msgspec.json.encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+            try:
+                os.write(self._stdin.fileno(), data + b"\n")  # one line: well under the pipe's atomic size
+            except OSError as exc:
+                raise BenchError(f"{self.who}: cannot write: {exc}") from None
+        if not event.wait(timeout):
+            return None
+        return box[0]
+
+    def new_session(self) -> str:
+        answer = self.call("session/new", SESSION_PARAMS)
+        session_id = ((answer or {}).get("result") or {}).get("sessionId")
+        if not isinstance(session_id, str):
+            raise BenchError(f"{self.who}: session/new answered {str(answer)[:300]}")
+        return session_id
+
+    def prompt(self, session_id: str) -> Turn:
+        self._updates[session_id] = 0
+        start = time.perf_counter()
+        answer = self.call("session/prompt", prompt_params(session_id))
+        seconds = time.perf_counter() - start
+        if answer is None:
+            return Turn(seconds, error=f"no answer within {TURN_TIMEOUT:.0f} s")
+        if "result" not in answer:
+            return Turn(seconds, error=error_reason(answer))
+        resumed, error = check_turn(answer["result"], self._updates[session_id])
+        return Turn(seconds, resumed, error)
+
+    def close(self) -> int | None:
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        try:
+            self.process.wait(CLOSE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise BenchError(f"{self.who}: still running {CLOSE_TIMEOUT:.0f} s after stdin closed") from None
+        self._reader.join(5)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+
+    def stderr_text(self) -> str:
+        try:
+            self.stderr.seek(0)
+            return self.stderr.read().decode("utf-8", "replace")
+        except (OSError, ValueError):
+            return ""
+
+
+# --- without the proxy: the client's own pool ------------------------------------------------
+
+
+class Agent:
+    """One agent process the client runs itself, used by one thread at a time."""
+
+    ids = itertools.count()
+
+    def __init__(self, env: dict[str, str], tally: Tally) -> None:
+        self.tally = tally
+        self.process = subprocess.Popen(
+            agent_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0
+        )
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self._stdin, self._stdout = self.process.stdin, self.process.stdout
+        self._buf = b""
+        self._next_id = 0
+
+    def call(self, method: str, params: object) -> tuple[dict[str, Any], int]:
+        """The answer to a request and the number of updates streamed before it."""
+        request_id = (next(Agent.ids), self._next_id)
+        self._next_id += 1
+        with self.tally.lock:
+            self.tally.sent.add(request_id)
+        data = msgspec.json.encode({"jsonrpc": "2.0", "id": request_id[1], "method": method, "params": params})
+        os.write(self._stdin.fileno(), data + b"\n")
+        deadline = time.monotonic() + TURN_TIMEOUT
+        updates = 0
+        fd = self._stdout.fileno()
+        while True:
+            cut = self._buf.find(b"\n")
+            if cut < 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                    raise BenchError(f"agent {self.process.pid}: no answer within {TURN_TIMEOUT:.0f} s")
+                chunk = os.read(fd, READ_SIZE)
+                if not chunk:
+                    raise BenchError(f"agent {self.process.pid} closed its output")
+                self._buf += chunk
+                continue
+            line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
+            msg = msgspec.json.decode(line)
+            if "method" in msg:
+                updates += 1
+                continue
+            if msg.get("id") == request_id[1]:
+                with self.tally.lock:
+                    self.tally.answers[request_id] += 1
+                return msg, updates
+            raise BenchError(f"agent {self.process.pid}: unexpected {line[:200]!r}")
+
+    def stop(self) -> None:
+        """Close its stdin and wait for it to exit, as the proxy stops an evicted adapter."""
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        try:
+            self.process.wait(CLOSE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        with contextlib.suppress(OSError):
+            self._stdout.close()
+
+
+class DirectPool:
+    """At most ``cap`` agents; a session without one takes a free slot or the LRU idle agent's."""
+
+    def __init__(self, cap: int, env: dict[str, str], tally: Tally) -> None:
+        self.cap = cap
+        self.env = env
+        self.tally = tally
+        self.cond = threading.Condition()
+        self.live: collections.OrderedDict[str, Agent] = collections.OrderedDict()  # LRU first
+        self.busy: set[str] = set()
+        self.starting = 0
+        self.stopping = 0
+        self.peak = 0
+        self.waits: list[float] = []
+
+    def _count(self) -> None:
+        self.peak = max(self.peak, len(self.live) + self.starting + self.stopping)
+
+    def _slot(self) -> None:
+        """Reserve room for one more agent (the caller holds ``cond``), stopping the LRU idle one if needed."""
+        start = time.perf_counter()
+        while len(self.live) + self.starting + self.stopping >= self.cap:
+            idle = next((s for s in self.live if s not in self.busy), None)
+            if idle is None:
+                self.cond.wait()
+                continue
+            agent = self.live.pop(idle)
+            self.stopping += 1
+            self.cond.release()
+            try:
+                agent.stop()
+            finally:
+                self.cond.acquire()
+                self.stopping -= 1
+                self.cond.notify_all()
+        self.starting += 1
+        self._count()
+        self.waits.append(time.perf_counter() - start)
+
+    def _spawn(self, session_id: str | None) -> tuple[Agent, str]:
+        """Outside the lock: a new agent, initialized, with the session restored (or a new one)."""
+        agent = Agent(self.env, self.tally)
+        try:
+            agent.call("initialize", INITIALIZE_PARAMS)
+            if session_id is None:
+                answer, _ = agent.call("session/new", SESSION_PARAMS)
+                session_id = str(answer["result"]["sessionId"])
+            else:
+                agent.call("session/resume", {**SESSION_PARAMS, "sessionId": session_id})
+        except BaseException:
+            agent.stop()
+            with self.cond:
+                self.starting -= 1
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            self.starting -= 1
+            self.live[session_id] = agent
+            self.busy.add(session_id)
+            self._count()
+        return agent, session_id
+
+    def acquire(self, session_id: str | None) -> tuple[Agent, str]:
+        with self.cond:
+            if session_id is not None and session_id in self.live:
+                self.live.move_to_end(session_id)
+                self.busy.add(session_id)
+                return self.live[session_id], session_id
+            self._slot()
+        return self._spawn(session_id)
+
+    def release(self, session_id: str) -> None:
+        with self.cond:
+            self.busy.discard(session_id)
+            if session_id in self.live:
+                self.live.move_to_end(session_id)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            agents, self.live = list(self.live.values()), collections.OrderedDict()
+        for agent in agents:
+            agent.stop()
+
+
+class DirectClient:
+    def __init__(self, cap: int, env: dict[str, str]) -> None:
+        self.tally = Tally()
+        self.pool = DirectPool(cap, env, self.tally)
+
+    def new_session(self) -> str:
+        _, session_id = self.pool.acquire(None)
+        self.pool.release(session_id)
+        return session_id
+
+    def prompt(self, session_id: str) -> Turn:
+        start = time.perf_counter()
+        agent, _ = self.pool.acquire(session_id)
+        try:
+            answer, updates = agent.call("session/prompt", prompt_params(session_id))
+        finally:
+            self.pool.release(session_id)
+        seconds = time.perf_counter() - start
+        if "result" not in answer:
+            return Turn(seconds, error=error_reason(answer))
+        resumed, error = check_turn(answer["result"], updates)
+        return Turn(seconds, resumed, error)
+
+
+# --- sampling the process tree -----------------------------------------------------------------
+
+
+class TreeSampler:
+    """Every ``SAMPLE_INTERVAL`` s: live adapters under ``root`` and the RSS of the tree (peaks kept).
+
+    ``depth`` is how far below ``root`` the adapters are: 1 for the client's own
+    agents, 2 under a proxy (proxy -> wrapper -> adapter). ``count_root``: add
+    the root's own RSS (the proxy's; not the client's).
+    """
+
+    def __init__(self, root: int, depth: int, count_root: bool) -> None:
+        self.root, self.depth, self.count_root = root, depth, count_root
+        self.peak_adapters = 0
+        self.peak_rss = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> None:
+        try:
+            root = psutil.Process(self.root)
+            tree = root.children(recursive=True)
+            rss = root.memory_info().rss if self.count_root else 0
+        except psutil.Error:
+            return
+        level = {self.root: 0}
+        adapters = 0
+        for process in tree:  # psutil lists parents before their children
+            with contextlib.suppress(psutil.Error):
+                level[process.pid] = level.get(process.ppid(), 0) + 1
+                if process.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                rss += process.memory_info().rss
+                adapters += level[process.pid] == self.depth
+        self.peak_adapters = max(self.peak_adapters, adapters)
+        self.peak_rss = max(self.peak_rss, rss)
+        self.samples += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_INTERVAL):
+            self.sample()
+
+
+def peak_lifetimes(path: Path) -> tuple[int, int]:
+    """(the most agents alive at once, agents that never recorded their end) from ``load_agent.py``'s records."""
+    starts: dict[str, float] = {}
+    ends: dict[str, float] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        event, pid, moment = line.split()
+        (starts if event == "start" else ends)[pid] = float(moment)
+    events = [(moment, 1) for moment in starts.values()]
+    events += [(ends.get(pid, float("inf")), -1) for pid in starts]
+    alive = peak = 0
+    for _, delta in sorted(events):  # at the same instant an end sorts before a start
+        alive += delta
+        peak = max(peak, alive)
+    return peak, sum(1 for pid in starts if pid not in ends)
+
+
+# --- one run ---------------------------------------------------------------------------------
+
+
+def drive(client: Any, bursts: int, who: str) -> dict[str, Any]:
+    """All sessions at once: create, then bursts of turns; what each turn and each creation took."""
+    created: list[float] = []
+    turns: list[Turn] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(SESSIONS + 1)
+
+    def session(index: int) -> None:
+        rng = random.Random(SEED * 1000 + index)
+        session_id = None
+        try:
+            start = time.perf_counter()
+            session_id = client.new_session()
+            with lock:
+                created.append(time.perf_counter() - start)
+        except BenchError as exc:
+            with lock:
+                failures.append(f"session/new: {exc}")
+        with contextlib.suppress(threading.BrokenBarrierError):
+            barrier.wait()
+        if session_id is None:
+            return
+        for _ in range(bursts):
+            time.sleep(rng.uniform(0, THINK_MAX))
+            for _ in range(BURST_TURNS):
+                try:
+                    turn = client.prompt(session_id)
+                except BenchError as exc:
+                    turn = Turn(0.0, error=str(exc))
+                with lock:
+                    turns.append(turn)
+
+    threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(SESSIONS)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    creation_s = time.perf_counter() - start
+    progress(f"load: {who}: {len(created)} sessions created in {creation_s:.1f} s; turns ...")
+    turns_start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    turns_s = time.perf_counter() - turns_start
+    return {"created": created, "creation_s": creation_s, "turns": turns, "turns_s": turns_s, "failures": failures}
+
+
+def summarize(mode: str, driven: dict[str, Any], waits: list[float], extra: dict[str, Any]) -> dict[str, Any]:
+    turns: list[Turn] = driven["turns"]
+    ok = [t for t in turns if t.error is None]
+    resumed = sorted(t.seconds * 1000 for t in ok if t.resumed)
+    live = sorted(t.seconds * 1000 for t in ok if not t.resumed)
+    created = sorted(s * 1000 for s in driven["created"])
+    waits_ms = sorted(w * 1000 for w in waits)
+    errors = collections.Counter(t.error for t in turns if t.error is not None)
+
+    def stats(values: list[float]) -> dict[str, float | None]:
+        if not values:
+            return {"n": 0, "p50": None, "p99": None, "max": None, "mean": None}
+        return {
+            "n": len(values),
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+            "max": values[-1],
+            "mean": statistics.fmean(values),
+        }
+
+    return {
+        "mode": mode,
+        "sessions": SESSIONS,
+        "turns": len(turns),
+        "turns_ok": len(ok),
+        "updates": len(ok) * UPDATES,
+        "creation_s": driven["creation_s"],
+        "session_new_ms": stats(created),
+        "turns_s": driven["turns_s"],
+        "turns_per_s": len(ok) / driven["turns_s"],
+        "resumes_per_s": len(resumed) / driven["turns_s"],
+        "updates_per_s": len(ok) * UPDATES / driven["turns_s"],
+        "resumed_ms": stats(resumed),
+        "live_ms": stats(live),
+        "acquire_ms": stats(waits_ms),
+        "turn_errors": dict(errors),
+        "session_new_failures": driven["failures"],
+        **extra,
+    }
+
+
+def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any]:
+    mode = proxy_mode(backend)
+    who = mode_label(mode)
+    lifetimes = workdir / f"lifetimes-{mode}.txt"
+    env = {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)}
+    state = workdir / f"state-{backend}"
+    config = workdir / f"load-{backend}.toml"
+    config.write_text(
+        f"[pool]\nmax_live = {MAX_LIVE}\n[backends.{BACKEND}]\ncommand = {json.dumps(agent_argv())}\n",
+    )
+    acquires = workdir / f"acquires-{backend}.txt"
+    argv = [sys.executable, str(LOAD_PROXY), str(acquires), "--async-backend", backend, "--config", str(config)]
+    client = ProxyClient(argv, {**env, "ACP_PROXY_STATE_DIR": str(state)}, who)
+    try:
+        answer = client.call("initialize", INITIALIZE_PARAMS, timeout=30)
+        if answer is None or "result" not in answer:
+            raise BenchError(f"{who}: initialize answered {str(answer)[:300]}")
+        with TreeSampler(client.process.pid, depth=2, count_root=True) as sampler:
+            driven = drive(client, bursts, who)
+            sampler.sample()
+        proxy_hwm = proc_status_kb(client.process.pid, "VmHWM")
+        status = client.close()
+    except BaseException:
+        client.kill()
+        raise
+    finally:
+        logged = client.stderr_text()
+        client.stderr.close()
+    lines = acquires.read_text().split() if acquires.exists() else []
+    waits = [float(v) for v, outcome in zip(lines[::2], lines[1::2], strict=True) if outcome == "ok"]
+    failed_acquires = sum(1 for outcome in lines[1::2] if outcome != "ok")
+    if status != 0:
+        raise BenchError(f"{who}: the proxy exited with status {status}: {logged[-500:]}")
+    row = summarize(
+        mode,
+        driven,
+        waits,
+        {
+            "requests": client.tally.lost(),
+            "unexpected_lines": len(client.unexpected),
+            "peak_adapters_sampled": sampler.peak_adapters,
+            **lifetime_figures(lifetimes),
+            "samples": sampler.samples,
+            "proxy_peak_rss_mb": None if proxy_hwm is None else proxy_hwm / 1024,
+            "tree_peak_rss_mb": sampler.peak_rss / (1 << 20),
+            "acquires_failed": failed_acquires,
+            "log_lines": logged.count("\n"),
+            "pool_full_log_lines": logged.count(" pool full for backend "),
+        },
+    )
+    return row
+
+
+def lifetime_figures(path: Path) -> dict[str, int]:
+    peak, unended = peak_lifetimes(path)
+    return {"peak_adapters_exact": peak, "agents_without_end": unended}
+
+
+def direct_run(mode: str, env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any]:
+    who = mode_label(mode)
+    lifetimes = workdir / f"lifetimes-{mode}.txt"
+    env = {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)}
+    client = DirectClient(MAX_LIVE if mode == DIRECT_POOL else SESSIONS, env)
+    try:
+        with TreeSampler(os.getpid(), depth=1, count_root=False) as sampler:
+            driven = drive(client, bursts, who)
+            sampler.sample()
+    finally:
+        client.pool.close()
+    return summarize(
+        mode,
+        driven,
+        client.pool.waits,
+        {
+            "requests": client.tally.lost(),
+            "unexpected_lines": 0,
+            "peak_adapters_sampled": sampler.peak_adapters,
+            "peak_adapters_counted": client.pool.peak,
+            **lifetime_figures(lifetimes),
+            "samples": sampler.samples,
+            "proxy_peak_rss_mb": None,
+            "tree_peak_rss_mb": sampler.peak_rss / (1 << 20),
+        },
+    )
+
+
+def check_row(report: Report, row: dict[str, Any]) -> None:
+    """What makes a run fail: lost or duplicated answers, a short stream, more processes than the cap."""
+    who = f"load {mode_label(row['mode'])}"
+    requests = row["requests"]
+    if requests["lost"] or requests["duplicated"] or requests["stray"] or row["unexpected_lines"]:
+        report.errors.append(f"{who}: requests {requests}, unexpected lines {row['unexpected_lines']}")
+    short = {e: n for e, n in row["turn_errors"].items() if "updates streamed" in e}
+    if short:
+        report.errors.append(f"{who}: turns with a short stream: {short}")
+    if row["session_new_failures"]:
+        report.errors.append(f"{who}: session/new failed: {row['session_new_failures'][:3]}")
+    cap = MAX_LIVE if row["mode"] != DIRECT_ALL else SESSIONS
+    peak = max(row["peak_adapters_sampled"], row["peak_adapters_exact"])
+    row["over_cap"] = peak > cap
+    if row["over_cap"]:
+        report.errors.append(f"{who}: {peak} live adapters at once, the cap is {cap}")
+
+
+def measure_load(report: Report, args: argparse.Namespace) -> dict[str, Any]:
+    bursts = QUICK_BURSTS if args.quick else BURSTS
+    token = secrets.token_hex(8)
+    env = {**child_environment(), BENCH_MARKER: token}
+    env.pop("ACP_PROXY_CONFIG", None)
+    results: dict[str, Any] = {
+        "sessions": SESSIONS,
+        "max_live": MAX_LIVE,
+        "updates_per_turn": UPDATES,
+        "bursts": bursts,
+        "burst_turns": BURST_TURNS,
+        "think_max_s": THINK_MAX,
+        "seed": SEED,
+        "rows": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-load-") as name:
+        workdir = Path(name)
+        runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            (DIRECT_POOL, lambda: direct_run(DIRECT_POOL, env, workdir, bursts))
+        ]
+        for backend in args.backends:
+            runs.append((proxy_mode(backend), lambda b=backend: proxy_run(b, env, workdir, bursts)))
+        runs.append((DIRECT_ALL, lambda: direct_run(DIRECT_ALL, env, workdir, bursts)))
+        for mode, run in runs:
+            progress(f"load: {mode_label(mode)}, {SESSIONS} sessions x {bursts * BURST_TURNS} turns ...")
+            row = attempt(report, f"load {mode_label(mode)}", run)
+            if row is not None:
+                check_row(report, row)
+                results["rows"].append(row)
+    base = next((r for r in results["rows"] if r["mode"] == DIRECT_POOL), None)
+    for row in results["rows"]:
+        row["vs_direct_pool_throughput"] = row["turns_per_s"] / base["turns_per_s"] if base else None
+        for kind in ("resumed_ms", "live_ms"):
+            ours, theirs = row[kind]["p50"], base[kind]["p50"] if base else None
+            row[f"added_{kind}_p50"] = ours - theirs if ours is not None and theirs is not None else None
+    deadline = time.monotonic() + LEFTOVER_WAIT
+    while (left := marked_processes(token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    results["left_running"] = left
+    if left:
+        for pid in left:
+            kill_if_alive(pid, start_ticks(pid))
+        report.errors.append(f"load: processes outlived the benchmark (killed now): {left}")
+    return results
+
+
+# --- reporting -------------------------------------------------------------------------------
+
+
+def render(results: dict[str, Any]) -> list[str]:
+    rows = results.get("rows") or []
+    if not rows:
+        return []
+    turns = results["bursts"] * results["burst_turns"]
+    out = [
+        f"## Load: {results['sessions']} concurrent sessions over `max_live = {results['max_live']}`, "
+        f"{turns} streaming turns each ({results['updates_per_turn']} updates of 180 B), one client",
+        "",
+        f"Each session is a client thread: `session/new` all at once, then {results['bursts']} burst(s) of "
+        f"{results['burst_turns']} back-to-back prompts after a random pause of up to "
+        f"{results['think_max_s'] * 1000:.0f} ms (seed {results['seed']}). A turn is *resumed* when it was the "
+        "first on a process that had just restored its session, else *live* (the agent says which). "
+        f"Direct, {results['max_live']} at a time: the client itself runs the agents under the same cap and "
+        "LRU rule (stop the least recently used idle agent and wait for its exit, spawn, `initialize`, "
+        "`session/resume`): the same work without the proxy, and the base of the ratios. "
+        f"Direct, all {results['sessions']} live: no cap, nothing ever resumes. Slot waits through the "
+        "proxy: every call of the pool's acquire (including `session/new`), timed in the proxy; direct: the "
+        "client pool's own. Peak live adapters: sampled from /proc every "
+        f"{SAMPLE_INTERVAL * 1000:.0f} ms / exact (from each agent's own record of its start and exit). "
+        "Tree RSS: the peak sampled sum over proxy, wrappers and adapters "
+        "(direct: the agents).",
+        "",
+    ]
+    table_rows = []
+    for row in rows:
+        is_proxy = row["mode"].startswith("proxy-")
+        exact = row["peak_adapters_exact"]
+        errors = sum(row["turn_errors"].values())
+        table_rows.append(
+            [
+                mode_label(row["mode"]),
+                f"{row['turns_ok']:,}/{row['turns']:,}",
+                fmt(row["turns_s"], 1),
+                fmt(row["turns_per_s"], 0),
+                fmt(row["resumes_per_s"], 1),
+                fmt(row["updates_per_s"], 0),
+                fmt(row["vs_direct_pool_throughput"], 2, "x") if row["mode"] != DIRECT_POOL else "",
+                f"{fmt(row['resumed_ms']['p50'], 1)} ({fmt(row['resumed_ms']['p99'], 1)}), n={row['resumed_ms']['n']}",
+                f"{fmt(row['live_ms']['p50'], 1)} ({fmt(row['live_ms']['p99'], 1)}), n={row['live_ms']['n']}",
+                f"{fmt(row['acquire_ms']['p50'], 1)} / {fmt(row['acquire_ms']['p99'], 1)} / "
+                f"{fmt(row['acquire_ms']['max'], 1)}, n={row['acquire_ms']['n']}",
+                f"{row['peak_adapters_sampled']} / {exact}" + (" **OVER**" if row["over_cap"] else ""),
+                fmt(row["proxy_peak_rss_mb"], 1) if is_proxy else "",
+                fmt(row["tree_peak_rss_mb"], 0),
+                str(row["requests"]["lost"] + row["requests"]["duplicated"]),
+                str(errors) + (f" {row['turn_errors']}" if errors else ""),
+            ]
+        )
+    header = [
+        "run by",
+        "turns ok",
+        "turn phase s",
+        "turns/s",
+        "resumes/s",
+        "updates/s",
+        "throughput vs direct 8",
+        "resumed turn p50 (p99) ms",
+        "live turn p50 (p99) ms",
+        "slot wait p50 / p99 / max ms",
+        "peak live adapters sampled / exact",
+        "proxy peak RSS MB",
+        "tree peak RSS MB",
+        "requests lost",
+        "turn errors",
+    ]
+    out += table(header, table_rows)
+    out += [""]
+    for row in rows:
+        created = row["session_new_ms"]
+        line = (
+            f"* {mode_label(row['mode'])}: {row['sessions']} `session/new` at once took {row['creation_s']:.1f} s "
+            f"(each p50 {fmt(created['p50'], 0)} ms, p99 {fmt(created['p99'], 0)} ms)"
+        )
+        if row["mode"] != DIRECT_POOL and row.get("added_resumed_ms_p50") is not None:
+            line += f"; resumed p50 {row['added_resumed_ms_p50']:+.1f} ms vs direct 8"
+        if row.get("added_live_ms_p50") is not None and row["mode"] != DIRECT_POOL:
+            line += f", live p50 {row['added_live_ms_p50']:+.1f} ms"
+        requests = row["requests"]
+        line += f"; {requests['sent']:,} requests, {requests['lost']} lost, {requests['duplicated']} answered twice"
+        if "log_lines" in row:
+            line += (
+                f"; the proxy logged {row['log_lines']:,} lines ({row['pool_full_log_lines']:,} 'pool full'), "
+                f"{row['acquires_failed']} slot waits failed"
+            )
+        out.append(line + ".")
+    left = results.get("left_running", [])
+    out += [
+        "",
+        "Processes carrying this run's marker left running at the end of the load benchmark: "
+        + (", ".join(map(str, left)) + " (killed)" if left else "none"),
+        "",
+    ]
+    return out
