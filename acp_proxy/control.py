@@ -151,7 +151,7 @@ def parse_request(line: bytes) -> tuple[object, str, dict[str, Any]]:
     """``(id, command, args)`` of a request line; ``ControlError`` naming what is wrong otherwise."""
     try:
         request = json.loads(line)
-    except (UnicodeDecodeError, ValueError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         raise ControlError("parse_error", "the request is not valid JSON") from None
     if not isinstance(request, dict):
         raise ControlError("invalid_request", "a request is a JSON object with a 'command'")

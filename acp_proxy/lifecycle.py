@@ -192,6 +192,7 @@ class SessionLifecycle:
     _reserved: dict[str, int]
     _evicting: set[Adapter]
     _pool_changed: anyio.Event
+    _slot_queues: dict[str, collections.deque[object]]
     _client_init: Raw | UnsetType
     _auth_params: Raw | UnsetType
     _tasks: anyio.abc.TaskGroup | None
@@ -294,35 +295,50 @@ class SessionLifecycle:
 
         Waits at most ``acquire_timeout``; then ``RestoreFailed`` with ``pool_exhausted``.
         The caller must call ``_release_reservation`` once the process runs (or failed).
+        Waiters for one backend are served first come, first served: only the oldest
+        plans, so a slot freed for it is not taken by a later arrival, and none waits
+        out its timeout behind newer ones.
         """
         deadline = anyio.current_time() + self.config.pool.acquire_timeout
-        while True:
-            if self._refusing:
-                raise self._shutdown_error()
-            decision = plan_acquire(
-                self._slots(),
-                backend.name,
-                backend_cap=self._backend_cap(backend),
-                global_cap=self.config.pool.max_live,
-                reserved=self._reserved,
-            )
-            changed = self._pool_changed
-            if isinstance(decision, Admit):
-                if decision.evict is None:
-                    self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
-                    return
-                if self._evict(decision.evict):
-                    # The slot is ours once its process has exited: a wait bounded by the
-                    # teardown's own graces, not by acquire_timeout (that is for busy sessions).
+        queue = self._slot_queues.setdefault(backend.name, collections.deque())
+        ticket = object()
+        queue.append(ticket)
+        waiting_logged = False
+        try:
+            while True:
+                if self._refusing:
+                    raise self._shutdown_error()
+                changed = self._pool_changed
+                if queue[0] is ticket:
+                    decision = plan_acquire(
+                        self._slots(),
+                        backend.name,
+                        backend_cap=self._backend_cap(backend),
+                        global_cap=self.config.pool.max_live,
+                        reserved=self._reserved,
+                    )
+                    if isinstance(decision, Admit):
+                        if decision.evict is None:
+                            self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
+                            return
+                        if self._evict(decision.evict):
+                            # The slot is ours once its process has exited: a wait bounded by the
+                            # teardown's own graces, not by acquire_timeout (that is for busy sessions).
+                            await changed.wait()
+                            continue
+                    elif not waiting_logged:
+                        log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
+                        waiting_logged = True
+                remaining = deadline - anyio.current_time()
+                if remaining <= 0:
+                    break
+                with anyio.move_on_after(remaining):
                     await changed.wait()
-                    continue
-            else:
-                log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
-            remaining = deadline - anyio.current_time()
-            if remaining <= 0:
-                break
-            with anyio.move_on_after(remaining):
-                await changed.wait()
+        finally:
+            queue.remove(ticket)
+            if not queue:
+                del self._slot_queues[backend.name]
+            self._notify_pool()  # the next in line plans now
         cap = self._backend_cap(backend)
         raise RestoreFailed(
             jsonrpc.INTERNAL_ERROR,

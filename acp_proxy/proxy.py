@@ -11,6 +11,7 @@ decoded with one call and written back as the very block that was read.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import signal
@@ -200,6 +201,8 @@ class Proxy(SessionLifecycle, TaskKeeping):
         self._reserved: dict[str, int] = {}
         self._evicting: set[Adapter] = set()
         self._pool_changed = anyio.Event()
+        self._slot_queues: dict[str, collections.deque[object]] = {}
+        """Per backend, who waits for a process slot, oldest first."""
         self._client_init: Raw | UnsetType = UNSET
         self._auth_params: Raw | UnsetType = UNSET
         self._gateway = LineWriter(gateway_out)
@@ -340,12 +343,15 @@ class Proxy(SessionLifecycle, TaskKeeping):
                         {"reason": "invalid_request"},
                     )
                     continue
-                if kind is Kind.REQUEST:
-                    await self._route_request(msg)
-                elif kind is Kind.NOTIFICATION:
-                    await self._route_notification(msg, line)
-                else:
-                    await self._forward_answer(msg)
+                try:
+                    if kind is Kind.REQUEST:
+                        await self._route_request(msg)
+                    elif kind is Kind.NOTIFICATION:
+                        await self._route_notification(msg, line)
+                    else:
+                        await self._forward_answer(msg)
+                except sqlite3.Error as exc:
+                    await self._state_failed(exc, msg.id if kind is Kind.REQUEST else None)
 
     def _overlong_error(self) -> bytes:
         limit = self.config.max_line_bytes
@@ -363,11 +369,28 @@ class Proxy(SessionLifecycle, TaskKeeping):
         async def handle() -> None:
             try:
                 await work()
+            except sqlite3.Error as exc:
+                await self._state_failed(exc, None)
             finally:
                 self._handlers -= 1
 
         self._handlers += 1  # counted from now: shutdown waits for work not yet begun, too
         self._tasks.start_soon(handle)
+
+    async def _state_failed(self, exc: sqlite3.Error, request_id: RequestId | UnsetType) -> None:
+        """The state database failed under a request: it gets an error, the proxy keeps serving."""
+        log.error(
+            "the state database %s failed: %s; the proxy keeps serving (acp-proxy status says more)",
+            self.owner.db.path,
+            exc,
+        )
+        if request_id is not UNSET and request_id is not None:
+            await self._fail(
+                request_id,
+                jsonrpc.INTERNAL_ERROR,
+                f"acp-proxy's state database failed: {exc}",
+                {"reason": "state_error"},
+            )
 
     async def _route_request(self, msg: Message) -> None:
         assert isinstance(msg.method, str)

@@ -162,12 +162,12 @@ def updates_in(block: bytes) -> list[_Update]:
     """The ``session/update`` payloads of a block of notification lines; lines that do not parse are skipped."""
     try:
         messages = _notification_decoder.decode_lines(block)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         messages = []
         for line in block.splitlines():
             try:
                 messages.append(_notification_decoder.decode(line))
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 continue
     return [
         msg.params.update
@@ -183,7 +183,7 @@ def agent_text(update: _Update) -> str:
         return ""
     try:
         content = _text_decoder.decode(update.content)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return ""
     return content.text if content.type == "text" and content.text else ""
 

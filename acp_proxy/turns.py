@@ -70,7 +70,7 @@ def stop_reason_of(result: Raw | UnsetType) -> str | None:
         return None
     try:
         return _prompt_result_decoder.decode(result).stopReason
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
@@ -83,7 +83,7 @@ def error_text(error: jsonrpc.ErrorObject) -> str:
     if error.data is not UNSET:
         try:
             data = msgspec.json.decode(error.data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             data = None
         detail = data.get("message") if isinstance(data, dict) else data
     if not isinstance(detail, str) or not detail.strip() or detail == error.message:

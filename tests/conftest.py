@@ -10,6 +10,10 @@ import pytest
 
 from tests.harness import MARKER_VARIABLE, kill_marked, marked_processes
 
+# Config files the tests write must not be group-writable (the proxy refuses those), whatever
+# umask the suite is started with (many distributions give users 002).
+os.umask(0o022)
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:

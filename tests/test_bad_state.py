@@ -132,9 +132,13 @@ def truncate_mid_file(path: Path) -> None:
 
 def overwrite_the_instances_table(path: Path) -> None:
     """The page every starting proxy writes first holds garbage now; the header and schema are intact."""
+    overwrite_table(path, "instances")
+
+
+def overwrite_table(path: Path, table: str) -> None:
     conn = sqlite3.connect(path)
     page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-    (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = 'instances'").fetchone()
+    (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name = ?", (table,)).fetchone()
     conn.close()
     with open(path, "r+b") as fh:
         fh.seek((root - 1) * page_size)
@@ -395,3 +399,28 @@ async def test_a_full_disk_costs_no_answer_and_the_rows_follow_once_there_is_spa
         assert await gw.close() == 0
     assert b"Traceback" not in gw.stderr
     assert stat.S_IMODE(db_path.stat().st_mode) == 0o600
+
+
+def test_a_table_damaged_under_a_serving_proxy_is_an_error_to_each_request_not_an_exit(
+    proc_env: dict[str, str],
+) -> None:
+    """The proxy starts (its own tables are fine); every request that needs the damaged one gets an error."""
+    path = populate(proc_env)
+    overwrite_table(path, "sessions")
+    prompt = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "session/prompt",
+        "params": {"sessionId": "fake-1", "prompt": [{"type": "text", "text": "stream 1"}]},
+    }
+    echo = {"jsonrpc": "2.0", "id": 3, "method": "_fake/echo", "params": {"still": "serving"}}
+    stdin = "".join(json.dumps(r) + "\n" for r in [REQUESTS[0], prompt, {**prompt, "id": 4}, echo])
+    result = run(proc_env, "--", *fake_command(), stdin=stdin)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    answers = {m["id"]: m for m in map(json.loads, result.stdout.splitlines()) if "id" in m and "method" not in m}
+    assert sorted(answers) == [0, 2, 3, 4], "every request answered once"
+    for request_id in (2, 4):
+        assert answers[request_id]["error"]["data"]["reason"] == "state_error", answers[request_id]
+        assert str(path) in result.stderr
+    assert answers[3]["result"] == {"still": "serving"}

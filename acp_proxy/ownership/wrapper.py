@@ -222,7 +222,8 @@ def write_tombstone(path: str, status: int) -> None:
     if not path:
         return
     try:
-        with open(path + ".tmp", "w") as fh:
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private, whatever the umask
+        with open(fd, "w") as fh:
             fh.write(f'{{"status": {status}, "at": {time.time():.3f}}}')
         os.replace(path + ".tmp", path)
     except OSError:
