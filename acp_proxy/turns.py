@@ -31,6 +31,7 @@ from acp_proxy.adapter import Adapter, AdapterGone, PendingCall
 from acp_proxy.config import Config
 from acp_proxy.jsonrpc import Message, RequestId
 from acp_proxy.logs import ids
+from acp_proxy.ownership.leases import prune_ended
 from acp_proxy.sessions import SessionRegistry
 from acp_proxy.tasks import (
     TERMINAL,
@@ -160,13 +161,16 @@ class TaskKeeping:
         self._prune()
 
     def _prune(self) -> None:
+        """Finished tasks and ended leases older than ``[tasks] retention`` go (the history an operator reads)."""
+        retention = self.config.tasks.retention
         try:
-            pruned = prune(self.tasks.db, self.config.tasks.retention)
+            pruned = prune(self.tasks.db, retention)
+            leases = prune_ended(self.tasks.db, retention)
         except sqlite3.Error as exc:
-            log.error("task pruning skipped: the state database: %s", exc)
+            log.error("pruning skipped: the state database: %s", exc)
             return
-        if pruned:
-            log.info("pruned %d task(s) that ended more than %gs ago", pruned, self.config.tasks.retention)
+        if pruned or leases:
+            log.info("pruned %d task(s) and %d lease(s) that ended more than %gs ago", pruned, leases, retention)
 
     # --- opening -------------------------------------------------------------------------
 

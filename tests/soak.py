@@ -805,28 +805,35 @@ async def _final_epoch(workdir: Path, env: dict[str, str], config: Path, report:
     log = workdir / "proxy-final.log"
     sessions = [s for w in workers for s in w.sessions]
     async with Link.start(env, config, report, log) as link:
-        await link.initialize()
-        checker = Worker(-1, Options(seed=0, ops=0), report, sessions)
-        for s in sessions:
-            if s.closed is True:
-                await checker.closed_probe(link, s)
-                continue
-            maybe_closed = s.closed is None
-            await checker.load(link, s)
-            if s.closed is True:
-                continue
-            if maybe_closed:
-                s.closed = False
-            report.sessions_checked += 1
-        tolerance = sum(w.unknown_news for w in workers)
-        await check_list(link, report, sessions, tolerance=tolerance, strict=True)
-        for session_id in link.history_resets:
-            report.violation(f"{session_id} lost its history (historyReset) after restarts")
+        try:
+            await _check_every_session(link, report, workers, sessions)
+        except ProxyGone:
+            report.violation(f"the final proxy ended while sessions were being checked; see {log}")
     if link.process.returncode != 0:
         report.violation(f"the final proxy exited with status {link.process.returncode}; see {log}")
     if link.unanswered():
         report.violation(f"the final proxy never answered: {link.unanswered()[:10]}")
     report.answered_once += link.answered_once()
+
+
+async def _check_every_session(link: Link, report: Report, workers: list[Worker], sessions: list[Tracked]) -> None:
+    await link.initialize()
+    checker = Worker(-1, Options(seed=0, ops=0), report, sessions)
+    for s in sessions:
+        if s.closed is True:
+            await checker.closed_probe(link, s)
+            continue
+        maybe_closed = s.closed is None
+        await checker.load(link, s)
+        if s.closed is True:
+            continue
+        if maybe_closed:
+            s.closed = False
+        report.sessions_checked += 1
+    tolerance = sum(w.unknown_news for w in workers)
+    await check_list(link, report, sessions, tolerance=tolerance, strict=True)
+    for session_id in link.history_resets:
+        report.violation(f"{session_id} lost its history (historyReset) after restarts")
 
 
 def _check_database(state_dir: Path, report: Report) -> None:

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from acp_proxy.ownership import instances, wrapper
-from acp_proxy.ownership.leases import LeaseState, all_leases, create_lease, set_state
+from acp_proxy.ownership.leases import LeaseState, all_leases, create_lease, prune_ended, set_state
 from acp_proxy.ownership.proctable import ProcFS, PsutilTable
 from acp_proxy.ownership.reaping import marker_index
 from acp_proxy.ownership.supervised import WrapperReport
@@ -335,3 +335,23 @@ def test_one_scan_indexes_every_marker(proc_env: dict[str, str]) -> None:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_prune_ended_deletes_only_old_closed_and_lost_leases_and_is_idempotent(tmp_path: Path) -> None:
+    db = StateDB(tmp_path / "state")
+    week = 7 * 86400.0
+    moment = time.time()
+    ages = {"closed": week + 60, "lost": week + 60, "unverifiable": week + 60, "open": week + 60}
+    leases = {}
+    for state, age in [*ages.items(), ("recent-closed", week - 60)]:
+        lease = create_lease(db, instance_id="i", boot_id="b", backend="x", argv=(state,))
+        with db.transaction() as conn:
+            conn.execute(
+                "UPDATE leases SET state = ?, updated_at = ? WHERE lease_id = ?",
+                (state.removeprefix("recent-"), moment - age, lease.lease_id),
+            )
+        leases[state] = lease.lease_id
+    assert prune_ended(db, week, at=moment) == 2
+    assert prune_ended(db, week, at=moment) == 0
+    kept = {row[0] for row in db.conn.execute("SELECT lease_id FROM leases")}
+    assert kept == {leases["unverifiable"], leases["open"], leases["recent-closed"]}

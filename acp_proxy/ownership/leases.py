@@ -18,6 +18,7 @@ import enum
 import json
 import os
 import sqlite3
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -193,6 +194,19 @@ def leases_of_instance(db: StateDB, instance_id: str, *, active_only: bool = Tru
     if active_only:
         query += " AND state IN ('starting', 'open', 'closing')"
     return [Lease.from_row(row) for row in db.conn.execute(query + " ORDER BY created_at", (instance_id,))]
+
+
+def prune_ended(db: StateDB, retention: float, *, at: float | None = None) -> int:
+    """Delete ``closed`` and ``lost`` leases last changed more than ``retention`` seconds ago; idempotent.
+
+    Every adapter process started leaves a lease row, so a busy install would grow its
+    database without end. ``unverifiable`` leases stay: each names processes an operator
+    still has to look at.
+    """
+    cutoff = (time.time() if at is None else at) - retention
+    with db.transaction() as conn:
+        cursor = conn.execute("DELETE FROM leases WHERE state IN ('closed', 'lost') AND updated_at < ?", (cutoff,))
+    return cursor.rowcount
 
 
 def all_leases(db: StateDB, *, limit: int = 200) -> list[Lease]:
