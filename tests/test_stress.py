@@ -37,6 +37,7 @@ import anyio.abc
 import pytest
 
 from tests.harness import Gateway, pid_alive
+from tests.test_ownership import survivors
 from tests.test_sessions import RESUME_AND_LOAD, write_config
 
 pytestmark = pytest.mark.anyio
@@ -44,7 +45,6 @@ pytestmark = pytest.mark.anyio
 A_PROXIES = 5
 SESSIONS_PER_PROXY = 2
 ROUNDS = 6
-GONE_WITHIN = 8.0  # a liveness bound for the checks below, not a performance figure
 LEASE_VARIABLE = "ACP_PROXY_LEASE"
 ACTIVE = ("starting", "open", "closing")
 ENDED = ("closed", "lost")
@@ -108,13 +108,6 @@ def marked_by_install(install: str) -> dict[int, str]:
             if entry.startswith(prefix):
                 found[pid] = entry[len(prefix) :].split(b".")[0].decode()
     return found
-
-
-async def survivors(pids: list[int], timeout: float = GONE_WITHIN) -> list[int]:
-    with anyio.move_on_after(timeout):
-        while any(pid_alive(p) for p in pids):
-            await anyio.sleep(0.02)
-    return [p for p in pids if pid_alive(p)]
 
 
 # --- proxies, each in its own task so that any of them can end at any time -------------------
