@@ -25,34 +25,13 @@ import time
 import uuid
 from typing import Any
 
-LINE_BYTES = 180
+from stream_agent import update_line, write_all  # this script's own directory
+
 DEFAULT_UPDATES = 20
-FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor " * 4
-
-OUT = sys.stdout.fileno()
-
-
-def write_all(data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(OUT, view) :]
 
 
 def line(message: dict[str, Any]) -> bytes:
     return json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":")).encode() + b"\n"
-
-
-def update_line(session_id: str, index: int) -> bytes:
-    """One ``session/update`` line of ``LINE_BYTES`` bytes (longer only for a very long session id)."""
-    head = (
-        '{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":'
-        + json.dumps(session_id)
-        + ',"update":{"sessionUpdate":"agent_message_chunk","content":{"type":"text","text":"'
-    )
-    tail = '"}}}}\n'
-    text = f"chunk {index:06d} {FILLER}"
-    room = max(1, LINE_BYTES - len(head) - len(tail))
-    return (head + text[:room] + tail).encode()
 
 
 def requested_updates(params: dict[str, Any]) -> int:
