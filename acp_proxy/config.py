@@ -20,7 +20,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from acp_proxy.jsonrpc import DEFAULT_MAX_LINE_BYTES
+from acp_proxy.protocol.jsonrpc import DEFAULT_MAX_LINE_BYTES
 
 ResumeStrategy = Literal["auto", "resume", "load", "new", "never"]
 RESUME_STRATEGIES: Final = ("auto", "resume", "load", "new", "never")

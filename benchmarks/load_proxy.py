@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Any
 
-from acp_proxy.cli import main
-from acp_proxy.lifecycle import SessionLifecycle
+from acp_proxy.operator.cli import main
+from acp_proxy.sessions.lifecycle import SessionLifecycle
 
 
 def time_acquires(path: str) -> None:

@@ -61,7 +61,7 @@ from typing import IO, Any, Protocol
 
 import msgspec
 
-from acp_proxy.sessions import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
+from acp_proxy.sessions.registry import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
 from acp_proxy.state import StateDB
 from benchmarks.common import (
     ROOT,

@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 
 from acp_proxy.state import StateDB
-from acp_proxy.tasks import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
+from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
 from benchmarks.common import (
     ROOT,
     BenchError,

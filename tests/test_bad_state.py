@@ -31,11 +31,11 @@ from typing import Any
 import anyio
 import pytest
 
-from acp_proxy import jsonrpc
-from acp_proxy.jsonrpc import Message
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.state import StateDB
-from acp_proxy.tasks import TaskRegistry, TaskStatus, get_task
-from acp_proxy.turns import TaskKeeping
+from acp_proxy.tasks.records import TaskRegistry, TaskStatus, get_task
+from acp_proxy.tasks.turns import TaskKeeping
 from tests.harness import Gateway, fake_command
 
 IS_ROOT = os.geteuid() == 0

@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 import pytest
 
-from acp_proxy import control
-from acp_proxy.control import MAX_REQUEST_BYTES, ControlError, ControlServer
+from acp_proxy.operator import control
+from acp_proxy.operator.control import MAX_REQUEST_BYTES, ControlError, ControlServer
 
 pytestmark = pytest.mark.anyio
 

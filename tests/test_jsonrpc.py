@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from acp_proxy import jsonrpc
-from acp_proxy.jsonrpc import BadLine, Kind, LineReader
-from acp_proxy.proxy import annotate_initialize, decoded_lines, is_plain_notification_block
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader
+from acp_proxy.relay.proxy import annotate_initialize, decoded_lines, is_plain_notification_block
 
 
 class ChunkStream(anyio.abc.ByteReceiveStream):

@@ -15,10 +15,10 @@ from typing import Any
 import anyio
 import pytest
 
-from acp_proxy import control
-from acp_proxy.sessions import SessionState
+from acp_proxy.operator import control
+from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
-from acp_proxy.tasks import get_task, list_tasks
+from acp_proxy.tasks.records import get_task, list_tasks
 from tests.harness import Gateway, fake_command, pid_alive
 from tests.test_sessions import RESUME_AND_LOAD, adapter_calls, adapter_pid, registry, write_config
 
@@ -609,9 +609,9 @@ def test_the_demo_runs_clean(proc_env: dict[str, str]) -> None:
 async def test_cancelling_a_task_whose_end_is_being_written_says_it_ended(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from acp_proxy.control import ControlError
-    from acp_proxy.operations import Operations
-    from acp_proxy.tasks import Turn, outcome_of
+    from acp_proxy.operator.control import ControlError
+    from acp_proxy.operator.operations import Operations
+    from acp_proxy.tasks.records import Turn, outcome_of
 
     turn = Turn(task_id="0123456789ab", session_id="s", backend="b", request_id="1")
     turn.start(None, None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from acp_proxy.pool import Admit, Slot, Wait, expired, falls_back_to_new, plan_acquire, restore_method
+from acp_proxy.pool.plan import Admit, Slot, Wait, expired, falls_back_to_new, plan_acquire, restore_method
 
 
 def slot(key: str, backend: str = "a", last_active: float = 0.0, **flags: bool) -> Slot:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from acp_proxy.ownership import instances
-from acp_proxy.sessions import (
+from acp_proxy.sessions.registry import (
     Ownership,
     SessionRecord,
     SessionRegistry,
@@ -81,7 +81,8 @@ def test_sessions_of_a_dead_proxy_become_suspended_those_of_a_live_one_stay(tmp_
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from acp_proxy.state import StateDB; "
-            "from acp_proxy.ownership import instances; from acp_proxy.sessions import SessionRecord, SessionRegistry; "
+            "from acp_proxy.ownership import instances; "
+            "from acp_proxy.sessions.registry import SessionRecord, SessionRegistry; "
             "db = StateDB(Path(sys.argv[1])); i = instances.start_instance(db, 'boot'); "
             "SessionRegistry(db, i.instance_id).create(SessionRecord('kept', 'kept', 'fake', '/w')); "
             "print('ready', flush=True); time.sleep(60)",

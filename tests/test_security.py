@@ -24,8 +24,8 @@ import anyio
 import pytest
 
 from acp_proxy import config as configuration
-from acp_proxy import control
 from acp_proxy.config import ConfigError
+from acp_proxy.operator import control
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases
 from acp_proxy.ownership.proctable import ProcFS
 from acp_proxy.state import StateDB, StateError

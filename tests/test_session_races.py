@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from acp_proxy.sessions import SessionState
+from acp_proxy.sessions.registry import SessionState
 from tests.harness import MARKER_VARIABLE, Gateway, fake_command
 from tests.test_sessions import LOAD_ONLY, RESUME_AND_LOAD, adapter_calls, registry, start, state_of
 

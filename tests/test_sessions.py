@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from acp_proxy.ownership.leases import LeaseState
-from acp_proxy.sessions import SessionRegistry, SessionState
+from acp_proxy.sessions.registry import SessionRegistry, SessionState
 from acp_proxy.state import StateDB
 from tests.harness import Gateway, fake_command, pid_alive
 

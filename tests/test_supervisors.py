@@ -18,8 +18,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from acp_proxy.sessions import SessionState
-from acp_proxy.tasks import get_task
+from acp_proxy.sessions.registry import SessionState
+from acp_proxy.tasks.records import get_task
 from tests.harness import MARKER_VARIABLE, Gateway, marked_processes
 from tests.test_operator import send_prompt, state_db, wait_for_task
 from tests.test_sessions import registry, start, state_of

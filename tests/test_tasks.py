@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from acp_proxy.config import ConfigError, validate
-from acp_proxy.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, ErrorObject
 from acp_proxy.ownership import instances
+from acp_proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, ErrorObject
 from acp_proxy.state import StateDB, now
-from acp_proxy.tasks import (
+from acp_proxy.tasks.records import (
     MAX_EVENTS,
     SCAN_LIMIT,
     SUMMARY_CHARS,
@@ -41,7 +41,7 @@ from acp_proxy.tasks import (
     sweep_lost,
     traceparent_of,
 )
-from acp_proxy.turns import TaskKeeping, error_text
+from acp_proxy.tasks.turns import TaskKeeping, error_text
 
 S = TaskStatus
 
@@ -363,8 +363,8 @@ def test_tasks_config() -> None:
 
 def test_the_relay_does_not_import_the_operator_cli() -> None:
     code = (
-        "import sys, acp_proxy.proxy, acp_proxy.cli\n"
-        "found = sorted({'acp_proxy.reports', 'acp_proxy.commands', 'psutil'} & set(sys.modules))\n"
+        "import sys, acp_proxy.relay.proxy, acp_proxy.operator.cli\n"
+        "found = sorted({'acp_proxy.operator.reports', 'acp_proxy.operator.commands', 'psutil'} & set(sys.modules))\n"
         "print(*found)\n"
         "sys.exit(1 if found else 0)\n"
     )

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from acp_proxy.visibility import (
+from acp_proxy.sessions.visibility import (
     VISIBILITIES,
     Requester,
     SessionRow,

@@ -26,14 +26,14 @@ import anyio.to_thread
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from acp_proxy import jsonrpc
-from acp_proxy.adapter import Adapter, AdapterGone, PendingCall
 from acp_proxy.config import Config
-from acp_proxy.jsonrpc import Message, RequestId
 from acp_proxy.logs import ids
 from acp_proxy.ownership.leases import prune_ended
-from acp_proxy.sessions import SessionRegistry
-from acp_proxy.tasks import (
+from acp_proxy.pool.adapter import Adapter, AdapterGone, PendingCall
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.jsonrpc import Message, RequestId
+from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.tasks.records import (
     TERMINAL,
     TaskRegistry,
     TaskStatus,
@@ -47,7 +47,7 @@ from acp_proxy.tasks import (
 )
 
 if TYPE_CHECKING:
-    from acp_proxy.lifecycle import Session
+    from acp_proxy.sessions.lifecycle import Session
 
 log = logging.getLogger("acp_proxy.tasks")
 

@@ -19,15 +19,15 @@ import anyio
 import anyio.abc
 from msgspec import UNSET, Raw, UnsetType
 
-from acp_proxy import jsonrpc
 from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, expand
-from acp_proxy.jsonrpc import LineReader, Message, RequestId
 from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.jsonrpc import LineReader, Message, RequestId
 
 if TYPE_CHECKING:
-    from acp_proxy.tasks import Turn
+    from acp_proxy.tasks.records import Turn
 
 log = logging.getLogger("acp_proxy.adapter")
 

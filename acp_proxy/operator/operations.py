@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 
 from acp_proxy import __version__
-from acp_proxy.control import ControlError, ControlServer, bind_private, remove_stale, socket_path
 from acp_proxy.logs import ids
+from acp_proxy.operator.control import ControlError, ControlServer, bind_private, remove_stale, socket_path
 from acp_proxy.ownership import instances
-from acp_proxy.tasks import TERMINAL, TaskStatus, Turn, get_task
+from acp_proxy.tasks.records import TERMINAL, TaskStatus, Turn, get_task
 
 if TYPE_CHECKING:
-    from acp_proxy.lifecycle import Session
-    from acp_proxy.proxy import Proxy
+    from acp_proxy.relay.proxy import Proxy
+    from acp_proxy.sessions.lifecycle import Session
 
 log = logging.getLogger("acp_proxy.operations")
 

@@ -30,15 +30,15 @@ import anyio.abc
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from acp_proxy import jsonrpc
-from acp_proxy.adapter import Adapter, AdapterGone, AgentCapabilities, SpawnError, describe_exit
 from acp_proxy.config import BackendConfig, Config
-from acp_proxy.jsonrpc import Message, RequestId
 from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
-from acp_proxy.pool import Admit, Slot, expired, falls_back_to_new, plan_acquire, restore_method
-from acp_proxy.sessions import (
+from acp_proxy.pool.adapter import Adapter, AdapterGone, AgentCapabilities, SpawnError, describe_exit
+from acp_proxy.pool.plan import Admit, Slot, expired, falls_back_to_new, plan_acquire, restore_method
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.jsonrpc import Message, RequestId
+from acp_proxy.sessions.registry import (
     LIST_PAGE_SIZE,
     SETTING_METHODS,
     Ownership,
@@ -48,8 +48,8 @@ from acp_proxy.sessions import (
     decode_cursor,
     encode_cursor,
 )
-from acp_proxy.tasks import TaskStatus, Turn
-from acp_proxy.visibility import SessionRow, parse_requester, visible_rows
+from acp_proxy.sessions.visibility import SessionRow, parse_requester, visible_rows
+from acp_proxy.tasks.records import TaskStatus, Turn
 
 log = logging.getLogger("acp_proxy.lifecycle")
 

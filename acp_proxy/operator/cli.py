@@ -214,9 +214,9 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
     except KeyError as exc:
         raise UsageError(f"--backend: {exc.args[0]}") from None
     logs.configure(level, log_format)
-    from acp_proxy.adapter import Adapter
     from acp_proxy.early_signals import hold_signals_until_serving
     from acp_proxy.ownership.owner import Owner
+    from acp_proxy.pool.adapter import Adapter
 
     hold_signals_until_serving()
 
@@ -237,7 +237,7 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
             warm = None
         import anyio
 
-        from acp_proxy.proxy import serve
+        from acp_proxy.relay.proxy import serve
 
         return anyio.run(serve, config, owner, backend, warm, backend=async_backend)
     finally:
@@ -278,14 +278,14 @@ def _operator_config(args: argparse.Namespace) -> Config | None:
 
 
 def _leases(args: argparse.Namespace) -> int:
-    from acp_proxy.commands import leases_command
+    from acp_proxy.operator.commands import leases_command
 
     state = configuration.state_dir(_operator_config(args))
     return leases_command(state, as_json=args.json, show_all=args.all)
 
 
 def _reap(args: argparse.Namespace) -> int:
-    from acp_proxy.commands import reap_command
+    from acp_proxy.operator.commands import reap_command
 
     config = _operator_config(args)
     grace = config.shutdown.term_grace if config else configuration.ShutdownConfig().term_grace
@@ -293,13 +293,13 @@ def _reap(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from acp_proxy import reports
+    from acp_proxy.operator import reports
 
     return reports.status(_operator_state_dir(args), as_json=args.json)
 
 
 def _sessions(args: argparse.Namespace) -> int:
-    from acp_proxy import reports
+    from acp_proxy.operator import reports
 
     state = _operator_state_dir(args)
     if args.action == "list":
@@ -310,7 +310,7 @@ def _sessions(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    from acp_proxy import reports
+    from acp_proxy.operator import reports
 
     state = _operator_state_dir(args)
     if args.action == "list":
@@ -369,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"acp-proxy: state: {explain_failure(path, exc) if path else exc}", file=sys.stderr)
         return 1 if isinstance(exc, sqlite3.OperationalError) else EXIT_USAGE
     except Exception as exc:
-        from acp_proxy.reports import OperatorError
+        from acp_proxy.operator.reports import OperatorError
 
         if not isinstance(exc, OperatorError):
             raise

@@ -28,8 +28,8 @@ from typing import Any, Final
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from acp_proxy.jsonrpc import REQUEST_CANCELLED
 from acp_proxy.ownership import instances
+from acp_proxy.protocol.jsonrpc import REQUEST_CANCELLED
 from acp_proxy.state import StateDB, now
 
 

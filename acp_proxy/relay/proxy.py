@@ -26,11 +26,15 @@ import anyio.abc
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from acp_proxy import __version__, jsonrpc
-from acp_proxy.adapter import Adapter, AdapterGone, AgentCapabilities, PendingCall, describe_exit
+from acp_proxy import __version__
 from acp_proxy.config import Config
 from acp_proxy.early_signals import EARLY_SIGNALS
-from acp_proxy.jsonrpc import (
+from acp_proxy.operator.operations import Operations
+from acp_proxy.ownership.owner import Owner
+from acp_proxy.ownership.supervised import SupervisedProcess
+from acp_proxy.pool.adapter import Adapter, AdapterGone, AgentCapabilities, PendingCall, describe_exit
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.jsonrpc import (
     BadLine,
     Batch,
     Kind,
@@ -39,13 +43,10 @@ from acp_proxy.jsonrpc import (
     Message,
     RequestId,
 )
-from acp_proxy.lifecycle import RestoreFailed, Session, SessionLifecycle, rewrite_session_id, session_of
-from acp_proxy.operations import Operations
-from acp_proxy.ownership.owner import Owner
-from acp_proxy.ownership.supervised import SupervisedProcess
-from acp_proxy.sessions import SessionRegistry
-from acp_proxy.tasks import TaskRegistry, TaskStatus, Turn
-from acp_proxy.turns import TaskKeeping
+from acp_proxy.sessions.lifecycle import RestoreFailed, Session, SessionLifecycle, rewrite_session_id, session_of
+from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn
+from acp_proxy.tasks.turns import TaskKeeping
 
 log = logging.getLogger("acp_proxy.proxy")
 

@@ -24,15 +24,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from acp_proxy import control
-from acp_proxy.commands import _age, lease_view, open_existing, owned_tree
+from acp_proxy.operator import control
+from acp_proxy.operator.commands import _age, lease_view, open_existing, owned_tree
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.leases import ACTIVE_STATES, Lease, get_lease
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.verify import process_table
-from acp_proxy.sessions import SessionRecord, SessionRegistry, SessionState
+from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.state import StateDB
-from acp_proxy.tasks import (
+from acp_proxy.tasks.records import (
     ACTIVE,
     TERMINAL,
     AmbiguousId,

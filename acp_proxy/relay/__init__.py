@@ -1,0 +1,1 @@
+"""The gateway connection: its route table, the adapter->gateway relay, the writer."""
