@@ -1,5 +1,5 @@
 import sys
 
-from acp_proxy.operator.cli import main
+from acp_proxy.main import main
 
 sys.exit(main())

@@ -25,17 +25,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import anyio
 import pytest
 
+from acp_proxy.config import validate
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, TaskStatus, get_task
-from acp_proxy.tasks.turns import TaskKeeping
+from acp_proxy.tasks.turns import TurnBook
 from tests.harness import Gateway, fake_command
 
 IS_ROOT = os.geteuid() == 0
@@ -265,15 +264,9 @@ async def test_an_adapter_that_cannot_start_is_an_error_on_every_request_and_the
 # --- a full disk --------------------------------------------------------------------------------
 
 
-class Keeper(TaskKeeping):
+def task_book(db: StateDB) -> TurnBook:
     """The task keeping of a proxy, without the proxy."""
-
-    def __init__(self, db: StateDB) -> None:
-        self.tasks = TaskRegistry(db, "inst-full")
-        self.turns = {}
-        self.unwritten = {}
-        self.settled_unwritten = []
-        self._shutting_down = False
+    return TurnBook(TaskRegistry(db, "inst-full"), validate({"backends": {"fake": {"command": ["fake"]}}}))
 
 
 def prompt_message(request_id: int) -> Message:
@@ -295,14 +288,13 @@ def test_turns_opened_on_a_full_database_stay_pending_and_are_written_once_there
 ) -> None:
     """A real SQLITE_FULL (the database may not grow): every turn is kept, its row written later."""
     db = StateDB(tmp_path / "state")
-    keeper = Keeper(db)
-    session: Any = SimpleNamespace(session_id="s-1", record=SimpleNamespace(backend="fake"))
+    keeper = task_book(db)
     pages = db.conn.execute("PRAGMA page_count").fetchone()[0]
     db.conn.execute(f"PRAGMA max_page_count = {pages + 2}")
     caplog.set_level(logging.INFO, logger="acp_proxy.tasks")
     written = []
     for request_id in range(10_000):
-        turn = keeper.open_turn(session, prompt_message(request_id), None)
+        turn = keeper.open_turn("s-1", "fake", prompt_message(request_id), None)
         if keeper.unwritten:
             break
         written.append(turn)

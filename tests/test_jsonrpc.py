@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import annotate_initialize
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader
-from acp_proxy.relay.proxy import annotate_initialize, decoded_lines, is_plain_notification_block
+from acp_proxy.relay.adapters import decoded_lines, is_plain_notification_block
 
 
 class ChunkStream(anyio.abc.ByteReceiveStream):

@@ -616,7 +616,17 @@ async def test_cancelling_a_task_whose_end_is_being_written_says_it_ended(tmp_pa
     turn = Turn(task_id="0123456789ab", session_id="s", backend="b", request_id="1")
     turn.start(None, None)
     turn.finish(outcome_of(stop_reason="end_turn"))
-    proxy = SimpleNamespace(turns={}, settled_unwritten=[turn], unwritten={}, _shutting_down=False)
+    from acp_proxy.concurrency import Stopping
+    from acp_proxy.config import validate
+    from acp_proxy.state import StateDB
+    from acp_proxy.tasks.records import TaskRegistry
+    from acp_proxy.tasks.turns import TurnBook
+
+    turns = TurnBook(
+        TaskRegistry(StateDB(tmp_path / "state"), "inst"), validate({"backends": {"b": {"command": ["b"]}}})
+    )
+    turns.settled_unwritten.append(turn)
+    proxy = SimpleNamespace(turns=turns, stopping=Stopping())
     with pytest.raises(ControlError) as refused:
         await Operations(proxy).cancel_task({"taskId": turn.task_id})  # type: ignore[arg-type]
     assert refused.value.code == "task_finished"

@@ -41,7 +41,7 @@ from acp_proxy.tasks.records import (
     sweep_lost,
     traceparent_of,
 )
-from acp_proxy.tasks.turns import TaskKeeping, error_text
+from acp_proxy.tasks.turns import TurnBook, error_text
 
 S = TaskStatus
 
@@ -363,7 +363,7 @@ def test_tasks_config() -> None:
 
 def test_the_relay_does_not_import_the_operator_cli() -> None:
     code = (
-        "import sys, acp_proxy.relay.proxy, acp_proxy.operator.cli\n"
+        "import sys, acp_proxy.serve, acp_proxy.operator.cli\n"
         "found = sorted({'acp_proxy.operator.reports', 'acp_proxy.operator.commands', 'psutil'} & set(sys.modules))\n"
         "print(*found)\n"
         "sys.exit(1 if found else 0)\n"
@@ -373,13 +373,7 @@ def test_the_relay_does_not_import_the_operator_cli() -> None:
 
 
 def test_a_failed_write_is_retried_whole_and_never_reopens_an_ended_row(db: StateDB) -> None:
-    class Keeper(TaskKeeping):
-        def __init__(self) -> None:
-            self.tasks = TaskRegistry(db, "inst-a")
-            self.turns = {}
-            self.unwritten = {}
-
-    keeper = Keeper()
+    keeper = TurnBook(TaskRegistry(db, "inst-a"), validate({"backends": {"a": {"command": ["a"]}}}))
     turn = _turn()
     turn.start("lease-1", None)
     real_create = keeper.tasks.create

@@ -21,14 +21,21 @@ import argparse
 import os
 import sqlite3
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from acp_proxy import __version__, logs
 from acp_proxy import config as configuration
 from acp_proxy.config import Config, ConfigError
 from acp_proxy.state import DB_NAME, StateError, explain_failure
+
+if TYPE_CHECKING:
+    from acp_proxy.ownership.owner import Owner
+    from acp_proxy.ownership.supervised import SupervisedProcess
+
+Serve = Callable[[Config, "Owner", str | None, "SupervisedProcess | None", str], int]
+"""Runs a proxy: config, owner, backend name, the warm adapter, the async backend -> exit status."""
 
 EXIT_USAGE = 2
 ASYNC_BACKENDS = ("asyncio", "trio")
@@ -201,7 +208,7 @@ def load_config(explicit: str | None, command: list[str]) -> Config:
     )
 
 
-def _serve(args: argparse.Namespace, command: list[str]) -> int:
+def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
     level = getattr(args, "log_level", None) or _choice_from_env("ACP_PROXY_LOG_LEVEL", LOG_LEVELS, "info")
     async_backend = getattr(args, "async_backend", None) or _choice_from_env(
         "ACP_PROXY_ASYNC_BACKEND", ASYNC_BACKENDS, "asyncio"
@@ -235,11 +242,7 @@ def _serve(args: argparse.Namespace, command: list[str]) -> int:
             warm = Adapter.launch(config.backend(backend), owner=owner, shutdown=config.shutdown)
         except Exception:
             warm = None
-        import anyio
-
-        from acp_proxy.relay.proxy import serve
-
-        return anyio.run(serve, config, owner, backend, warm, backend=async_backend)
+        return serve(config, owner, backend, warm, async_backend)
     finally:
         owner.close()
 
@@ -343,7 +346,8 @@ def _fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None, serve: Serve) -> int:
+    """Run one command line; ``serve`` runs the proxy itself (the composition root, handed in from above)."""
     options, command = split_command(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(options)
     try:
@@ -355,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _reap(args)
         if args.command in OPERATOR_COMMANDS:
             return OPERATOR_COMMANDS[args.command](args)
-        return _serve(args, command)
+        return _serve(args, command, serve)
     except (ConfigError, UsageError) as exc:
         _fail(str(exc))
     except StateError as exc:

@@ -22,19 +22,23 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final
+from dataclasses import dataclass
+from typing import Any, Final
 
 import anyio
 
 from acp_proxy import __version__
+from acp_proxy.concurrency import Stopping
+from acp_proxy.config import Config
 from acp_proxy.logs import ids
 from acp_proxy.operator.control import ControlError, ControlServer, bind_private, remove_stale, socket_path
 from acp_proxy.ownership import instances
+from acp_proxy.ownership.owner import Owner
+from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.sessions.intents import SessionIntents
+from acp_proxy.sessions.table import Session
 from acp_proxy.tasks.records import TERMINAL, TaskStatus, Turn, get_task
-
-if TYPE_CHECKING:
-    from acp_proxy.relay.proxy import Proxy
-    from acp_proxy.sessions.lifecycle import Session
+from acp_proxy.tasks.turns import TurnBook
 
 log = logging.getLogger("acp_proxy.operations")
 
@@ -55,7 +59,7 @@ def turn_view(turn: Turn) -> dict[str, Any]:
 
 
 def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
-    adapter = session.adapter if session.adapter is not None and not session.adapter.gone else None
+    adapter = session.live_adapter
     turn = adapter.turn if adapter is not None else None
     if session.closed:
         state = "closing"
@@ -78,10 +82,23 @@ def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
     }
 
 
-class Operations:
-    """The control socket's commands, served by ``proxy``."""
+@dataclass(frozen=True, slots=True)
+class ServedProxy:
+    """The parts of a running proxy its operations read and act through."""
 
-    def __init__(self, proxy: Proxy) -> None:
+    config: Config
+    owner: Owner
+    pool: ProcessPool
+    turns: TurnBook
+    intents: SessionIntents
+    stopping: Stopping
+    started_at: float
+
+
+class Operations:
+    """The control socket's commands, served for ``proxy``."""
+
+    def __init__(self, proxy: ServedProxy) -> None:
         self.proxy = proxy
         self.commands: dict[str, Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]] = {
             "status": self.status,
@@ -114,37 +131,37 @@ class Operations:
 
     async def status(self, args: dict[str, Any]) -> dict[str, Any]:
         proxy = self.proxy
-        live = [a for a in proxy.running if not a.gone]
+        live = proxy.pool.live()
         return {
             "instance": proxy.owner.instance_id,
             "pid": os.getpid(),
             "version": __version__,
             "startedAt": proxy.started_at,
             "uptimeSeconds": round(time.time() - proxy.started_at, 3),
-            "shuttingDown": proxy._shutting_down,
+            "shuttingDown": proxy.stopping.begun,
             "backends": sorted(proxy.config.backends),
             "pool": {
                 "live": len(live),
                 "maxLive": proxy.config.pool.max_live,
                 "spares": sum(1 for a in live if a.gateway_session is None),
             },
-            "sessions": len(proxy.sessions),
-            "turns": [turn_view(t) for t in proxy.turns.values()],
+            "sessions": len(proxy.intents.table),
+            "turns": [turn_view(t) for t in proxy.turns.turns.values()],
         }
 
     async def sessions(self, args: dict[str, Any]) -> dict[str, Any]:
         moment = time.monotonic()
-        return {"sessions": [session_view(s, moment) for s in self.proxy.sessions.values()]}
+        return {"sessions": [session_view(s, moment) for s in self.proxy.intents.table.values()]}
 
     # --- acting --------------------------------------------------------------------------
 
     def _acting(self) -> None:
-        if self.proxy._shutting_down:
+        if self.proxy.stopping.begun:
             raise ControlError("shutting_down", "this proxy is shutting down; its sessions are being suspended")
 
     def _session(self, args: dict[str, Any]) -> Session:
         session_id = _text_arg(args, "sessionId")
-        session = self.proxy.sessions.get(session_id)
+        session = self.proxy.intents.table.get(session_id)
         if session is None or session.closed:
             raise ControlError("unknown_session", f"this proxy does not hold session {session_id}")
         return session
@@ -155,10 +172,9 @@ class Operations:
         wait = args.get("wait", True)
         if not isinstance(wait, bool):
             raise ControlError("invalid_args", "'wait' must be true or false")
-        turn = self.proxy.turns.get(task_id)
-        ended = next(
-            (t for t in (*self.proxy.settled_unwritten, *self.proxy.unwritten.values()) if t.task_id == task_id), None
-        )
+        turns = self.proxy.turns
+        turn = turns.turns.get(task_id)
+        ended = turns.ended_unwritten(task_id)
         if turn is None and ended is not None and ended.status in TERMINAL:  # ended; its row is being written
             raise ControlError("task_finished", f"task {task_id} has already ended ({ended.status.value})")
         if turn is None:
@@ -166,27 +182,21 @@ class Operations:
             if record is not None and record.status in TERMINAL:
                 raise ControlError("task_finished", f"task {task_id} has already ended ({record.status.value})")
             raise ControlError("unknown_task", f"this proxy is not running task {task_id}")
-        session = self.proxy.sessions.get(turn.session_id)
+        session = self.proxy.intents.table.get(turn.session_id)
         log.info("task %s: cancel requested by an operator", task_id, extra=ids(task=task_id, session=turn.session_id))
-        if turn.status is TaskStatus.QUEUED:
-            turn.cancel_requested = True  # answered "cancelled" when its turn to be sent comes
-            turn.event("cancel_requested", "by an operator (while queued)")
-        elif session is not None and session.adapter is not None and not session.adapter.gone:
-            self.proxy.note_cancel(session, "an operator")
-            await self.proxy.send_cancel(session, session.adapter)
+        if session is not None:
+            await self.proxy.intents.cancel(session, by="an operator", task=turn)
         if wait:
-            with anyio.move_on_after(CANCEL_WAIT):
-                while turn.status not in TERMINAL:
-                    await anyio.sleep(0.02)
+            await turns.wait_settled(turn, CANCEL_WAIT)
         return {"taskId": task_id, "sessionId": turn.session_id, "status": turn.status.value, "waited": wait}
 
     async def suspend_session(self, args: dict[str, Any]) -> dict[str, Any]:
         self._acting()
         session = self._session(args)
-        adapter = session.adapter
-        if adapter is None or adapter.gone:
+        adapter = session.live_adapter
+        if adapter is None:
             return {"sessionId": session.session_id, "suspended": True, "already": True}
-        if not self.proxy.suspend_session(session, "an operator asked"):
+        if not await self.proxy.intents.suspend(session.session_id, "an operator asked"):
             raise ControlError(
                 "busy", f"session {session.session_id} is busy (a turn or request is in flight); cancel it or wait"
             )
@@ -199,13 +209,12 @@ class Operations:
     async def close_session(self, args: dict[str, Any]) -> dict[str, Any]:
         self._acting()
         session = self._session(args)
-        closing = await self.proxy.close_session(session.session_id, None)
+        closing = await self.proxy.intents.close(session.session_id, None)
         if closing is None:
             raise ControlError("unknown_session", f"this proxy does not hold session {session.session_id}")
         with anyio.move_on_after(self._stop_budget() + self.proxy.config.shutdown.close_timeout):
-            while self.proxy.sessions.get(closing.session_id) is closing:
-                await anyio.sleep(0.02)
-        done = self.proxy.sessions.get(closing.session_id) is not closing
+            await closing.forgotten.wait()
+        done = closing.forgotten.is_set()
         return {"sessionId": closing.session_id, "closed": done}
 
     def _stop_budget(self) -> float:

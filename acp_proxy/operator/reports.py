@@ -605,13 +605,7 @@ def sessions_act(state_dir: Path, session_id: str, *, action: str, as_json: bool
                 )
             outcome |= {"done": True, "state": "suspended", "via": "database"}
             return _report(outcome, as_json, f"session {session_id} is suspended (no proxy holds it)", 0)
-        with db.transaction() as conn:
-            cursor = conn.execute(
-                """UPDATE sessions SET state = 'closed', lease_id = NULL, closed_at = ?
-                   WHERE session_id = ? AND state = ? AND instance_id IS ?""",
-                (time.time(), session_id, record.state.value, holder),
-            )
-        if cursor.rowcount != 1:
+        if not registry.close_if_unchanged(record):
             outcome |= {"done": False, "state": record.state.value, "reason": "changed meanwhile"}
             return _report(outcome, as_json, f"session {session_id} changed meanwhile (a proxy took it); try again", 1)
         outcome |= {"done": True, "state": "closed", "via": "database"}

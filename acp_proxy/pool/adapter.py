@@ -10,24 +10,26 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 from msgspec import UNSET, Raw, UnsetType
 
+from acp_proxy.concurrency import Changes
 from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, expand
 from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
+from acp_proxy.ownership.proctable import TableUnavailable
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
 from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import AgentCapabilities, rewrite_session_id, session_of
+from acp_proxy.protocol.errors import describe_exit
 from acp_proxy.protocol.jsonrpc import LineReader, Message, RequestId
-
-if TYPE_CHECKING:
-    from acp_proxy.tasks.records import Turn
+from acp_proxy.protocol.methods import Effect, Method, facts
+from acp_proxy.tasks.records import Turn
 
 log = logging.getLogger("acp_proxy.adapter")
 
@@ -42,17 +44,6 @@ class AdapterGone(Exception):
     def __init__(self, returncode: int | None) -> None:
         self.returncode = returncode
         super().__init__(f"adapter exited ({describe_exit(returncode)})")
-
-
-def describe_exit(returncode: int | None) -> str:
-    if returncode is None:
-        return "exit status unknown"
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit status {returncode}"
 
 
 @dataclass(slots=True)
@@ -71,43 +62,12 @@ class PendingCall:
     gateway_id: RequestId = None
     internal: InternalCall | None = None
     session_id: str | None = None
-    """For session/load, /resume and /close: the session the request names."""
+    """For a request that opens or ends a session on the adapter (load, resume, close): the one it names."""
     on_answer: Callable[[Message], Message | None] | None = None
     """Called with the adapter's answer before it is forwarded (the proxy's bookkeeping); what it
     returns, if anything, is forwarded instead."""
     turn: Turn | None = None
     """For a gateway's ``session/prompt``: the task it is."""
-
-
-SESSION_NAMING_METHODS = frozenset({"session/load", "session/resume", "session/close"})
-
-
-def session_named_by(params: Raw | UnsetType) -> str | None:
-    obj = jsonrpc.decode_object(params)
-    session_id = obj.get("sessionId") if obj else None
-    return session_id if isinstance(session_id, str) else None
-
-
-@dataclass(frozen=True, slots=True)
-class AgentCapabilities:
-    """The session capabilities an ``initialize`` result advertises (absent = unsupported)."""
-
-    load: bool = False
-    resume: bool = False
-    close: bool = False
-
-    @classmethod
-    def from_initialize(cls, result: Raw | UnsetType) -> AgentCapabilities:
-        obj = jsonrpc.decode_object(result) or {}
-        capabilities = obj.get("agentCapabilities")
-        capabilities = capabilities if isinstance(capabilities, dict) else {}
-        sessions = capabilities.get("sessionCapabilities")
-        sessions = sessions if isinstance(sessions, dict) else {}
-        return cls(
-            load=capabilities.get("loadSession") is True,
-            resume=isinstance(sessions.get("resume"), dict),
-            close=isinstance(sessions.get("close"), dict),
-        )
 
 
 def spawn_environment(backend: BackendConfig, base: Mapping[str, str]) -> dict[str, str]:
@@ -131,6 +91,8 @@ class Adapter:
         self.capabilities = AgentCapabilities()
         self.open_sessions: set[str] = set()
         self.drained = anyio.Event()
+        self.answered = Changes()
+        """Notified whenever a request in ``pending`` is answered or given up (and when the adapter is gone)."""
         self._stdin = jsonrpc.LineWriter(supervised.stdin)
         self._next_id = 0
         # What the pool and the router need to know about this process.
@@ -178,6 +140,21 @@ class Adapter:
     @property
     def returncode(self) -> int | None:
         return self.supervised.returncode
+
+    def still_running(self) -> bool:
+        """Whether the adapter process itself still runs: its wrapper outlives it by a teardown, so
+        the wrapper's exit status alone would count an adapter that already crashed as running."""
+        if self.supervised.returncode is not None:
+            return False
+        lease = self.supervised.lease
+        if lease.adapter_pid is None:
+            return True
+        try:
+            info = self.supervised.owner.table.info(lease.adapter_pid)
+        except TableUnavailable:
+            return True
+        ticks = lease.adapter_start_ticks
+        return info is not None and not info.zombie and (ticks is None or info.start_ticks == ticks)
 
     @staticmethod
     def launch(
@@ -237,23 +214,52 @@ class Adapter:
         """Reserve the next adapter-side id for a request and remember what it was."""
         call_id = self._next_id
         self._next_id += 1
-        session_id = session_named_by(params) if method in SESSION_NAMING_METHODS else None
+        session_id = session_of(params) if facts(method).effect is not Effect.NONE else None
         self.pending[call_id] = PendingCall(method, gateway_id, session_id=session_id)
         return call_id
+
+    async def forward(
+        self,
+        msg: Message,
+        on_answer: Callable[[Message], Message | None] | None = None,
+        *,
+        turn: Turn | None = None,
+    ) -> None:
+        """Send a gateway request on under a fresh id (``sessionId`` rewritten if need be).
+
+        An adapter that is gone is not an error here: the relay answers every pending
+        call once it sees the adapter's output end.
+        """
+        assert isinstance(msg.method, str)
+        assert msg.id is not UNSET
+        call_id = self.register(msg.method, msg.id, msg.params)
+        call = self.pending[call_id]
+        call.on_answer = on_answer
+        if turn is not None:
+            call.turn = self.turn = turn
+        self.last_active = time.monotonic()
+        params = msg.params
+        if self.rewrites_session and self.gateway_session is not None and self.adapter_session is not None:
+            params = rewrite_session_id(params, self.gateway_session, self.adapter_session)
+        out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=params)
+        try:
+            await self.send(jsonrpc.encode(out))
+        except AdapterGone:
+            return
 
     def note_answer(self, call: PendingCall, msg: Message) -> None:
         """Keep track of what the adapter can close and which sessions it has open."""
         if msg.result is UNSET:
             return
-        if call.method == "initialize":
+        if call.method == Method.INITIALIZE:
             self.capabilities = AgentCapabilities.from_initialize(msg.result)
             self.can_close_sessions = self.capabilities.close
-        elif call.method == "session/new":
-            session_id = session_named_by(msg.result)
+        elif call.method == Method.NEW:
+            session_id = session_of(msg.result)
             if session_id is not None:
                 self.open_sessions.add(session_id)
         elif call.session_id is not None:
-            if call.method == "session/close":
+            if facts(call.method).effect is Effect.ENDS:
                 self.open_sessions.discard(call.session_id)
             else:
                 self.open_sessions.add(call.session_id)
@@ -286,10 +292,26 @@ class Adapter:
             raise AdapterGone(self.returncode)
         return internal.response
 
+    async def pass_on(self, msg: Message, line: bytes) -> None:
+        """Send a gateway notification on: the very line it came as, or with ``sessionId`` rewritten."""
+        data = line + b"\n"
+        if self.rewrites_session and self.gateway_session is not None and self.adapter_session is not None:
+            msg.params = rewrite_session_id(msg.params, self.gateway_session, self.adapter_session)
+            data = jsonrpc.encode(msg)
+        await self.send(data)
+
+    def take_call_of(self, turn: Turn) -> PendingCall | None:
+        """Forget the prompt request of ``turn`` (to answer it ourselves)."""
+        call_id = next((key for key, call in self.pending.items() if call.turn is turn), None)
+        return None if call_id is None else self.take_pending(call_id)
+
     def take_pending(self, call_id: object) -> PendingCall | None:
         if not isinstance(call_id, int) or isinstance(call_id, bool):
             return None
-        return self.pending.pop(call_id, None)
+        call = self.pending.pop(call_id, None)
+        if call is not None:
+            self.answered.notify()
+        return call
 
     def find_gateway_call(self, gateway_id: RequestId) -> int | None:
         """The adapter-side id of an in-flight gateway request (newest if reused)."""
@@ -304,6 +326,7 @@ class Adapter:
         taken = {call_id: call for call_id, call in self.pending.items() if call.internal is None}
         for call_id in taken:
             del self.pending[call_id]
+        self.answered.notify()
         return list(taken.values())
 
     def mark_gone(self) -> list[PendingCall]:
@@ -314,6 +337,7 @@ class Adapter:
         for call in calls:
             if call.internal is not None:
                 call.internal.done.set()
+        self.answered.notify()
         return [call for call in calls if call.internal is None]
 
     # --- process ----------------------------------------------------------------
@@ -328,8 +352,8 @@ class Adapter:
         First ``session/close`` for each session it has open, if it advertises
         that (bounded by ``close_timeout``), then ``SupervisedProcess.stop``.
         """
-        # Only if it is still running: one that crashed by itself is not being ended by us.
-        self.stopping = self.stopping or self.supervised.returncode is None
+        # Only if it still runs: one that crashed by itself is not being ended by us.
+        self.stopping = self.stopping or self.still_running()
         with anyio.CancelScope(shield=True):
             await self.close_sessions(shutdown.close_timeout)
         return await self.supervised.stop(stdin_grace=shutdown.stdin_grace, term_grace=shutdown.term_grace)
@@ -344,7 +368,7 @@ class Adapter:
 
     async def _close_session(self, session_id: str) -> None:
         try:
-            answer = await self.call("session/close", {"sessionId": session_id})
+            answer = await self.call(Method.CLOSE, {"sessionId": session_id})
         except AdapterGone:
             return
         if answer.error is UNSET:

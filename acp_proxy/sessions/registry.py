@@ -232,6 +232,20 @@ class SessionRegistry:
     def mark_closed(self, session_id: str) -> None:
         self._update(session_id, "state = 'closed', lease_id = NULL, closed_at = ?", (now(),))
 
+    def close_if_unchanged(self, record: SessionRecord) -> bool:
+        """Mark a session closed that no proxy holds, unless its row changed since ``record`` was read.
+
+        For an operator's close with no proxy to ask: one compare-and-set, so a proxy that
+        takes the session meanwhile wins and the operator is told to try again.
+        """
+        with self.db.transaction() as conn:
+            cursor = conn.execute(
+                """UPDATE sessions SET state = 'closed', lease_id = NULL, closed_at = ?
+                   WHERE session_id = ? AND state = ? AND instance_id IS ?""",
+                (now(), record.session_id, record.state.value, record.instance_id),
+            )
+        return cursor.rowcount == 1
+
     def note_history_reset(self, session_id: str, adapter_session_id: str) -> None:
         self._update(
             session_id,

@@ -1,12 +1,11 @@
 """Prompt turns as they run: opening each task, following it, and settling it exactly once.
 
-``TaskKeeping`` is the part of ``Proxy`` that keeps the task registry current. A
-turn is opened (its row written) when the proxy routes the gateway's
+A turn is opened (its row written) when the proxy routes the gateway's
 ``session/prompt``, before it is sent or queued, so nothing the turn does can
 precede its record. It is settled once, from whatever answers the gateway: the
 adapter's answer, the proxy's own (a crash, a close, a shutdown, a queued prompt
-cancelled), or the ``turn_timeout`` watchdog. Progress is written by the
-watchdog, at most once a second per turn, never by the relay.
+cancelled), or the ``turn_timeout`` intent. Progress is written by the watcher,
+at most once a second per turn, never by the relay.
 
 A database that cannot be written (a full disk, a locked file) costs the record,
 never the turn: the error is logged and the prompt is served.
@@ -14,25 +13,24 @@ never the turn: the error is logged and the prompt is served.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Coroutine
+from typing import Any, Final
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
+from acp_proxy.concurrency import Changes, Stopping
 from acp_proxy.config import Config
 from acp_proxy.logs import ids
 from acp_proxy.ownership.leases import prune_ended
-from acp_proxy.pool.adapter import Adapter, AdapterGone, PendingCall
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.jsonrpc import Message, RequestId
-from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.tasks.records import (
     TERMINAL,
     TaskRegistry,
@@ -46,9 +44,6 @@ from acp_proxy.tasks.records import (
     traceparent_of,
 )
 
-if TYPE_CHECKING:
-    from acp_proxy.sessions.lifecycle import Session
-
 log = logging.getLogger("acp_proxy.tasks")
 
 FLUSH_INTERVAL: Final = 1.0
@@ -57,6 +52,7 @@ PRUNE_INTERVAL: Final = 3600.0
 """How often a running proxy prunes finished tasks older than ``[tasks] retention``."""
 CHECKPOINT_INTERVAL: Final = 1.0
 """How often the state database's WAL is checkpointed, off the event loop."""
+ERROR_DETAIL_CHARS: Final = 300
 
 
 class _PromptResult(msgspec.Struct, gc=False):
@@ -73,9 +69,6 @@ def stop_reason_of(result: Raw | UnsetType) -> str | None:
         return _prompt_result_decoder.decode(result).stopReason
     except (msgspec.DecodeError, RecursionError):
         return None
-
-
-ERROR_DETAIL_CHARS: Final = 300
 
 
 def error_text(error: jsonrpc.ErrorObject) -> str:
@@ -99,29 +92,21 @@ def turn_ids(turn: Turn) -> dict[str, Any]:
     return ids(session=turn.session_id, task=turn.task_id, lease=turn.lease_id, traceparent=turn.traceparent)
 
 
-class TaskKeeping:
-    """Opens, follows and settles the tasks of the prompts this proxy serves; mixed into ``Proxy``."""
+class TurnBook:
+    """The tasks of the prompts this proxy serves: opened, followed, settled once, written when it can."""
 
-    config: Config
-    sessions: dict[str, Session]
-    registry: SessionRegistry
-    tasks: TaskRegistry
-    turns: dict[str, Turn]
-    """Tasks of this proxy not yet settled, by task id."""
-    unwritten: dict[str, Turn]
-    """Turns whose last database write failed, to be written whole by the watchdog."""
-    settled_unwritten: list[Turn]
-    """Turns settled while their answer was being relayed, recorded once it is sent."""
-    _refusing: bool
-    _shutting_down: bool
-
-    if TYPE_CHECKING:
-
-        def _background(self, work: Callable[[], Any]) -> None: ...
-
-        async def _answer(self, request_id: RequestId | UnsetType, result: object) -> None: ...
-
-        def _stop_in_background(self, adapter: Adapter, session: Session | None) -> None: ...
+    def __init__(self, tasks: TaskRegistry, config: Config, stopping: Stopping | None = None) -> None:
+        self.tasks = tasks
+        self.config = config
+        self.stopping = stopping or Stopping()
+        self.turns: dict[str, Turn] = {}
+        """Tasks of this proxy not yet settled, by task id."""
+        self.unwritten: dict[str, Turn] = {}
+        """Turns whose last database write failed, to be written whole by the watcher."""
+        self.settled_unwritten: list[Turn] = []
+        """Turns settled while their answer was being relayed, recorded once it is sent."""
+        self.settled = Changes()
+        """Notified whenever a turn is settled."""
 
     # --- recording, never at the cost of the turn -------------------------------------------
 
@@ -149,7 +134,7 @@ class TaskKeeping:
             del self.unwritten[task_id]
             log.info("task %s: recorded in the state database after all", task_id, extra=turn_ids(turn))
 
-    def maintain_tasks(self) -> None:
+    def maintain(self) -> None:
         """At startup: unfinished tasks of proxies that are gone become ``lost``; old finished ones are pruned."""
         try:
             lost = sweep_lost(self.tasks.db, self.tasks.instance_id)
@@ -174,19 +159,19 @@ class TaskKeeping:
 
     # --- opening -------------------------------------------------------------------------
 
-    def open_turn(self, session: Session, msg: Message, adapter: Adapter | None) -> Turn:
-        """A task for the gateway's ``session/prompt``: running on ``adapter``, else queued."""
+    def open_turn(self, session_id: str, backend: str, msg: Message, lease_id: str | None) -> Turn:
+        """A task for the gateway's ``session/prompt``: running under ``lease_id`` (its process's), else queued."""
         params = jsonrpc.decode_object(msg.params) or {}
         turn = Turn(
             task_id=new_task_id(),
-            session_id=session.session_id,
-            backend=session.record.backend,
+            session_id=session_id,
+            backend=backend,
             request_id=jsonrpc.encode_json(None if msg.id is UNSET else msg.id).decode(),
             prompt=prompt_preview(params),
             traceparent=traceparent_of(params.get("_meta")),
         )
-        if adapter is not None:
-            turn.start(adapter.supervised.lease.lease_id, self._turn_timeout(turn))
+        if lease_id is not None:
+            turn.start(lease_id, self.turn_timeout(turn))
         else:
             turn.event("queued", "waiting for the session's process")
         self.turns[turn.task_id] = turn
@@ -194,15 +179,15 @@ class TaskKeeping:
         log.debug("task %s %s", turn.task_id, turn.status.value, extra=turn_ids(turn))
         return turn
 
-    def start_turn(self, turn: Turn, adapter: Adapter, *, resumed: bool) -> None:
-        """A queued turn is being sent to ``adapter`` now."""
+    def start_turn(self, turn: Turn, lease_id: str | None, pid: int, *, resumed: bool) -> None:
+        """A queued turn is being sent to the process ``pid`` now."""
         if resumed:
-            turn.event("resumed", f"pid {adapter.pid}")
-        turn.start(adapter.supervised.lease.lease_id, self._turn_timeout(turn))
+            turn.event("resumed", f"pid {pid}")
+        turn.start(lease_id, self.turn_timeout(turn))
         self._record(self.tasks.mark_running, turn)
         log.debug("task %s running", turn.task_id, extra=turn_ids(turn))
 
-    def _turn_timeout(self, turn: Turn) -> float:
+    def turn_timeout(self, turn: Turn) -> float:
         backend = self.config.backends.get(turn.backend)
         if backend is not None and backend.turn_timeout is not None:
             return backend.turn_timeout
@@ -227,6 +212,7 @@ class TaskKeeping:
             return
         turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out))
         self.turns.pop(turn.task_id, None)
+        self.settled.notify()
         if write_later:
             self.settled_unwritten.append(turn)
         else:
@@ -260,33 +246,38 @@ class TaskKeeping:
         else:
             self.settle(turn, stop_reason=stop_reason_of(answer.result), write_later=write_later)
 
-    def settle_calls(self, calls: list[PendingCall], code: int, message: str) -> None:
-        """In-flight requests answered with an error by the proxy: their prompts end with it."""
-        for call in calls:
-            if call.turn is not None:
-                self.settle(call.turn, error=(code, message))
-
     def settle_leftovers(self, why: str) -> None:
         """At the very end of a shutdown: anything not settled by then is (it should be nothing)."""
         for turn in list(self.turns.values()):
             log.warning("task %s was still open at exit: recorded cancelled", turn.task_id, extra=turn_ids(turn))
             self.settle(turn, error=(jsonrpc.REQUEST_CANCELLED, why))
 
+    async def wait_settled(self, turn: Turn, timeout: float) -> bool:
+        """Wait at most ``timeout`` for ``turn`` to end; whether it has."""
+        with anyio.move_on_after(timeout):
+            await self.settled.until(lambda: turn.status in TERMINAL)
+        return turn.status in TERMINAL
+
+    def ended_unwritten(self, task_id: str) -> Turn | None:
+        """A turn of this proxy that has ended and whose row is still being written."""
+        return next((t for t in (*self.settled_unwritten, *self.unwritten.values()) if t.task_id == task_id), None)
+
     # --- following -----------------------------------------------------------------------
 
-    def note_cancel(self, session: Session, by: str) -> None:
-        """A ``session/cancel`` for the session (from the gateway or an operator)."""
-        adapter = session.adapter
-        if adapter is not None and adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING:
-            adapter.turn.event("cancel_requested", f"by {by}")
-
-    def note_permission(self, adapter: Adapter, kind: str, detail: str) -> None:
-        turn = adapter.turn
+    def note(self, turn: Turn | None, kind: str, detail: str) -> None:
+        """An event of a running turn (a permission asked or answered, a cancel requested)."""
         if turn is not None and turn.status is TaskStatus.RUNNING:
             turn.event(kind, detail)
 
-    async def watch_turns(self) -> None:
-        """Write progress, and enforce ``turn_timeout``: the turn is cancelled, then answered by us."""
+    async def watch(
+        self,
+        on_deadline: Callable[[Turn], Coroutine[Any, Any, None]],
+        start: Callable[[Callable[[], Coroutine[Any, Any, None]]], None],
+    ) -> None:
+        """Write progress, retry failed writes, checkpoint, prune; hand turns past ``turn_timeout`` to ``on_deadline``.
+
+        ``start`` runs ``on_deadline(turn)`` as background work, so a slow one holds up nothing here.
+        """
         timeouts = [self.config.tasks.turn_timeout] + [b.turn_timeout or 0.0 for b in self.config.backends.values()]
         shortest = min((t for t in timeouts if t > 0), default=FLUSH_INTERVAL * 4)
         interval = max(0.05, min(FLUSH_INTERVAL, shortest / 4))
@@ -304,13 +295,13 @@ class TaskKeeping:
             if time.monotonic() - pruned >= PRUNE_INTERVAL:  # a long-lived proxy prunes too, not only at start
                 pruned = time.monotonic()
                 self._prune()
-            if self._shutting_down:
+            if self.stopping.begun:
                 continue
             moment = time.monotonic()
             for turn in list(self.turns.values()):
                 if turn.deadline is not None and not turn.timed_out and moment >= turn.deadline:
                     turn.timed_out = True
-                    self._background(lambda turn=turn: self._time_out(turn))  # type: ignore[misc]
+                    start(functools.partial(on_deadline, turn))
 
     async def _checkpoint(self) -> None:
         """The state database's WAL checkpoint, in a worker thread (see ``StateDB.defer_checkpoints``)."""
@@ -323,46 +314,3 @@ class TaskKeeping:
         for turn in list(self.turns.values()):
             if turn.dirty and turn.status not in TERMINAL and turn.task_id not in self.unwritten:
                 self._record(self.tasks.save_progress, turn)
-
-    async def _time_out(self, turn: Turn) -> None:
-        session = self.sessions.get(turn.session_id)
-        adapter = session.adapter if session is not None else None
-        limit = self._turn_timeout(turn)
-        turn.event("timed_out", f"after {limit:g}s: session/cancel sent")
-        log.warning(
-            "task %s: running longer than turn_timeout (%gs): cancelling it", turn.task_id, limit, extra=turn_ids(turn)
-        )
-        if session is None or adapter is None or adapter.gone:
-            return  # the process is gone: the turn is being answered with its exit already
-        await self.send_cancel(session, adapter)
-        with anyio.move_on_after(self.config.shutdown.close_timeout):
-            while turn.status not in TERMINAL and not adapter.gone:
-                await anyio.sleep(0.01)
-        if turn.status in TERMINAL or adapter.gone:
-            return
-        # The adapter ignored the cancel: answer the gateway ourselves and retire the process
-        # (the session is suspended, resumable; a stuck process is not worth keeping).
-        call_id = next((k for k, c in adapter.pending.items() if c.turn is turn), None)
-        if call_id is not None:
-            call = adapter.pending.pop(call_id)
-            await self._answer(call.gateway_id, {"stopReason": "cancelled", "_meta": {"acp-proxy": {"timedOut": True}}})
-        self.settle(turn, stop_reason="cancelled")
-        if session.adapter is adapter and not session.closed:
-            log.warning(
-                "session %s: pid %s did not end the timed-out turn within %gs; stopping it (session suspended)",
-                session.session_id,
-                adapter.pid,
-                self.config.shutdown.close_timeout,
-                extra=turn_ids(turn),
-            )
-            session.adapter = None
-            self.registry.mark_suspended(session.session_id)
-            self._stop_in_background(adapter, session)
-
-    async def send_cancel(self, session: Session, adapter: Adapter) -> None:
-        """``session/cancel`` to the adapter for the session, under the id it knows it by."""
-        cancel = {"sessionId": adapter.adapter_session or session.session_id}
-        try:
-            await adapter.send(jsonrpc.notification("session/cancel", cancel))
-        except AdapterGone:
-            log.info("session/cancel for session %s not sent: the adapter has exited", session.session_id)

@@ -1,0 +1,32 @@
+"""The program, ``acp-proxy`` and ``python -m acp_proxy``: the CLI, handed the way to run a proxy.
+
+The relay and its event loop are imported only once the CLI has launched the first
+adapter, so that the adapter's start-up overlaps ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from acp_proxy.operator import cli
+
+if TYPE_CHECKING:
+    from acp_proxy.config import Config
+    from acp_proxy.ownership.owner import Owner
+    from acp_proxy.ownership.supervised import SupervisedProcess
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.main(argv, serve=run_proxy)
+
+
+def run_proxy(
+    config: Config, owner: Owner, backend: str | None, warm: SupervisedProcess | None, async_backend: str
+) -> int:
+    """Serve ACP on stdio with the layers wired by ``acp_proxy.serve``, on ``async_backend``."""
+    import anyio
+
+    from acp_proxy.serve import serve_stdio
+
+    return anyio.run(serve_stdio, config, owner, backend, warm, backend=async_backend)

@@ -1,0 +1,193 @@
+"""The errors the proxy itself answers with: one type, one named constructor per ``error.data.reason``.
+
+A gateway can act on ``data.reason`` without parsing messages, so each reason is
+made in exactly one place, with its code and its data keys (the README's table
+of reasons lists the same names). Raising ``ProxyError`` anywhere under a
+request's handling is how that request gets its answer.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
+from typing import Any
+
+from acp_proxy.protocol import jsonrpc
+
+
+def describe_exit(returncode: int | None) -> str:
+    """An exit status as a person reads it: ``exit status 1``, ``killed by SIGKILL``."""
+    if returncode is None:
+        return "exit status unknown"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+class ProxyError(Exception):
+    """A JSON-RPC error the proxy answers a request with; ``data["reason"]`` says which."""
+
+    def __init__(self, code: int, message: str, reason: str, **data: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.data: dict[str, Any] = {"reason": reason, **data}
+
+    @property
+    def reason(self) -> str:
+        return str(self.data["reason"])
+
+    def response(self, request_id: jsonrpc.RequestId, **extra: Any) -> bytes:
+        """This error as the answer to ``request_id`` (``extra`` joins ``data``, e.g. the method)."""
+        return jsonrpc.error_response(request_id, self.code, self.message, {**self.data, **extra})
+
+    # --- the requests themselves --------------------------------------------------------------
+
+    @classmethod
+    def invalid_request(cls, message: str) -> ProxyError:
+        return cls(jsonrpc.INVALID_REQUEST, f"Invalid request: {message}", "invalid_request")
+
+    @classmethod
+    def invalid_params(cls, message: str) -> ProxyError:
+        return cls(jsonrpc.INVALID_PARAMS, message, "invalid_params")
+
+    @classmethod
+    def line_too_long(cls, limit: int) -> ProxyError:
+        return cls(
+            jsonrpc.INVALID_REQUEST,
+            f"Message too large: a line exceeded {limit} bytes and was discarded",
+            "line_too_long",
+            maxLineBytes=limit,
+        )
+
+    @classmethod
+    def cancelled(cls) -> ProxyError:
+        """The gateway withdrew a request (``$/cancel_request``) before it was sent on."""
+        return cls(jsonrpc.REQUEST_CANCELLED, "Request cancelled", "cancelled")
+
+    # --- sessions -------------------------------------------------------------------------------
+
+    @classmethod
+    def unknown_session(cls, session_id: str) -> ProxyError:
+        return cls(jsonrpc.RESOURCE_NOT_FOUND, f"Unknown session {session_id}", "unknown_session", sessionId=session_id)
+
+    @classmethod
+    def session_closed(cls, session_id: str) -> ProxyError:
+        """A request for a session the gateway closed (the proxy never reopens one by itself)."""
+        message = f"Session {session_id} was closed"
+        return cls(jsonrpc.RESOURCE_NOT_FOUND, message, "session_closed", sessionId=session_id)
+
+    @classmethod
+    def closed_in_flight(cls) -> ProxyError:
+        """A request in flight when its session was closed."""
+        return cls(jsonrpc.REQUEST_CANCELLED, "The session was closed", "session_closed")
+
+    @classmethod
+    def session_in_use(cls, session_id: str, instance_id: str | None = None) -> ProxyError:
+        if instance_id is None:
+            message = f"Session {session_id} is being served by another acp-proxy process"
+            return cls(jsonrpc.INTERNAL_ERROR, message, "session_in_use", sessionId=session_id)
+        message = f"Session {session_id} is live in another acp-proxy process (instance {instance_id})"
+        return cls(jsonrpc.INTERNAL_ERROR, message, "session_in_use", sessionId=session_id, instanceId=instance_id)
+
+    @classmethod
+    def unknown_backend(cls, name: object, configured: Iterable[str]) -> ProxyError:
+        """``_meta["acp-proxy"].backend`` names no configured backend."""
+        names = sorted(configured)
+        return cls(
+            jsonrpc.INVALID_PARAMS,
+            f'Unknown backend {name!r} in _meta["acp-proxy"].backend (configured: {", ".join(names)})',
+            "unknown_backend",
+            configured=names,
+        )
+
+    @classmethod
+    def backend_gone(cls, session_id: str, backend: str) -> ProxyError:
+        """A stored session of a backend the configuration no longer has."""
+        return cls(
+            jsonrpc.INTERNAL_ERROR,
+            f"Session {session_id} belongs to backend {backend!r}, which is no longer configured",
+            "unknown_backend",
+            backend=backend,
+        )
+
+    @classmethod
+    def resume_disabled(cls, session_id: str, backend: str) -> ProxyError:
+        return cls(
+            jsonrpc.RESOURCE_NOT_FOUND,
+            f'Session {session_id} cannot be resumed (backend {backend!r} has resume = "never")',
+            "resume_disabled",
+            sessionId=session_id,
+        )
+
+    @classmethod
+    def restore_failed(cls, method: str, backend: str, code: int, message: str) -> ProxyError:
+        """The adapter answered a request of the proxy's own (a restore step) with an error."""
+        return cls(code, f"{method} failed: {message}", "restore_failed", method=method, backend=backend)
+
+    @classmethod
+    def no_session_id(cls, method: str, backend: str) -> ProxyError:
+        """A fallback ``session/new`` answered without the id of the session it opened."""
+        return cls(
+            jsonrpc.INTERNAL_ERROR,
+            f"{method} answered without a sessionId",
+            "restore_failed",
+            method=method,
+            backend=backend,
+        )
+
+    @classmethod
+    def restore_timeout(cls, method: str, backend: str, timeout: float) -> ProxyError:
+        return cls(
+            jsonrpc.INTERNAL_ERROR,
+            f"{method} timed out after {timeout:g}s",
+            "restore_timeout",
+            method=method,
+            backend=backend,
+        )
+
+    # --- processes ------------------------------------------------------------------------------
+
+    @classmethod
+    def spawn_failed(cls, backend: str, why: str) -> ProxyError:
+        return cls(jsonrpc.INTERNAL_ERROR, why, "spawn_failed", backend=backend)
+
+    @classmethod
+    def pool_exhausted(cls, backend: str, cap: int) -> ProxyError:
+        return cls(
+            jsonrpc.INTERNAL_ERROR,
+            f"No adapter process is free: all {cap} live sessions of backend {backend!r} are busy",
+            "pool_exhausted",
+            maxLive=cap,
+            backend=backend,
+        )
+
+    @classmethod
+    def adapter_exited(cls, returncode: int | None, backend: str, *, during: str | None = None) -> ProxyError:
+        """The adapter exited with a request unanswered (``during``: a request of the proxy's own)."""
+        if during is not None:
+            return cls(
+                jsonrpc.INTERNAL_ERROR,
+                f"The agent process exited during {during} ({describe_exit(returncode)})",
+                "adapter_exited",
+                method=during,
+                backend=backend,
+            )
+        return cls(
+            jsonrpc.INTERNAL_ERROR,
+            f"The agent process exited before answering ({describe_exit(returncode)})",
+            "adapter_exited",
+            exitStatus=returncode,
+            backend=backend,
+        )
+
+    @classmethod
+    def proxy_shutdown(cls, **data: Any) -> ProxyError:
+        return cls(jsonrpc.REQUEST_CANCELLED, "acp-proxy is shutting down", "proxy_shutdown", **data)
+
+    @classmethod
+    def state_error(cls, exc: Exception) -> ProxyError:
+        return cls(jsonrpc.INTERNAL_ERROR, f"acp-proxy's state database failed: {exc}", "state_error")

@@ -1,0 +1,318 @@
+"""Adapter -> gateway: each adapter's output relayed upstream, and the agent->client requests they make.
+
+Agent->client requests reach the gateway under ids from the proxy's own counter
+(so two adapters' requests never collide upstream) and their answers are mapped
+back; ``$/cancel_request`` is mapped both ways. The hot path, a block of
+``session/update`` notifications, is decoded with one call and written on as the
+very block that was read.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterator
+from contextlib import suppress
+from typing import Any, Final
+
+import anyio
+from msgspec import UNSET, Raw
+
+from acp_proxy.concurrency import Stopping
+from acp_proxy.config import Config
+from acp_proxy.pool.adapter import Adapter, AdapterGone, PendingCall
+from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import (
+    annotate_initialize,
+    cancel_target,
+    remap_cancel_request,
+    rewrite_session_id,
+    session_of,
+)
+from acp_proxy.protocol.errors import ProxyError, describe_exit
+from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message, RequestId
+from acp_proxy.protocol.methods import Method
+from acp_proxy.relay.writer import GatewayWriter
+from acp_proxy.sessions.intents import SessionIntents
+from acp_proxy.tasks.records import TaskStatus
+from acp_proxy.tasks.turns import TurnBook
+
+log = logging.getLogger("acp_proxy.proxy")
+
+_LOGGED_LINE_BYTES: Final = 200
+
+
+def preview(line: bytes) -> str:
+    text = line[:_LOGGED_LINE_BYTES].decode("utf-8", "replace")
+    return text + ("..." if len(line) > _LOGGED_LINE_BYTES else "")
+
+
+def decoded_lines(batch: Batch) -> Iterator[tuple[bytes, tuple[Message, Kind] | BadLine]]:
+    """Each line of a batch with its envelope; one decode call when the block allows."""
+    msgs = jsonrpc.decode_block(batch.block, batch.count) if batch.block else None
+    if msgs is None:
+        for line in batch.lines:
+            if line.strip():
+                yield line, jsonrpc.decode_line(line)
+        return
+    for line, msg in zip(batch.lines, msgs, strict=True):
+        kind = jsonrpc.classify(msg)
+        yield line, (msg, kind) if kind is not None else BadLine.INVALID
+
+
+def is_plain_notification_block(batch: Batch) -> bool:
+    """True when every line is a notification the proxy forwards untouched.
+
+    This is the streaming hot path: one decode call for the block, and the block
+    is written on as it was read. ``$/cancel_request`` is checked on the decoded
+    method names, so no escaping of the raw bytes can slip one past its id mapping.
+    """
+    if not batch.block:
+        return False
+    methods = jsonrpc.notification_methods(batch.block, batch.count)
+    return methods is not None and Method.CANCEL_REQUEST not in methods
+
+
+def permission_subject(msg: Message) -> str:
+    """What a ``session/request_permission`` asks about: its tool call's title, if any."""
+    params = jsonrpc.decode_object(msg.params) or {}
+    tool_call = params.get("toolCall")
+    title = tool_call.get("title") if isinstance(tool_call, dict) else None
+    return title[:200] if isinstance(title, str) else ""
+
+
+def permission_choice(msg: Message) -> str:
+    """What the gateway answered a permission request: the option chosen, or ``cancelled``."""
+    if msg.error is not UNSET:
+        return f"error {msg.error.code}"
+    result = jsonrpc.decode_object(msg.result) or {}
+    outcome = result.get("outcome")
+    if isinstance(outcome, dict):
+        option = outcome.get("optionId")
+        return (
+            str(option) if outcome.get("outcome") == "selected" and option is not None else str(outcome.get("outcome"))
+        )
+    return ""
+
+
+class AdapterRelay:
+    """Relays every adapter's output to the gateway, and the gateway's answers to agent->client requests back."""
+
+    def __init__(
+        self,
+        config: Config,
+        pool: ProcessPool,
+        turns: TurnBook,
+        intents: SessionIntents,
+        writer: GatewayWriter,
+        stopping: Stopping,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.turns = turns
+        self.intents = intents
+        self.writer = writer
+        self.stopping = stopping
+        self._upstream: dict[int, tuple[Adapter, RequestId, str]] = {}
+        """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
+        self._next_upstream_id = 0
+
+    # --- the gateway's side of agent->client requests -----------------------------------------
+
+    async def answer_from_gateway(self, msg: Message) -> None:
+        """The gateway answered an agent->client request: hand it to the adapter that asked."""
+        key = msg.id
+        route = self._upstream.pop(key, None) if isinstance(key, int) else None
+        if route is None:
+            log.warning("gateway answered an unknown request id %r: dropped", key)
+            return
+        adapter, adapter_id, method = route
+        if method == Method.REQUEST_PERMISSION:
+            self.turns.note(adapter.turn, "permission_answered", permission_choice(msg))
+        adapter.upstream_pending -= 1
+        if not adapter.busy:
+            self.pool.changed.notify()
+        try:
+            await adapter.send(jsonrpc.with_id(msg, adapter_id))
+        except AdapterGone:
+            log.info("answer to request %r dropped: the adapter has exited", adapter_id)
+
+    async def cancel_request_from_gateway(self, msg: Message, line: bytes) -> None:
+        """The gateway's ``$/cancel_request``: to the adapter running that request, or withdraw it if queued."""
+        ok, target = cancel_target(msg.params)
+        if not ok:
+            return
+        for adapter in list(self.pool.running):
+            call_id = adapter.find_gateway_call(target)
+            if call_id is not None:
+                data = jsonrpc.notification(Method.CANCEL_REQUEST, remap_cancel_request(msg.params, call_id))
+                with suppress(AdapterGone):
+                    await adapter.send(data)
+                return
+        if not self.intents.withdraw(target):
+            log.debug("$/cancel_request for an unknown request: %s", preview(line))
+
+    # --- adapter -> gateway -------------------------------------------------------------------
+
+    def attach(self, adapter: Adapter) -> None:
+        """A new adapter is running: relay its output from now on (the pool calls this)."""
+        self.pool.background.start_task(self._relay, adapter)
+
+    async def _relay(self, adapter: Adapter) -> None:
+        reader = adapter.lines
+        try:
+            while True:
+                try:
+                    batch = await reader.receive_batch()
+                except anyio.EndOfStream:
+                    break
+                if batch.overlong:
+                    log.warning(
+                        "adapter pid=%d wrote %d line(s) over %d bytes: dropped",
+                        adapter.pid,
+                        batch.overlong,
+                        self.config.max_line_bytes,
+                    )
+                if not adapter.swallow_updates and not adapter.rewrites_session and is_plain_notification_block(batch):
+                    turn = adapter.turn
+                    if turn is not None and turn.status is TaskStatus.RUNNING:
+                        turn.observe(batch.block, batch.count)
+                    await self.writer.send(batch.block)
+                    continue
+                out: list[bytes] = []
+                for line, decoded in decoded_lines(batch):
+                    data = self._translate(adapter, line, decoded)
+                    if data is not None:
+                        out.append(data)
+                if out:
+                    await self.writer.send(b"".join(out))
+                if self.turns.settled_unwritten:
+                    self.turns.write_settled()  # the gateway has its answers: now their records
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._adapter_gone(adapter)
+                adapter.drained.set()
+
+    def _translate(self, adapter: Adapter, line: bytes, decoded: tuple[Message, Kind] | BadLine) -> bytes | None:
+        """What to send the gateway for one adapter line (``None``: nothing)."""
+        if isinstance(decoded, BadLine):
+            log.warning("adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s", adapter.pid, preview(line))
+            return None
+        msg, kind = decoded
+        if kind is not Kind.RESPONSE and adapter.rewrites_session:
+            assert adapter.adapter_session is not None
+            assert adapter.gateway_session is not None
+            rewritten = rewrite_session_id(msg.params, adapter.adapter_session, adapter.gateway_session)
+            if rewritten is not msg.params:
+                msg.params = rewritten
+                line = jsonrpc.encode(msg).rstrip(b"\n")
+        if kind is Kind.NOTIFICATION:
+            return self._notification(adapter, msg, line)
+        if kind is Kind.REQUEST:
+            return self._request(adapter, msg)
+        return self._response(adapter, msg)
+
+    def _notification(self, adapter: Adapter, msg: Message, line: bytes) -> bytes | None:
+        if msg.method == Method.UPDATE:
+            if adapter.swallow_updates:
+                return None
+            turn = adapter.turn
+            if turn is not None and turn.status is TaskStatus.RUNNING:
+                turn.observe(line, 1)
+        if msg.method != Method.CANCEL_REQUEST:
+            return line + b"\n"
+        ok, target = cancel_target(msg.params)
+        upstream = self._find_upstream(adapter, target) if ok else None
+        if upstream is None:
+            return None
+        return jsonrpc.notification(Method.CANCEL_REQUEST, remap_cancel_request(msg.params, upstream))
+
+    def _request(self, adapter: Adapter, msg: Message) -> bytes:
+        upstream_id = self._next_upstream_id
+        self._next_upstream_id += 1
+        self._upstream[upstream_id] = (adapter, msg.id, str(msg.method))  # type: ignore[assignment]
+        adapter.upstream_pending += 1
+        if msg.method == Method.REQUEST_PERMISSION:
+            self.turns.note(adapter.turn, "permission_asked", permission_subject(msg))
+        return jsonrpc.with_id(msg, upstream_id)
+
+    def _response(self, adapter: Adapter, msg: Message) -> bytes | None:
+        call = adapter.take_pending(msg.id)
+        if call is None:
+            log.warning("adapter pid=%d answered unknown request id %r: dropped", adapter.pid, msg.id)
+            return None
+        if call.internal is not None:
+            # In stream order, so that what the adapter writes right after an answer is seen right:
+            if call.method == Method.LOAD:
+                adapter.swallow_updates = False  # what follows the answer is not replay
+            elif call.method == Method.NEW and adapter.gateway_session is not None:
+                fresh = session_of(msg.result)  # a fallback: from now on its id is rewritten
+                adapter.adapter_session = fresh or adapter.adapter_session
+            call.internal.response = msg
+            call.internal.done.set()
+            return None
+        if adapter.rewrites_session and msg.result is not UNSET:
+            assert adapter.adapter_session is not None
+            assert adapter.gateway_session is not None
+            rewritten = rewrite_session_id(msg.result, adapter.adapter_session, adapter.gateway_session)
+            if isinstance(rewritten, Raw):
+                msg.result = rewritten
+        adapter.note_answer(call, msg)
+        if call.on_answer is not None:
+            try:
+                msg = call.on_answer(msg) or msg
+            except sqlite3.Error as exc:  # the state database failed: the answer is still relayed
+                log.error("could not record the answer to %s in the state database: %s", call.method, exc)
+        if call.turn is not None:
+            self.turns.settle_answer(call.turn, msg, write_later=True)
+            if adapter.turn is call.turn:
+                adapter.turn = None
+        if not adapter.busy:
+            self.pool.changed.notify()  # a waiter for a slot may now suspend this one
+        if call.method == Method.INITIALIZE and msg.result is not UNSET:
+            msg.result = annotate_initialize(msg.result, adapter.backend.name)
+        return jsonrpc.with_id(msg, call.gateway_id)
+
+    def _find_upstream(self, adapter: Adapter, adapter_id: RequestId) -> int | None:
+        for upstream_id, (owner, their_id, _) in self._upstream.items():
+            if owner is adapter and their_id == adapter_id:
+                return upstream_id
+        return None
+
+    async def _adapter_gone(self, adapter: Adapter) -> None:
+        """The adapter's stdout closed: answer everything it still owed, with its exit status.
+
+        A session whose process died this way is not lost: it is suspended, and
+        the next request for it resumes it.
+        """
+        returncode = await adapter.wait_exit(1.0)
+        failed = adapter.mark_gone()
+        if self.stopping.reason is None and failed:
+            log.error(
+                "adapter pid=%d %s with %d request(s) unanswered",
+                adapter.pid,
+                describe_exit(returncode),
+                len(failed),
+            )
+        data: dict[str, Any] = {"exitStatus": returncode, "backend": adapter.backend.name}
+        if self.stopping.begun and adapter.stopping:
+            # We ended it (its stdin closed, or a signal): the requests end with the shutdown.
+            await self.fail_calls(failed, ProxyError.proxy_shutdown(**data))
+        else:
+            await self.fail_calls(failed, ProxyError.adapter_exited(returncode, adapter.backend.name))
+        orphaned = [uid for uid, (owner, _, _) in self._upstream.items() if owner is adapter]
+        for upstream_id in orphaned:
+            del self._upstream[upstream_id]
+            await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
+        adapter.upstream_pending = 0
+        self.intents.process_ended(adapter, returncode)
+        await self.pool.stop(adapter, drain=False)
+
+    async def fail_calls(self, calls: list[PendingCall], error: ProxyError) -> None:
+        """Answer the gateway's requests in flight with ``error``; their prompts end with it."""
+        for call in calls:
+            if call.turn is not None:
+                self.turns.settle(call.turn, error=(error.code, error.message))
+        if calls:
+            await self.writer.send(b"".join(error.response(call.gateway_id, method=call.method) for call in calls))

@@ -1,0 +1,279 @@
+"""The gateway connection: what the gateway sends, routed by one table, and the shutdown that ends it.
+
+Three id spaces meet in the proxy. The gateway's ids are its own; each adapter
+sees ids from its connection's counter (so the proxy's own requests never
+collide with the gateway's); agent->client requests reach the gateway under ids
+from the proxy's counter (``relay.adapters``). Every other byte passes through
+unchanged: params, results, ``_meta``, unknown methods and ``_``-extensions.
+
+A request is routed by ``ROUTES`` (method -> handler); a request for a session
+goes to the sessions' intents; anything else goes to a process of the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import anyio
+import anyio.abc
+from msgspec import UNSET
+
+from acp_proxy.concurrency import Background, Stopping, state_failed
+from acp_proxy.config import BackendConfig, Config
+from acp_proxy.pool.adapter import Adapter, AdapterGone
+from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import session_of
+from acp_proxy.protocol.errors import ProxyError
+from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message
+from acp_proxy.protocol.methods import Method, routed_by_session
+from acp_proxy.relay.adapters import AdapterRelay, decoded_lines, preview
+from acp_proxy.relay.writer import SHUTDOWN_WRITE_GRACE, GatewayWriter
+from acp_proxy.sessions.intents import SessionIntents
+from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.tasks.turns import TurnBook
+
+log = logging.getLogger("acp_proxy.proxy")
+
+Route = Callable[["GatewayConnection", Message], Awaitable[None]]
+
+
+class GatewayConnection:
+    """Serves one gateway: reads its lines, routes each message, and shuts the proxy down when it leaves."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        pool: ProcessPool,
+        intents: SessionIntents,
+        relay: AdapterRelay,
+        turns: TurnBook,
+        registry: SessionRegistry,
+        writer: GatewayWriter,
+        background: Background,
+        stopping: Stopping,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.intents = intents
+        self.relay = relay
+        self.turns = turns
+        self.registry = registry
+        self.writer = writer
+        self.background = background
+        self.stopping = stopping
+        self._reading = anyio.CancelScope()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self, gateway_in: anyio.abc.ByteReceiveStream) -> None:
+        """Serve until the gateway closes its end or ``stop`` is called, then shut down."""
+        with self._reading:
+            await self._read(LineReader(gateway_in, self.config.max_line_bytes))
+        if self.stopping.reason is None:
+            log.info("gateway closed its input: shutting down")
+        await self._shutdown()
+
+    def stop(self, reason: str) -> None:
+        """Stop reading from the gateway and shut down (signal handlers call this)."""
+        self.stopping.begun = True
+        self.pool.refuse()
+        if self.stopping.reason is None:
+            self.stopping.reason = reason
+            log.info("%s: shutting down", reason)
+        self._reading.cancel()
+
+    async def _shutdown(self) -> None:
+        """Answer what is in flight, then suspend every session (state kept, processes reaped).
+
+        On gateway EOF each adapter gets its stdin grace to answer on its own, and
+        those answers are still relayed. On a signal the gateway is waiting, so
+        in-flight requests are answered at once.
+        """
+        self.stopping.begun = True
+        shutdown = self.config.shutdown
+        with anyio.CancelScope(shield=True):
+            if not self.stopping.refusing:
+                # Gateway EOF: what it sent before leaving is still served, for a while (a client
+                # may pipe in its requests and read the answers after closing its end).
+                with anyio.move_on_after(shutdown.stdin_grace + SHUTDOWN_WRITE_GRACE):
+                    await self.background.wait_idle()
+            self.pool.refuse()  # requests still waiting for a process slot give up (proxy_shutdown)
+            await self.pool.stop_warm()
+            if self.stopping.reason is not None:
+                for adapter in list(self.pool.running):
+                    await self.relay.fail_calls(adapter.take_gateway_calls(), ProxyError.proxy_shutdown())
+            await self.pool.stop_all()
+            # Requests still being handled (waiting for a slot, a resume in progress) now fail
+            # fast and are answered; anything they started meanwhile is stopped too.
+            with anyio.move_on_after(SHUTDOWN_WRITE_GRACE + shutdown.term_grace):
+                await self.background.wait_idle()
+            await self.pool.stop_all()
+            self.turns.settle_leftovers("acp-proxy shut down before the turn was answered")
+            self.turns.write_settled()
+            if self.turns.unwritten:
+                self.turns.retry_unwritten()  # a last try; what still fails is swept "lost" by the next start
+            suspended = self.registry.suspend_all_of_this_instance()
+            if suspended:
+                log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
+
+    # --- reading ------------------------------------------------------------------------------
+
+    async def _read(self, reader: LineReader) -> None:
+        while True:
+            try:
+                batch = await reader.receive_batch()
+            except anyio.EndOfStream:
+                return
+            for _ in range(batch.overlong):
+                await self.writer.send(ProxyError.line_too_long(self.config.max_line_bytes).response(None))
+            for line, decoded in decoded_lines(batch):
+                if isinstance(decoded, BadLine):
+                    log.warning("gateway sent an invalid message: %s", preview(line))
+                    await self.writer.send(jsonrpc.bad_line_response(decoded, line))
+                    continue
+                msg, kind = decoded
+                if kind is not Kind.RESPONSE and not jsonrpc.params_structured(msg.params):
+                    log.warning("gateway sent params that are neither an object nor an array: %s", preview(line))
+                    error = ProxyError.invalid_request("params must be an object or an array")
+                    await self.writer.fail(msg.id, error)
+                    continue
+                try:
+                    if kind is Kind.REQUEST:
+                        await self._route_request(msg)
+                    elif kind is Kind.NOTIFICATION:
+                        await self._route_notification(msg, line)
+                    else:
+                        await self.relay.answer_from_gateway(msg)
+                except sqlite3.Error as exc:
+                    state_failed(self.registry.db.path, exc)
+                    if kind is Kind.REQUEST:
+                        await self.writer.fail(msg.id, ProxyError.state_error(exc))
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def _route_request(self, msg: Message) -> None:
+        assert isinstance(msg.method, str)
+        route = ROUTES.get(msg.method)
+        if route is not None:
+            await route(self, msg)
+            return
+        session_id = session_of(msg.params)
+        if session_id is not None:
+            await self.intents.forward(msg, session_id)
+        elif routed_by_session(msg.method):
+            message = f"Invalid params: {msg.method} needs params.sessionId, a string"
+            await self.writer.fail(msg.id, ProxyError.invalid_params(message))
+        else:
+            self.background.start(lambda: self._to_any(msg))
+
+    async def _session_id_or_fail(self, msg: Message) -> str | None:
+        session_id = session_of(msg.params)
+        if session_id is None:
+            message = f"Invalid params: {msg.method} needs params.sessionId, a string"
+            await self.writer.fail(msg.id, ProxyError.invalid_params(message))
+        return session_id
+
+    async def _initialize(self, msg: Message) -> None:
+        self.pool.client_init = msg.params
+        self.background.start(lambda: self._to_spare(msg, self.pool.default_backend))
+
+    async def _authenticate(self, msg: Message) -> None:
+        self.background.start(lambda: self._to_spare(msg, self.pool.default_backend))
+
+    async def _new(self, msg: Message) -> None:
+        self.background.start(lambda: self.intents.new(msg))
+
+    async def _list(self, msg: Message) -> None:
+        await self.intents.list_sessions(msg)
+
+    async def _close(self, msg: Message) -> None:
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is not None:
+            await self.intents.close(session_id, msg.id)  # ordered now; the work queues behind the session's
+
+    async def _load_or_resume(self, msg: Message) -> None:
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is not None:
+            await self.intents.resume(msg, session_id)
+
+    async def _to_spare(self, msg: Message, backend: BackendConfig) -> None:
+        """``initialize`` / ``authenticate``: to the spare process, started for it if need be."""
+        adapter = self.pool.spare(backend)
+        if adapter is None:
+            adapter = await self._started(msg, backend, prepare=msg.method != Method.INITIALIZE)
+            if adapter is None:
+                return
+        if msg.method == Method.AUTHENTICATE:
+
+            def remember(answer: Message) -> None:
+                if answer.error is UNSET:
+                    self.pool.auth_params = msg.params
+
+            await adapter.forward(msg, remember)
+        else:
+            await adapter.forward(msg)
+
+    async def _to_any(self, msg: Message) -> None:
+        """A request naming no session (``logout``, extensions): a spare, else the most recently used process."""
+        adapter = self.pool.any_adapter() or await self._started(msg, self.pool.default_backend, prepare=True)
+        if adapter is not None:
+            await adapter.forward(msg)
+
+    async def _started(self, msg: Message, backend: BackendConfig, *, prepare: bool) -> Adapter | None:
+        """A new process for a request no process is there for; ``None`` (and the request answered) if none."""
+        try:
+            adapter = await self.pool.start(backend, prepare=prepare)
+        except ProxyError as exc:
+            await self.writer.fail(msg.id, exc)
+            return None
+        adapter.claimed = False
+        return adapter
+
+    # --- notifications ------------------------------------------------------------------------
+
+    async def _route_notification(self, msg: Message, line: bytes) -> None:
+        if msg.method == Method.CANCEL_REQUEST:
+            await self.relay.cancel_request_from_gateway(msg, line)
+            return
+        session_id = session_of(msg.params)
+        if session_id is None and routed_by_session(str(msg.method)):
+            log.info("dropped %s: its params name no session", msg.method)
+            return
+        session = self.intents.table.get(session_id) if session_id is not None else None
+        if msg.method == Method.CANCEL and session is not None:
+            await self.intents.cancel(session, by="the gateway", notification=(msg, line))
+            return
+        adapter: Adapter | None
+        if session is not None and session.live_adapter is not None:
+            adapter = session.live_adapter
+        elif session_id is None:
+            adapter = self.pool.any_adapter()
+        else:
+            log.info("dropped %s for session %s: it has no live process", msg.method, session_id)
+            return
+        if adapter is None or adapter.gone:
+            log.info("dropped %s: no adapter is running", msg.method)
+            return
+        try:
+            await adapter.pass_on(msg, line)
+        except AdapterGone:
+            log.info("dropped %s: the adapter has exited", msg.method)
+
+
+ROUTES: Final[dict[str, Route]] = {
+    Method.INITIALIZE: GatewayConnection._initialize,
+    Method.AUTHENTICATE: GatewayConnection._authenticate,
+    Method.NEW: GatewayConnection._new,
+    Method.LIST: GatewayConnection._list,
+    Method.CLOSE: GatewayConnection._close,
+    Method.LOAD: GatewayConnection._load_or_resume,
+    Method.RESUME: GatewayConnection._load_or_resume,
+}
+"""The requests the proxy handles itself. Any other request naming a session is forwarded to it
+(``SessionIntents.forward``; ``session/prompt``, the settings, ``session/delete``, unknown ones);
+one naming none goes to a process of the pool."""

@@ -1,0 +1,130 @@
+"""The composition root: wires the layers for one ``acp-proxy`` process, and the program's entry point.
+
+Everything below is built here, once, and handed what it needs; the two calls
+that must go upward (the pool asking the sessions to suspend one, the pool
+handing a new adapter to the relay) are closures made here.
+
+    protocol -> state, config -> ownership -> tasks -> pool -> sessions -> relay -> operator -> serve
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import anyio
+
+from acp_proxy.concurrency import Background, Stopping
+from acp_proxy.config import Config
+from acp_proxy.early_signals import EARLY_SIGNALS
+from acp_proxy.operator.operations import Operations, ServedProxy
+from acp_proxy.ownership.owner import Owner
+from acp_proxy.ownership.supervised import SupervisedProcess
+from acp_proxy.pool.adapter import Adapter
+from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.relay.adapters import AdapterRelay
+from acp_proxy.relay.gateway import GatewayConnection
+from acp_proxy.relay.writer import GatewayWriter
+from acp_proxy.sessions.intents import SessionIntents
+from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.sessions.table import SessionTable
+from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
+from acp_proxy.tasks.records import TaskRegistry
+from acp_proxy.tasks.turns import TurnBook
+
+log = logging.getLogger("acp_proxy.proxy")
+
+
+async def serve_gateway(
+    config: Config,
+    owner: Owner,
+    gateway_in: anyio.abc.ByteReceiveStream,
+    gateway_out: anyio.abc.ByteSendStream,
+    *,
+    backend: str | None = None,
+    warm: SupervisedProcess | None = None,
+) -> None:
+    """Serve one gateway connection until it leaves or a signal, then shut down cleanly.
+
+    ``warm`` is an adapter launched before the event loop started, so that its
+    start-up overlapped ours; the first request that needs an adapter adopts it.
+    """
+    owner.db.defer_checkpoints()  # the checkpoints' fsyncs run in a worker thread (TurnBook.watch)
+    stopping = Stopping()
+    registry = SessionRegistry(owner.db, owner.instance_id)
+    for session_id in registry.adopt_orphans():
+        log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
+    turns = TurnBook(TaskRegistry(owner.db, owner.instance_id), config, stopping)
+    turns.maintain()
+    async with anyio.create_task_group() as tasks:
+        background = Background(tasks, owner.db.path)
+        gateway: GatewayConnection | None = None
+        intents: SessionIntents | None = None
+        relay: AdapterRelay | None = None
+
+        def stop(reason: str) -> None:
+            assert gateway is not None
+            gateway.stop(reason)
+
+        async def suspend(session_id: str, why: str) -> bool:
+            assert intents is not None
+            return await intents.suspend(session_id, why)
+
+        def attach(adapter: Adapter) -> None:
+            assert relay is not None
+            relay.attach(adapter)
+
+        writer = GatewayWriter(gateway_out, stopping, on_broken=lambda: stop("gateway closed its output"))
+        pool = ProcessPool(
+            config,
+            owner,
+            background,
+            stopping,
+            default_backend=config.backend(backend),
+            warm=warm,
+            suspend=suspend,
+            attach=attach,
+        )
+        table = SessionTable(registry, background, pool.changed)
+        intents = SessionIntents(config, registry, table, pool, turns, writer, stopping)
+        relay = AdapterRelay(config, pool, turns, intents, writer, stopping)
+        gateway = GatewayConnection(
+            config,
+            pool=pool,
+            intents=intents,
+            relay=relay,
+            turns=turns,
+            registry=registry,
+            writer=writer,
+            background=background,
+            stopping=stopping,
+        )
+        operations = Operations(ServedProxy(config, owner, pool, turns, intents, stopping, time.time()))
+        tasks.start_soon(stop_on_signals, gateway)
+        tasks.start_soon(pool.suspend_idle)
+        tasks.start_soon(turns.watch, intents.expire_turn, background.start)
+        tasks.start_soon(operations.serve)
+        await gateway.run(gateway_in)
+        tasks.cancel_scope.cancel()
+
+
+async def stop_on_signals(gateway: GatewayConnection) -> None:
+    """SIGTERM, SIGINT and SIGHUP all mean: shut down cleanly and exit 0."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        if EARLY_SIGNALS:  # arrived while the adapter was being launched, before the loop ran
+            gateway.stop(f"received {signal.Signals(EARLY_SIGNALS[0]).name}")
+        async for signum in signals:
+            gateway.stop(f"received {signal.Signals(signum).name}")
+
+
+async def serve_stdio(config: Config, owner: Owner, backend: str | None, warm: SupervisedProcess | None) -> int:
+    """Serve ACP on this process's stdin/stdout."""
+    gateway_in, gateway_out = FdReceiveStream(0), FdSendStream(1)
+    enlarge_pipe(1)  # fewer, larger writes to the gateway while updates stream
+    try:
+        await serve_gateway(config, owner, gateway_in, gateway_out, backend=backend, warm=warm)
+    finally:
+        await gateway_in.aclose()
+        await gateway_out.aclose()
+    return 0

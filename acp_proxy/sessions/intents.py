@@ -1,0 +1,608 @@
+"""The lifecycle intents: one public coroutine each, the only way a session changes.
+
+    new            session/new on a prepared process; the id it answers is the stable id
+    forward        a request for a session, sent now or queued behind its resume
+    cancel         session/cancel: queued prompts end cancelled, the running turn is asked to end; nothing is reaped
+    close          session/close: end the turn in flight, reap the tree, mark it closed
+    suspend        stop an idle session's process; it keeps its mapping and is resumable
+    resume         the gateway's session/load or session/resume: restore a suspended or closed session
+    list_sessions  session/list from the registry, suspended sessions included, filtered by who asks
+    process_ended  the process of a session exited by itself: the session is suspended
+    expire_turn    a turn ran past turn_timeout: cancel, then answer it ourselves and suspend
+
+Timeouts, crashes, the pool and operator commands call these; none carries its own
+copy. The decisions inside them (the fate of a queued request, the stable id of a
+new session, why a session is unknown) are pure functions at the top of this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Final, Literal
+
+import anyio
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
+from acp_proxy.concurrency import Stopping
+from acp_proxy.config import BackendConfig, Config
+from acp_proxy.logs import ids
+from acp_proxy.pool.adapter import Adapter, AdapterGone
+from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import proxy_meta, session_of
+from acp_proxy.protocol.errors import ProxyError, describe_exit
+from acp_proxy.protocol.jsonrpc import Message, RequestId
+from acp_proxy.protocol.methods import Method, is_setting
+from acp_proxy.sessions.registry import (
+    LIST_PAGE_SIZE,
+    Ownership,
+    SessionRecord,
+    SessionRegistry,
+    SessionState,
+    decode_cursor,
+    encode_cursor,
+)
+from acp_proxy.sessions.restore import GatewayPort, Restorer
+from acp_proxy.sessions.table import Session, SessionTable
+from acp_proxy.sessions.visibility import SessionRow, parse_requester, visible_rows
+from acp_proxy.tasks.records import TERMINAL, TaskStatus, Turn
+from acp_proxy.tasks.turns import TurnBook, turn_ids
+
+log = logging.getLogger("acp_proxy.lifecycle")
+
+Answer = Callable[[Message], Message | None]
+
+
+# --- decisions ------------------------------------------------------------------------------------
+
+
+def unknown_session_error(session_id: str, record: SessionRecord | None) -> ProxyError:
+    """Why this proxy cannot serve a session, from its row (if any)."""
+    if record is not None and record.state is SessionState.CLOSED:
+        return ProxyError.session_closed(session_id)
+    if record is not None:
+        return ProxyError.session_in_use(session_id, record.instance_id)
+    return ProxyError.unknown_session(session_id)
+
+
+def queued_fate(
+    *, withdrawn: bool, refusing: bool, prompt_cancelled: bool, closed: bool, session_id: str
+) -> ProxyError | Literal["cancelled"] | None:
+    """What becomes of a request that waited for its session: ``None`` to send it now,
+    ``"cancelled"`` to answer a prompt ``{"stopReason": "cancelled"}``, or the error to answer."""
+    if withdrawn:
+        return ProxyError.cancelled()
+    if refusing:
+        return ProxyError.proxy_shutdown()
+    if prompt_cancelled:
+        return "cancelled"
+    if closed:
+        return ProxyError.session_closed(session_id)
+    return None
+
+
+def stable_id(issued: str, *, taken_here: bool, live_elsewhere: bool) -> str:
+    """The id the gateway will know a new session by: the adapter's, unless another session holds it.
+
+    Adapters that number sessions per process give every process's first session the same
+    id; a second session with an id already served (here, or live in another proxy) gets a
+    proxy-side id, and ``sessionId`` is rewritten on its connection.
+    """
+    if taken_here or live_elsewhere:
+        return f"{issued}~{uuid.uuid4().hex[:8]}"
+    return issued
+
+
+def ownership_from(meta: dict[str, Any]) -> Ownership:
+    def text(key: str) -> str | None:
+        value = meta.get(key)
+        return value if isinstance(value, str) else None
+
+    return Ownership(
+        session_key=text("sessionKey"),
+        owner_session_key=text("ownerSessionKey"),
+        spawned_by=text("spawnedBy"),
+        parent_session_key=text("parentSessionKey"),
+        agent_id=text("agentId"),
+    )
+
+
+def session_info(record: SessionRecord) -> dict[str, Any]:
+    """A ``SessionInfo`` for ``session/list``."""
+    info: dict[str, Any] = {"sessionId": record.session_id, "cwd": record.cwd}
+    if record.additional_directories is not None:
+        info["additionalDirectories"] = msgspec.json.decode(record.additional_directories)
+    info["updatedAt"] = datetime.fromtimestamp(record.last_active_at, UTC).isoformat().replace("+00:00", "Z")
+    info["_meta"] = {"acp-proxy": {"state": record.state.value, "backend": record.backend}}
+    return info
+
+
+def visibility_row(record: SessionRecord) -> SessionRow:
+    owner = record.ownership
+    return SessionRow(
+        session_id=record.session_id,
+        session_key=owner.session_key,
+        owner_session_key=owner.owner_session_key,
+        spawned_by=owner.spawned_by,
+        parent_session_key=owner.parent_session_key,
+        agent_id=owner.agent_id,
+        lineage=frozenset(),
+    )
+
+
+CANCELLED: Final = {"stopReason": "cancelled"}
+
+
+class SessionIntents:
+    """What can happen to a session, each intent one coroutine; the rest of the proxy calls these."""
+
+    def __init__(
+        self,
+        config: Config,
+        registry: SessionRegistry,
+        table: SessionTable,
+        pool: ProcessPool,
+        turns: TurnBook,
+        gateway: GatewayPort,
+        stopping: Stopping,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.table = table
+        self.pool = pool
+        self.turns = turns
+        self.gateway = gateway
+        self.stopping = stopping
+        self.restorer = Restorer(config, registry, table, pool, gateway)
+        self._queued_ids: set[RequestId] = set()
+        self._withdrawn: set[RequestId] = set()
+        """Queued requests the gateway withdrew with ``$/cancel_request`` before they were sent."""
+
+    # --- new ----------------------------------------------------------------------------------
+
+    def backend_named(self, meta: dict[str, Any]) -> BackendConfig:
+        """The backend ``_meta["acp-proxy"].backend`` names, else the proxy's default."""
+        name = meta.get("backend")
+        if name is None:
+            return self.pool.default_backend
+        if not isinstance(name, str) or name not in self.config.backends:
+            raise ProxyError.unknown_backend(name, self.config.backends)
+        return self.config.backends[name]
+
+    async def new(self, msg: Message) -> None:
+        """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
+        try:
+            backend = self.backend_named(proxy_meta(msg.params))
+            adapter = await self.pool.take(backend)
+        except ProxyError as exc:
+            await self.gateway.fail(msg.id, exc)
+            return
+
+        def created(answer: Message) -> Message | None:
+            adapter.claimed = False
+            session_id = session_of(answer.result) if answer.error is UNSET else None
+            if session_id is None:
+                return None  # the error goes to the gateway; the process stays as a spare
+            stable = self._register(session_id, backend, adapter, msg.params)
+            if stable == session_id:
+                return None
+            result = jsonrpc.decode_object(answer.result) or {}
+            return Message(
+                jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable}))
+            )
+
+        await adapter.forward(msg, created)
+
+    def _register(self, session_id: str, backend: BackendConfig, adapter: Adapter, params: Raw | UnsetType) -> str:
+        """A session the adapter just opened (``session/new``, or a load of one the registry did not know).
+
+        A suspended row of an earlier proxy with the same id is replaced: the adapter has
+        issued that id afresh, so the old session is not one it could restore.
+        """
+        taken = self.registry.get(session_id)
+        live_elsewhere = (
+            taken is not None
+            and taken.state in (SessionState.LIVE, SessionState.RESUMING)
+            and taken.instance_id != self.registry.instance_id
+            and not self.registry.take_over_if_orphaned(session_id)
+        )
+        stable = stable_id(session_id, taken_here=self.table.get(session_id) is not None, live_elsewhere=live_elsewhere)
+        if stable != session_id:
+            log.info("session %s: the adapter's id is taken by another session; known as %s", session_id, stable)
+        elif taken is not None and taken.state is not SessionState.CLOSED:
+            log.info("session %s: issued again by the adapter; the older session of that id is replaced", session_id)
+        given = jsonrpc.decode_object(params) or {}
+        directories = given.get("additionalDirectories")
+        record = SessionRecord(
+            session_id=stable,
+            adapter_session_id=session_id,
+            backend=backend.name,
+            cwd=str(given.get("cwd", "")),
+            mcp_servers=jsonrpc.encode_json(given.get("mcpServers", [])).decode(),
+            additional_directories=None if directories is None else jsonrpc.encode_json(directories).decode(),
+            lease_id=adapter.supervised.lease.lease_id,
+            auth_method=self._auth_method(),
+            ownership=ownership_from(proxy_meta(params)),
+        )
+        self.table.bind(Session(self.registry.create(record)), adapter, session_id)
+        return stable
+
+    def _auth_method(self) -> str | None:
+        obj = jsonrpc.decode_object(self.pool.auth_params) or {}
+        method = obj.get("methodId")
+        return method if isinstance(method, str) else None
+
+    # --- forward ------------------------------------------------------------------------------
+
+    async def forward(self, msg: Message, session_id: str) -> None:
+        """A request for a session: to its process now, or queued behind what the session waits for."""
+        session = self.table.find(session_id)
+        if session is None:
+            await self._fail_unknown(msg.id, session_id)
+            return
+        is_prompt = msg.method == Method.PROMPT
+        adapter = session.live_adapter
+        if session.ready and adapter is not None:
+            lease = adapter.supervised.lease.lease_id
+            turn = self.turns.open_turn(session_id, session.record.backend, msg, lease) if is_prompt else None
+            await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
+            return
+        queued_turn = self.turns.open_turn(session_id, session.record.backend, msg, None) if is_prompt else None
+        epoch = session.cancel_epoch
+        self._queued_ids.add(msg.id)  # type: ignore[arg-type]
+        self.table.enqueue(session, lambda: self._forward_when_live(session, msg, epoch, queued_turn))
+
+    def withdraw(self, request_id: RequestId) -> bool:
+        """``$/cancel_request`` for a request still queued: it is answered -32800 when its turn comes."""
+        if request_id not in self._queued_ids:
+            return False
+        self._withdrawn.add(request_id)
+        return True
+
+    def _bookkeeping(self, session: Session, msg: Message) -> Answer | None:
+        """What to record when the adapter answers a request of this session."""
+        method = msg.method
+        if isinstance(method, str) and is_setting(method):
+
+            def remember(answer: Message) -> None:
+                params = jsonrpc.decode_object(msg.params)
+                if answer.error is UNSET and params is not None:
+                    self.registry.record_setting(session.session_id, method, params)
+
+            return remember
+        if method == Method.DELETE:
+
+            def forget(answer: Message) -> None:
+                if answer.error is UNSET and not session.closed:
+                    session.closed = True  # deleted: it is gone, so is its process
+                    self.table.enqueue(session, lambda: self._reap_closed(session, None))
+
+            return forget
+        return None
+
+    async def _forward_when_live(self, session: Session, msg: Message, epoch: int, turn: Turn | None) -> None:
+        """A request that waited for its session: bring the session back if need be, then forward."""
+        try:
+            if await self._answered_while_queued(session, msg, epoch, turn):
+                return
+            resumed = session.live_adapter is None
+            try:
+                adapter = await self._ensure_live(session)
+            except ProxyError as exc:
+                if turn is not None:
+                    self.turns.settle(turn, error=(exc.code, exc.message))
+                await self.gateway.fail(msg.id, exc)
+                return
+            if adapter is None:  # a close cut the resume short
+                await self._answered_while_queued(session, msg, epoch, turn, closed=True)
+                return
+            if await self._answered_while_queued(session, msg, epoch, turn):
+                return
+            if turn is not None:
+                self.turns.start_turn(turn, adapter.supervised.lease.lease_id, adapter.pid, resumed=resumed)
+            await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
+        finally:
+            self._queued_ids.discard(msg.id)
+            if turn is not None and turn.status is TaskStatus.QUEUED:  # cancelled while it waited
+                self.turns.settle(turn, error=(jsonrpc.REQUEST_CANCELLED, "the proxy stopped before sending it"))
+
+    async def _answered_while_queued(
+        self, session: Session, msg: Message, epoch: int, turn: Turn | None, *, closed: bool = False
+    ) -> bool:
+        """Answer a queued request that must not be sent any more (withdrawn, cancelled, closed, shutdown)."""
+        withdrawn = msg.id in self._withdrawn
+        self._withdrawn.discard(msg.id)
+        fate = queued_fate(
+            withdrawn=withdrawn,
+            refusing=self.stopping.refusing,
+            prompt_cancelled=msg.method == Method.PROMPT
+            and (session.cancel_epoch != epoch or (turn is not None and turn.cancel_requested)),
+            closed=closed or session.closed,
+            session_id=session.session_id,
+        )
+        if fate is None:
+            return False
+        if fate == "cancelled":  # session/cancel or close meanwhile, or an operator cancelled this task
+            if turn is not None:
+                self.turns.settle(turn, stop_reason="cancelled")
+            await self.gateway.answer(msg.id, CANCELLED)
+            return True
+        assert isinstance(fate, ProxyError)
+        if turn is not None:
+            self.turns.settle(turn, error=(fate.code, fate.message))
+        await self.gateway.fail(msg.id, fate)
+        return True
+
+    async def _ensure_live(self, session: Session) -> Adapter | None:
+        """The session's process, restoring it first if it has none; ``None`` if a close cut that short.
+
+        Runs from the session's queue, so nothing else of the session runs meanwhile.
+        """
+        if session.live_adapter is None:
+            await self.restorer.restore_cancellable(session, gateway_asked=None)
+        return session.live_adapter
+
+    async def _fail_unknown(self, request_id: RequestId | UnsetType, session_id: str) -> None:
+        await self.gateway.fail(request_id, unknown_session_error(session_id, self.registry.get(session_id)))
+
+    # --- cancel -------------------------------------------------------------------------------
+
+    async def cancel(
+        self,
+        session: Session,
+        *,
+        by: str | None,
+        task: Turn | None = None,
+        notification: tuple[Message, bytes] | None = None,
+    ) -> None:
+        """Cancel a session's prompt turns; nothing is ever reaped.
+
+        Without ``task`` this is ACP's ``session/cancel``: every prompt queued for the session
+        ends ``cancelled``, and the running turn is asked to end (the gateway's own
+        ``notification`` is forwarded, else the proxy sends one). With ``task``, only that
+        turn: answered ``cancelled`` when its turn to be sent comes, or asked to end if it
+        runs. ``by`` is who asked, for the task's events (``None``: the event is already noted).
+        """
+        if task is None:
+            session.cancel_epoch += 1
+        elif task.status is TaskStatus.QUEUED:
+            task.cancel_requested = True
+            task.event("cancel_requested", f"by {by} (while queued)")
+            return
+        adapter = session.live_adapter
+        if adapter is None:
+            return  # suspended: nothing runs
+        if by is not None:
+            self.turns.note(adapter.turn, "cancel_requested", f"by {by}")
+        try:
+            if notification is not None:
+                await adapter.pass_on(*notification)
+            else:
+                cancel = {"sessionId": adapter.adapter_session or session.session_id}
+                await adapter.send(jsonrpc.notification(Method.CANCEL, cancel))
+        except AdapterGone:
+            log.info("session/cancel for session %s not sent: the adapter has exited", session.session_id)
+
+    # --- close --------------------------------------------------------------------------------
+
+    async def close(self, session_id: str, request_id: RequestId | UnsetType | None) -> Session | None:
+        """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, mark it closed.
+
+        A resume in progress is cut short, and requests queued for the session are answered
+        (prompts ``cancelled``) rather than sent. ``request_id`` is the gateway's request, answered
+        once the session is gone (``None``: an operator's close). The session being closed, or
+        ``None`` if there is no such session to close.
+        """
+        session = self.table.find(session_id)
+        if session is None or session.closed:
+            if request_id is not None:
+                await self._fail_unknown(request_id, session_id)
+            return None
+        session.closed = True
+        session.cancel_epoch += 1
+        if session.resume_scope is not None:
+            session.resume_scope.cancel()
+        self.table.enqueue(session, lambda: self._reap_closed(session, request_id))
+        return session
+
+    async def _reap_closed(self, session: Session, request_id: RequestId | UnsetType | None) -> None:
+        adapter = session.live_adapter
+        if adapter is not None:
+            await self._end_turns(session, adapter)
+            session.adapter = None
+            await self.pool.stop(adapter)
+        session.adapter = None
+        if session.stopping is not None:
+            await session.stopping.wait()
+        self.registry.mark_closed(session.session_id)
+        self.table.forget(session)
+        log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
+        if request_id is not None:
+            await self.gateway.answer(request_id, {})
+
+    async def _end_turns(self, session: Session, adapter: Adapter) -> None:
+        """Cancel the turn in flight, give the adapter ``close_timeout`` to end it, answer the rest ourselves."""
+        if adapter.turn_in_flight:
+            await self.cancel(session, by=None)
+            with anyio.move_on_after(self.config.shutdown.close_timeout):
+                await adapter.answered.until(lambda: not adapter.turn_in_flight or adapter.gone)
+        for call in adapter.take_gateway_calls():
+            if call.method == Method.PROMPT:
+                if call.turn is not None:
+                    self.turns.settle(call.turn, stop_reason="cancelled")
+                await self.gateway.answer(call.gateway_id, CANCELLED)
+            else:
+                await self.gateway.send(ProxyError.closed_in_flight().response(call.gateway_id, method=call.method))
+
+    # --- suspend ------------------------------------------------------------------------------
+
+    async def suspend(self, session_id: str, why: str, *, even_if_busy: bool = False) -> bool:
+        """Suspend a session: it keeps its mapping and is resumable; its process is stopped in the background.
+
+        Only an idle session (nothing in flight, nothing queued), unless ``even_if_busy``
+        (a turn the proxy has answered itself). False if it was not suspended.
+        """
+        session = self.table.get(session_id)
+        if session is None:
+            return False
+        adapter = session.live_adapter
+        if adapter is None or not (even_if_busy or session.idle):
+            return False
+        session.adapter = None
+        self.registry.mark_suspended(session_id)
+        log.info(
+            "session %s suspended (%s): stopping pid %s",
+            session_id,
+            why,
+            adapter.pid,
+            extra=ids(session=session_id, lease=adapter.supervised.lease.lease_id),
+        )
+        session.stopping = self.pool.stop_in_background(adapter)
+        return True
+
+    def process_ended(self, adapter: Adapter, returncode: int | None) -> None:
+        """The process of a session exited (a crash, or its stop): the session is suspended, resumable."""
+        session = self.table.get(adapter.gateway_session) if adapter.gateway_session else None
+        if session is None or session.adapter is not adapter:
+            return
+        session.adapter = None
+        if not self.stopping.begun and not session.closed:
+            log.warning(
+                "session %s: its process ended (%s); suspended, resumable",
+                session.session_id,
+                describe_exit(returncode),
+            )
+            self.registry.mark_suspended(session.session_id)
+
+    async def expire_turn(self, turn: Turn) -> None:
+        """A turn ran past ``turn_timeout``: ``session/cancel``; if the adapter ignores that for
+        ``close_timeout``, the proxy answers the prompt ``cancelled`` itself and suspends the
+        session (a stuck process is not worth keeping)."""
+        session = self.table.get(turn.session_id)
+        adapter = session.live_adapter if session is not None else None
+        limit = self.turns.turn_timeout(turn)
+        turn.event("timed_out", f"after {limit:g}s: session/cancel sent")
+        log.warning(
+            "task %s: running longer than turn_timeout (%gs): cancelling it", turn.task_id, limit, extra=turn_ids(turn)
+        )
+        if session is None or adapter is None:
+            return  # the process is gone: the turn is being answered with its exit already
+        await self.cancel(session, by=None, task=turn)
+        await self.turns.wait_settled(turn, self.config.shutdown.close_timeout)
+        if turn.status in TERMINAL or adapter.gone:
+            return
+        call = adapter.take_call_of(turn)
+        if call is not None:
+            await self.gateway.answer(call.gateway_id, {**CANCELLED, "_meta": {"acp-proxy": {"timedOut": True}}})
+        self.turns.settle(turn, stop_reason="cancelled")
+        if session.adapter is adapter and not session.closed:
+            log.warning(
+                "session %s: pid %s did not end the timed-out turn within %gs; stopping it",
+                session.session_id,
+                adapter.pid,
+                self.config.shutdown.close_timeout,
+                extra=turn_ids(turn),
+            )
+            await self.suspend(session.session_id, "turn_timeout", even_if_busy=True)
+
+    # --- resume -------------------------------------------------------------------------------
+
+    async def resume(self, msg: Message, session_id: str) -> None:
+        """The gateway's ``session/load`` or ``session/resume``: restore the session (in its queue's order)."""
+        session = self.table.find(session_id)
+        if session is None:
+            record = self.registry.get(session_id)
+            if record is not None and record.state is not SessionState.CLOSED:
+                await self._fail_unknown(msg.id, session_id)  # live in another proxy
+            else:
+                self.table.background.start(lambda: self._adopt(msg, session_id))
+            return
+        self.table.enqueue(session, lambda: self._resume_when_ready(session, msg))
+
+    async def _resume_when_ready(self, session: Session, msg: Message) -> None:
+        if session.closed:  # closed just before: the adapter may still have it in its own storage
+            await self._adopt(msg, session.session_id)
+            return
+        if self.stopping.refusing:
+            await self.gateway.fail(msg.id, ProxyError.proxy_shutdown())
+            return
+        adapter = session.live_adapter
+        if adapter is not None:
+            if msg.method == Method.RESUME and not adapter.capabilities.resume:
+                await self.gateway.answer(msg.id, {})  # live already; the proxy advertised resume, so it serves it
+            else:
+                await adapter.forward(msg)
+            return
+        try:
+            answer = await self.restorer.restore_cancellable(session, gateway_asked=str(msg.method))
+        except ProxyError as exc:
+            await self.gateway.fail(msg.id, exc)
+            return
+        if answer is None:
+            await self._fail_unknown(msg.id, session.session_id)
+            return
+        await self.gateway.answer(msg.id, answer.result if answer.result is not UNSET else {})
+
+    async def _adopt(self, msg: Message, session_id: str) -> None:
+        """A load/resume of a session the registry does not know (or closed): the adapter may have it."""
+        try:
+            backend = self.backend_named(proxy_meta(msg.params))
+            adapter = await self.pool.take(backend)
+        except ProxyError as exc:
+            await self.gateway.fail(msg.id, exc)
+            return
+        adapter.gateway_session = adapter.adapter_session = session_id
+        caps = adapter.capabilities
+        if msg.method == Method.RESUME and not caps.resume and caps.load:
+            # The proxy advertised resume on the strength of load: load it, without the replay.
+            adapter.swallow_updates = True
+            try:
+                answer = await self.pool.call_answer(adapter, Method.LOAD, msg.params)
+            except ProxyError as exc:
+                adapter.release_to_spare()  # also ends the swallowing if no answer ever came
+                await self.gateway.fail(msg.id, exc)
+                return
+            if answer.error is not UNSET:
+                adapter.release_to_spare()
+                await self.gateway.send(jsonrpc.with_id(answer, msg.id))  # type: ignore[arg-type]
+                return
+            self._register(session_id, backend, adapter, msg.params)
+            await self.gateway.answer(msg.id, answer.result if answer.result is not UNSET else {})
+            return
+
+        def adopted(answer: Message) -> None:
+            if answer.error is not UNSET:
+                adapter.release_to_spare()
+                return
+            self._register(session_id, backend, adapter, msg.params)
+
+        await adapter.forward(msg, adopted)
+
+    # --- list ---------------------------------------------------------------------------------
+
+    async def list_sessions(self, msg: Message) -> None:
+        """``session/list`` from the registry: suspended sessions included, filtered by who asks."""
+        params = jsonrpc.decode_object(msg.params) or {}
+        try:
+            requester = parse_requester(params.get("_meta"))
+            cursor = params.get("cursor")
+            after = decode_cursor(cursor) if isinstance(cursor, str) else None
+        except ValueError as exc:
+            await self.gateway.fail(msg.id, ProxyError.invalid_params(str(exc)))
+            return
+        cwd = params.get("cwd") if isinstance(params.get("cwd"), str) else None
+        records = self.registry.page(cwd=cwd, limit=None)
+        if requester is not None:
+            visible = {row.session_id for row in visible_rows([visibility_row(r) for r in records], requester)}
+            records = [r for r in records if r.session_id in visible]
+        if after is not None:
+            records = [r for r in records if (r.created_at, r.session_id) > (after.created_at, after.session_id)]
+        page = records[:LIST_PAGE_SIZE]
+        result: dict[str, Any] = {"sessions": [session_info(r) for r in page]}
+        if len(records) > len(page):
+            result["nextCursor"] = encode_cursor(page[-1])
+        await self.gateway.answer(msg.id, result)

@@ -1,0 +1,179 @@
+"""Bringing a suspended session back on a fresh adapter: the restore strategy.
+
+spawn -> ``initialize`` (the gateway's params) -> ``authenticate`` (if it did) ->
+``session/resume`` | ``session/load`` | ``session/new`` (per strategy and
+capability), falling back to ``session/new`` only on the error classes that say
+the adapter cannot restore it -> re-apply mode and config options. Which request
+to use and when to fall back are pure functions in ``pool.plan``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
+from acp_proxy.config import BackendConfig, Config
+from acp_proxy.logs import ids
+from acp_proxy.pool.adapter import Adapter
+from acp_proxy.pool.plan import falls_back_to_new, restore_method
+from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import history_reset_update, session_of
+from acp_proxy.protocol.errors import ProxyError
+from acp_proxy.protocol.jsonrpc import Message, RequestId
+from acp_proxy.protocol.methods import Method
+from acp_proxy.sessions.registry import SessionRecord, SessionRegistry
+from acp_proxy.sessions.table import Session, SessionTable
+
+log = logging.getLogger("acp_proxy.lifecycle")
+
+
+class GatewayPort(Protocol):
+    """What the sessions may send the gateway: the relay's writer implements it."""
+
+    async def send(self, data: bytes) -> None: ...
+
+    async def answer(self, request_id: RequestId | UnsetType, result: object) -> None: ...
+
+    async def fail(self, request_id: RequestId | UnsetType, error: ProxyError) -> None: ...
+
+
+def reflect_setting(result: dict[str, Any], method: str, params: dict[str, Any], answer: dict[str, Any]) -> None:
+    """Update a load/resume result for a setting re-applied after it (mode, model, config options)."""
+    if method == Method.SET_MODE and isinstance(result.get("modes"), dict):
+        result["modes"] = {**result["modes"], "currentModeId": params.get("modeId")}
+    elif method == Method.SET_MODEL and isinstance(result.get("models"), dict):
+        result["models"] = {**result["models"], "currentModelId": params.get("modelId")}
+    elif method == Method.SET_CONFIG_OPTION and isinstance(answer.get("configOptions"), list):
+        result["configOptions"] = answer["configOptions"]
+
+
+class Restorer:
+    """Restores sessions onto fresh processes of the pool."""
+
+    def __init__(
+        self,
+        config: Config,
+        registry: SessionRegistry,
+        table: SessionTable,
+        pool: ProcessPool,
+        gateway: GatewayPort,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.table = table
+        self.pool = pool
+        self.gateway = gateway
+
+    async def restore_cancellable(self, session: Session, gateway_asked: str | None) -> Message | None:
+        """``restore``, cut short (``None``) if a ``session/close`` arrives meanwhile."""
+        with anyio.CancelScope() as scope:
+            session.resume_scope = scope
+            try:
+                return await self.restore(session, gateway_asked)
+            finally:
+                session.resume_scope = None
+        return None
+
+    async def restore(self, session: Session, gateway_asked: str | None = None) -> Message:
+        """Bring ``session`` back on a fresh adapter; the answer of the restoring request.
+
+        A timeout or any other failure stops the new process and leaves the session
+        suspended, mapping kept (``ProxyError``).
+        """
+        if session.stopping is not None:  # its previous process must be gone before another starts
+            await session.stopping.wait()
+        record = self.registry.get(session.session_id) or session.record
+        session.record = record
+        backend = self.config.backends.get(record.backend)
+        if backend is None:
+            raise ProxyError.backend_gone(record.session_id, record.backend)
+        started = time.monotonic()
+        if not self.registry.mark_resuming(record.session_id):
+            raise ProxyError.session_in_use(record.session_id)
+        try:
+            adapter = await self.pool.take(backend, session_key=record.session_id)
+        except BaseException:
+            self.registry.mark_suspended(record.session_id)
+            raise
+        adapter.gateway_session = record.session_id
+        adapter.adapter_session = record.adapter_session_id
+        try:
+            answer, adapter_session_id = await self._restore(adapter, backend, record, gateway_asked)
+            result = jsonrpc.decode_object(answer.result) or {}
+            for method, params in record.settings:
+                setting_params = msgspec.json.decode(params)
+                setting = await self.pool.call_answer(
+                    adapter, method, {**setting_params, "sessionId": adapter_session_id}
+                )
+                if setting.error is not UNSET:
+                    log.warning("session %s: %s not re-applied: %s", record.session_id, method, setting.error.message)
+                else:
+                    reflect_setting(result, method, setting_params, jsonrpc.decode_object(setting.result) or {})
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                adapter.gateway_session = adapter.adapter_session = None
+                self.registry.mark_suspended(record.session_id)
+                await self.pool.stop(adapter)
+            raise
+        self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
+        session.record = self.registry.get(record.session_id) or record
+        self.table.bind(session, adapter, adapter_session_id)
+        log.info(
+            "session %s %s on pid %s in %.0f ms",
+            record.session_id,
+            "resumed" if adapter_session_id == record.adapter_session_id else "started afresh",
+            adapter.pid,
+            (time.monotonic() - started) * 1000,
+            extra=ids(session=record.session_id, lease=adapter.supervised.lease.lease_id, backend=backend.name),
+        )
+        # What the gateway is answered (when it asked for the load or resume itself): its own id,
+        # and the settings as they are now, after re-applying them.
+        if result.get("sessionId") == adapter_session_id:
+            result["sessionId"] = record.session_id
+        return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result)))
+
+    async def _restore(
+        self, adapter: Adapter, backend: BackendConfig, record: SessionRecord, gateway_asked: str | None
+    ) -> tuple[Message, str]:
+        """Run the restoring request (and the fallback); the answer and the adapter's id for the session."""
+        caps = adapter.capabilities
+        method = restore_method(backend.resume, can_resume=caps.resume, can_load=caps.load, gateway_asked=gateway_asked)
+        if method is None:
+            raise ProxyError.resume_disabled(record.session_id, backend.name)
+        params = record.restore_params()
+        if method != Method.NEW:
+            adapter.swallow_updates = not (method == Method.LOAD and gateway_asked == Method.LOAD)
+            try:
+                restoring = {**params, "sessionId": record.adapter_session_id}
+                answer = await self.pool.call_answer(adapter, method, restoring)
+            finally:
+                adapter.swallow_updates = False
+            if answer.error is UNSET:
+                return answer, record.adapter_session_id
+            code = answer.error.code
+            if not falls_back_to_new(method, code):
+                raise ProxyError.restore_failed(method, backend.name, code, answer.error.message)
+            log.warning(
+                "session %s: %s failed with %d; starting afresh with session/new",
+                record.session_id,
+                method,
+                code,
+                extra=ids(session=record.session_id, backend=backend.name),
+            )
+        fresh = await self.pool.call(adapter, Method.NEW, params)
+        new_id = session_of(fresh.result)
+        if new_id is None:
+            raise ProxyError.no_session_id(Method.NEW, backend.name)
+        self.registry.note_history_reset(record.session_id, new_id)
+        adapter.adapter_session = new_id
+        # The adapter could not restore the history: tell the gateway this session starts afresh.
+        await self.gateway.send(jsonrpc.notification(Method.UPDATE, history_reset_update(record.session_id)))
+        result = jsonrpc.decode_object(fresh.result) or {}
+        result.pop("sessionId", None)
+        return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result))), new_id

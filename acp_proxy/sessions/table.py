@@ -1,0 +1,146 @@
+"""The sessions this proxy serves, each with its process (if any) and its queue.
+
+Work that must wait for a session (a resume, a close, a request behind them)
+runs from that session's queue, in the order the gateway sent it, one item at a
+time. A session is found in memory, else in the registry (suspended, or left
+live by a proxy that has died since).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from acp_proxy.concurrency import Background, Changes
+from acp_proxy.logs import ids
+from acp_proxy.pool.adapter import Adapter
+from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
+
+log = logging.getLogger("acp_proxy.lifecycle")
+
+Work = Callable[[], Coroutine[Any, Any, None]]
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """A session this proxy has served, with the process (if any) behind it now."""
+
+    record: SessionRecord
+    adapter: Adapter | None = None
+    queue: collections.deque[Work] = field(default_factory=collections.deque)
+    """Work that must wait for the session (a resume, a close), in the order the gateway sent it."""
+    draining: bool = False
+    """A task is working through ``queue``; requests that arrive meanwhile queue behind."""
+    cancel_epoch: int = 0
+    """Bumped by ``session/cancel`` and ``session/close``: a queued prompt that sees it changed is
+    answered ``cancelled``."""
+    closed: bool = False
+    stopping: anyio.Event | None = None
+    """Set once its last process is gone (a resume waits for that first)."""
+    resume_scope: anyio.CancelScope | None = None
+    """The resume in progress, which a ``session/close`` cancels."""
+    forgotten: anyio.Event = field(default_factory=anyio.Event)
+    """Set when a close has finished and the table no longer holds the session."""
+
+    @property
+    def session_id(self) -> str:
+        return self.record.session_id
+
+    @property
+    def live_adapter(self) -> Adapter | None:
+        """Its process, if it has one that has not exited."""
+        adapter = self.adapter
+        return adapter if adapter is not None and not adapter.gone else None
+
+    @property
+    def ready(self) -> bool:
+        """Requests can go straight to the process, in order, without waiting."""
+        return self.live_adapter is not None and not self.queue and not self.draining
+
+    @property
+    def idle(self) -> bool:
+        """It has a process with nothing in flight and nothing waiting: it may be suspended."""
+        adapter = self.live_adapter
+        return adapter is not None and not adapter.busy and not self.queue and not self.draining
+
+
+class SessionTable:
+    """The sessions of this proxy by stable id, and the queue each runs its waiting work from."""
+
+    def __init__(self, registry: SessionRegistry, background: Background, pool_changed: Changes) -> None:
+        self.registry = registry
+        self.background = background
+        self.pool_changed = pool_changed
+        self.sessions: dict[str, Session] = {}
+
+    def get(self, session_id: str) -> Session | None:
+        """A session held in memory (live, or suspended since this proxy served it)."""
+        return self.sessions.get(session_id)
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def values(self) -> list[Session]:
+        return list(self.sessions.values())
+
+    def find(self, session_id: str) -> Session | None:
+        """A session this proxy can serve: in memory, or in the registry (suspended, or left by a dead proxy)."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            return session
+        record = self.registry.get(session_id)
+        if record is None or record.state is SessionState.CLOSED:
+            return None
+        if record.state is not SessionState.SUSPENDED and record.instance_id != self.registry.instance_id:
+            # Live in another proxy: unless that proxy has died since we started (its tree was
+            # reaped by then or will be by the next start), it is not ours to serve.
+            if not self.registry.take_over_if_orphaned(session_id):
+                return None
+            log.info(
+                "session %s: left live by a proxy that is gone; suspended, resumable",
+                session_id,
+                extra=ids(session=session_id),
+            )
+            record = self.registry.get(session_id) or record
+        session = Session(record)
+        self.sessions[session_id] = session
+        return session
+
+    def bind(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:
+        """From now on ``adapter`` serves ``session`` (its own id for it may differ from the stable one)."""
+        adapter.gateway_session = session.session_id
+        adapter.adapter_session = adapter_session_id
+        adapter.open_sessions = {adapter_session_id}
+        adapter.claimed = False
+        adapter.last_active = time.monotonic()
+        session.adapter = adapter
+        self.sessions[session.session_id] = session
+        self.pool_changed.notify()
+
+    def forget(self, session: Session) -> None:
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+        session.forgotten.set()
+
+    def enqueue(self, session: Session, work: Work) -> None:
+        """Run ``work`` once everything the gateway sent earlier for this session has run (in order)."""
+        session.queue.append(work)
+        if not session.draining:
+            session.draining = True
+            self.background.start(lambda: self._drain(session))
+
+    async def _drain(self, session: Session) -> None:
+        try:
+            while session.queue:
+                work = session.queue.popleft()
+                await work()
+                self.pool_changed.notify()
+        finally:
+            session.draining = False
+            self.pool_changed.notify()  # it may be idle now: a waiter for a slot may suspend it
