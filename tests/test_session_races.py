@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
+from acp_proxy.ownership.owner import WRAPPER_NAME
 from acp_proxy.sessions.registry import SessionState
 from tests.harness import MARKER_VARIABLE, Gateway, fake_command
 from tests.test_sessions import LOAD_ONLY, RESUME_AND_LOAD, adapter_calls, registry, start, state_of
@@ -40,7 +41,7 @@ def live_adapters(env: dict[str, str]) -> int:
                 zombie = fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
         except OSError:
             continue
-        wrapper = any(arg.endswith(b"wrapper.py") for arg in argv)  # its argv names the adapter too
+        wrapper = any(arg.endswith(WRAPPER_NAME.encode()) for arg in argv)  # its argv names the adapter too
         if needle in environ and not zombie and not wrapper and any(arg.endswith(b"fake_adapter.py") for arg in argv):
             count += 1
     return count

@@ -20,13 +20,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acp_proxy.ownership import instances, wrapper
+from acp_proxy.ownership import instances
 from acp_proxy.ownership.leases import LeaseState, all_leases, create_lease, prune_ended, set_state
 from acp_proxy.ownership.proctable import ProcFS, PsutilTable
 from acp_proxy.ownership.reaping import marker_index
 from acp_proxy.ownership.supervised import WrapperReport
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
 from acp_proxy.state import SCHEMA_VERSION, StateDB, StateError
+from wrappers import adapter_wrapper
 
 
 def test_state_dir_and_database_are_private(tmp_path: Path) -> None:
@@ -309,13 +310,13 @@ def test_wrapper_report_is_json_the_proxy_can_decode(
     pid: int, ticks: int | None, subreaper: bool, error: str | None
 ) -> None:
     """The wrapper writes its report without the json module (start-up time); it must still be JSON."""
-    report = msgspec.json.decode(wrapper.report_line(pid, ticks, subreaper, error), type=WrapperReport)
+    report = msgspec.json.decode(adapter_wrapper.report_line(pid, ticks, subreaper, error), type=WrapperReport)
     assert report == WrapperReport(adapter_pid=pid, pgid=pid, start_ticks=ticks, subreaper=subreaper, error=error)
 
 
 def test_wrapper_report_survives_undecodable_paths() -> None:
     error = "cannot run '/opt/caf\udce9/agent': No such file or directory"  # surrogateescape'd byte
-    report = msgspec.json.decode(wrapper.report_line(7, None, True, error), type=WrapperReport)
+    report = msgspec.json.decode(adapter_wrapper.report_line(7, None, True, error), type=WrapperReport)
     assert report.error == "cannot run '/opt/caf\ufffd/agent': No such file or directory"
 
 

@@ -21,7 +21,28 @@ from acp_proxy.state import StateDB
 
 log = logging.getLogger("acp_proxy.ownership")
 
-WRAPPER_PATH = Path(__file__).with_name("wrapper.py")
+WRAPPER_NAME = "adapter_wrapper.py"
+
+
+class WrapperMissing(FileNotFoundError):
+    """The per-lease wrapper program is not where this install keeps it."""
+
+
+def wrapper_path() -> Path:
+    """The per-lease wrapper program, run as ``python -I -S PATH``.
+
+    The wheel ships the repository's ``wrappers/`` directory inside the package, as
+    ``acp_proxy/_wrappers/`` (pyproject.toml); a checkout or an editable install has it
+    next to the package, in ``wrappers/``.
+    """
+    package = Path(__file__).resolve().parent.parent
+    shipped = package / "_wrappers" / WRAPPER_NAME
+    if shipped.is_file():
+        return shipped
+    checkout = package.parent / "wrappers" / WRAPPER_NAME
+    if checkout.is_file():
+        return checkout
+    raise WrapperMissing(f"the adapter wrapper is missing: expected {shipped} (or {checkout} in a checkout)")
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ import msgspec
 
 from acp_proxy.ownership import leases
 from acp_proxy.ownership.leases import Lease, LeaseState
-from acp_proxy.ownership.owner import WRAPPER_PATH, Owner
+from acp_proxy.ownership.owner import Owner, WrapperMissing, wrapper_path
 from acp_proxy.ownership.reaping import forget_tombstone, prepare_tombstone, sweep
 from acp_proxy.ownership.verify import send_verified_signal
 from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
@@ -192,6 +192,10 @@ class SupervisedProcess:
         the config's command before ``${VAR}`` expansion, so that no secret from the
         environment is written to the state database or the logs.
         """
+        try:
+            wrapper = wrapper_path()
+        except WrapperMissing as exc:
+            raise WrapperFailed(str(exc)) from None
         db = owner.db
         lease = leases.create_lease(
             db,
@@ -211,7 +215,7 @@ class SupervisedProcess:
             sys.executable,
             "-I",
             "-S",
-            str(WRAPPER_PATH),
+            str(wrapper),
             "--lifeline",
             str(lifeline_r),
             "--report",

@@ -1,6 +1,6 @@
 """The per-lease wrapper: one per adapter, owning the adapter's whole process tree.
 
-Run as ``python -I -S wrapper.py --lifeline FD --report FD --grace S [--tombstone PATH] -- ARGV...``
+Run as ``python -I -S adapter_wrapper.py --lifeline FD --report FD --grace S [--tombstone PATH] -- ARGV...``
 (standard library only, so it starts fast and cannot be broken by site packages).
 acp-proxy starts it with ``start_new_session=True``, the adapter's stdin/stdout as
 its own, a lifeline pipe and a report pipe. The wrapper:

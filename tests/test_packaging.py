@@ -1,0 +1,144 @@
+"""The wheel carries the wrapper program, and an installed acp-proxy finds and runs it from there.
+
+The wheel is built offline from this checkout (``pip wheel --no-build-isolation``: hatchling
+is in the test extra) and installed with ``pip install --target``; the installed copy is then
+put first on the path of the processes under test, ahead of this checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from acp_proxy.ownership.owner import WRAPPER_NAME
+from tests.harness import Gateway
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+SHIPPED = f"acp_proxy/_wrappers/{WRAPPER_NAME}"
+
+
+def pip(*args: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", *args, "--quiet", "--disable-pip-version-check", "--no-index", "--no-deps"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"pip {args[0]} failed:\n{done.stdout}{done.stderr}"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    pip("wheel", "--no-build-isolation", "--wheel-dir", str(out), str(ROOT))
+    (built,) = out.glob("acp_proxy-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with the wheel installed in it, as site-packages would have it."""
+    target = tmp_path_factory.mktemp("site")
+    pip("install", "--target", str(target), str(wheel))
+    return target.resolve()
+
+
+def installed_env(base: dict[str, str], site: Path) -> dict[str, str]:
+    """The installed copy first on sys.path: before site-packages (and this checkout's .pth), no cwd."""
+    return {**base, "PYTHONPATH": str(site), "PYTHONSAFEPATH": "1"}
+
+
+def test_the_wheel_ships_the_wrapper_inside_the_package(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        assert archive.read(SHIPPED) == (ROOT / "wrappers" / WRAPPER_NAME).read_bytes()
+    assert "acp_proxy/_wrappers/__init__.py" in names
+    # Nothing at the top level but the package and its metadata: no generic `wrappers` package.
+    assert {name.split("/")[0] for name in names} == {"acp_proxy", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
+
+
+def test_an_installed_package_finds_the_wrapper_it_ships(installed: Path, tmp_path: Path) -> None:
+    probe = "import acp_proxy.ownership.owner as owner\nprint(owner.__file__)\nprint(owner.wrapper_path())\n"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=installed_env(dict(os.environ), installed),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    module, wrapper = done.stdout.splitlines()
+    assert Path(module) == installed / "acp_proxy" / "ownership" / "owner.py"
+    assert Path(wrapper) == installed / SHIPPED
+
+
+def test_an_install_without_the_wrapper_says_where_it_should_be(installed: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "site"
+    subprocess.run(["cp", "-r", str(installed), str(broken)], check=True, timeout=30)
+    (broken / SHIPPED).unlink()
+    probe = (
+        "from acp_proxy.ownership.owner import WrapperMissing, wrapper_path\n"
+        "try:\n"
+        "    wrapper_path()\n"
+        "except WrapperMissing as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=installed_env(dict(os.environ), broken),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout.startswith("the adapter wrapper is missing: expected")
+    assert str(broken.resolve() / SHIPPED) in done.stdout
+
+
+def process_argv(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return [arg.decode() for arg in fh.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    if int(fh.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.anyio
+async def test_an_installed_proxy_runs_the_wrapper_from_its_install(
+    installed: Path, proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """An installed proxy in front of the bundled echo agent: its wrapper runs from the install."""
+    env = installed_env(proc_env, installed)
+    echo = [sys.executable, "-m", "acp_proxy.examples.echo_agent"]
+    async with Gateway.start(env, tmp_path, adapter=echo) as gw:
+        response = await gw.initialize()
+        assert "result" in response
+        await gw.new_session()
+        wrappers = [argv for argv in map(process_argv, children_of(gw.pid)) if argv[1:3] == ["-I", "-S"]]
+        assert wrappers, "no wrapper process under the proxy"
+        for argv in wrappers:
+            assert Path(argv[3]) == installed / SHIPPED
+            assert argv[argv.index("--") + 1 :] == echo
