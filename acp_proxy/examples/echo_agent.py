@@ -8,8 +8,8 @@ asks the client for permission when a prompt contains the word "permission".
 
 ``--store DIR`` keeps each session's history in ``DIR/<sessionId>.json``, as real
 adapters keep theirs on disk, so another process of the agent can load or resume
-it (without it, history lives in memory). Standard library only, one thread per
-turn, so a cancel can interrupt a turn.
+it (without it, history lives in memory). Nothing beyond the standard library and the
+proxy's method table; one thread per turn, so a cancel can interrupt a turn.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import threading
 import time
 import uuid
 from typing import Any
+
+from acp_proxy.protocol.methods import Method
 
 WORD_DELAY = float(os.environ.get("ECHO_AGENT_WORD_DELAY", "0.03"))
 
@@ -44,7 +46,7 @@ class EchoAgent:
             sys.stdout.flush()
 
     def update(self, session_id: str, update: dict[str, Any]) -> None:
-        self.send({"method": "session/update", "params": {"sessionId": session_id, "update": update}})
+        self.send({"method": Method.UPDATE, "params": {"sessionId": session_id, "update": update}})
 
     def _path(self, session_id: str) -> str | None:
         if self._store is None or not session_id.startswith("echo-") or "/" in session_id:
@@ -85,12 +87,12 @@ class EchoAgent:
                 waiter[1].append(msg.get("result", msg.get("error")))
                 waiter[0].set()
             return
-        if method == "session/cancel":
+        if method == Method.CANCEL:
             self._cancelled.add(params.get("sessionId", ""))
             return
         if request_id is None:
             return
-        if method == "session/prompt":
+        if method == Method.PROMPT:
             turn = threading.Thread(target=self.prompt, args=(request_id, params), daemon=True)
             self._turns.append(turn)
             turn.start()
@@ -103,24 +105,24 @@ class EchoAgent:
         self.send({"id": request_id, "result": result})
 
     def answer(self, method: str, params: dict[str, Any]) -> Any:
-        if method == "initialize":
+        if method == Method.INITIALIZE:
             return {
                 "protocolVersion": 1,
                 "agentCapabilities": {"loadSession": True, "sessionCapabilities": {"resume": {}}},
                 "agentInfo": {"name": "echo-agent", "version": "1.0.0"},
                 "authMethods": [],
             }
-        if method == "session/new":
+        if method == Method.NEW:
             session_id = f"echo-{uuid.uuid4().hex[:8]}"
             self._history[session_id] = []
             self._save(session_id)
             return {"sessionId": session_id}
-        if method == "session/load":
+        if method == Method.LOAD:
             session_id = str(params.get("sessionId", ""))
             for update in self._known(session_id):
                 self.update(session_id, update)
             return {}
-        if method == "session/resume":
+        if method == Method.RESUME:
             self._known(str(params.get("sessionId", "")))
             return {}
         raise LookupError(-32601, f"method not found: {method}")
@@ -139,7 +141,7 @@ class EchoAgent:
         self._cancelled.discard(session_id)
         if "permission" in text.lower():
             outcome = self.ask(
-                "session/request_permission",
+                Method.REQUEST_PERMISSION,
                 {
                     "sessionId": session_id,
                     "toolCall": {"toolCallId": f"call-{request_id}", "title": "Echo the prompt"},

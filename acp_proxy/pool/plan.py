@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from acp_proxy.protocol.methods import Method
+
 
 @dataclass(frozen=True, slots=True)
 class Slot:
@@ -83,6 +85,9 @@ def expired(live: Sequence[Slot], now: float, idle_ttl: float) -> list[Slot]:
 
 # --- how a suspended session comes back -------------------------------------------------------
 
+STRATEGY_METHODS: Final = {"resume": Method.RESUME, "load": Method.LOAD, "new": Method.NEW}
+"""The request each named ``resume`` strategy restores with."""
+
 FALLBACK_ERRORS: Final = frozenset({-32002, -32601, -32602})
 """Resource not found, method not found, invalid params: the adapter cannot restore this session
 (it never kept it, or cannot load at all), so a fresh ``session/new`` is the only way on. Any
@@ -99,15 +104,15 @@ def restore_method(strategy: str, *, can_resume: bool, can_load: bool, gateway_a
     """
     if strategy == "never":
         return None
-    if gateway_asked == "session/load" and can_load and strategy in ("auto", "load"):
-        return "session/load"
+    if gateway_asked == Method.LOAD and can_load and strategy in ("auto", "load"):
+        return Method.LOAD
     if strategy == "auto":
         if can_resume:
-            return "session/resume"
-        return "session/load" if can_load else "session/new"
-    return f"session/{strategy}"
+            return Method.RESUME
+        return Method.LOAD if can_load else Method.NEW
+    return STRATEGY_METHODS[strategy]
 
 
 def falls_back_to_new(method: str, error_code: int | None) -> bool:
     """Whether a failed restore may fall back to ``session/new`` (and reset the history)."""
-    return method != "session/new" and error_code in FALLBACK_ERRORS
+    return method != Method.NEW and error_code in FALLBACK_ERRORS

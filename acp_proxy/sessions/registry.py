@@ -25,10 +25,9 @@ from typing import Any, Final
 import msgspec
 
 from acp_proxy.ownership import instances
+from acp_proxy.protocol.methods import Method
 from acp_proxy.state import StateDB, now
 
-SETTING_METHODS: Final = ("session/set_mode", "session/set_config_option", "session/set_model")
-"""Requests whose effect a resumed adapter must be told again, in the order they were made."""
 LIST_PAGE_SIZE: Final = 50
 
 
@@ -106,7 +105,7 @@ class SessionRecord:
 
 def setting_key(method: str, params: dict[str, Any]) -> tuple[str, str]:
     """Which earlier setting a new one replaces: one mode, one model, one value per config option."""
-    if method == "session/set_config_option":
+    if method == Method.SET_CONFIG_OPTION:
         return method, str(params.get("configId"))
     return method, ""
 

@@ -30,6 +30,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.ownership import instances
 from acp_proxy.protocol.jsonrpc import REQUEST_CANCELLED
+from acp_proxy.protocol.methods import Method
 from acp_proxy.state import StateDB, now
 
 
@@ -172,7 +173,7 @@ def updates_in(block: bytes) -> list[_Update]:
     return [
         msg.params.update
         for msg in messages
-        if msg.method == "session/update"
+        if msg.method == Method.UPDATE
         and isinstance(msg.params, _UpdateParams)
         and isinstance(msg.params.update, _Update)
     ]
