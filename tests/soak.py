@@ -51,7 +51,7 @@ import anyio.abc
 import psutil
 
 from tests.conformance import ConformanceError, Conversation
-from tests.harness import MARKER_VARIABLE, fake_command, kill_marked, marked_processes
+from tests.support import MARKER_VARIABLE, fake_command, kill_marked, marked_processes
 
 ANSWER_TIMEOUT = 60.0
 SESSION_NOT_FOUND = -32002

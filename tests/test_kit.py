@@ -22,7 +22,7 @@ import pytest
 
 from acp_proxy.kit import markers
 from acp_proxy.kit.gateway import Closed, Gateway, RpcError, SyncGateway
-from tests.harness import MARKER_VARIABLE, fake_command
+from tests.support import MARKER_VARIABLE, fake_command
 
 ALLOW = {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
 
