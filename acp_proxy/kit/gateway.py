@@ -664,7 +664,10 @@ class SyncGateway(_Connection):
     # --- bytes -------------------------------------------------------------------------------
 
     def send_raw(self, data: bytes) -> None:
+        """Write bytes as they are; ``observers`` see the JSON objects among their lines."""
         with self._write_lock:
+            if self.observers:
+                self._observe_out(data)
             self._write(data)
 
     def _write(self, data: bytes) -> None:
