@@ -291,12 +291,20 @@ def _is_update(msg: Message, session_id: str | None) -> bool:
     return session_id is None or (msg.get("params") or {}).get("sessionId") == session_id
 
 
-def _stderr_target(stderr: Stderr) -> tuple[int | IO[Any] | None, IO[bytes] | None]:
-    """What to give the child as its stderr, and the file that captures it (closed with the connection)."""
-    if stderr == "capture":
-        log = tempfile.TemporaryFile()  # noqa: SIM115
-        return log, log
-    return stderr, None
+def _child_options(
+    env: dict[str, str] | None, cwd: str | os.PathLike[str] | None, stderr: Stderr, start_new_session: bool
+) -> tuple[dict[str, Any], IO[bytes] | None]:
+    """How to start a child on two pipes, and the file that captures its stderr (closed with the connection)."""
+    log = tempfile.TemporaryFile() if stderr == "capture" else None  # noqa: SIM115
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": stderr if log is None else log}
+    return {**pipes, "env": env, "cwd": cwd, "start_new_session": start_new_session}, log
+
+
+def _pipes(process: Any) -> tuple[Any, Any]:
+    """A child's stdin and stdout."""
+    assert process.stdin is not None
+    assert process.stdout is not None
+    return process.stdin, process.stdout
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -350,24 +358,14 @@ class Gateway(_Connection):
         **options: Any,
     ) -> AsyncIterator[Self]:
         """Run ``argv`` and talk to it; on the way out, ``close(close_timeout)`` and reap it."""
-        target, log = _stderr_target(stderr)
+        child, log = _child_options(env, cwd, stderr, start_new_session)
         try:
-            process = await anyio.open_process(
-                list(argv),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=target,
-                env=env,
-                cwd=cwd,
-                start_new_session=start_new_session,
-            )
+            process = await anyio.open_process(list(argv), **child)
         except BaseException:
             if log is not None:
                 log.close()
             raise
-        assert process.stdin is not None
-        assert process.stdout is not None
-        gateway = cls(process.stdin, process.stdout, process=process, stderr_file=log, **options)
+        gateway = cls(*_pipes(process), process=process, stderr_file=log, **options)
         try:
             async with gateway._serving(close_timeout):
                 yield gateway
@@ -621,25 +619,14 @@ class SyncGateway(_Connection):
         start_new_session: bool = False,
         **options: Any,
     ) -> Self:
-        target, log = _stderr_target(stderr)
+        child, log = _child_options(env, cwd, stderr, start_new_session)
         try:
-            process = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=target,
-                env=env,
-                cwd=cwd,
-                bufsize=0,
-                start_new_session=start_new_session,
-            )
+            process = subprocess.Popen(list(argv), bufsize=0, **child)
         except BaseException:
             if log is not None:
                 log.close()
             raise
-        assert process.stdin is not None
-        assert process.stdout is not None
-        return cls(process.stdin, process.stdout, processes=[process], stderr_file=log, **options)
+        return cls(*_pipes(process), processes=[process], stderr_file=log, **options)
 
     def __enter__(self) -> Self:
         return self
