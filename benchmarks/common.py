@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,10 +12,15 @@ from typing import Any
 
 import psutil
 
+from acp_proxy.kit import markers
+from acp_proxy.kit.gateway import GatewayError
+
 ROOT = Path(__file__).resolve().parent.parent
 PYCACHE = ROOT / "bench-results" / "pycache"
 STATE = ROOT / "bench-results" / "state"
 """The proxies' state dir where a section does not choose its own: never the user's own."""
+BENCH_MARKER = "ACP_PROXY_BENCH"
+"""Every process a section starts carries ``ACP_PROXY_BENCH=<token>``; ``leftovers`` finds them."""
 
 
 class BenchError(Exception):
@@ -78,7 +84,7 @@ class Report:
 def attempt(report: Report, what: str, action: Callable[[], Any]) -> Any:
     try:
         return action()
-    except (BenchError, OSError) as exc:
+    except (BenchError, GatewayError, OSError) as exc:
         report.errors.append(f"{what}: {exc}")
         print(f"  FAILED {what}: {exc}", file=sys.stderr)
         return None
@@ -107,3 +113,12 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 def proxy_mode(backend: str) -> str:
     """The key of the rows measured through the proxy on ``backend`` (asyncio or trio)."""
     return f"proxy-{backend}"
+
+
+def leftovers(token: str, wait: float = 5.0) -> list[int]:
+    """Processes still carrying this run's marker after up to ``wait`` seconds; they are killed."""
+    deadline = time.monotonic() + wait
+    while (left := markers.find(BENCH_MARKER, token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    markers.kill(left.values())
+    return sorted(left)

@@ -54,7 +54,7 @@ import json
 import os
 import random
 import secrets
-import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -64,25 +64,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import msgspec
 import psutil
 
+from acp_proxy.kit.gateway import Closed, SyncGateway
 from benchmarks.common import (
+    BENCH_MARKER,
     ROOT,
     BenchError,
     Report,
     attempt,
     child_environment,
     fmt,
+    leftovers,
     percentile,
     proc_status_kb,
     progress,
     proxy_mode,
     table,
 )
-from benchmarks.ownership import BENCH_MARKER, kill_if_alive, marked_processes, start_ticks
 
 LOAD_AGENT = ROOT / "benchmarks" / "load_agent.py"
 LOAD_PROXY = ROOT / "benchmarks" / "load_proxy.py"
@@ -99,9 +100,7 @@ SEED = 20_251_123
 
 TURN_TIMEOUT = 120.0
 CLOSE_TIMEOUT = 60.0
-LEFTOVER_WAIT = 5.0
 SAMPLE_INTERVAL = 0.1
-READ_SIZE = 1 << 16
 
 DIRECT_POOL = "direct-pool"
 DIRECT_ALL = "direct-all"
@@ -181,70 +180,41 @@ def error_reason(msg: dict[str, Any]) -> str:
 
 
 class ProxyClient:
-    """One gateway connection to a proxy, shared by every session's thread (answers routed by id)."""
+    """One gateway connection to a proxy, shared by every session's thread (the kit's client, reading in a thread).
+
+    An observer keeps the tally (ids sent, answers per id), each session's streamed
+    updates and anything else the proxy says (which it must not).
+    """
 
     def __init__(self, argv: list[str], env: dict[str, str], who: str) -> None:
         self.who = who
         self.tally = Tally()
-        self.stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115  (closed in dispose)
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, cwd=ROOT, env=env, bufsize=0
-        )
-        assert self.process.stdin is not None
-        assert self.process.stdout is not None
-        self._stdin, self._stdout = self.process.stdin, self.process.stdout
-        self._write_lock = threading.Lock()
-        self._next_id = 0
-        self._waiters: dict[int, tuple[threading.Event, list[dict[str, Any]]]] = {}
         self._updates: collections.Counter[str] = collections.Counter()
-        self.unexpected: list[bytes] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.unexpected: list[str] = []
+        self.conn = SyncGateway.launch(argv, env=env, cwd=ROOT, name=who, keep=False, reader_thread=True)
+        self.process = self.conn.process
+        self.conn.observers.append(self._observe)
 
-    def _read(self) -> None:
-        decode = msgspec.json.decode
-        buf = b""
-        fd = self._stdout.fileno()
-        while chunk := os.read(fd, READ_SIZE):
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                try:
-                    msg = decode(line)
-                except msgspec.DecodeError:
-                    self.unexpected.append(line[:200])
-                    continue
-                if not isinstance(msg, dict):
-                    self.unexpected.append(line[:200])
-                elif "method" not in msg and "id" in msg:
-                    with self.tally.lock:
-                        self.tally.answers[msg["id"]] += 1
-                        waiter = self._waiters.pop(msg["id"], None)
-                    if waiter is not None:
-                        waiter[1].append(msg)
-                        waiter[0].set()
-                elif msg.get("method") == "session/update" and "id" not in msg:
-                    self._updates[str((msg.get("params") or {}).get("sessionId"))] += 1
-                else:
-                    self.unexpected.append(line[:200])
+    def _observe(self, direction: str, msg: dict[str, Any]) -> None:
+        if direction == "out":
+            with self.tally.lock:
+                self.tally.sent.add(msg["id"])
+        elif "method" not in msg and "id" in msg:
+            with self.tally.lock:
+                self.tally.answers[msg["id"]] += 1
+        elif msg.get("method") == "session/update" and "id" not in msg:
+            self._updates[str((msg.get("params") or {}).get("sessionId"))] += 1
+        else:
+            self.unexpected.append(str(msg)[:200])
 
     def call(self, method: str, params: object, timeout: float = TURN_TIMEOUT) -> dict[str, Any] | None:
         """The answer to a request, or None if none came within ``timeout``."""
-        event, box = threading.Event(), list[dict[str, Any]]()
-        with self._write_lock:
-            request_id = self._next_id
-            self._next_id += 1
-            with self.tally.lock:
-                self.tally.sent.add(request_id)
-                self._waiters[request_id] = (event, box)
-            data = msgspec.json.encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
-            try:
-                os.write(self._stdin.fileno(), data + b"\n")  # one line: well under the pipe's atomic size
-            except OSError as exc:
-                raise BenchError(f"{self.who}: cannot write: {exc}") from None
-        if not event.wait(timeout):
+        try:
+            return self.conn.request(method, params, timeout=timeout)
+        except TimeoutError:
             return None
-        return box[0]
+        except Closed as exc:
+            raise BenchError(str(exc)) from None
 
     def new_session(self) -> str:
         answer = self.call("session/new", SESSION_PARAMS)
@@ -266,92 +236,50 @@ class ProxyClient:
         return Turn(seconds, resumed, error)
 
     def close(self) -> int | None:
-        with contextlib.suppress(OSError):
-            self._stdin.close()
-        try:
-            self.process.wait(CLOSE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise BenchError(f"{self.who}: still running {CLOSE_TIMEOUT:.0f} s after stdin closed") from None
-        self._reader.join(5)
-        return self.process.returncode
+        status = self.conn.close(CLOSE_TIMEOUT)
+        if status == -signal.SIGKILL:
+            raise BenchError(f"{self.who}: still running {CLOSE_TIMEOUT:.0f} s after stdin closed")
+        self.unexpected += [repr(line[:200]) for line in self.conn.bad_lines]
+        return status
 
     def kill(self) -> None:
-        if self.process.returncode is None:
-            self.process.kill()
+        self.conn.kill()
 
     def stderr_text(self) -> str:
-        try:
-            self.stderr.seek(0)
-            return self.stderr.read().decode("utf-8", "replace")
-        except (OSError, ValueError):
-            return ""
+        return self.conn.stderr.decode("utf-8", "replace")
 
 
 # --- without the proxy: the client's own pool ------------------------------------------------
 
 
 class Agent:
-    """One agent process the client runs itself, used by one thread at a time."""
+    """One agent process the client runs itself (the kit's client), used by one thread at a time."""
 
     ids = itertools.count()
 
     def __init__(self, env: dict[str, str], tally: Tally) -> None:
         self.tally = tally
-        self.process = subprocess.Popen(
-            agent_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0
-        )
-        assert self.process.stdin is not None
-        assert self.process.stdout is not None
-        self._stdin, self._stdout = self.process.stdin, self.process.stdout
-        self._buf = b""
-        self._next_id = 0
+        self.index = next(Agent.ids)
+        self.conn = SyncGateway.launch(agent_argv(), env=env, stderr=subprocess.DEVNULL, name="agent")
+        self.conn.name = f"agent {self.conn.pid}"
 
     def call(self, method: str, params: object) -> tuple[dict[str, Any], int]:
         """The answer to a request and the number of updates streamed before it."""
-        request_id = (next(Agent.ids), self._next_id)
-        self._next_id += 1
+        request_id = self.conn.send_request(method, params)
+        key = (self.index, request_id)
         with self.tally.lock:
-            self.tally.sent.add(request_id)
-        data = msgspec.json.encode({"jsonrpc": "2.0", "id": request_id[1], "method": method, "params": params})
-        os.write(self._stdin.fileno(), data + b"\n")
-        deadline = time.monotonic() + TURN_TIMEOUT
-        updates = 0
-        fd = self._stdout.fileno()
-        while True:
-            cut = self._buf.find(b"\n")
-            if cut < 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                    raise BenchError(f"agent {self.process.pid}: no answer within {TURN_TIMEOUT:.0f} s")
-                chunk = os.read(fd, READ_SIZE)
-                if not chunk:
-                    raise BenchError(f"agent {self.process.pid} closed its output")
-                self._buf += chunk
-                continue
-            line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
-            msg = msgspec.json.decode(line)
-            if "method" in msg:
-                updates += 1
-                continue
-            if msg.get("id") == request_id[1]:
-                with self.tally.lock:
-                    self.tally.answers[request_id] += 1
-                return msg, updates
-            raise BenchError(f"agent {self.process.pid}: unexpected {line[:200]!r}")
+            self.tally.sent.add(key)
+        answer = self.conn.answer(request_id, TURN_TIMEOUT)
+        with self.tally.lock:
+            self.tally.answers[key] += 1
+        updates = len(self.conn.take_updates())
+        if self.conn.stashed():
+            raise BenchError(f"{self.conn.name}: unexpected {str(self.conn.stashed()[0])[:200]}")
+        return answer, updates
 
     def stop(self) -> None:
         """Close its stdin and wait for it to exit, as the proxy stops an evicted adapter."""
-        with contextlib.suppress(OSError):
-            self._stdin.close()
-        try:
-            self.process.wait(CLOSE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        with contextlib.suppress(OSError):
-            self._stdout.close()
+        self.conn.close(CLOSE_TIMEOUT)
 
 
 class DirectPool:
@@ -648,8 +576,8 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> 
         client.kill()
         raise
     finally:
+        client.conn.close(0)  # after a kill: reaps it and keeps its log
         logged = client.stderr_text()
-        client.stderr.close()
     lines = acquires.read_text().split() if acquires.exists() else []
     waits = [float(v) for v, outcome in zip(lines[::2], lines[1::2], strict=True) if outcome == "ok"]
     failed_acquires = sum(1 for outcome in lines[1::2] if outcome != "ok")
@@ -761,13 +689,9 @@ def measure_load(report: Report, args: argparse.Namespace) -> dict[str, Any]:
         for kind in ("resumed_ms", "live_ms"):
             ours, theirs = row[kind]["p50"], base[kind]["p50"] if base else None
             row[f"added_{kind}_p50"] = ours - theirs if ours is not None and theirs is not None else None
-    deadline = time.monotonic() + LEFTOVER_WAIT
-    while (left := marked_processes(token)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    left = leftovers(token)
     results["left_running"] = left
     if left:
-        for pid in left:
-            kill_if_alive(pid, start_ticks(pid))
         report.errors.append(f"load: processes outlived the benchmark (killed now): {left}")
     return results
 

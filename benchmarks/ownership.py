@@ -44,6 +44,7 @@ from typing import Any
 import anyio
 
 from acp_proxy.config import ShutdownConfig
+from acp_proxy.kit.markers import alive, start_ticks
 from acp_proxy.ownership.instances import start_instance
 from acp_proxy.ownership.leases import ACTIVE_STATES, LeaseState, create_lease, get_lease, record_spawn, set_state
 from acp_proxy.ownership.owner import Owner
@@ -52,12 +53,14 @@ from acp_proxy.ownership.reaping import prepare_tombstone
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed, wrapper_grace
 from acp_proxy.state import StateDB
 from benchmarks.common import (
+    BENCH_MARKER,
     ROOT,
     BenchError,
     Report,
     attempt,
     child_environment,
     fmt,
+    leftovers,
     percentile,
     proc_status_kb,
     progress,
@@ -67,7 +70,6 @@ from benchmarks.common import (
 )
 
 TREE_ADAPTER = ROOT / "benchmarks" / "tree_adapter.py"
-BENCH_MARKER = "ACP_PROXY_BENCH"
 COOPERATIVE = "cooperative"
 STUBBORN = "stubborn"
 DIRECT = "direct"
@@ -99,24 +101,6 @@ def adapter_argv(kind: str) -> list[str]:
 
 
 # --- processes -------------------------------------------------------------------------
-
-
-def start_ticks(pid: int) -> int | None:
-    """The start time of a live process (not a zombie) in clock ticks, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            raw = stat.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def alive(pid: int, ticks: int | None) -> bool:
-    """Whether the process that had ``ticks`` as its start time still runs (a zombie does not)."""
-    return ticks is not None and start_ticks(pid) == ticks
 
 
 def kill_if_alive(pid: int, ticks: int | None) -> None:
@@ -676,23 +660,6 @@ def interleaved(
     return {case: values for case, values in samples.items() if case not in broken}
 
 
-def marked_processes(token: str) -> list[int]:
-    """Live processes whose environment carries this run's ``ACP_PROXY_BENCH`` marker."""
-    needle = f"{BENCH_MARKER}={token}".encode()
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as environ:
-                variables = environ.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in variables and start_ticks(int(name)) is not None:
-            found.append(int(name))
-    return found
-
-
 def measure_ownership(report: Report, args: argparse.Namespace) -> None:
     token = secrets.token_hex(8)
     env = {**child_environment(), BENCH_MARKER: token}
@@ -717,11 +684,9 @@ def measure_ownership(report: Report, args: argparse.Namespace) -> None:
             owner.close()
         progress(f"ownership: startup reaping, {args.reap_runs} runs x {len(REAP_CASES)} cases ...")
         results["reaping"] = measure_reaping(report, Path(workdir), args)
-    leftover = marked_processes(token)
+    leftover = leftovers(token, wait=0)
     results["left_running"] = leftover
     if leftover:
-        for pid in leftover:
-            kill_if_alive(pid, start_ticks(pid))
         report.errors.append(f"ownership: processes outlived the benchmark (killed now): {leftover}")
 
 

@@ -11,8 +11,9 @@
     scripts/bench --only load      200 concurrent sessions over max_live = 8 (--quick: 1 burst each)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
-One synchronous client (``Peer``) talks newline-delimited JSON-RPC over pipes to
-one of these, so that only the middle differs between rows:
+One synchronous client (the kit's ``SyncGateway``, reading raw bytes where a row
+counts lines) talks newline-delimited JSON-RPC over pipes to one of these, so that
+only the middle differs between rows:
 
 * ``direct``: the client spawns ``benchmarks/stream_agent.py`` itself;
 * ``cat``: the agent's stdout goes through a ``cat`` process (a plain byte relay;
@@ -55,11 +56,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgspec
 import psutil
 
+from acp_proxy.kit.gateway import GatewayError, SyncGateway
 from benchmarks import load, ownership, sessions, tasks
 from benchmarks.common import (
     ROOT,
@@ -84,6 +86,7 @@ READ_SIZE = 1 << 20
 LATENCY_WARMUP = 200
 RSS_SAMPLE_INTERVAL = 0.05
 CLOSE_GRACE = 10.0
+INITIALIZE_TIMEOUT = 30.0
 
 TARGET_THROUGHPUT_VS_CAT = 1.5
 TARGET_LATENCY_ADDED_US = 100.0
@@ -127,150 +130,65 @@ def proxy_argv(backend: str) -> list[str]:
 # --- the client ------------------------------------------------------------------
 
 
-class Peer:
-    """The client end of one connection: the processes behind it and the two pipes to them.
+def open_connection(mode: str) -> SyncGateway:
+    """The kit's client over pipes to ``mode``'s processes (their stderr kept for error reports)."""
+    common: dict[str, Any] = {"cwd": ROOT, "env": child_environment()}
+    options: dict[str, Any] = {"name": mode_label(mode), "read_size": READ_SIZE}
+    if mode != CAT:
+        argv = agent_argv() if mode == DIRECT else proxy_argv(mode.removeprefix("proxy-"))
+        return SyncGateway.launch(argv, **common, **options)
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - the connection closes it
+    pipes: dict[str, Any] = {"stderr": log, "bufsize": 0, **common}
+    agent = subprocess.Popen(agent_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, **pipes)
+    assert agent.stdin is not None
+    assert agent.stdout is not None
+    try:
+        cat = subprocess.Popen(["cat"], stdin=agent.stdout, stdout=subprocess.PIPE, **pipes)
+    except OSError:
+        agent.kill()
+        agent.wait()
+        log.close()
+        raise
+    agent.stdout.close()
+    assert cat.stdout is not None
+    # The client's few requests go to the agent; everything it says comes through cat.
+    return SyncGateway(agent.stdin, cat.stdout, processes=[agent, cat], stderr_file=log, **options)
+
+
+@dataclass
+class Relay:
+    """One connection through ``mode`` and every process behind it.
 
     ``middle`` is the process whose resources are reported: the proxy, ``cat``,
-    or (direct) the agent itself.
+    or (direct) the agent itself. The proxy's adapter runs in a session of its own:
+    it is remembered after ``initialize`` so that cleanup reaches it too.
     """
 
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.expired = False
-        self._buf = b""
-        self._next_id = 0
-        self._descendants: list[psutil.Process] = []
-        # Closed in close(): the peer's processes write their logs here for error reports.
-        self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
-        common: dict[str, Any] = {
-            "stderr": self._stderr,
-            "cwd": ROOT,
-            "bufsize": 0,
-            "env": child_environment(),
-        }
-        if mode == CAT:
-            agent = subprocess.Popen(agent_argv(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, **common)
-            assert agent.stdout is not None
-            try:
-                cat = subprocess.Popen(["cat"], stdin=agent.stdout, stdout=subprocess.PIPE, **common)
-            except OSError:
-                agent.kill()
-                agent.wait()
-                raise
-            agent.stdout.close()
-            self.procs = [agent, cat]
-            self.middle = cat
-            stdin, stdout = agent.stdin, cat.stdout
-        else:
-            argv = agent_argv() if mode == DIRECT else proxy_argv(mode.removeprefix("proxy-"))
-            process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, **common)
-            self.procs = [process]
-            self.middle = process
-            stdin, stdout = process.stdin, process.stdout
-        assert stdin is not None
-        assert stdout is not None
-        self._stdin, self._stdout = stdin, stdout
-        self.write_fd, self.read_fd = stdin.fileno(), stdout.fileno()
+    mode: str
+    conn: SyncGateway
+    descendants: list[psutil.Process] = field(default_factory=list)
+    expired: bool = False
 
-    # --- messages ---------------------------------------------------------------
-
-    def send(self, data: bytes) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self.write_fd, view) :]
-        except (BrokenPipeError, OSError) as exc:
-            raise BenchError(f"{mode_label(self.mode)}: cannot write: {exc}") from None
-
-    def read_chunk(self) -> bytes:
-        chunk = os.read(self.read_fd, READ_SIZE)
-        if not chunk:
-            raise BenchError(f"{mode_label(self.mode)} closed its output{self._status()}")
-        return chunk
-
-    def read_line(self) -> bytes:
-        while True:
-            cut = self._buf.find(b"\n")
-            if cut >= 0:
-                line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
-                return line
-            self._buf += self.read_chunk()
-
-    def take_buffered(self) -> bytes:
-        data, self._buf = self._buf, b""
-        return data
-
-    def request_bytes(self, method: str, params: object) -> tuple[int, bytes]:
-        request_id = self._next_id
-        self._next_id += 1
-        message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
-        return request_id, msgspec.json.encode(message) + b"\n"
-
-    def receive_response(self, request_id: int) -> Any:
-        """The result for ``request_id``; other lines are not expected before it."""
-        return self.check_response(self.read_line(), request_id)
-
-    def check_response(self, line: bytes, request_id: int) -> Any:
-        try:
-            msg = msgspec.json.decode(line)
-        except msgspec.DecodeError:
-            raise BenchError(f"{mode_label(self.mode)} sent invalid JSON: {line[:200]!r}") from None
-        if not isinstance(msg, dict) or msg.get("id") != request_id or "result" not in msg:
-            raise BenchError(
-                f"{mode_label(self.mode)}: expected the answer to request {request_id}, got {line[:300]!r}"
-            )
-        return msg["result"]
-
-    def call(self, method: str, params: object) -> Any:
-        request_id, data = self.request_bytes(method, params)
-        self.send(data)
-        return self.receive_response(request_id)
+    @property
+    def middle(self) -> subprocess.Popen[bytes]:
+        return self.conn.processes[-1]
 
     def initialize(self) -> Any:
-        result = self.call("initialize", INITIALIZE_PARAMS)
+        result = self.conn.call("initialize", INITIALIZE_PARAMS, timeout=INITIALIZE_TIMEOUT)
         self._discover_descendants()
         return result
 
-    def new_session(self) -> str:
-        result = self.call("session/new", {"cwd": str(ROOT), "mcpServers": []})
-        session_id = result.get("sessionId") if isinstance(result, dict) else None
-        if not isinstance(session_id, str):
-            raise BenchError(f"{mode_label(self.mode)}: session/new returned {result!r}")
-        return session_id
-
-    # --- processes --------------------------------------------------------------
-
     def _discover_descendants(self) -> None:
-        """Remember the proxy's adapter: it runs in its own session, so cleanup checks it."""
         try:
             found = psutil.Process(self.middle.pid).children(recursive=True)
         except psutil.Error:
             return
-        known = {p.pid for p in self._descendants}
-        self._descendants.extend(p for p in found if p.pid not in known)
-
-    def _status(self) -> str:
-        codes = [process.poll() for process in self.procs]
-        status = ", ".join("running" if code is None else f"exit status {code}" for code in codes)
-        stderr = self.stderr_tail()
-        return f" ({status}){': ' + stderr if stderr else ''}"
-
-    def stderr_tail(self, lines: int = 3) -> str:
-        """The last meaningful lines the processes logged (traceback frames' art dropped)."""
-        try:
-            self._stderr.seek(0)
-            text = self._stderr.read()[-20_000:].decode("utf-8", "replace")
-        except (OSError, ValueError):
-            return ""
-        kept = [line.strip(" |+") for line in text.splitlines()]
-        kept = [line for line in kept if line.strip("-^~ ")]
-        return " / ".join(kept[-lines:])
+        known = {p.pid for p in self.descendants}
+        self.descendants.extend(p for p in found if p.pid not in known)
 
     def kill(self) -> None:
-        for process in self.procs:
-            if process.poll() is None:
-                process.kill()
-        for process in self._descendants:
+        self.conn.kill()
+        for process in self.descendants:
             with contextlib.suppress(psutil.Error):
                 process.kill()
 
@@ -287,26 +205,18 @@ class Peer:
         timer.start()
         try:
             yield
-        except BenchError as exc:
+        except (BenchError, GatewayError) as exc:
             if self.expired:
                 raise BenchError(f"{mode_label(self.mode)}: {what} took over {seconds:.0f} s") from exc
             raise
         finally:
             timer.cancel()
 
-    def close(self) -> list[int | None]:
-        """Close both pipes, wait for every process (killing stragglers); the exit statuses."""
+    def close(self) -> None:
+        """Close both pipes, wait for every process (killing stragglers)."""
         self._discover_descendants()
-        for pipe in (self._stdin, self._stdout):
-            with contextlib.suppress(OSError):
-                pipe.close()
-        for process in self.procs:
-            try:
-                process.wait(CLOSE_GRACE)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        for process in self._descendants:
+        self.conn.close(CLOSE_GRACE)
+        for process in self.descendants:
             try:
                 process.wait(CLOSE_GRACE)
             except psutil.TimeoutExpired:
@@ -314,8 +224,6 @@ class Peer:
                     process.kill()
             except psutil.Error:
                 pass
-        self._stderr.close()
-        return [process.returncode for process in self.procs]
 
 
 INITIALIZE_PARAMS = {
@@ -326,15 +234,26 @@ INITIALIZE_PARAMS = {
 
 
 @contextlib.contextmanager
-def connected(mode: str) -> Iterator[Peer]:
-    peer = Peer(mode)
+def connected(mode: str) -> Iterator[Relay]:
+    relay = Relay(mode, open_connection(mode))
     try:
-        yield peer
+        yield relay
     except BaseException:
-        peer.kill()
+        relay.kill()
         raise
     finally:
-        peer.close()
+        relay.close()
+
+
+def check_response(conn: SyncGateway, line: bytes, request_id: int) -> Any:
+    """The result in ``line``, which must be the answer to ``request_id``."""
+    try:
+        msg = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        raise BenchError(f"{conn.name} sent invalid JSON: {line[:200]!r}") from None
+    if not isinstance(msg, dict) or msg.get("id") != request_id or "result" not in msg:
+        raise BenchError(f"{conn.name}: expected the answer to request {request_id}, got {line[:300]!r}")
+    return msg["result"]
 
 
 # --- resource sampling -------------------------------------------------------------
@@ -375,29 +294,29 @@ def mb(value_bytes: float | None) -> float | None:
 # --- (a) throughput ----------------------------------------------------------------
 
 
-def receive_counting(peer: Peer, updates: int, prompt_id: int) -> None:
+def receive_counting(conn: SyncGateway, updates: int, prompt_id: int) -> None:
     """Count newlines until all ``updates`` lines and the answer are in; check the answer."""
     expected = updates + 1
-    data = peer.take_buffered()
+    data = conn.take_buffered()
     lines = data.count(b"\n")
     tail = data[-512:]
     while lines < expected:
-        chunk = peer.read_chunk()
+        chunk = conn.read_chunk()
         lines += chunk.count(b"\n")
         tail = chunk[-512:] if len(chunk) >= 512 else (tail + chunk)[-512:]
     if lines != expected or not tail.endswith(b"\n"):
-        raise BenchError(f"{mode_label(peer.mode)}: expected {expected} lines, got {lines}+")
-    check_prompt_answer(peer, tail[:-1].rsplit(b"\n", 1)[-1], prompt_id)
+        raise BenchError(f"{conn.name}: expected {expected} lines, got {lines}+")
+    check_prompt_answer(conn, tail[:-1].rsplit(b"\n", 1)[-1], prompt_id)
 
 
-def receive_decoding(peer: Peer, updates: int, prompt_id: int) -> None:
+def receive_decoding(conn: SyncGateway, updates: int, prompt_id: int) -> None:
     """Decode every line to Python objects, as a gateway would, until the prompt's answer."""
     decode = msgspec.json.decode
-    pending = peer.take_buffered()
+    pending = conn.take_buffered()
     seen = 0
     answer: Any = None
     while answer is None:
-        chunk = peer.read_chunk()
+        chunk = conn.read_chunk()
         if pending:
             chunk = pending + chunk
         cut = chunk.rfind(b"\n")
@@ -410,54 +329,55 @@ def receive_decoding(peer: Peer, updates: int, prompt_id: int) -> None:
                 msg = decode(line)
                 if "id" in msg:
                     if answer is not None:
-                        raise BenchError(f"{mode_label(peer.mode)}: a second answer: {line!r}")
+                        raise BenchError(f"{conn.name}: a second answer: {line!r}")
                     answer = msg
                 elif msg.get("method") == "session/update" and answer is None:
                     seen += 1
                 else:
-                    raise BenchError(f"{mode_label(peer.mode)}: unexpected line {line[:200]!r}")
+                    raise BenchError(f"{conn.name}: unexpected line {line[:200]!r}")
         except (msgspec.DecodeError, TypeError) as exc:
-            raise BenchError(f"{mode_label(peer.mode)}: a line is not a JSON object: {exc}") from None
+            raise BenchError(f"{conn.name}: a line is not a JSON object: {exc}") from None
     if seen != updates or pending:
-        raise BenchError(f"{mode_label(peer.mode)}: expected {updates} updates, got {seen}")
-    check_prompt_answer(peer, msgspec.json.encode(answer), prompt_id)
+        raise BenchError(f"{conn.name}: expected {updates} updates, got {seen}")
+    check_prompt_answer(conn, msgspec.json.encode(answer), prompt_id)
 
 
-def check_prompt_answer(peer: Peer, line: bytes, prompt_id: int) -> None:
+def check_prompt_answer(conn: SyncGateway, line: bytes, prompt_id: int) -> None:
     try:
         msg = msgspec.json.decode(line)
     except msgspec.DecodeError:
         msg = None
     ok = isinstance(msg, dict) and msg.get("id") == prompt_id and msg.get("result") == {"stopReason": "end_turn"}
     if not ok:
-        raise BenchError(f"{mode_label(peer.mode)}: the last line is not the answer: {line!r}")
+        raise BenchError(f"{conn.name}: the last line is not the answer: {line!r}")
 
 
-RECEIVERS: dict[str, Callable[[Peer, int, int], None]] = {
+RECEIVERS: dict[str, Callable[[SyncGateway, int, int], None]] = {
     "counting": receive_counting,
     "decoding": receive_decoding,
 }
 
 
 def throughput_run(mode: str, client: str, updates: int, timeout: float) -> dict[str, Any]:
-    with connected(mode) as peer, peer.deadline(timeout, f"streaming {updates} updates"):
-        peer.initialize()
-        session_id = peer.new_session()
-        rss_at_idle = proc_status_kb(peer.middle.pid, "VmRSS")
-        cpu_before = cpu_seconds(peer.middle.pid)
+    with connected(mode) as relay, relay.deadline(timeout, f"streaming {updates} updates"):
+        relay.initialize()
+        conn = relay.conn
+        session_id = conn.new_session(str(ROOT))
+        rss_at_idle = proc_status_kb(relay.middle.pid, "VmRSS")
+        cpu_before = cpu_seconds(relay.middle.pid)
         prompt = {
             "sessionId": session_id,
             "prompt": [{"type": "text", "text": "stream"}],
             "_meta": {"bench": {"updates": updates}},
         }
-        prompt_id, data = peer.request_bytes("session/prompt", prompt)
-        with RssSampler(peer.middle.pid) as sampler:
+        prompt_id, data = conn.request_bytes("session/prompt", prompt)
+        with RssSampler(relay.middle.pid) as sampler:
             start = time.perf_counter()
-            peer.send(data)
-            RECEIVERS[client](peer, updates, prompt_id)
+            conn.send_raw(data)
+            RECEIVERS[client](conn, updates, prompt_id)
             seconds = time.perf_counter() - start
-        hwm = proc_status_kb(peer.middle.pid, "VmHWM")
-        cpu_after = cpu_seconds(peer.middle.pid)
+        hwm = proc_status_kb(relay.middle.pid, "VmHWM")
+        cpu_after = cpu_seconds(relay.middle.pid)
     cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
     return {
         "seconds": seconds,
@@ -473,16 +393,17 @@ def throughput_run(mode: str, client: str, updates: int, timeout: float) -> dict
 
 def latency_run(mode: str, round_trips: int, timeout: float) -> dict[str, Any]:
     samples: list[float] = []
-    with connected(mode) as peer, peer.deadline(timeout, f"{round_trips} round trips"):
-        peer.initialize()
+    with connected(mode) as relay, relay.deadline(timeout, f"{round_trips} round trips"):
+        relay.initialize()
+        conn = relay.conn
         clock = time.perf_counter_ns
         for i in range(LATENCY_WARMUP + round_trips):
-            request_id, data = peer.request_bytes("_bench/ping", {})
+            request_id, data = conn.request_bytes("_bench/ping", {})
             start = clock()
-            peer.send(data)
-            line = peer.read_line()
+            conn.send_raw(data)
+            line = conn.read_line()
             elapsed = clock() - start
-            peer.check_response(line, request_id)
+            check_response(conn, line, request_id)
             if i >= LATENCY_WARMUP:
                 samples.append(elapsed / 1000)
     samples.sort()
@@ -501,8 +422,8 @@ def latency_run(mode: str, round_trips: int, timeout: float) -> dict[str, Any]:
 
 def cold_start_once(mode: str, timeout: float) -> float:
     start = time.perf_counter()
-    with connected(mode) as peer, peer.deadline(timeout, "initialize"):
-        peer.initialize()
+    with connected(mode) as relay, relay.deadline(timeout, "initialize"):
+        relay.initialize()
         return (time.perf_counter() - start) * 1000
 
 

@@ -43,33 +43,30 @@ failed run (and is killed).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
-import os
 import random
 import secrets
-import select
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
-import msgspec
-
+from acp_proxy.kit.gateway import RpcError, SyncGateway
 from acp_proxy.sessions.registry import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
 from acp_proxy.state import StateDB
 from benchmarks.common import (
+    BENCH_MARKER,
     ROOT,
     BenchError,
     Report,
     attempt,
     child_environment,
     fmt,
+    leftovers,
     percentile,
     proc_status_kb,
     progress,
@@ -77,7 +74,6 @@ from benchmarks.common import (
     table,
     verdict,
 )
-from benchmarks.ownership import BENCH_MARKER, kill_if_alive, marked_processes, start_ticks, wait_exit
 
 SESSION_AGENT = ROOT / "benchmarks" / "session_agent.py"
 DIRECT = "direct"
@@ -87,7 +83,6 @@ BACKEND = "bench"
 READ_SIZE = 1 << 16
 IO_TIMEOUT = 30.0
 CLOSE_GRACE = 15.0
-LEFTOVER_WAIT = 5.0
 RESUME_WARMUP = 2
 RSS_SESSIONS = 1_000
 RSS_LIVE = 10
@@ -168,138 +163,26 @@ def write_config(path: Path, *, max_live: int, command: list[str]) -> Path:
 # --- the client ------------------------------------------------------------------------------
 
 
-class Connection:
-    """The client end of one JSON-RPC connection to a child process: the proxy, or the agent itself."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], who: str) -> None:
-        self.who = who
-        self._buf = b""
-        self._next_id = 0
-        # Closed in close(): the child (and, for a proxy, its adapters) log here, for error reports.
-        self._stderr: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115
-        try:
-            self.process = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, cwd=ROOT, env=env, bufsize=0
-            )
-        except OSError:
-            self._stderr.close()
-            raise
-        assert self.process.stdin is not None
-        assert self.process.stdout is not None
-        self._stdin, self._stdout = self.process.stdin, self.process.stdout
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def send(self, data: bytes) -> None:
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self._stdin.fileno(), view) :]
-        except OSError as exc:
-            raise BenchError(f"{self.who}: cannot write: {exc}{self._status()}") from None
-
-    def read_line(self, deadline: float) -> bytes:
-        fd = self._stdout.fileno()
-        while True:
-            cut = self._buf.find(b"\n")
-            if cut >= 0:
-                line, self._buf = self._buf[:cut], self._buf[cut + 1 :]
-                return line
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                raise BenchError(f"{self.who}: no answer within {IO_TIMEOUT:.0f} s{self._status()}")
-            chunk = os.read(fd, READ_SIZE)
-            if not chunk:
-                raise BenchError(f"{self.who} closed its output{self._status()}")
-            self._buf += chunk
-
-    def request(self, method: str, params: object) -> tuple[int, bytes]:
-        request_id = self._next_id
-        self._next_id += 1
-        message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
-        return request_id, msgspec.json.encode(message) + b"\n"
-
-    def answer(self, request_id: int, deadline: float) -> tuple[Any, list[dict[str, Any]]]:
-        """Read up to the answer to ``request_id``: its result and the notifications before it."""
-        notes: list[dict[str, Any]] = []
-        while True:
-            line = self.read_line(deadline)
-            if not line.strip():
-                continue
-            try:
-                msg = msgspec.json.decode(line)
-            except msgspec.DecodeError:
-                raise BenchError(f"{self.who} sent invalid JSON: {line[:200]!r}") from None
-            if not isinstance(msg, dict):
-                raise BenchError(f"{self.who} sent a non-object: {line[:200]!r}")
-            if "method" in msg and "id" not in msg:
-                notes.append(msg)
-                continue
-            if "method" in msg or msg.get("id") != request_id:
-                raise BenchError(f"{self.who}: expected the answer to request {request_id}, got {line[:300]!r}")
-            if "error" in msg or "result" not in msg:
-                raise BenchError(f"{self.who}: request {request_id} failed: {line[:300]!r}")
-            return msg["result"], notes
-
-    def call(self, method: str, params: object) -> tuple[Any, list[dict[str, Any]]]:
-        request_id, data = self.request(method, params)
-        deadline = time.monotonic() + IO_TIMEOUT
-        self.send(data)
-        return self.answer(request_id, deadline)
-
-    def new_session(self) -> str:
-        result, _ = self.call("session/new", SESSION_PARAMS)
-        session_id = result.get("sessionId") if isinstance(result, dict) else None
-        if not isinstance(session_id, str):
-            raise BenchError(f"{self.who}: session/new returned {result!r}")
-        return session_id
-
-    def stderr_text(self) -> bytes:
-        try:
-            self._stderr.seek(0)
-            return self._stderr.read()
-        except (OSError, ValueError):
-            return b""
-
-    def _status(self) -> str:
-        code = self.process.poll()
-        kept = [line.strip() for line in self.stderr_text()[-20_000:].decode("utf-8", "replace").splitlines()]
-        tail = " / ".join([line for line in kept if line.strip("-^~ |+")][-3:])
-        return f" ({'running' if code is None else f'exit status {code}'}){': ' + tail if tail else ''}"
-
-    def kill(self) -> None:
-        """SIGKILL the child (a proxy's wrappers then tear their adapters down: their lifeline broke)."""
-        if self.process.returncode is None:
-            self.process.kill()
-
-    def close(self) -> int | None:
-        """Close its stdin and wait for it to exit (killing it after ``CLOSE_GRACE``); its exit status."""
-        with contextlib.suppress(OSError):
-            self._stdin.close()
-        if self.process.returncode is None and not wait_exit(self.process, CLOSE_GRACE):
-            self.process.kill()
-        self.process.wait()
-        with contextlib.suppress(OSError):
-            self._stdout.close()
-        return self.process.returncode
-
-    def dispose(self) -> None:
-        self._stderr.close()
+def connect(argv: list[str], env: dict[str, str], who: str) -> SyncGateway:
+    """The kit's client to a child process: the proxy, or the agent itself (its stderr kept)."""
+    return SyncGateway.launch(argv, env=env, cwd=ROOT, name=who)
 
 
-@contextlib.contextmanager
-def connection(argv: list[str], env: dict[str, str], who: str) -> Iterator[Connection]:
-    conn = Connection(argv, env, who)
+def call(conn: SyncGateway, method: str, params: object) -> tuple[Any, list[dict[str, Any]]]:
+    """A request's result and the updates before its answer; an error answer or any other message fails."""
     try:
-        yield conn
-    except BaseException:
-        conn.kill()
-        raise
-    finally:
-        conn.close()
-        conn.dispose()
+        result = conn.call(method, params, timeout=IO_TIMEOUT)
+    except RpcError as exc:
+        raise BenchError(f"{conn.name}: {exc}") from None
+    notes = conn.take_updates()
+    if conn.stashed():
+        raise BenchError(f"{conn.name}: unexpected {str(conn.stashed()[0])[:300]}")
+    return result, notes
+
+
+def stop(conn: SyncGateway) -> int | None:
+    """Close its stdin and wait for it to exit (killing it after ``CLOSE_GRACE``); its exit status."""
+    return conn.close(CLOSE_GRACE)
 
 
 def check_turn(who: str, result: Any, notes: list[dict[str, Any]], session_id: str, restored_by: str) -> int:
@@ -347,7 +230,7 @@ class DirectResume:
         self.env = env
         self.label = f"{restore_label(restore, replay)}, {mode_label(DIRECT)}"
         self.method = f"session/{restore}"
-        self.current: Connection | None = None
+        self.current: SyncGateway | None = None
         self.sessions: list[str] = []
         self.next = 0
         self.last_pid = 0
@@ -357,22 +240,19 @@ class DirectResume:
         current, self.current = self.current, None
         if current is None:
             return
-        try:
-            status = current.close()
-        finally:
-            current.dispose()
+        status = stop(current)
         if status != 0:
             raise BenchError(f"{self.label}: the agent exited with status {status}")
 
-    def _spawn(self) -> Connection:
-        self.current = Connection(agent_argv(self.restore, self.replay), self.env, self.label)
-        self.current.call("initialize", INITIALIZE_PARAMS)
+    def _spawn(self) -> SyncGateway:
+        self.current = connect(agent_argv(self.restore, self.replay), self.env, self.label)
+        call(self.current, "initialize", INITIALIZE_PARAMS)
         return self.current
 
     def open(self) -> bool:
         for _ in range(2):
             self._stop_current()
-            self.sessions.append(self._spawn().new_session())
+            self.sessions.append(self._spawn().new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT))
         return True
 
     def resume_once(self) -> float:
@@ -380,8 +260,8 @@ class DirectResume:
         self._stop_current()  # outside the timed part: the proxy stops it in the background too
         start = time.perf_counter()
         conn = self._spawn()
-        _, replayed = conn.call(self.method, {**SESSION_PARAMS, "sessionId": session_id})
-        result, notes = conn.call("session/prompt", prompt_params(session_id))
+        _, replayed = call(conn, self.method, {**SESSION_PARAMS, "sessionId": session_id})
+        result, notes = call(conn, "session/prompt", prompt_params(session_id))
         elapsed = time.perf_counter() - start
         expected = self.replay if self.restore == "load" else 0
         if len(replayed) != expected:
@@ -401,7 +281,6 @@ class DirectResume:
         if self.current is not None:
             self.current.kill()
             self.current.close()
-            self.current.dispose()
             self.current = None
 
 
@@ -417,31 +296,29 @@ class ProxyResume:
         config = write_config(workdir / f"{name}.toml", max_live=1, command=agent_argv(restore, replay))
         self.argv = proxy_argv(backend, config)
         self.env = {**env, "ACP_PROXY_STATE_DIR": str(workdir / f"state-{name}")}
-        self._conn: Connection | None = None
+        self._conn: SyncGateway | None = None
         self.sessions: list[str] = []
         self.next = 0
         self.last_pid = 0
         self.resumes = 0
 
     @property
-    def conn(self) -> Connection:
+    def conn(self) -> SyncGateway:
         assert self._conn is not None
         return self._conn
 
     def open(self) -> bool:
-        self._conn = Connection(self.argv, self.env, self.label)
-        self.conn.call("initialize", INITIALIZE_PARAMS)
+        self._conn = connect(self.argv, self.env, self.label)
+        call(self.conn, "initialize", INITIALIZE_PARAMS)
         # The second session/new suspends the first session (max_live = 1).
-        self.sessions = [self.conn.new_session(), self.conn.new_session()]
+        self.sessions = [self.conn.new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT) for _ in range(2)]
         return True
 
     def resume_once(self) -> float:
         session_id = self.sessions[self.next]
-        request_id, data = self.conn.request("session/prompt", prompt_params(session_id))
-        deadline = time.monotonic() + IO_TIMEOUT
+        params = prompt_params(session_id)
         start = time.perf_counter()
-        self.conn.send(data)
-        result, notes = self.conn.answer(request_id, deadline)
+        result, notes = call(self.conn, "session/prompt", params)
         elapsed = time.perf_counter() - start
         pid = check_turn(self.label, result, notes, session_id, self.method)
         if pid == self.last_pid:
@@ -452,11 +329,8 @@ class ProxyResume:
 
     def finish(self) -> bool:
         conn, self._conn = self.conn, None
-        try:
-            status = conn.close()
-            resumed = conn.stderr_text().count(RESUMED_LOG)
-        finally:
-            conn.dispose()
+        status = stop(conn)
+        resumed = conn.stderr.count(RESUMED_LOG)
         if status != 0:
             raise BenchError(f"{self.label}: the proxy exited with status {status}")
         if resumed != self.resumes:
@@ -468,7 +342,6 @@ class ProxyResume:
         if conn is not None:
             conn.kill()
             conn.close()
-            conn.dispose()
 
 
 def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[ResumeCase]:
@@ -614,11 +487,11 @@ def rss_once(backend: str, case: str, env: dict[str, str], workdir: Path, index:
     if suspended:
         populate(state, suspended)
     config = write_config(workdir / f"rss-{index}.toml", max_live=RSS_LIVE, command=agent_argv("resume", 0))
-    with connection(proxy_argv(backend, config), {**env, "ACP_PROXY_STATE_DIR": str(state)}, who) as conn:
-        conn.call("initialize", INITIALIZE_PARAMS)
+    with connect(proxy_argv(backend, config), {**env, "ACP_PROXY_STATE_DIR": str(state)}, who) as conn:
+        call(conn, "initialize", INITIALIZE_PARAMS)
         for _ in range(live):
-            conn.new_session()
-        listing, _ = conn.call("session/list", {})
+            conn.new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT)
+        listing, _ = call(conn, "session/list", {})
         total = suspended + live
         listed = listing.get("sessions") if isinstance(listing, dict) else None
         if not isinstance(listed, list) or len(listed) != min(total, LIST_PAGE_SIZE):
@@ -753,13 +626,6 @@ def measure_registry(workdir: Path, args: argparse.Namespace) -> list[dict[str, 
 # --- the section -----------------------------------------------------------------------------
 
 
-def wait_for_leftovers(token: str) -> list[int]:
-    deadline = time.monotonic() + LEFTOVER_WAIT
-    while (left := marked_processes(token)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
 def measure_sessions(report: Report, args: argparse.Namespace) -> dict[str, Any]:
     token = secrets.token_hex(8)
     env = {**child_environment(), BENCH_MARKER: token}
@@ -779,11 +645,9 @@ def measure_sessions(report: Report, args: argparse.Namespace) -> dict[str, Any]
         results["resume"] = measure_resume(report, env, workdir, args)
         results["rss"] = measure_rss(report, env, workdir, args)
         results["registry"] = attempt(report, "registry", lambda: measure_registry(workdir, args)) or []
-    leftover = wait_for_leftovers(token)
+    leftover = leftovers(token)
     results["left_running"] = leftover
     if leftover:
-        for pid in leftover:
-            kill_if_alive(pid, start_ticks(pid))
         report.errors.append(f"sessions: processes outlived the benchmark (killed now): {leftover}")
     return results
 

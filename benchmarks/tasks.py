@@ -48,9 +48,11 @@ from typing import Any
 
 import msgspec
 
+from acp_proxy.kit.gateway import SyncGateway
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
 from benchmarks.common import (
+    BENCH_MARKER,
     ROOT,
     BenchError,
     Report,
@@ -58,13 +60,13 @@ from benchmarks.common import (
     child_environment,
     cpu_seconds,
     fmt,
+    leftovers,
     percentile,
     progress,
     proxy_mode,
     table,
 )
-from benchmarks.ownership import BENCH_MARKER, kill_if_alive, start_ticks
-from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, Connection, mode_label, wait_for_leftovers
+from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, call, connect, mode_label, stop
 from benchmarks.stream_agent import update_line
 
 STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
@@ -135,25 +137,21 @@ class TurnCase:
             backend = mode.removeprefix("proxy-")
             self.state = workdir / f"state-turns-{backend}"
             self.argv, self.env = proxy_argv(backend), {**env, "ACP_PROXY_STATE_DIR": str(self.state)}
-        self._conn: Connection | None = None
+        self._conn: SyncGateway | None = None
         self.session_id = ""
         self.turns = 0
         self.cpu_s = 0.0
         self.cpu_known = True
 
     @property
-    def conn(self) -> Connection:
+    def conn(self) -> SyncGateway:
         assert self._conn is not None
         return self._conn
 
     def open(self) -> bool:
-        self._conn = Connection(self.argv, self.env, self.label)
-        self.conn.call("initialize", INITIALIZE_PARAMS)
-        result, _ = self.conn.call("session/new", {"cwd": str(ROOT), "mcpServers": []})
-        session_id = result.get("sessionId") if isinstance(result, dict) else None
-        if not isinstance(session_id, str):
-            raise BenchError(f"{self.label}: session/new returned {result!r}")
-        self.session_id = session_id
+        self._conn = connect(self.argv, self.env, self.label)
+        call(self.conn, "initialize", INITIALIZE_PARAMS)
+        self.session_id = self.conn.new_session(str(ROOT), timeout=IO_TIMEOUT)
         return True
 
     def params(self) -> dict[str, Any]:
@@ -162,12 +160,12 @@ class TurnCase:
 
     def turn_once(self) -> float:
         """One turn; microseconds from sending the prompt to reading its answer."""
-        request_id, data = self.conn.request("session/prompt", self.params())
+        request_id, data = self.conn.request_bytes("session/prompt", self.params())
         deadline = time.monotonic() + IO_TIMEOUT
         clock = time.perf_counter_ns
         start = clock()
-        self.conn.send(data)
-        lines = [self.conn.read_line(deadline) for _ in range(TURN_UPDATES + 1)]
+        self.conn.send_raw(data)
+        lines = [self.conn.read_line(deadline - time.monotonic()) for _ in range(TURN_UPDATES + 1)]
         elapsed = clock() - start
         self.check(lines, request_id)
         self.turns += 1
@@ -209,10 +207,7 @@ class TurnCase:
 
     def finish(self) -> bool:
         conn, self._conn = self.conn, None
-        try:
-            status = conn.close()
-        finally:
-            conn.dispose()
+        status = stop(conn)
         if status != 0:
             raise BenchError(f"{self.label}: exited with status {status}")
         if self.state is not None:
@@ -242,7 +237,6 @@ class TurnCase:
         if conn is not None:
             conn.kill()
             conn.close()
-            conn.dispose()
 
 
 def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -496,11 +490,9 @@ def measure_tasks(report: Report, args: argparse.Namespace) -> dict[str, Any]:
         results["lifecycle"] = bookkeeping.get("lifecycle", [])
         results["observe"] = bookkeeping.get("observe", [])
         results["writes"] = attempt(report, "tasks: task writes", lambda: measure_writes(workdir, args)) or []
-    leftover = wait_for_leftovers(token)
+    leftover = leftovers(token)
     results["left_running"] = leftover
     if leftover:
-        for pid in leftover:
-            kill_if_alive(pid, start_ticks(pid))
         report.errors.append(f"tasks: processes outlived the benchmark (killed now): {leftover}")
     return results
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import MARKER_VARIABLE, kill_marked, marked_processes
+from acp_proxy.kit import markers
+from tests.support import MARKER_VARIABLE, marked_processes
 
 # Config files the tests write must not be group-writable (the proxy refuses those), whatever
 # umask the suite is started with (many distributions give users 002).
@@ -39,5 +40,5 @@ def proc_env(tmp_path: Path) -> Iterator[dict[str, str]]:
     while (left := marked_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.05)
     if left:
-        kill_marked(marker)
-        pytest.fail(f"processes survived the test: {left}")
+        markers.kill(left.values())
+        pytest.fail(f"processes survived the test: {[str(marked) for marked in left.values()]}")

@@ -50,8 +50,10 @@ import anyio
 import anyio.abc
 import psutil
 
+from acp_proxy.kit import markers
+from acp_proxy.kit.gateway import Closed, Gateway
 from tests.conformance import ConformanceError, Conversation
-from tests.harness import MARKER_VARIABLE, fake_command, kill_marked, marked_processes
+from tests.support import MARKER_VARIABLE, fake_command, marked_processes
 
 ANSWER_TIMEOUT = 60.0
 SESSION_NOT_FOUND = -32002
@@ -161,99 +163,63 @@ class Report:
 
 
 class Link:
-    """A proxy process and the gateway's side of its stdio: ids, answers, updates, agent requests."""
+    """One proxy lifetime as the soak's gateway sees it: the kit's client, and what the soak counts of it."""
 
-    def __init__(self, process: anyio.abc.Process, report: Report, log: Path) -> None:
-        self.process = process
+    def __init__(self, gw: Gateway, report: Report, log: Path) -> None:
+        assert gw.process is not None
+        self.gw = gw
+        self.process = gw.process
+        self.gone = gw.gone
         self.report = report
         self.log = log
         self.conformance = Conversation("client")
         self.closing = False
-        self.gone = anyio.Event()
         self.ops_done = 0
         self.prompts_in_flight = 0
-        self._send_lock = anyio.Lock()
-        self._next_id = 0
-        self._waiting: dict[int, tuple[anyio.Event, list[dict[str, Any]]]] = {}
         self._answers: collections.Counter[int] = collections.Counter()
         self._sent: dict[int, str] = {}
         self.updates: collections.Counter[str] = collections.Counter()
         self.last_update: dict[str, dict[str, Any]] = {}
         self.history_resets: set[str] = set()
+        gw.observers.append(self._observe)
+        gw.handler = _answer_agent_request
 
     @classmethod
     @contextlib.asynccontextmanager
     async def start(cls, env: dict[str, str], config: Path, report: Report, log: Path) -> AsyncIterator[Link]:
         argv = [sys.executable, "-m", "acp_proxy", "--async-backend", report.async_backend, "--config", str(config)]
-        stderr = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # the proxy's log, kept per lifetime
+        # The proxy's log, kept per lifetime. Leaving waits up to 45 s for the proxy to end after EOF.
+        stderr = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            process = await anyio.open_process(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env
-            )
+            async with Gateway.launch(
+                argv, env=env, stderr=stderr, name="the proxy", first_id=1, keep=False, close_timeout=45
+            ) as gw:
+                yield cls(gw, report, log)
         finally:
             os.close(stderr)
-        link = cls(process, report, log)
-        try:
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(link._read)
-                try:
-                    yield link
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await link.close_input()
-                        with anyio.move_on_after(45):
-                            await link.gone.wait()
-                            # Wait for the exit here: killing a process that has just exited would
-                            # reap it behind the back of asyncio's child watcher (status 255).
-                            await process.wait()
-                        tasks.cancel_scope.cancel()
-        finally:
-            if process.returncode is None:
-                process.kill()
-            with anyio.CancelScope(shield=True):
-                await process.aclose()
+        for line in gw.bad_lines[:5]:
+            report.violation(f"the proxy wrote a bad line to the gateway: {line[:200]!r}")
 
-    # --- output -------------------------------------------------------------------------------
-
-    async def _read(self) -> None:
-        assert self.process.stdout is not None
-        buffer = b""
-        try:
-            async for chunk in self.process.stdout:
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    await self._on_line(line)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass
-        finally:
-            self.gone.set()
-            for event, _ in self._waiting.values():
-                event.set()
-
-    async def _on_line(self, line: bytes) -> None:
-        try:
-            msg = json.loads(line)
-            self.conformance.check(msg)
-        except (ValueError, ConformanceError) as exc:
-            self.report.violation(f"the proxy wrote a bad line to the gateway: {exc}: {line[:200]!r}")
+    def _observe(self, direction: str, msg: dict[str, Any]) -> None:
+        if direction == "out":
+            self.conformance.track_request(msg)
+            if "method" in msg and isinstance(msg.get("id"), int):
+                self._sent[msg["id"]] = msg["method"]
+                self.report.sent += 1
             return
+        try:
+            self.conformance.check(msg)
+        except ConformanceError as exc:
+            self.report.violation(f"the proxy wrote a bad message to the gateway: {exc}")
         if "method" not in msg:
             request_id = msg.get("id")
             if not isinstance(request_id, int) or request_id not in self._sent:
-                self.report.violation(f"an answer to an id never sent: {line[:200]!r}")
+                self.report.violation(f"an answer to an id never sent: {json.dumps(msg)[:200]}")
                 return
             self._answers[request_id] += 1
             if self._answers[request_id] > 1:
                 self.report.violation(f"a second answer to {self._sent[request_id]} id {request_id}")
-                return
-            waiter = self._waiting.pop(request_id, None)
-            if waiter is not None:
-                waiter[1].append(msg)
-                waiter[0].set()
-        elif "id" in msg:
-            await self._answer_agent_request(msg)
-        elif msg["method"] == "session/update":
+        elif msg["method"] == "session/update" and "id" not in msg:
             session_id, update = msg["params"]["sessionId"], msg["params"]["update"]
             if update["sessionUpdate"] == "agent_message_chunk":  # what the adapter keeps as history
                 self.updates[session_id] += 1
@@ -262,69 +228,34 @@ class Link:
             if (meta.get("acp-proxy") or {}).get("historyReset"):
                 self.history_resets.add(session_id)
 
-    async def _answer_agent_request(self, msg: dict[str, Any]) -> None:
-        if msg["method"] == "session/request_permission":
-            answer: dict[str, Any] = {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
-        elif msg["method"] == "fs/read_text_file":
-            answer = {"result": {"content": "soak"}}
-        else:
-            answer = {"error": {"code": -32601, "message": f"Method not found: {msg['method']}"}}
-        with contextlib.suppress(ProxyGone):
-            await self._write({"jsonrpc": "2.0", "id": msg["id"], **answer})
-
-    # --- input --------------------------------------------------------------------------------
-
-    async def _write(self, msg: dict[str, Any]) -> None:
-        async with self._send_lock:
-            if self.closing or self.gone.is_set():
-                raise ProxyGone
-            assert self.process.stdin is not None
-            try:
-                await self.process.stdin.send(json.dumps(msg).encode() + b"\n")
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                raise ProxyGone from None
-
     async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
         """Send a request and wait for its answer; ``ProxyGone`` if the proxy ended first."""
-        self._next_id += 1
-        request_id = self._next_id
-        msg = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
-        event, box = anyio.Event(), []
-        self._waiting[request_id] = (event, box)
-        self.conformance.track_request(msg)
-        try:
-            await self._write(msg)
-        except ProxyGone:
-            del self._waiting[request_id]
-            raise
-        self._sent[request_id] = method
-        self.report.sent += 1
-        with anyio.move_on_after(ANSWER_TIMEOUT):
-            await event.wait()
-        if box:
-            return box[0]
-        if self.gone.is_set():
+        if self.closing:
             raise ProxyGone
-        self.report.violation(f"no answer to {method} within {ANSWER_TIMEOUT:.0f} s")
-        self.kill()
-        raise ProxyGone
+        try:
+            return await self.gw.request(method, params, timeout=ANSWER_TIMEOUT)
+        except Closed:
+            raise ProxyGone from None
+        except TimeoutError:
+            self.report.violation(f"no answer to {method} within {ANSWER_TIMEOUT:.0f} s")
+            self.kill()
+            raise ProxyGone from None
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
-        await self._write({"jsonrpc": "2.0", "method": method, "params": params})
+        if self.closing:
+            raise ProxyGone
+        try:
+            await self.gw.notify(method, params)
+        except Closed:
+            raise ProxyGone from None
 
     async def close_input(self) -> None:
-        async with self._send_lock:
-            self.closing = True
-            assert self.process.stdin is not None
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                await self.process.stdin.aclose()
+        self.closing = True
+        await self.gw.close_input()
 
     def kill(self) -> None:
         self.closing = True
-        if self.process.returncode is None:
-            # os.kill, not Popen.send_signal: that polls first and could reap the process behind the
-            # back of asyncio's child watcher. The proxy is our unreaped child: the pid is still its.
-            os.kill(self.process.pid, signal.SIGKILL)
+        self.gw.kill()
 
     def unanswered(self) -> list[str]:
         return [f"{method} id {rid}" for rid, method in self._sent.items() if not self._answers[rid]]
@@ -343,6 +274,14 @@ class Link:
         )
         if "result" not in response:
             self.report.violation(f"initialize failed: {response}")
+
+
+def _answer_agent_request(msg: dict[str, Any]) -> dict[str, Any]:
+    if msg["method"] == "session/request_permission":
+        return {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+    if msg["method"] == "fs/read_text_file":
+        return {"result": {"content": "soak"}}
+    return {"error": {"code": -32601, "message": f"Method not found: {msg['method']}"}}
 
 
 # --- the gateway's operations ----------------------------------------------------------------
@@ -715,14 +654,13 @@ async def run(options: Options, workdir: Path, env: dict[str, str]) -> Report:
         ignored = set(decoys.identity)
         while (left := set(marked_processes(env[MARKER_VARIABLE])) - ignored) and time.monotonic() < deadline:
             await anyio.sleep(0.1)
-        if left:
-            survivors = {pid: text for pid, text in marked_processes(env[MARKER_VARIABLE]).items() if pid in left}
-            report.violation(f"processes survived: {survivors}")
+        survivors = [marked for pid, marked in marked_processes(env[MARKER_VARIABLE]).items() if pid in left]
+        if survivors:
+            report.violation(f"processes survived: {[str(marked) for marked in survivors]}")
         report.violations += decoys.signalled()
         report.decoys = len(decoys.processes)
         decoys.stop()
-        if left:
-            kill_marked(env[MARKER_VARIABLE])
+        markers.kill(survivors)
     _check_database(state_dir, report)
     report.seconds = time.monotonic() - started
     return report

@@ -35,7 +35,7 @@ from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, TaskStatus, get_task
 from acp_proxy.tasks.turns import TurnBook
-from tests.harness import Gateway, fake_command
+from tests.support import Gateway, fake_command
 
 IS_ROOT = os.geteuid() == 0
 PR_CAPBSET_DROP = 24
@@ -377,7 +377,7 @@ async def test_a_full_disk_costs_no_answer_and_the_rows_follow_once_there_is_spa
         for _ in range(3):
             answer = await gw.prompt(session, "stream 2")
             assert answer["result"]["stopReason"] == "end_turn", answer
-        streamed = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
+        streamed = gw.updates(session)
         assert len(streamed) == 1 + 3 * 2, "every streamed update reached the gateway"
         assert task_statuses(db_path) == ["done"], "nothing could be written while the disk was full"
         log = gw.stderr.decode()

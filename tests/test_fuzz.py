@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.conformance import Conversation
-from tests.harness import Gateway
+from tests.support import Gateway
 
 pytestmark = pytest.mark.anyio
 

@@ -19,26 +19,25 @@ from acp_proxy.operator import control
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import get_task, list_tasks
-from tests.harness import Gateway, fake_command, pid_alive
-from tests.test_sessions import RESUME_AND_LOAD, adapter_calls, adapter_pid, registry, write_config
+from tests.support import (
+    RESUME_AND_LOAD,
+    Gateway,
+    adapter_calls,
+    adapter_pid,
+    cli,
+    cli_json,
+    fake_command,
+    pid_alive,
+    registry,
+    send_prompt,
+    state_db,
+    wait_for_task,
+    write_config,
+)
 
 pytestmark = pytest.mark.anyio
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-
-
-async def cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    """Run ``acp-proxy ARGS`` as an operator would; exit status, stdout, stderr."""
-    result = await anyio.run_process(
-        [sys.executable, "-m", "acp_proxy", *args], env=env, check=False, stdin=subprocess.DEVNULL
-    )
-    return result.returncode, result.stdout.decode(), result.stderr.decode()
-
-
-async def cli_json(env: dict[str, str], *args: str) -> Any:
-    code, out, err = await cli(env, *args, "--json")
-    assert code == 0, (args, code, out, err)
-    return json.loads(out)
 
 
 def start(
@@ -48,28 +47,6 @@ def start(
     options.setdefault("caps", RESUME_AND_LOAD)
     config = write_config(tmp_path, pool={"max_live": max_live}, tasks=tasks)
     return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], **options)
-
-
-def state_db(env: dict[str, str]) -> StateDB:
-    return StateDB(Path(env["ACP_PROXY_STATE_DIR"]), create=False)
-
-
-async def wait_for_task(env: dict[str, str], status: str, timeout: float = 10) -> dict[str, Any]:
-    with anyio.fail_after(timeout):
-        while True:
-            listed = await cli_json(env, "tasks", "list", "--status", status)
-            if listed["tasks"]:
-                return dict(listed["tasks"][0])
-            await anyio.sleep(0.05)
-
-
-async def send_prompt(gw: Gateway, session: str, text: str, meta: dict[str, Any] | None = None) -> int:
-    request_id = gw.new_id()
-    params: dict[str, Any] = {"sessionId": session, "prompt": [{"type": "text", "text": text}]}
-    if meta is not None:
-        params["_meta"] = meta
-    await gw.send({"jsonrpc": "2.0", "id": request_id, "method": "session/prompt", "params": params})
-    return request_id
 
 
 def files_containing(root: Path, needle: bytes) -> list[Path]:
@@ -111,7 +88,7 @@ async def test_a_finished_turn_is_a_task_with_its_outcome_progress_and_events(
         await gw.initialize()
         session = await gw.new_session()
         request_id = await send_prompt(gw, session, "stream 5; permission", {"traceparent": TRACEPARENT})
-        gw.answer_agent_requests = lambda msg: {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+        gw.handler = lambda msg: {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
         answer = await gw.response_to(request_id)
         assert answer["result"]["stopReason"] == "end_turn"
         listed = await cli_json(proc_env, "tasks", "list")
@@ -327,8 +304,8 @@ async def test_sessions_suspend_and_close_from_the_shell(proc_env: dict[str, str
 async def state_of_turns(gw: Gateway, session: str) -> int:
     answer = await gw.prompt(session, "state")
     assert answer["result"]["stopReason"] == "end_turn"
-    updates = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
-    gw._stash.clear()
+    updates = gw.updates(session)
+    gw.clear_stash()
     return int(json.loads(updates[-1]["params"]["update"]["content"]["text"])["turns"])
 
 
@@ -618,7 +595,6 @@ async def test_cancelling_a_task_whose_end_is_being_written_says_it_ended(tmp_pa
     turn.finish(outcome_of(stop_reason="end_turn"))
     from acp_proxy.concurrency import Stopping
     from acp_proxy.config import validate
-    from acp_proxy.state import StateDB
     from acp_proxy.tasks.records import TaskRegistry
     from acp_proxy.tasks.turns import TurnBook
 

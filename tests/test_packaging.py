@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from acp_proxy.ownership.owner import WRAPPER_NAME
-from tests.harness import Gateway
+from tests.support import Gateway
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.harness import Gateway, pid_alive
+from tests.support import Gateway, pid_alive
 
 pytestmark = pytest.mark.anyio
 
@@ -101,7 +101,7 @@ async def test_extension_methods_and_meta_pass_unchanged(proc_env: dict[str, str
         await gw.notify("session/set_model", {"sessionId": session, "modelId": "m"})
         await gw.request("_fake/echo", {})  # a round trip: the notifications have arrived
         lines = [e["in"] for e in gw.adapter_record() if "in" in e]
-        assert '{"jsonrpc": "2.0", "method": "_fake/hint", "params": {"_meta": {"a": 1}}}' in lines
+        assert '{"jsonrpc":"2.0","method":"_fake/hint","params":{"_meta":{"a":1}}}' in lines  # as the gateway wrote it
         assert any('"session/set_model"' in line for line in lines)
 
 
@@ -139,7 +139,7 @@ async def test_permission_request_is_routed_both_ways(proc_env: dict[str, str], 
 
 async def test_fs_read_is_routed_to_the_gateway(proc_env: dict[str, str], tmp_path: Path) -> None:
     async with Gateway.start(proc_env, tmp_path) as gw:
-        gw.answer_agent_requests = lambda m: {"result": {"content": "file body: " + m["params"]["path"]}}
+        gw.handler = lambda m: {"result": {"content": "file body: " + m["params"]["path"]}}
         await gw.initialize()
         session = await gw.new_session()
         response = await gw.prompt(session, "read /etc/motd")

@@ -29,7 +29,7 @@ from acp_proxy.operator import control
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases
 from acp_proxy.ownership.proctable import ProcFS
 from acp_proxy.state import StateDB, StateError
-from tests.harness import Gateway, fake_command, pid_alive
+from tests.support import Gateway, fake_command, pid_alive
 
 IS_ROOT = os.geteuid() == 0
 NOBODY = 65534

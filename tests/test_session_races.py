@@ -4,7 +4,6 @@ requests wait for the pool, the cap while evicted processes are still stopping, 
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,18 @@ import pytest
 
 from acp_proxy.ownership.owner import WRAPPER_NAME
 from acp_proxy.sessions.registry import SessionState
-from tests.harness import MARKER_VARIABLE, Gateway, fake_command
-from tests.test_sessions import LOAD_ONLY, RESUME_AND_LOAD, adapter_calls, registry, start, state_of
+from tests.support import (
+    LOAD_ONLY,
+    MARKER_VARIABLE,
+    RESUME_AND_LOAD,
+    Gateway,
+    adapter_calls,
+    fake_command,
+    marked_processes,
+    registry,
+    start,
+    state_of,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -27,24 +36,12 @@ def prompt_message(request_id: str, session: str, text: str) -> dict[str, Any]:
 
 def live_adapters(env: dict[str, str]) -> int:
     """Fake adapter processes of this test still running (not their wrappers)."""
-    needle = f"{MARKER_VARIABLE}={env[MARKER_VARIABLE]}".encode()
-    count = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as fh:
-                environ = fh.read().split(b"\0")
-            with open(f"/proc/{name}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                zombie = fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-        except OSError:
-            continue
-        wrapper = any(arg.endswith(WRAPPER_NAME.encode()) for arg in argv)  # its argv names the adapter too
-        if needle in environ and not zombie and not wrapper and any(arg.endswith(b"fake_adapter.py") for arg in argv):
-            count += 1
-    return count
+    return sum(
+        1
+        for marked in marked_processes(env[MARKER_VARIABLE]).values()
+        if any(arg.endswith("fake_adapter.py") for arg in marked.argv)
+        and not any(arg.endswith(WRAPPER_NAME) for arg in marked.argv)  # its argv names the adapter too
+    )
 
 
 async def test_requests_queued_for_a_suspended_session_keep_their_order(
@@ -65,8 +62,8 @@ async def test_requests_queued_for_a_suspended_session_keep_their_order(
             await gw.send_raw("".join(json.dumps(line) + "\n" for line in lines).encode())
             assert "result" in await gw.response_to(f"m{n}")
             assert "result" in await gw.response_to(f"p{n}")
-            updates = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
-            gw._stash.clear()
+            updates = gw.updates(session)
+            gw.clear_stash()
             assert json.loads(updates[-1]["params"]["update"]["content"]["text"])["mode"] == mode, n
 
 
@@ -167,7 +164,7 @@ async def test_close_then_load_reopens_the_session(proc_env: dict[str, str], tmp
         await gw.send_raw((json.dumps(close) + "\n" + json.dumps(load) + "\n").encode())
         assert (await gw.response_to("close"))["result"] == {}
         assert "result" in await gw.response_to("load")
-        gw._stash.clear()
+        gw.clear_stash()
         assert (await state_of(gw, session))["turns"] == 1
         assert registry(proc_env).get(session).state is SessionState.LIVE  # type: ignore[union-attr]
 

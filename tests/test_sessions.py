@@ -15,76 +15,23 @@ import anyio
 import pytest
 
 from acp_proxy.ownership.leases import LeaseState
-from acp_proxy.sessions.registry import SessionRegistry, SessionState
+from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
-from tests.harness import Gateway, fake_command, pid_alive
+from tests.support import (
+    LOAD_ONLY,
+    NEITHER,
+    RESUME_AND_LOAD,
+    Gateway,
+    adapter_calls,
+    adapter_pid,
+    pid_alive,
+    registry,
+    start,
+    state_of,
+    write_config,
+)
 
 pytestmark = pytest.mark.anyio
-
-RESUME_AND_LOAD = {"loadSession": True, "sessionCapabilities": {"resume": {}, "close": {}}}
-LOAD_ONLY = {"loadSession": True}
-NEITHER: dict[str, Any] = {}
-
-
-def write_config(
-    tmp_path: Path,
-    *,
-    pool: dict[str, str | int] | None = None,
-    backends: dict[str, dict[str, Any]] | None = None,
-    default_backend: str | None = None,
-    tasks: dict[str, str] | None = None,
-) -> Path:
-    """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options)."""
-    lines = []
-    if default_backend:
-        lines.append(f'default_backend = "{default_backend}"')
-    lines += ["[shutdown]", 'close_timeout = "500ms"', 'stdin_grace = "300ms"', 'term_grace = "1s"', "[pool]"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in (pool or {}).items()]
-    if tasks:
-        lines += ["[tasks]", *(f"{key} = {json.dumps(value)}" for key, value in tasks.items())]
-    for name, options in (backends or {"unused": {}}).items():
-        settings = dict(options)
-        resume = settings.pop("resume", None)
-        max_live = settings.pop("max_live", None)
-        lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(**settings))}"]
-        if resume:
-            lines.append(f'resume = "{resume}"')
-        if max_live:
-            lines.append(f"max_live = {max_live}")
-    path = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def start(env: dict[str, str], tmp_path: Path, *, pool: dict[str, str | int] | None = None, **options: Any) -> Any:
-    """A proxy serving one fake backend with ``options``, its sessions stored under tmp_path/store."""
-    options.setdefault("store", str(tmp_path / "store"))
-    config = write_config(tmp_path, pool={"max_live": 1, **(pool or {})})
-    return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], **options)
-
-
-async def state_of(gw: Gateway, session: str) -> dict[str, Any]:
-    """What the adapter serving ``session`` knows about it (the ``state`` prompt command)."""
-    response = await gw.prompt(session, "state")
-    assert response["result"]["stopReason"] == "end_turn", response
-    updates = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
-    gw._stash.clear()
-    return json.loads(updates[-1]["params"]["update"]["content"]["text"])
-
-
-async def adapter_pid(gw: Gateway, session: str) -> int:
-    return int((await state_of(gw, session))["pid"])
-
-
-def registry(env: dict[str, str]) -> SessionRegistry:
-    return SessionRegistry(StateDB(Path(env["ACP_PROXY_STATE_DIR"]), create=False), "reader")
-
-
-def adapter_calls(gw: Gateway, method: str) -> list[dict[str, Any]]:
-    """Every ``method`` request the proxy sent to any adapter process."""
-    sent = [json.loads(e["in"]) for e in gw.adapter_record() if "in" in e]
-    return [m for m in sent if m.get("method") == method]
-
 
 # --- LRU suspension and transparent resume, over strategies and capabilities ---------------------
 
@@ -125,7 +72,7 @@ async def test_lru_suspends_the_idle_session_and_resume_is_transparent(
             while pid_alive(first_pid):
                 await anyio.sleep(0.02)
         assert registry(proc_env).get(first).state is SessionState.SUSPENDED  # type: ignore[union-attr]
-        gw._stash.clear()
+        gw.clear_stash()
         state = await state_of(gw, first)  # resumes it (suspending the second)
         assert state["pid"] != first_pid
         assert state["turns"] == (2 if kept else 0)
@@ -158,7 +105,7 @@ async def test_fallback_to_new_only_on_the_three_error_classes_and_ids_are_rewri
     proc_env: dict[str, str], tmp_path: Path, code: int
 ) -> None:
     async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, fail={"session/resume": code}) as gw:
-        gw.answer_agent_requests = lambda _: {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+        gw.handler = lambda _: {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
         await gw.initialize()
         first = await gw.new_session()
         await gw.new_session()
@@ -166,6 +113,7 @@ async def test_fallback_to_new_only_on_the_three_error_classes_and_ids_are_rewri
         assert state["session"] != first, "the adapter knows it under a new id"
         assert state["turns"] == 0
         # Agent->client requests carry the stable id too, and answers find their way back.
+        gw.handler = None  # this one is answered by hand
         await gw.send(
             {
                 "jsonrpc": "2.0",
@@ -343,9 +291,9 @@ async def test_sessions_survive_a_proxy_restart_with_their_ids(
         if first_request == "session/load":
             loaded = await gw.request("session/load", {"sessionId": session, "cwd": "/tmp", "mcpServers": []})
             assert "result" in loaded
-            replay = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == session]
+            replay = gw.updates(session)
             assert len(replay) == 3, "the gateway asked for the load: the replay is forwarded"
-            gw._stash.clear()
+            gw.clear_stash()
         state = await state_of(gw, session)
         assert state["turns"] == 1
         assert state["session"] == session
@@ -451,6 +399,6 @@ async def test_a_resumed_adapter_is_authenticated_as_the_gateway_did(proc_env: d
         await gw.new_session()  # suspends the first
         response = await gw.prompt(first, "auth")
         assert response["result"]["stopReason"] == "end_turn"
-        said = [m for m in gw.stashed("session/update") if m["params"]["sessionId"] == first]
+        said = gw.updates(first)
         assert json.loads(said[-1]["params"]["update"]["content"]["text"]) == ["key"]
         assert registry(proc_env).get(first).auth_method == "key"  # type: ignore[union-attr]

@@ -28,7 +28,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +35,8 @@ import anyio
 import anyio.abc
 import pytest
 
-from tests.harness import Gateway, pid_alive
-from tests.test_ownership import survivors
-from tests.test_sessions import RESUME_AND_LOAD, write_config
+from acp_proxy.kit import markers
+from tests.support import RESUME_AND_LOAD, Gateway, pid_alive, survivors, write_config
 
 pytestmark = pytest.mark.anyio
 
@@ -84,30 +82,10 @@ def lease_rows(state_dir: Path, instance_id: str) -> list[sqlite3.Row]:
     return query(state_dir, "SELECT * FROM leases WHERE instance_id = ?", instance_id)
 
 
-def live_processes() -> Iterator[tuple[int, list[bytes]]]:
-    """(pid, environment entries) of every readable, non-zombie process."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-            with open(f"/proc/{name}/environ", "rb") as fh:
-                yield int(name), fh.read().split(b"\0")
-        except OSError:
-            continue
-
-
 def marked_by_install(install: str) -> dict[int, str]:
     """Live processes carrying a lease marker of ``install``: pid -> lease id."""
-    prefix = f"{LEASE_VARIABLE}={install}.".encode()
-    found = {}
-    for pid, environ in live_processes():
-        for entry in environ:
-            if entry.startswith(prefix):
-                found[pid] = entry[len(prefix) :].split(b".")[0].decode()
-    return found
+    found = markers.find(LEASE_VARIABLE, f"{install}.", prefix=True)
+    return {pid: marked.value.removeprefix(f"{install}.").split(".")[0] for pid, marked in found.items()}
 
 
 # --- proxies, each in its own task so that any of them can end at any time -------------------
@@ -178,7 +156,7 @@ async def said(gw: Gateway, session: str, text: str) -> list[str]:
         for m in gw.stashed("session/update")
         if m["params"]["sessionId"] == session and m["params"]["update"].get("sessionUpdate") == "agent_message_chunk"
     ]
-    gw._stash.clear()
+    gw.clear_stash()
     return texts
 
 

@@ -20,9 +20,17 @@ import pytest
 
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.tasks.records import get_task
-from tests.harness import MARKER_VARIABLE, Gateway, marked_processes
-from tests.test_operator import send_prompt, state_db, wait_for_task
-from tests.test_sessions import registry, start, state_of
+from tests.support import (
+    MARKER_VARIABLE,
+    Gateway,
+    marked_processes,
+    registry,
+    send_prompt,
+    start,
+    state_db,
+    state_of,
+    wait_for_task,
+)
 
 pytestmark = pytest.mark.anyio
 

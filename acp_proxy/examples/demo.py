@@ -2,24 +2,24 @@
 
 The "gateway" here is this script: it launches ``acp-proxy --config demo.toml``
 exactly as an editor or chat bridge would launch an agent, speaks ACP to it over
-stdio, and narrates each step. The config runs the example echo agent (which keeps
-session histories on disk, as real adapters do) with ``max_live = 1``: two
-sessions share one live process slot, so one of them is always suspended.
+stdio (with the kit's client, ``acp_proxy.kit.gateway``), and narrates each step.
+The config runs the example echo agent (which keeps session histories on disk, as
+real adapters do) with ``max_live = 1``: two sessions share one live process slot,
+so one of them is always suspended.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import queue
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
+
+from acp_proxy.kit.gateway import SyncGateway
 
 BOLD, DIM, GREEN, RED, CYAN, RESET = "\033[1m", "\033[2m", "\033[32m", "\033[31m", "\033[36m", "\033[0m"
 if not sys.stdout.isatty() or os.environ.get("NO_COLOR"):
@@ -42,49 +42,32 @@ def fail(text: str) -> None:
     print(f"  {RED}✗ {text}{RESET}")
 
 
-class DemoGateway:
-    def __init__(self, env: dict[str, str], config: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "acp_proxy", "--config", config],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.ids = itertools.count(0)
-        threading.Thread(target=self._read, daemon=True).start()
+def request(gw: SyncGateway, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    request_id = gw.new_id()
+    line("gateway → proxy", f"{method} (id {request_id})")
+    return gw.request(method, params, request_id=request_id, timeout=15)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.inbox.put(json.loads(raw))
-        self.inbox.put(None)
 
-    def send(self, msg: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"jsonrpc": "2.0", **msg}).encode() + b"\n")
-        self.proc.stdin.flush()
+class Narrator:
+    """Shows the agent's words as they arrive, while ``on``."""
 
-    def send_raw(self, data: bytes) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(data + b"\n")
-        self.proc.stdin.flush()
+    def __init__(self) -> None:
+        self.on = False
+        self.chunks: list[str] = []
 
-    def request(self, method: str, params: dict[str, Any], on_message: Any = None) -> dict[str, Any]:
-        request_id = next(self.ids)
-        line("gateway → proxy", f"{method} (id {request_id})")
-        self.send({"id": request_id, "method": method, "params": params})
-        return self.until(lambda m: m.get("id") == request_id and "method" not in m, on_message)
+    def __call__(self, direction: str, msg: dict[str, Any]) -> None:
+        text = agent_text(msg) if direction == "in" and self.on else ""
+        if text:
+            self.chunks.append(text)
+            print(f"      {DIM}session/update{RESET} {text!r}")
 
-    def until(self, done: Any, on_message: Any = None) -> dict[str, Any]:
-        while True:
-            msg = self.inbox.get(timeout=15)
-            if msg is None:
-                raise RuntimeError("acp-proxy closed its output")
-            if done(msg):
-                return msg
-            if on_message is not None:
-                on_message(msg)
+
+def answer_permission(msg: dict[str, Any]) -> dict[str, Any] | None:
+    if msg.get("method") != "session/request_permission":
+        return None
+    line("proxy → gateway", f"session/request_permission (id {msg['id']}, the proxy's own id space)")
+    line("gateway → proxy", "allow")
+    return {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
 
 
 def agent_text(msg: dict[str, Any]) -> str:
@@ -122,9 +105,9 @@ def show_tree(lease: dict[str, Any]) -> None:
         print(f"      {DIM}{role:<8} pid {proc['pid']:<7} pgid {proc['pgid']:<7} {proc['command'][:60]}{RESET}")
 
 
-def sessions_view(env: dict[str, str], gw: DemoGateway) -> dict[str, str]:
+def sessions_view(env: dict[str, str], gw: SyncGateway) -> dict[str, str]:
     """session/list, served by the proxy from its registry: every session and its state."""
-    listed = gw.request("session/list", {})["result"]["sessions"]
+    listed = request(gw, "session/list", {})["result"]["sessions"]
     return {s["sessionId"]: s["_meta"]["acp-proxy"]["state"] for s in listed}
 
 
@@ -153,7 +136,15 @@ def main() -> int:
         "ACP_PROXY_LOG_LEVEL": os.environ.get("ACP_PROXY_LOG_LEVEL", "error"),
         "ACP_PROXY_STATE_DIR": os.path.join(state, "state"),
     }
-    gw = DemoGateway(env, write_config(state))
+    narrator = Narrator()
+    gw = SyncGateway.launch(
+        [sys.executable, "-m", "acp_proxy", "--config", write_config(state)],
+        env=env,
+        stderr=None,
+        name="acp-proxy",
+        handler=answer_permission,
+        observers=[narrator],
+    )
     failures = 0
 
     def check(condition: bool, good: str, bad: str) -> None:
@@ -165,7 +156,7 @@ def main() -> int:
             failures += 1
 
     step("1. Handshake")
-    init = gw.request("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+    init = request(gw, "initialize", {"protocolVersion": 1, "clientCapabilities": {}})
     result = init["result"]
     served = sorted(result["agentCapabilities"].get("sessionCapabilities", {}))
     line(
@@ -175,43 +166,29 @@ def main() -> int:
     )
 
     step("2. Session A: a streamed turn, in its own owned process tree")
-    first = gw.request("session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
+    first = request(gw, "session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
     line("proxy → gateway", f"sessionId {first}")
-    chunks: list[str] = []
-
-    def show(msg: dict[str, Any]) -> None:
-        text = agent_text(msg)
-        if text:
-            chunks.append(text)
-            print(f"      {DIM}session/update{RESET} {text!r}")
-
-    turn = gw.request("session/prompt", {"sessionId": first, "prompt": [{"type": "text", "text": "hello A"}]}, show)
-    line("proxy → gateway", f"stopReason {turn['result']['stopReason']} after {len(chunks)} updates")
+    narrator.on = True
+    turn = request(gw, "session/prompt", {"sessionId": first, "prompt": [{"type": "text", "text": "hello A"}]})
+    line("proxy → gateway", f"stopReason {turn['result']['stopReason']} after {len(narrator.chunks)} updates")
     lease = live_lease(env)
     first_pid = lease["adapterPid"]
     ok(f"lease {lease['lease']}: the adapter (pid {first_pid}) runs in its own process group ($ acp-proxy leases):")
     show_tree(lease)
 
     step("3. The agent asks the gateway for permission")
-
-    def answer_permission(msg: dict[str, Any]) -> None:
-        if msg.get("method") == "session/request_permission":
-            line("proxy → gateway", f"session/request_permission (id {msg['id']}, the proxy's own id space)")
-            line("gateway → proxy", "allow")
-            gw.send({"id": msg["id"], "result": {"outcome": {"outcome": "selected", "optionId": "allow"}}})
-        else:
-            show(msg)
-
     prompt = {"sessionId": first, "prompt": [{"type": "text", "text": "permission granted please"}]}
-    turn = gw.request("session/prompt", prompt, answer_permission)
+    turn = request(gw, "session/prompt", prompt)  # the handler answers the agent's request
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
+    narrator.on = False
 
     step("4. session/cancel ends a turn; the agent process stays")
     long_text = " ".join(f"word{i}" for i in range(200))
-    request_id = next(gw.ids)
+    request_id = gw.new_id()
     line("gateway → proxy", f"session/prompt (id {request_id}), 200 words")
     gw.send(
         {
+            "jsonrpc": "2.0",
             "id": request_id,
             "method": "session/prompt",
             "params": {"sessionId": first, "prompt": [{"type": "text", "text": long_text}]},
@@ -219,13 +196,13 @@ def main() -> int:
     )
     time.sleep(0.2)
     line("gateway → proxy", "session/cancel")
-    gw.send({"method": "session/cancel", "params": {"sessionId": first}})
-    turn = gw.until(lambda m: m.get("id") == request_id and "method" not in m)
+    gw.notify("session/cancel", {"sessionId": first})
+    turn = gw.response_to(request_id, timeout=15)
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
     check(pid_alive(first_pid), f"adapter pid {first_pid} still running: cancel is not close", "it died on cancel")
 
     step("5. Session B, with max_live = 1: the idle session A is suspended to make room")
-    second = gw.request("session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
+    second = request(gw, "session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
     line("proxy → gateway", f"sessionId {second}")
     deadline = time.monotonic() + 10
     while pid_alive(first_pid) and time.monotonic() < deadline:
@@ -240,28 +217,31 @@ def main() -> int:
     second_pid = live_lease(env)["adapterPid"]
 
     step("6. A prompt for A resumes it, transparently: same id, history intact")
-    chunks.clear()
+    narrator.chunks.clear()
+    narrator.on = True
     prompt = {"sessionId": first, "prompt": [{"type": "text", "text": "are you still there?"}]}
-    turn = gw.request("session/prompt", prompt, show)
+    turn = request(gw, "session/prompt", prompt)
+    narrator.on = False
     resumed = live_lease(env)
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
     check(
-        any("remember 3 earlier" in c for c in chunks) and resumed["adapterPid"] not in (first_pid, second_pid),
+        any("remember 3 earlier" in c for c in narrator.chunks)
+        and resumed["adapterPid"] not in (first_pid, second_pid),
         f"A resumed on a new process (pid {resumed['adapterPid']}) and remembers its 3 earlier prompts",
-        f"history lost or no resume: {chunks}",
+        f"history lost or no resume: {narrator.chunks}",
     )
     view = sessions_view(env, gw)
     check(view.get(second) == "suspended", "B was suspended for it, in turn", f"session B: {view.get(second)}")
 
     step("7. Bad input gets an error; the proxy keeps serving")
     line("gateway → proxy", "this is not JSON")
-    gw.send_raw(b"this is not JSON")
-    error = gw.until(lambda m: "error" in m)
+    gw.send_raw(b"this is not JSON\n")
+    error = gw.expect(lambda m: "error" in m, timeout=15)
     line("proxy → gateway", f"error {error['error']['code']}: {error['error']['message']}")
 
     step("8. session/close ends A for good and reaps its tree")
     tree = [p["pid"] for p in resumed["processes"]]
-    gw.request("session/close", {"sessionId": first})
+    request(gw, "session/close", {"sessionId": first})
     check(
         not any(pid_alive(pid) for pid in tree) and first not in sessions_view(env, gw),
         f"closed: none of its {len(tree)} processes is left, and it is no longer listed",
@@ -270,9 +250,7 @@ def main() -> int:
 
     step("9. The gateway goes away")
     line("gateway → proxy", "EOF on stdin")
-    assert gw.proc.stdin is not None
-    gw.proc.stdin.close()
-    status = gw.proc.wait(timeout=15)
+    status = gw.close(timeout=15)
     ok(f"acp-proxy exited with status {status}")
     final = leases(env)
     running = [p["pid"] for lease in final for p in lease.get("processes", []) if pid_alive(p["pid"])]

@@ -1,0 +1,1436 @@
+"""Manual check: published ACP clients and adapters work unchanged through acp-proxy.
+
+    scripts/check-peers [WORKDIR] [--proxy CMD] [--proxy-python PY] [--no-install] [--only NAME]...
+
+Not run by the test suite: it needs npm, and network access to the npm registry
+and PyPI. It installs the peers into WORKDIR (default /tmp/acp-peers):
+
+* npm: acpx (a headless ACP client), @zed-industries/codex-acp and
+  @zed-industries/claude-agent-acp (adapters);
+* a venv with agent-client-protocol, the Python ACP SDK, used for both a client
+  and an agent (the agent answers offline, so no API key is needed).
+
+Every check runs twice, once straight against the peer and once with the agent
+command wrapped as ``acp-proxy -- CMD``, and compares the two: the only allowed
+differences are in the initialize result: ``_meta["acp-proxy"]``, and the
+session capabilities the proxy serves itself (``close`` and ``list``, and
+``resume`` when the adapter can load), which must be present through the proxy.
+After each run no process it started may be left (every process gets a marker
+in its environment and /proc is searched for it); a leftover after a proxied
+run is a failure, after a direct run a note.
+
+* sdk-prompt-turn[-trio]: SDK client and SDK agent, the wire messages on both
+  sides of the proxy compared (the -trio variant runs the proxy on trio);
+* acpx-exec-*, acpx-sessions-*: acpx driving the SDK agent, the proxy's echo
+  agent, codex-acp and claude-agent-acp (the adapters stop at their auth error);
+* raw-*: initialize, session/new (and a prompt if a session opened) piped into
+  each adapter, then stdin EOF, then the same with SIGTERM to the proxy;
+* sessions-*: the session pool, through the proxy only, with ``max_live = 1``
+  (a config of its own, a private HOME and state dir per check):
+  sessions-codex-acp / sessions-claude-agent-acp drive raw JSON-RPC: two
+  sessions over one process slot (the second suspends the first, a prompt to
+  the first resumes it), then a second proxy on the same state dir whose
+  session/load must replay the first session's prompts;
+  sessions-acpx-* drive acpx named sessions (every acpx command a new proxy),
+  then read both conversations back with session/load through a fresh proxy.
+  The adapters keep a session only once it had a turn, and a turn fails without
+  credentials only after the prompt is recorded, so the conversations checked
+  are the users' prompts. No session id the gateway never got from
+  session/new may reach it.
+
+Prints one PASS/FAIL line per check (NOTE lines add what the peers did) and
+exits 1 if any check failed. Logs and transcripts are kept in WORKDIR/logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from acp_proxy.kit import markers
+from acp_proxy.kit.gateway import Closed, SyncGateway
+
+REPO = Path(__file__).resolve().parent.parent
+NPM_PACKAGES = ("acpx@latest", "@zed-industries/codex-acp@latest", "@zed-industries/claude-agent-acp@latest")
+PYPI_PACKAGES = ("agent-client-protocol",)
+PROXY_META = "acp-proxy"
+MARKER_VAR = "ACP_CHECK_PEERS_RUN"
+# Credentials are scrubbed so every adapter answers the same way on every
+# machine (without them the adapters still answer initialize, then refuse).
+# IS_SANDBOX makes claude-agent-acp pass --dangerously-skip-permissions, which
+# Claude Code refuses as root, so session/new would fail for a reason of its own.
+SCRUBBED_ENV = (
+    "OPENAI_API_KEY",
+    "CODEX_API_KEY",
+    "CODEX_HOME",
+    "ANTHROPIC_API_KEY",
+    "ANTHROPIC_AUTH_TOKEN",
+    "CLAUDE_CODE_OAUTH_TOKEN",
+    "CLAUDE_CONFIG_DIR",
+    "IS_SANDBOX",
+    "ACP_PROXY_CONFIG",
+    "ACP_PROXY_STATE_DIR",
+    "ACP_PROXY_LOG_LEVEL",
+    "ACP_PROXY_ASYNC_BACKEND",
+    "XDG_CONFIG_HOME",
+    "XDG_STATE_HOME",
+    "XDG_DATA_HOME",
+    "XDG_CACHE_HOME",
+)
+
+# The sessions-* checks need sessions an adapter keeps on disk. codex-acp opens
+# none before `authenticate`; with a placeholder key it authenticates offline
+# (the key is only sent with a model request, which then fails), so its sessions
+# can be created, resumed and loaded without credentials. acpx authenticates
+# with a method's key from ACPX_AUTH_<METHOD>.
+PLACEHOLDER = "sk-check-peers-placeholder-not-a-key"
+PLACEHOLDER_CREDENTIALS = {
+    "codex-acp": {"OPENAI_API_KEY": PLACEHOLDER, "ACPX_AUTH_OPENAI_API_KEY": PLACEHOLDER},
+}
+CLIENT_INITIALIZE = {
+    "protocolVersion": 1,
+    "clientInfo": {"name": "check-peers", "version": "1"},
+    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
+}
+FIRST_WORDS = "remember the word PELICAN"
+SECOND_WORDS = "which word did I ask you to remember?"
+OTHER_WORDS = "remember the word OTTER"
+PROMPT_TIMEOUT = 180.0  # codex-acp retries an unreachable model for about 30s
+PROXY_REASONS = frozenset(
+    {
+        "spawn_failed",
+        "adapter_exited",
+        "pool_exhausted",
+        "restore_failed",
+        "restore_timeout",
+        "resume_disabled",
+        "unknown_session",
+        "session_in_use",
+        "unknown_backend",
+        "proxy_shutdown",
+    }
+)
+
+# --- the Python SDK peers ---------------------------------------------------------------
+# Written into WORKDIR/sdk and run with the venv's Python. Both record every wire
+# message they see or send (the SDK's stream observers), so the direct run and
+# the proxied run can be compared message by message on both sides of the proxy.
+
+SDK_AGENT = r'''
+"""An ACP agent on the Python SDK's Agent API (acp.run_agent); answers offline.
+
+A prompt turn streams a thought, a plan and a tool call, asks the client for
+permission, streams the prompt back word by word, calls a client extension
+method, sends an extension notification and ends the turn. The prompt
+"wait for cancel" streams one chunk and waits for session/cancel.
+Wire messages are appended to $PEER_AGENT_TRANSCRIPT if set.
+"""
+
+import asyncio
+import json
+import os
+from typing import Any
+
+from acp import (
+    PROTOCOL_VERSION, InitializeResponse, NewSessionResponse, PromptResponse, RequestError,
+    plan_entry, run_agent, start_tool_call, update_agent_message_text, update_agent_thought_text,
+    update_plan, update_tool_call,
+)
+from acp.schema import AgentCapabilities, Implementation, PermissionOption, ToolCallUpdate
+
+TRANSCRIPT = os.environ.get("PEER_AGENT_TRANSCRIPT")
+
+
+def record(event: Any) -> None:
+    if TRANSCRIPT:
+        with open(TRANSCRIPT, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"dir": event.direction.value, "msg": event.message}) + "\n")
+
+
+class PeerAgent:
+    def __init__(self) -> None:
+        self.sessions = 0
+        self.cancelled: dict[str, asyncio.Event] = {}
+
+    def on_connect(self, conn: Any) -> None:
+        self.conn = conn
+
+    async def initialize(self, protocol_version: int, client_capabilities: Any = None,
+                         client_info: Any = None, **kwargs: Any) -> InitializeResponse:
+        response = InitializeResponse(
+            protocol_version=min(protocol_version, PROTOCOL_VERSION),
+            agent_capabilities=AgentCapabilities(load_session=False),
+            agent_info=Implementation(name="sdk-peer-agent", version="1.0.0"),
+        )
+        # The agent's own _meta must survive the proxy adding its key next to it.
+        response.field_meta = {"sdk-peer": {"kept": True}}
+        return response
+
+    async def new_session(self, cwd: str, mcp_servers: Any = None, **kwargs: Any) -> NewSessionResponse:
+        self.sessions += 1
+        session_id = f"sdk-session-{self.sessions}"
+        self.cancelled[session_id] = asyncio.Event()
+        response = NewSessionResponse(session_id=session_id)
+        response.field_meta = {"requestMeta": kwargs or None}  # shows the request's _meta arrived
+        return response
+
+    async def cancel(self, session_id: str, **kwargs: Any) -> None:
+        self.cancelled.setdefault(session_id, asyncio.Event()).set()
+
+    async def prompt(self, session_id: str, prompt: list[Any], **kwargs: Any) -> PromptResponse:
+        text = " ".join(getattr(block, "text", "") or "" for block in prompt)
+        cancelled = self.cancelled.setdefault(session_id, asyncio.Event())
+        cancelled.clear()
+        say = self.conn.session_update
+        if text == "wait for cancel":
+            await say(session_id, update_agent_message_text("waiting "))
+            try:
+                await asyncio.wait_for(cancelled.wait(), timeout=15)
+            except asyncio.TimeoutError:
+                return PromptResponse(stop_reason="end_turn")
+            return PromptResponse(stop_reason="cancelled")
+        await say(session_id, update_agent_thought_text("echoing the prompt"))
+        await say(session_id, update_plan([plan_entry("echo the prompt", status="in_progress")]))
+        await say(session_id, start_tool_call("echo-1", "Echo", kind="other", status="pending"))
+        permission = await self.conn.request_permission(
+            session_id=session_id,
+            tool_call=ToolCallUpdate(tool_call_id="echo-1", title="Echo"),
+            options=[
+                PermissionOption(option_id="allow", name="Allow", kind="allow_once"),
+                PermissionOption(option_id="reject", name="Reject", kind="reject_once"),
+            ],
+        )
+        if getattr(permission.outcome, "option_id", None) != "allow":
+            await say(session_id, update_tool_call("echo-1", status="failed"))
+            return PromptResponse(stop_reason="refusal")
+        await say(session_id, update_tool_call("echo-1", status="completed"))
+        for word in text.split():
+            await say(session_id, update_agent_message_text(word + " "))
+        try:
+            pong = await self.conn.ext_method("peers/ping", {"session": session_id})
+        except RequestError as exc:  # a client without the extension: method not found
+            pong = {"error": exc.code}
+        await self.conn.ext_notification("peers/turn_done", {"session": session_id})
+        response = PromptResponse(stop_reason="end_turn")
+        response.field_meta = {"pong": pong}
+        return response
+
+    async def ext_method(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        if method == "peers/echo":
+            return {"method": method, "params": params}
+        raise RequestError.method_not_found("_" + method)
+
+    async def ext_notification(self, method: str, params: dict[str, Any]) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    asyncio.run(run_agent(PeerAgent(), observers=[record]))
+'''
+
+SDK_CLIENT = r'''
+"""An ACP client on the Python SDK (acp.spawn_agent_process).
+
+usage: sdk_client.py TRANSCRIPT STDERR_LOG -- AGENT_CMD ARG...
+
+initialize, session/new (with _meta), a full prompt turn (answering the agent's
+permission request and extension call), a client extension request and
+notification, an unknown method, and a cancelled turn. Prints a JSON summary;
+wire messages are appended to TRANSCRIPT.
+"""
+
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from acp import PROTOCOL_VERSION, RequestError, spawn_agent_process, text_block
+from acp.schema import AllowedOutcome, ClientCapabilities, Implementation, RequestPermissionResponse
+
+BIG_WORD = "x" * (2 * 1024 * 1024)  # a 2 MiB line, far over any pipe buffer
+
+
+class PeerClient:
+    def __init__(self) -> None:
+        self.updates: list[str] = []
+        self.permission_requests = 0
+        self.ext_notifications: list[str] = []
+        self.first_chunk = asyncio.Event()
+
+    async def session_update(self, session_id: str, update: Any, **kwargs: Any) -> None:
+        kind = getattr(update, "session_update", type(update).__name__)
+        if kind == "agent_message_chunk":
+            self.first_chunk.set()
+        self.updates.append(kind)
+
+    async def request_permission(self, session_id: str, tool_call: Any, options: Any, **kwargs: Any) -> Any:
+        self.permission_requests += 1
+        return RequestPermissionResponse(outcome=AllowedOutcome(outcome="selected", option_id="allow"))
+
+    async def ext_method(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        return {"pong": params}
+
+    async def ext_notification(self, method: str, params: dict[str, Any]) -> None:
+        self.ext_notifications.append(method)
+
+
+def dump(model: Any) -> Any:
+    return model.model_dump(by_alias=True, exclude_none=True)
+
+
+async def run(transcript: str, stderr_log: str, command: list[str]) -> dict[str, Any]:
+    def record(event: Any) -> None:
+        with open(transcript, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"dir": event.direction.value, "msg": event.message}) + "\n")
+
+    client = PeerClient()
+    summary: dict[str, Any] = {}
+    with open(stderr_log, "ab") as err:
+        async with spawn_agent_process(
+            client, command[0], *command[1:],
+            env=dict(os.environ),
+            transport_kwargs={"stderr": err, "shutdown_timeout": 5.0},
+            observers=[record],
+        ) as (conn, process):
+            init = await conn.initialize(
+                protocol_version=PROTOCOL_VERSION,
+                client_capabilities=ClientCapabilities(),
+                client_info=Implementation(name="sdk-peer-client", version="1.0.0"),
+            )
+            summary["initialize"] = dump(init)
+            session = await conn.new_session(cwd="/", mcp_servers=[], gateway={"trace": "t-1"})
+            summary["session"] = dump(session)
+            sid = session.session_id
+            turn = await conn.prompt(session_id=sid, prompt=[text_block(f"stream these words {BIG_WORD} please")])
+            summary["turn"] = dump(turn)
+            summary["updates"] = list(client.updates)
+            summary["permission_requests"] = client.permission_requests
+            payload = {"nested": {"list": [1, 2.5, None, "\u00fc\u20ac"]}}
+            summary["ext_echo"] = await conn.ext_method("peers/echo", payload)
+            await conn.ext_notification("peers/note", {"hello": "agent"})
+            try:
+                await conn._conn.send_request("session/does_not_exist", {"sessionId": sid})
+                summary["unknown_method"] = "answered"
+            except RequestError as exc:
+                summary["unknown_method"] = {"code": exc.code}
+            client.first_chunk.clear()
+            waiting = asyncio.ensure_future(conn.prompt(session_id=sid, prompt=[text_block("wait for cancel")]))
+            await asyncio.wait_for(client.first_chunk.wait(), timeout=15)
+            await conn.cancel(session_id=sid)
+            summary["cancelled_turn"] = dump(await asyncio.wait_for(waiting, timeout=15))
+            summary["ext_notifications"] = client.ext_notifications
+            closing = time.monotonic()
+        # Leaving the block closed the agent's stdin and waited for it to exit
+        # (SIGTERM after shutdown_timeout): the exit status says which happened.
+        summary["exit_status"] = process.returncode
+        summary["exit_seconds"] = round(time.monotonic() - closing, 2)
+    return summary
+
+
+def main() -> int:
+    transcript, stderr_log, sep, *command = sys.argv[1:]
+    assert sep == "--" and command, __doc__
+    summary = asyncio.run(asyncio.wait_for(run(transcript, stderr_log, command), timeout=90))
+    print(json.dumps(summary, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+# --- results ----------------------------------------------------------------------------
+
+
+class CheckFailed(Exception):
+    """A check's verdict: the message says what differed or broke."""
+
+
+class Report:
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.passed: list[str] = []
+
+    def result(self, name: str, ok: bool, detail: str) -> None:
+        (self.passed if ok else self.failed).append(name)
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+    @staticmethod
+    def note(name: str, detail: str) -> None:
+        print(f"NOTE  {name}: {detail}", flush=True)
+
+
+# --- processes --------------------------------------------------------------------------
+
+
+class Runs:
+    """Environments for the processes a check starts, and the search for leftovers.
+
+    Each run (one check, direct or proxied) gets its own marker value in the
+    environment; every descendant inherits it, even one that left the process
+    group, so /proc finds whatever a run left behind.
+    """
+
+    def __init__(self, base_env: dict[str, str]) -> None:
+        self.base_env = base_env
+        self.prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def env(self, run: str, **extra: str) -> tuple[dict[str, str], str]:
+        marker = f"{self.prefix}-{run}"
+        return {**self.base_env, MARKER_VAR: marker, **extra}, marker
+
+    def leftovers(self, marker: str, wait: float) -> list[tuple[int, str]]:
+        """Processes still carrying ``marker`` after ``wait`` seconds; they are then killed."""
+        deadline = time.monotonic() + wait
+        while (found := markers.find(MARKER_VAR, marker)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        markers.kill(found.values())
+        return [(pid, marked.command[:160]) for pid, marked in found.items()]
+
+    def kill_everything(self) -> None:
+        """Last resort on exit: no process this invocation started may outlive it."""
+        markers.kill(markers.find(MARKER_VAR, self.prefix, prefix=True).values())
+
+
+def kill_group(process: subprocess.Popen[bytes]) -> None:
+    """End a process started with ``start_new_session=True`` and its group."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except OSError:
+            return
+        try:
+            process.wait(3)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_command(argv: list[str], env: dict[str, str], log: Path, timeout: float, cwd: Path) -> tuple[int, str]:
+    """Run to completion in its own process group; stdout returned, stderr to ``log``."""
+    with open(log, "ab") as err:
+        err.write(f"$ {shlex.join(argv)}\n".encode())
+        err.flush()
+        process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=cwd, start_new_session=True
+        )
+        try:
+            out, _ = process.communicate(b"", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(process)
+            raise CheckFailed(f"timed out after {timeout:.0f}s: {shlex.join(argv)} (see {log})") from None
+    return process.returncode, out.decode(errors="replace")
+
+
+def open_peer(argv: list[str], env: dict[str, str], log: Path, cwd: Path) -> SyncGateway:
+    """A JSON-RPC peer on stdio (the kit's client), in its own process group; its stderr goes to ``log``."""
+    with open(log, "ab") as err:
+        return SyncGateway.launch(
+            argv, env=env, cwd=cwd, stderr=err, start_new_session=True, name=Path(argv[0]).name, first_id=1
+        )
+
+
+def answer_to(peer: SyncGateway, request_id: Any, timeout: float) -> dict[str, Any]:
+    """Read until the response to a request sent with ``send``; everything read is kept in ``received``."""
+    try:
+        return peer.response_to(request_id, timeout)
+    except TimeoutError:
+        raise CheckFailed(f"no answer to request {request_id!r} within {timeout:.0f}s") from None
+    except Closed:
+        raise CheckFailed(f"stdout closed before the answer to request {request_id!r}") from None
+
+
+def call(peer: SyncGateway, method: str, params: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    """A numbered request and its answer."""
+    try:
+        return peer.request(method, params, timeout=timeout)
+    except TimeoutError:
+        raise CheckFailed(f"no answer to {method} within {timeout:.0f}s") from None
+    except Closed:
+        raise CheckFailed(f"stdout closed before the answer to {method}") from None
+
+
+def call_result(peer: SyncGateway, method: str, params: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+    """The answer's result; an error answer fails the check."""
+    answer = call(peer, method, params, timeout)
+    if "result" not in answer:
+        raise CheckFailed(f"{method} failed: {short(answer.get('error'))}")
+    return answer["result"] if isinstance(answer["result"], dict) else {}
+
+
+def updates(peer: SyncGateway, since: int = 0) -> list[dict[str, Any]]:
+    """The ``session/update`` params received since message ``since``."""
+    return [
+        m["params"]
+        for m in peer.received[since:]
+        if m.get("method") == "session/update" and isinstance(m.get("params"), dict)
+    ]
+
+
+def transcript(peer: SyncGateway) -> list[Any]:
+    """Every message received, then any line that was not a JSON object."""
+    return [*peer.received, *({"non-json": line.decode(errors="replace")} for line in peer.bad_lines)]
+
+
+def close_stdin(peer: SyncGateway, timeout: float) -> float | None:
+    """Close stdin; seconds until the process exited, or None if it was still running."""
+    start = time.monotonic()
+    peer.close_input()
+    return time.monotonic() - start if peer.wait(timeout) else None
+
+
+def end(peer: SyncGateway) -> None:
+    if peer.process.poll() is None:
+        kill_group(peer.process)
+    peer.close(timeout=5)
+
+
+# --- comparing what each side saw --------------------------------------------------------
+
+
+def pop_proxy_meta(message: Any) -> Any:
+    """Remove and return ``_meta["acp-proxy"]`` from a response's result (None if absent)."""
+    result = message.get("result") if isinstance(message, dict) else None
+    meta = result.get("_meta") if isinstance(result, dict) else None
+    if not isinstance(meta, dict) or PROXY_META not in meta:
+        return None
+    found = meta.pop(PROXY_META)
+    if not meta:
+        assert isinstance(result, dict)
+        del result["_meta"]
+    return found
+
+
+def strip_proxy_meta(messages: list[Any], proxied: bool, where: str) -> list[Any]:
+    """The messages without the proxy's initialize annotation, which must be there iff proxied."""
+    found = [meta for meta in map(pop_proxy_meta, messages) if meta is not None]
+    if proxied and len(found) != 1:
+        raise CheckFailed(f"{where}: expected _meta[{PROXY_META!r}] in the initialize result once, got {found}")
+    if proxied and not (isinstance(found[0], dict) and {"version", "backend"} <= found[0].keys()):
+        raise CheckFailed(f"{where}: _meta[{PROXY_META!r}] lacks version/backend: {found[0]}")
+    if not proxied and found:
+        raise CheckFailed(f"{where}: _meta[{PROXY_META!r}] present without the proxy")
+    for message in messages:
+        result = message.get("result") if isinstance(message, dict) else None
+        if isinstance(result, dict) and "protocolVersion" in result:
+            add_served_capabilities(result, proxied, where)
+    return messages
+
+
+SERVED_SESSION_CAPABILITIES = ("close", "list")
+
+
+def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -> None:
+    """An initialize result with the session capabilities the proxy serves itself.
+
+    The proxy adds ``sessionCapabilities.close`` and ``.list`` always, and
+    ``.resume`` when the adapter can load or resume, and withholds ``.fork``
+    (README). Proxied, the first two must be there and ``fork`` must not; both
+    sides then get the same adjustments, so what remains compared is everything
+    else the adapter itself advertised.
+    """
+    caps = result.get("agentCapabilities")
+    caps = dict(caps) if isinstance(caps, dict) else {}
+    sessions = caps.get("sessionCapabilities")
+    sessions = dict(sessions) if isinstance(sessions, dict) else {}
+    missing = [key for key in SERVED_SESSION_CAPABILITIES if not isinstance(sessions.get(key), dict)]
+    if proxied and missing:
+        raise CheckFailed(f"{where}: the initialize result lacks sessionCapabilities {missing}, served by the proxy")
+    if proxied and "fork" in sessions:
+        raise CheckFailed(f"{where}: sessionCapabilities.fork relayed, but the proxy cannot route forked sessions")
+    sessions.pop("fork", None)
+    for key in SERVED_SESSION_CAPABILITIES:
+        sessions.setdefault(key, {})
+    if caps.get("loadSession") is True or isinstance(sessions.get("resume"), dict):
+        sessions.setdefault("resume", {})
+    caps["sessionCapabilities"] = sessions
+    result["agentCapabilities"] = caps
+
+
+def label_ids(entries: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Messages per direction, request ids replaced by their order among that side's requests.
+
+    The proxy remaps ids per hop, so an agent sees other ids than the client sent,
+    and agent->client requests reach the client under the proxy's ids; what must
+    not change is which answer belongs to which request.
+    """
+    labels: dict[tuple[str, str], str] = {}
+    count = {"incoming": 0, "outgoing": 0}
+    by_direction: dict[str, list[Any]] = {"incoming": [], "outgoing": []}
+    for entry in entries:
+        direction, message = entry["dir"], dict(entry["msg"])
+        if "id" in message and "method" in message:
+            label = f"{direction}-request-{count[direction]}"
+            count[direction] += 1
+            labels[(direction, json.dumps(message["id"]))] = label
+            message["id"] = label
+        elif "id" in message:
+            other = "outgoing" if direction == "incoming" else "incoming"
+            message["id"] = labels.get((other, json.dumps(message["id"])), f"unmatched {message['id']!r}")
+        by_direction[direction].append(message)
+    return by_direction
+
+
+def relabel_requests(messages: list[Any]) -> list[Any]:
+    """Request ids replaced by the request's position; an answer gets its request's label.
+
+    acpx prints what it saw without saying who sent it, and agent->client requests
+    reach it under ids the proxy chose, so only the pairing of answers with
+    requests is compared. An answer belongs to the latest unanswered request with
+    its id (acpx's ids and the agent's may coincide).
+    """
+    pending: dict[str, list[str]] = {}
+    out = []
+    requests = 0
+    for message in messages:
+        if isinstance(message, dict) and "id" in message:
+            message, key = dict(message), json.dumps(message["id"])
+            if "method" in message:
+                label = f"request-{requests}"
+                requests += 1
+                pending.setdefault(key, []).append(label)
+                message["id"] = label
+            else:
+                waiting = pending.get(key)
+                message["id"] = waiting.pop() if waiting else f"unmatched {message['id']!r}"
+        out.append(message)
+    return out
+
+
+def first_difference(direct: list[Any], proxied: list[Any]) -> str | None:
+    for index, (a, b) in enumerate(zip(direct, proxied, strict=False)):
+        if a != b:
+            return f"message {index}: direct {short(a)} vs proxied {short(b)}"
+    if len(direct) != len(proxied):
+        return f"direct had {len(direct)} messages, proxied {len(proxied)}"
+    return None
+
+
+def short(value: Any, limit: int = 400) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+PID_IN_ID = re.compile(r"\becho-\d+-")
+ECHO_ID = re.compile(r"\becho-[0-9a-f]{8}\b")
+UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
+
+
+def normalize_ids(value: Any) -> Any:
+    """Session ids are fresh in every run (the echo agent's are random or carry its pid, Claude's are UUIDs)."""
+    text = ECHO_ID.sub("echo-ID", PID_IN_ID.sub("echo-PID-", json.dumps(value)))
+    return json.loads(UUID.sub("UUID", text))
+
+
+def unordered_notifications(messages: list[Any]) -> list[Any]:
+    """Requests and answers in order, then the notifications sorted.
+
+    An adapter may send a notification (Claude's available_commands_update) from
+    a timer, so where it lands among the answers varies from run to run, with or
+    without the proxy; which notifications arrive, and their content, must not.
+    """
+
+    def is_notification(m: Any) -> bool:
+        return isinstance(m, dict) and "method" in m and "id" not in m
+
+    ordered = [m for m in messages if not is_notification(m)]
+    loose = sorted((m for m in messages if is_notification(m)), key=lambda m: json.dumps(m, sort_keys=True))
+    return ordered + loose
+
+
+def json_lines(text: str) -> list[Any]:
+    out = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                out.append({"text": line})
+    return out
+
+
+# --- the checks -------------------------------------------------------------------------
+
+
+class Checker:
+    def __init__(self, args: argparse.Namespace, report: Report) -> None:
+        self.work = Path(args.workdir).resolve()
+        self.logs = self.work / "logs"
+        self.ws = self.work / "workspace"  # the cwd given to sessions
+        self.home = self.work / "home"
+        self.proxy = shlex.split(args.proxy) if args.proxy else default_proxy()
+        self.proxy_python = args.proxy_python or default_proxy_python()
+        self.report = report
+        self.bin = self.work / "npm" / "node_modules" / ".bin"
+        self.venv_python = self.work / "venv" / "bin" / "python"
+        for directory in (self.logs, self.ws, self.home):
+            directory.mkdir(parents=True, exist_ok=True)
+        # claude-agent-acp watches ~/.claude once a session exists, and that watch
+        # keeps it alive after stdin closes; create it so every run sees the state
+        # a real user's machine has (and the same state direct and proxied).
+        (self.home / ".claude").mkdir(exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
+        # A private HOME: no real credentials, acpx session store or proxy config leaks in.
+        env.update(HOME=str(self.home), NO_COLOR="1", PYTHONDONTWRITEBYTECODE="1")
+        self.runs = Runs(env)
+
+    # -- setup -------------------------------------------------------------------
+
+    def install(self) -> None:
+        env = dict(os.environ)
+        if shutil.which("npm") is None:
+            raise SystemExit("check-peers: npm not found (Node 18+ with npm is needed)")
+        print(f"== installing peers into {self.work}", flush=True)
+        subprocess.run(
+            [
+                "npm",
+                "install",
+                "--prefix",
+                str(self.work / "npm"),
+                "--no-audit",
+                "--no-fund",
+                "--loglevel=error",
+                *NPM_PACKAGES,
+            ],
+            check=True,
+            env=env,
+        )
+        if not self.venv_python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(self.work / "venv")], check=True)
+        subprocess.run(
+            [
+                str(self.venv_python),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--upgrade",
+                "--disable-pip-version-check",
+                *PYPI_PACKAGES,
+            ],
+            check=True,
+            env=env,
+        )
+
+    def write_sdk_peers(self) -> None:
+        sdk = self.work / "sdk"
+        sdk.mkdir(exist_ok=True)
+        (sdk / "sdk_agent.py").write_text(SDK_AGENT.lstrip())
+        (sdk / "sdk_client.py").write_text(SDK_CLIENT.lstrip())
+
+    def versions(self) -> None:
+        for package in (
+            "acpx",
+            "@zed-industries/codex-acp",
+            "@zed-industries/claude-agent-acp",
+            "@anthropic-ai/claude-agent-sdk",
+        ):
+            manifest = self.work / "npm" / "node_modules" / package / "package.json"
+            version = json.loads(manifest.read_text())["version"] if manifest.exists() else "missing"
+            print(f"   {package} {version}")
+        code = "import importlib.metadata as m; print(m.version('agent-client-protocol'))"
+        sdk = subprocess.run([str(self.venv_python), "-c", code], capture_output=True, text=True)
+        print(f"   agent-client-protocol (PyPI) {sdk.stdout.strip() or 'missing'}")
+        proxy = subprocess.run([*self.proxy, "--version"], capture_output=True, text=True, env=self.runs.base_env)
+        print(f"   {shlex.join(self.proxy)}: {proxy.stdout.strip() or proxy.stderr.strip()}")
+        print(
+            f"   node {subprocess.run(['node', '--version'], capture_output=True, text=True).stdout.strip()}",
+            flush=True,
+        )
+
+    # -- helpers -----------------------------------------------------------------
+
+    def sdk_agent(self) -> list[str]:
+        return [str(self.venv_python), str(self.work / "sdk" / "sdk_agent.py")]
+
+    def echo_agent(self) -> list[str]:
+        return [self.proxy_python, "-m", "acp_proxy.examples.echo_agent"]
+
+    def proxied(self, command: list[str]) -> list[str]:
+        return [*self.proxy, "--", *command]
+
+    def check_leftovers(self, name: str, mode: str, marker: str, wait: float = 5.0) -> None:
+        left = self.runs.leftovers(marker, wait)
+        if not left:
+            return
+        listing = "; ".join(f"pid {pid} {cmd}" for pid, cmd in left)
+        if mode == "proxy":
+            raise CheckFailed(f"processes left running after the proxied run (killed now): {listing}")
+        self.report.note(name, f"the direct run left processes running (killed now): {listing}")
+
+    def run_check(self, name: str, body: Callable[[str], str]) -> None:
+        try:
+            detail = body(name)
+        except CheckFailed as exc:
+            self.report.result(name, False, str(exc))
+        except Exception as exc:  # a broken peer install or a bug here: still one line per check
+            self.report.result(name, False, f"{type(exc).__name__}: {exc}")
+        else:
+            self.report.result(name, True, detail)
+
+    # -- 1. the Python SDK: client and agent -------------------------------------
+
+    def sdk_turn(self, name: str, proxy_options: tuple[str, ...] = ()) -> str:
+        results = {}
+        for mode in ("direct", "proxy"):
+            stem = self.logs / f"{name}-{mode}"
+            for suffix in (".client.jsonl", ".agent.jsonl", ".stderr"):
+                Path(f"{stem}{suffix}").unlink(missing_ok=True)
+            env, marker = self.runs.env(f"{name}-{mode}", PEER_AGENT_TRANSCRIPT=f"{stem}.agent.jsonl")
+            agent = self.sdk_agent()
+            if mode == "proxy":
+                agent = [*self.proxy, *proxy_options, "--", *agent]
+            argv = [
+                str(self.venv_python),
+                str(self.work / "sdk" / "sdk_client.py"),
+                f"{stem}.client.jsonl",
+                f"{stem}.stderr",
+                "--",
+                *agent,
+            ]
+            rc, out = run_command(argv, env, Path(f"{stem}.stderr"), timeout=120, cwd=self.ws)
+            if rc != 0:
+                raise CheckFailed(f"{mode}: the SDK client failed (exit {rc}); see {stem}.stderr")
+            summary = json.loads(out.strip().splitlines()[-1])
+            if mode == "proxy" and pop_proxy_meta({"result": summary["initialize"]}) is None:
+                raise CheckFailed("proxied initialize result lacks _meta['acp-proxy']")
+            add_served_capabilities(summary["initialize"], mode == "proxy", f"{mode} SDK client")
+            if summary["exit_status"] != 0:
+                raise CheckFailed(
+                    f"{mode}: the agent command exited {summary['exit_status']} after stdin "
+                    f"closed ({summary['exit_seconds']}s; negative: killed by the SDK client)"
+                )
+            expected = {
+                "turn": {"_meta": {"pong": {"pong": {"session": "sdk-session-1"}}}, "stopReason": "end_turn"},
+                "cancelled_turn": {"stopReason": "cancelled"},
+                "permission_requests": 1,
+            }
+            for key, want in expected.items():
+                if summary[key] != want:
+                    raise CheckFailed(f"{mode}: {key} was {short(summary[key])}, expected {short(want)}")
+            self.check_leftovers(name, mode, marker)
+            results[mode] = summary
+            for side in ("client", "agent"):
+                entries = [json.loads(line) for line in Path(f"{stem}.{side}.jsonl").read_text().splitlines()]
+                results[f"{mode}-{side}"] = entries
+        for side in ("client", "agent"):
+            direct = label_ids(results[f"direct-{side}"])
+            proxied = label_ids(results[f"proxy-{side}"])
+            for direction in ("incoming", "outgoing"):
+                # Only the client's incoming side may carry the proxy's annotation.
+                annotated = side == "client" and direction == "incoming"
+                strip_proxy_meta(direct[direction], False, f"direct {side} {direction}")
+                strip_proxy_meta(proxied[direction], annotated, f"proxied {side} {direction}")
+                diff = first_difference(direct[direction], proxied[direction])
+                if diff:
+                    raise CheckFailed(f"{side} {direction} messages differ, {diff}")
+        for key in ("exit_seconds",):
+            results["direct"].pop(key)
+            results["proxy"].pop(key)
+        diff = first_difference([results["direct"]], [results["proxy"]])
+        if diff:
+            raise CheckFailed(f"SDK client results differ: {diff}")
+        count = len(results["proxy-client"])
+        updates = len(results["proxy"]["updates"])
+        return (
+            f"{count} messages seen by the client and by the agent, identical direct and proxied "
+            f"(ids aside); {updates} session/update, permission round trip, extension calls, "
+            f"a 2 MiB chunk, method-not-found and a cancelled turn all relayed"
+        )
+
+    # -- 2. acpx, a published client ---------------------------------------------
+
+    def acpx(
+        self, agent: list[str], *args: str, env: dict[str, str], log: Path, timeout: float = 120
+    ) -> tuple[int, str]:
+        argv = [str(self.bin / "acpx"), "--cwd", str(self.ws), "--agent", shlex.join(agent), *args]
+        return run_command(argv, env, log, timeout=timeout, cwd=self.ws)
+
+    def acpx_exec(
+        self, name: str, agent: list[str], prompt: str, expect: Callable[[int, list[Any]], str | None]
+    ) -> str:
+        """``acpx exec`` (one stateless turn) against ``agent`` and ``acp-proxy -- agent``."""
+        outputs = {}
+        for mode, command in (("direct", agent), ("proxy", self.proxied(agent))):
+            log = self.logs / f"{name}-{mode}.stderr"
+            log.unlink(missing_ok=True)
+            env, marker = self.runs.env(f"{name}-{mode}")
+            rc, out = self.acpx(
+                command, "--format", "json", "--approve-all", "--timeout", "60", "exec", prompt, env=env, log=log
+            )
+            (self.logs / f"{name}-{mode}.stdout").write_text(out)
+            messages = strip_proxy_meta(normalize_ids(json_lines(out)), mode == "proxy", f"{mode} acpx output")
+            problem = expect(rc, messages)
+            if problem:
+                raise CheckFailed(f"{mode}: {problem} (exit {rc}; see {log} and .stdout)")
+            self.check_leftovers(name, mode, marker)
+            outputs[mode] = (rc, messages)
+        if outputs["direct"][0] != outputs["proxy"][0]:
+            raise CheckFailed(f"acpx exit status {outputs['direct'][0]} direct vs {outputs['proxy'][0]} proxied")
+        direct, proxied = (unordered_notifications(relabel_requests(outputs[mode][1])) for mode in ("direct", "proxy"))
+        diff = first_difference(direct, proxied)
+        if diff:
+            raise CheckFailed(f"acpx saw different messages, {diff}")
+        rc, messages = outputs["proxy"]
+        return f"exit {rc} both ways, the same {len(messages)} messages ({outline(messages)})"
+
+    def acpx_sessions(self, name: str) -> str:
+        """acpx's persistent mode: a detached queue owner runs the agent for a named session."""
+        outputs = {}
+        for mode, command in (("direct", self.sdk_agent()), ("proxy", self.proxied(self.sdk_agent()))):
+            log = self.logs / f"{name}-{mode}.stderr"
+            log.unlink(missing_ok=True)
+            env, marker = self.runs.env(f"{name}-{mode}")
+            session = f"peers-{mode}"
+            turn = ("--format", "json", "--approve-all", "--ttl", "1", "prompt", "-s", session, "persistent prompt")
+            steps = [("sessions", "new", "--name", session), turn, ("sessions", "close", session)]
+            transcript = []
+            for step in steps:
+                rc, out = self.acpx(command, *step, env=env, log=log)
+                if rc != 0:
+                    raise CheckFailed(f"{mode}: acpx {' '.join(step[:2])} exited {rc} (see {log})")
+                transcript.append(normalize_ids(json_lines(out)))
+            (self.logs / f"{name}-{mode}.stdout").write_text(json.dumps(transcript, indent=1))
+            prompt = strip_proxy_meta(transcript[1], mode == "proxy", f"{mode} acpx prompt output")
+            problem = expect_turn(0, prompt)
+            if problem:
+                raise CheckFailed(f"{mode}: {problem} (see {log})")
+            # The queue owner lingers for its TTL (1 s) before it stops the agent.
+            self.check_leftovers(name, mode, marker, wait=15)
+            outputs[mode] = prompt
+        diff = first_difference(relabel_requests(outputs["direct"]), relabel_requests(outputs["proxy"]))
+        if diff:
+            raise CheckFailed(f"acpx saw different messages, {diff}")
+        return (
+            f"sessions new / prompt / sessions close through acpx's queue owner: the same "
+            f"{len(outputs['proxy'])} prompt messages ({outline(outputs['proxy'])}), nothing left running"
+        )
+
+    # -- 3. raw lines into the adapters --------------------------------------------
+
+    def raw_session(self, peer: SyncGateway) -> None:
+        """initialize, session/new and (if a session opened) a prompt, one line at a time."""
+        peer.send(
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "initialize",
+                "params": {
+                    "protocolVersion": 1,
+                    "clientInfo": {"name": "check-peers", "version": "1"},
+                    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
+                },
+            }
+        )
+        answer_to(peer, 1, timeout=60)
+        # A string id, to see it come back unchanged.
+        peer.send(
+            {
+                "jsonrpc": "2.0",
+                "id": "new-session",
+                "method": "session/new",
+                "params": {"cwd": str(self.ws), "mcpServers": []},
+            }
+        )
+        answer = answer_to(peer, "new-session", timeout=60)
+        session_id = (answer.get("result") or {}).get("sessionId")
+        if session_id:  # an adapter that opens a session without credentials refuses the turn
+            peer.send(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 3,
+                    "method": "session/prompt",
+                    "params": {"sessionId": session_id, "prompt": [{"type": "text", "text": "say hi"}]},
+                }
+            )
+            answer_to(peer, 3, timeout=60)
+        peer.drain(quiet=1.5, limit=10.0)
+
+    def raw_adapter(self, name: str, adapter: str) -> str:
+        seen: dict[str, list[Any]] = {}
+        eof: dict[str, float | None] = {}
+        for mode in ("direct", "proxy"):
+            command = [str(self.bin / adapter)]
+            if mode == "proxy":
+                command = self.proxied(command)
+            log = self.logs / f"{name}-{mode}.stderr"
+            log.unlink(missing_ok=True)
+            env, marker = self.runs.env(f"{name}-{mode}")
+            peer = open_peer(command, env, log, self.ws)
+            try:
+                self.raw_session(peer)
+                # Direct: does the adapter exit on stdin EOF by itself? Proxied: the
+                # proxy must exit, after its stdin grace and SIGTERM if needed.
+                eof[mode] = close_stdin(peer, timeout=3.0 if mode == "direct" else 10.0)
+                if mode == "proxy" and eof[mode] is None:
+                    raise CheckFailed("the proxy was still running 10s after its stdin closed")
+                if mode == "proxy" and peer.process.returncode != 0:
+                    raise CheckFailed(f"the proxy exited {peer.process.returncode} after stdin EOF")
+            finally:
+                received = transcript(peer)  # what arrived before stdin closed
+                end(peer)
+            self.check_leftovers(name, mode, marker, wait=2.0)
+            (self.logs / f"{name}-{mode}.stdout").write_text("\n".join(json.dumps(m) for m in received))
+            received = normalize_ids(received)
+            seen[mode] = unordered_notifications(strip_proxy_meta(received, mode == "proxy", f"{mode} {adapter}"))
+        diff = first_difference(seen["direct"], seen["proxy"])
+        if diff:
+            raise CheckFailed(f"{adapter} answered differently, {diff}")
+        if eof["direct"] is None:
+            self.report.note(
+                name,
+                f"{adapter} ignores stdin EOF (still running 3s after it); through the "
+                f"proxy it was stopped anyway (proxy exited {eof['proxy']:.1f}s after EOF)",
+            )
+        else:
+            self.report.note(name, f"{adapter} exits on stdin EOF by itself ({eof['direct']:.1f}s)")
+        term = self.raw_sigterm(name, adapter)
+        return (
+            f"the same {len(seen['proxy'])} messages ({outline(seen['proxy'])}); proxy exited 0 "
+            f"{eof['proxy']:.1f}s after stdin EOF and {term:.1f}s after SIGTERM, no process left"
+        )
+
+    def raw_sigterm(self, name: str, adapter: str) -> float:
+        """A gateway that stops its agent with SIGTERM (stdin left open): nothing may outlive the proxy."""
+        log = self.logs / f"{name}-proxy-sigterm.stderr"
+        log.unlink(missing_ok=True)
+        env, marker = self.runs.env(f"{name}-proxy-sigterm")
+        peer = open_peer(self.proxied([str(self.bin / adapter)]), env, log, self.ws)
+        try:
+            self.raw_session(peer)
+            start = time.monotonic()
+            peer.process.send_signal(signal.SIGTERM)  # the proxy only, as a gateway would
+            try:
+                status = peer.process.wait(10)
+            except subprocess.TimeoutExpired:
+                raise CheckFailed("the proxy was still running 10s after SIGTERM") from None
+            if status != 0:
+                raise CheckFailed(f"the proxy exited {status} after SIGTERM")
+            elapsed = time.monotonic() - start
+        finally:
+            end(peer)
+        self.check_leftovers(name, "proxy", marker, wait=2.0)
+        return elapsed
+
+    # -- 4. sessions: the pool with one process slot ----------------------------------
+
+    def session_setup(self, name: str, adapter: str) -> tuple[list[str], dict[str, str], str]:
+        """The proxy command (a config with max_live = 1), its environment and marker.
+
+        Each check gets a fresh HOME (the adapters keep their sessions there) and
+        state dir, so no check sees another's sessions or credentials.
+        """
+        base = self.work / "sessions" / name
+        shutil.rmtree(base, ignore_errors=True)
+        (base / "home" / ".claude").mkdir(parents=True)
+        config = base / "proxy.toml"
+        config.write_text(
+            f"[pool]\nmax_live = 1\n\n[backends.{adapter}]\ncommand = [{json.dumps(str(self.bin / adapter))}]\n"
+        )
+        env, marker = self.runs.env(
+            name,
+            HOME=str(base / "home"),
+            ACP_PROXY_STATE_DIR=str(base / "state"),
+            **PLACEHOLDER_CREDENTIALS.get(adapter, {}),
+        )
+        return [*self.proxy, "--config", str(config)], env, marker
+
+    def session_gateway(self, command: list[str], env: dict[str, str], log: Path) -> tuple[SyncGateway, dict[str, Any]]:
+        """A gateway that has initialized (and authenticated, if a method's variables are set)."""
+        gateway = open_peer(command, env, log, self.ws)
+        try:
+            init = call_result(gateway, "initialize", CLIENT_INITIALIZE)
+            for method in init.get("authMethods") or []:
+                variables = [v.get("name") for v in method.get("vars") or [] if isinstance(v, dict)]
+                if method.get("type") == "env_var" and variables and all(v in env for v in variables):
+                    call_result(gateway, "authenticate", {"methodId": method["id"]})
+                    break
+        except BaseException:
+            end(gateway)
+            raise
+        return gateway, init
+
+    def end_gateway(self, gateway: SyncGateway, what: str) -> None:
+        """stdin EOF: the proxy must exit 0 by itself (its stdin grace, then SIGTERM to the adapters)."""
+        if close_stdin(gateway, timeout=15.0) is None:
+            raise CheckFailed(f"{what}: the proxy was still running 15s after its stdin closed")
+        if gateway.process.returncode != 0:
+            raise CheckFailed(f"{what}: the proxy exited {gateway.process.returncode} after stdin EOF")
+
+    def sessions_raw(self, name: str, adapter: str) -> str:
+        """Two sessions over one slot, a transparent resume, then a restart and session/load."""
+        command, env, marker = self.session_setup(name, adapter)
+        logs = [self.logs / f"{name}-run{run}.stderr" for run in (1, 2)]
+        for log in logs:
+            log.unlink(missing_ok=True)
+        problems: list[str] = []
+        cwd = {"cwd": str(self.ws), "mcpServers": []}
+
+        gateway, init = self.session_gateway(command, env, logs[0])
+        try:
+            first = call_result(gateway, "session/new", cwd)
+            s1 = first["sessionId"]
+            answer = call(gateway, "session/prompt", prompt_params(s1, FIRST_WORDS), timeout=PROMPT_TIMEOUT)
+            if proxy_error(answer):
+                raise CheckFailed(f"the first prompt got the proxy's error {short(answer)}")
+            mode = other_mode(first)
+            if mode:  # a setting the proxy must re-apply whenever S1 comes back
+                call_result(gateway, "session/set_mode", {"sessionId": s1, "modeId": mode})
+            s2 = call_result(gateway, "session/new", cwd)["sessionId"]
+            if not wait_for_log(logs[0], f"session {s1} suspended"):
+                raise CheckFailed(f"session/new of S2 did not suspend S1 (max_live = 1; see {logs[0]})")
+            answer = call(gateway, "session/prompt", prompt_params(s1, SECOND_WORDS), timeout=PROMPT_TIMEOUT)
+            if proxy_error(answer) or "id" not in answer:
+                raise CheckFailed(f"the prompt to suspended S1 got {short(answer)}")
+            if not wait_for_log(logs[0], f"session {s1} resumed"):
+                raise CheckFailed(f"no 'session {s1} resumed' in {logs[0]}")
+            since = len(gateway.received)
+            if mode:
+                call_result(gateway, "session/set_mode", {"sessionId": s2, "modeId": mode}, timeout=PROMPT_TIMEOUT)
+            else:
+                call(gateway, "session/prompt", prompt_params(s2, OTHER_WORDS), timeout=PROMPT_TIMEOUT)
+            s2_reset = history_reset(updates(gateway, since), s2)
+            listed = call_result(gateway, "session/list", {}).get("sessions") or []
+            if {s.get("sessionId") for s in listed} != {s1, s2}:
+                raise CheckFailed(f"session/list gave {short(listed)}, expected S1 and S2")
+            gateway.drain(quiet=1.0, limit=10.0)
+            problems += [f"run 1: {leak}" for leak in foreign_session_ids(gateway.received, {s1, s2})]
+            self.end_gateway(gateway, "run 1")
+        finally:
+            (self.logs / f"{name}-run1.stdout").write_text("\n".join(json.dumps(m) for m in transcript(gateway)))
+            end(gateway)
+        self.check_leftovers(name, "proxy", marker, wait=3.0)
+
+        gateway, _ = self.session_gateway(command, env, logs[1])
+        try:
+            listed = call_result(gateway, "session/list", {}).get("sessions") or []
+            states = {s.get("sessionId"): ((s.get("_meta") or {}).get(PROXY_META) or {}).get("state") for s in listed}
+            if states != {s1: "suspended", s2: "suspended"}:
+                raise CheckFailed(f"after a restart session/list gave {states}, expected S1 and S2 suspended")
+            since = len(gateway.received)
+            loaded = call_result(gateway, "session/load", {"sessionId": s1, **cwd}, timeout=PROMPT_TIMEOUT)
+            replay = user_texts(updates(gateway, since), s1)
+            if not in_order([FIRST_WORDS, SECOND_WORDS], replay):
+                raise CheckFailed(f"session/load of S1 after a restart replayed {replay}, not both prompts")
+            shown = (loaded.get("modes") or {}).get("currentModeId")
+            if mode and shown is not None and shown != mode:
+                announced = announced_modes(updates(gateway, since), s1)
+                problems.append(
+                    f"run 2: session/load of S1 answered currentModeId {shown!r}, though the proxy had re-applied "
+                    f"{mode!r}" + (f" (and a session/update before the answer said {announced})" if announced else "")
+                )
+            since = len(gateway.received)
+            call_result(gateway, "session/load", {"sessionId": s2, **cwd}, timeout=PROMPT_TIMEOUT)
+            gateway.drain(quiet=1.0, limit=10.0)
+            problems += [f"run 2: {leak}" for leak in foreign_session_ids(gateway.received, {s1, s2})]
+            self.end_gateway(gateway, "run 2")
+        finally:
+            (self.logs / f"{name}-run2.stdout").write_text("\n".join(json.dumps(m) for m in transcript(gateway)))
+            end(gateway)
+        self.check_leftovers(name, "proxy", marker, wait=3.0)
+
+        caps = init.get("agentCapabilities") or {}
+        sessions = sorted((caps.get("sessionCapabilities") or {}).keys())
+        self.report.note(
+            name,
+            f"{adapter} advertises loadSession={caps.get('loadSession')}, sessionCapabilities {sessions} "
+            f"(as relayed); a session without a turn "
+            + ("is not kept by the adapter: it came back afresh, historyReset announced" if s2_reset else "was kept"),
+        )
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        return (
+            "S1 suspended for S2 and resumed transparently for a prompt the adapter answered; "
+            f"S2 {'came back afresh (historyReset)' if s2_reset else 'resumed'}; after a restart session/load "
+            "replayed S1's two prompts; no foreign session id reached the gateway; nothing left running"
+        )
+
+    def acpx_session_id(self, command: list[str], session: str, env: dict[str, str], log: Path) -> str:
+        rc, out = self.acpx(command, "--format", "json", "sessions", "show", session, env=env, log=log)
+        try:
+            return str(json.loads(out)["acpSessionId"])
+        except (ValueError, KeyError, TypeError):
+            raise CheckFailed(f"acpx sessions show {session} exited {rc} without a record (see {log})") from None
+
+    def sessions_acpx(self, name: str, adapter: str) -> str:
+        """acpx named sessions through the proxy; every acpx command runs a new proxy (ttl 1)."""
+        command, env, marker = self.session_setup(name, adapter)
+        log = self.logs / f"{name}.stderr"
+        log.unlink(missing_ok=True)
+        ids: dict[str, str] = {}
+        for session in ("one", "two"):
+            rc, _ = self.acpx(command, "sessions", "new", "--name", session, env=env, log=log)
+            if rc != 0:
+                raise CheckFailed(f"acpx sessions new --name {session} exited {rc} (see {log})")
+            ids[session] = self.acpx_session_id(command, session, env, log)
+        transcript = []
+        options = ("--format", "json", "--approve-all", "--ttl", "1", "--timeout", f"{PROMPT_TIMEOUT:.0f}")
+        for session, words in (("one", FIRST_WORDS), ("two", OTHER_WORDS), ("one", SECOND_WORDS)):
+            rc, out = self.acpx(
+                command, *options, "prompt", "-s", session, words, env=env, log=log, timeout=PROMPT_TIMEOUT + 60
+            )
+            messages = json_lines(out)
+            transcript.append(messages)
+            if not any(isinstance(m, dict) and m.get("method") == "session/prompt" for m in messages):
+                raise CheckFailed(f"acpx prompt -s {session} exited {rc} before session/prompt (see {log})")
+            reasons = [proxy_error(m) for m in messages if proxy_error(m)]
+            if reasons:
+                raise CheckFailed(f"acpx prompt -s {session} got the proxy's error {reasons[0]} (see {log})")
+        (self.logs / f"{name}.stdout").write_text(json.dumps(transcript, indent=1))
+        seen = [message for messages in transcript for message in messages]
+        problems = [f"acpx saw {leak}" for leak in foreign_session_ids(seen, set(ids.values()))]
+        after = {session: self.acpx_session_id(command, session, env, log) for session in ids}
+        if after != ids:
+            problems.append(f"acpx's records moved from {ids} to {after}")
+        self.check_leftovers(name, "proxy", marker, wait=15)  # the queue owners linger for their ttl
+
+        audit = self.logs / f"{name}-audit.stderr"
+        audit.unlink(missing_ok=True)
+        gateway, _ = self.session_gateway(command, env, audit)
+        replays = {}
+        try:
+            for session in ids:
+                since = len(gateway.received)
+                params = {"sessionId": ids[session], "cwd": str(self.ws), "mcpServers": []}
+                call_result(gateway, "session/load", params, timeout=PROMPT_TIMEOUT)
+                replays[session] = user_texts(updates(gateway, since), ids[session])
+            self.end_gateway(gateway, "the audit")
+        finally:
+            end(gateway)
+        self.check_leftovers(name, "proxy", marker, wait=3.0)
+        if not in_order([FIRST_WORDS, SECOND_WORDS], replays["one"]) or OTHER_WORDS in replays["one"]:
+            raise CheckFailed(f"session one replayed {replays['one']}")
+        if not in_order([OTHER_WORDS], replays["two"]) or FIRST_WORDS in replays["two"]:
+            raise CheckFailed(f"session two replayed {replays['two']}")
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        return (
+            "sessions new one/two, prompt one, two, one (each a new proxy): acpx kept its session ids, "
+            "and session/load through a fresh proxy replayed each conversation whole and apart; nothing left running"
+        )
+
+
+def outline(messages: list[Any]) -> str:
+    """A few words per message: its method, or what the answer was."""
+    words = []
+    for message in messages:
+        if not isinstance(message, dict):
+            words.append("?")
+        elif "method" in message:
+            words.append(message["method"] + ("" if "id" in message else "(n)"))
+        elif "error" in message:
+            words.append(f"error {message['error'].get('code')} {message['error'].get('message', '')!r}")
+        elif "result" in message:
+            words.append("result")
+        else:
+            words.append("text")
+    collapsed: list[str] = []
+    for word in words:  # "session/update(n) x12" rather than twelve times the same word
+        if collapsed and collapsed[-1].split(" x")[0] == word:
+            head, _, count = collapsed[-1].partition(" x")
+            collapsed[-1] = f"{head} x{int(count or 1) + 1}"
+        else:
+            collapsed.append(word)
+    return ", ".join(collapsed)
+
+
+def expect_turn(rc: int, messages: list[Any]) -> str | None:
+    if rc != 0:
+        return "acpx failed"
+    if not any(isinstance(m.get("result"), dict) and m["result"].get("stopReason") == "end_turn" for m in messages):
+        return "no session/prompt result with stopReason end_turn"
+    if not any(m.get("method") == "session/update" for m in messages):
+        return "no session/update was streamed"
+    return None
+
+
+def expect_initialized(rc: int, messages: list[Any]) -> str | None:
+    """Without credentials an adapter answers initialize, then refuses the session: fine either way."""
+    if not any(isinstance(m.get("result"), dict) and "protocolVersion" in m["result"] for m in messages):
+        return "no initialize result"
+    return None
+
+
+def proxy_error(message: Any) -> str | None:
+    """The proxy's own ``error.data.reason`` (None for an adapter's error or a result)."""
+    error = message.get("error") if isinstance(message, dict) else None
+    data = error.get("data") if isinstance(error, dict) else None
+    reason = data.get("reason") if isinstance(data, dict) else None
+    return reason if reason in PROXY_REASONS else None
+
+
+def foreign_session_ids(messages: list[Any], known: set[str]) -> list[str]:
+    """Session ids in params or results the gateway never got from session/new, with the message."""
+    found = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        for part in (message.get("params"), message.get("result")):
+            sid = part.get("sessionId") if isinstance(part, dict) else None
+            if isinstance(sid, str) and sid not in known:
+                kind = message.get("method") or "a result"
+                if kind == "session/update":
+                    kind += f" ({message['params'].get('update', {}).get('sessionUpdate')})"
+                found.append(f"{sid} in {kind}")
+    return found
+
+
+def user_texts(updates: list[dict[str, Any]], session_id: str) -> list[str]:
+    """The user messages replayed for ``session_id``."""
+    texts = []
+    for params in updates:
+        update = params.get("update") or {}
+        content = update.get("content")
+        if (
+            params.get("sessionId") == session_id
+            and update.get("sessionUpdate") == "user_message_chunk"
+            and isinstance(content, dict)
+            and isinstance(content.get("text"), str)
+        ):
+            texts.append(content["text"])
+    return texts
+
+
+def in_order(wanted: list[str], texts: list[str]) -> bool:
+    remaining = iter(texts)
+    return all(any(text == word for text in remaining) for word in wanted)
+
+
+def history_reset(updates: list[dict[str, Any]], session_id: str) -> bool:
+    """Whether the proxy announced that ``session_id`` came back without its history."""
+    for params in updates:
+        update = params.get("update") or {}
+        meta = (update.get("_meta") or {}).get(PROXY_META) or {}
+        if params.get("sessionId") == session_id and meta.get("historyReset") is True:
+            return True
+    return False
+
+
+def announced_modes(updates: list[dict[str, Any]], session_id: str) -> list[str]:
+    """The modes ``session/update``s reported for ``session_id`` (mode updates, mode config options)."""
+    modes = []
+    for params in updates:
+        update = params.get("update") or {}
+        if params.get("sessionId") != session_id:
+            continue
+        if update.get("sessionUpdate") == "current_mode_update":
+            modes.append(str(update.get("currentModeId")))
+        elif update.get("sessionUpdate") == "config_option_update":
+            for option in update.get("configOptions") or []:
+                if isinstance(option, dict) and option.get("category") == "mode":
+                    modes.append(str(option.get("currentValue")))
+    return modes
+
+
+def other_mode(session: dict[str, Any]) -> str | None:
+    """A mode the session is not in (to set one the proxy must re-apply on resume)."""
+    modes = session.get("modes") or {}
+    current = modes.get("currentModeId")
+    for mode in modes.get("availableModes") or []:
+        if mode.get("id") != current:
+            return str(mode["id"])
+    return None
+
+
+def wait_for_log(log: Path, text: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in log.read_text(errors="replace"):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def prompt_params(session_id: str, words: str) -> dict[str, Any]:
+    return {"sessionId": session_id, "prompt": [{"type": "text", "text": words}]}
+
+
+def default_proxy() -> list[str]:
+    local = REPO / ".venv" / "bin" / "acp-proxy"
+    if local.exists():
+        return [str(local)]
+    found = shutil.which("acp-proxy")
+    if found is None:
+        raise SystemExit("check-peers: no acp-proxy (create .venv with scripts/test, or pass --proxy)")
+    return [found]
+
+
+def default_proxy_python() -> str:
+    local = REPO / ".venv" / "bin" / "python"
+    return str(local) if local.exists() else sys.executable
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="scripts/check-peers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("workdir", nargs="?", default="/tmp/acp-peers", help="where peers are installed")
+    parser.add_argument("--proxy", help="the acp-proxy command (default: .venv/bin/acp-proxy)")
+    parser.add_argument("--proxy-python", help="a Python that imports acp_proxy, to run its echo agent")
+    parser.add_argument("--no-install", action="store_true", help="reuse the peers already in WORKDIR")
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this check (repeatable)")
+    args = parser.parse_args()
+    if not sys.platform.startswith("linux"):
+        print("check-peers: the leftover-process search reads /proc; run it on Linux", file=sys.stderr)
+        return 2
+
+    report = Report()
+    checker = Checker(args, report)
+    checks: dict[str, Callable[[str], str]] = {
+        "sdk-prompt-turn": checker.sdk_turn,
+        "sdk-prompt-turn-trio": lambda name: checker.sdk_turn(name, ("--async-backend", "trio")),
+        "acpx-exec-sdk-agent": lambda name: checker.acpx_exec(
+            name, checker.sdk_agent(), "hello through acpx", expect_turn
+        ),
+        "acpx-exec-echo-agent": lambda name: checker.acpx_exec(
+            name, checker.echo_agent(), "echo this, with permission", expect_turn
+        ),
+        "acpx-sessions-sdk-agent": checker.acpx_sessions,
+        "acpx-exec-codex-acp": lambda name: checker.acpx_exec(
+            name, [str(checker.bin / "codex-acp")], "say hi", expect_initialized
+        ),
+        "acpx-exec-claude-agent-acp": lambda name: checker.acpx_exec(
+            name, [str(checker.bin / "claude-agent-acp")], "say hi", expect_initialized
+        ),
+        "raw-codex-acp": lambda name: checker.raw_adapter(name, "codex-acp"),
+        "raw-claude-agent-acp": lambda name: checker.raw_adapter(name, "claude-agent-acp"),
+        "sessions-codex-acp": lambda name: checker.sessions_raw(name, "codex-acp"),
+        "sessions-claude-agent-acp": lambda name: checker.sessions_raw(name, "claude-agent-acp"),
+        "sessions-acpx-codex-acp": lambda name: checker.sessions_acpx(name, "codex-acp"),
+        "sessions-acpx-claude-agent-acp": lambda name: checker.sessions_acpx(name, "claude-agent-acp"),
+    }
+    unknown = set(args.only or ()) - checks.keys()
+    if unknown:
+        parser.error(f"unknown check(s) {', '.join(sorted(unknown))}; known: {', '.join(checks)}")
+    if not args.no_install:
+        checker.install()
+    checker.write_sdk_peers()
+    print("== peers", flush=True)
+    checker.versions()
+
+    print("== checks (each direct, then through the proxy)", flush=True)
+    try:
+        for name, body in checks.items():
+            if not args.only or name in args.only:
+                checker.run_check(name, body)
+    finally:
+        checker.runs.kill_everything()
+    print(f"== {len(report.passed)} passed, {len(report.failed)} failed; logs in {checker.logs}")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

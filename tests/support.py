@@ -1,0 +1,242 @@
+"""What the tests share: a real proxy driven as a gateway drives it, the fake adapter, and their helpers.
+
+``Gateway.start`` launches ``python -m acp_proxy [...] -- fake_adapter.py OPTIONS`` on
+the test's own anyio backend, through the kit's client (``acp_proxy.kit.gateway``).
+Every message the proxy writes to the gateway is validated against the ACP schema as
+it arrives; every line it writes to the adapter is recorded by the fake adapter and
+validated when the gateway closes.
+
+Every process a test starts carries ``MARKER_VARIABLE`` (see ``conftest.proc_env``),
+which ``marked_processes`` finds.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import sniffio
+
+from acp_proxy.kit import gateway, markers
+from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.state import StateDB
+from tests.conformance import Conversation
+
+TESTS = Path(__file__).parent
+FAKE_ADAPTER = TESTS / "fake_adapter.py"
+MARKER_VARIABLE = "ACP_PROXY_TEST_MARKER"
+GONE_WITHIN = 8.0  # a liveness bound for process checks, not a performance figure
+
+RESUME_AND_LOAD = {"loadSession": True, "sessionCapabilities": {"resume": {}, "close": {}}}
+LOAD_ONLY = {"loadSession": True}
+NEITHER: dict[str, Any] = {}
+
+TEST_INITIALIZE = {
+    "protocolVersion": 1,
+    "clientCapabilities": {"fs": {"readTextFile": True, "writeTextFile": True}, "terminal": True},
+    "clientInfo": {"name": "test-gateway", "version": "1.0"},
+}
+
+
+pid_alive = markers.alive
+
+
+def fake_command(**options: Any) -> list[str]:
+    return [sys.executable, str(FAKE_ADAPTER), json.dumps(options)]
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def marked_processes(marker: str) -> dict[int, markers.Marked]:
+    """Live processes whose environment carries ``ACP_PROXY_TEST_MARKER=marker``."""
+    return markers.find(MARKER_VARIABLE, marker)
+
+
+def kill_marked(marker: str) -> None:
+    markers.kill(marked_processes(marker).values())
+
+
+async def survivors(pids: list[int], timeout: float = GONE_WITHIN) -> list[int]:
+    """The pids still alive once they have all exited or ``timeout`` has passed."""
+    with anyio.move_on_after(timeout):
+        while any(pid_alive(p) for p in pids):
+            await anyio.sleep(0.02)
+    return [p for p in pids if pid_alive(p)]
+
+
+# --- the gateway -------------------------------------------------------------------------------
+
+
+class Gateway(gateway.Gateway):
+    """The kit's client, checking every message against the schema both ways."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.to_gateway = Conversation("client")
+        self.record: Path | None = None
+        self.observers.append(self._conform)
+
+    def _conform(self, direction: str, msg: dict[str, Any]) -> None:
+        if direction == "in":
+            self.to_gateway.check(msg)
+        elif isinstance(msg.get("method"), str):
+            self.to_gateway.track_request(msg)
+
+    @classmethod
+    @asynccontextmanager
+    async def start(
+        cls,
+        env: dict[str, str],
+        tmp_path: Path,
+        adapter: list[str] | None = None,
+        *,
+        proxy_args: list[str] | None = None,
+        record: bool = True,
+        **adapter_options: Any,
+    ) -> AsyncIterator[Gateway]:
+        """A proxy in front of ``adapter`` (default: the fake adapter with ``adapter_options``, recorded)."""
+        record_path = None
+        if adapter is None:
+            record_path = tmp_path / f"adapter-{uuid.uuid4().hex[:8]}.jsonl"
+            if record:
+                adapter_options.setdefault("record", str(record_path))
+            adapter = fake_command(**adapter_options)
+        backend = sniffio.current_async_library()
+        argv = [sys.executable, "-m", "acp_proxy", "--async-backend", backend, *(proxy_args or []), "--", *adapter]
+        # Ids from 1001: the tests' own ids (0 for initialize, small numbers, strings) never collide.
+        async with cls.launch(argv, env=env, name="the proxy", first_id=1001) as gw:
+            gw.record = record_path if record else None
+            yield gw
+        assert gw.bad_lines == [], f"the proxy wrote lines that are not JSON objects: {gw.bad_lines[:3]}"
+        gw.check_adapter_side()
+
+    def check_adapter_side(self) -> None:
+        """Validate every line the proxy wrote to the fake adapter."""
+        if self.record is None or not self.record.exists():
+            return
+        per_process: dict[int, Conversation] = collections.defaultdict(lambda: Conversation("agent"))
+        for entry in map(json.loads, self.record.read_text().splitlines()):
+            to_adapter = per_process[entry.get("pid", 0)]  # each adapter process has its own id space
+            if "out" in entry:
+                to_adapter.track_request(json.loads(entry["out"]))
+            else:
+                to_adapter.check(json.loads(entry["in"]))
+
+    def adapter_record(self) -> list[dict[str, str]]:
+        assert self.record is not None
+        return [json.loads(line) for line in self.record.read_text().splitlines()]
+
+    async def initialize(self, params: dict[str, Any] | None = None, *, request_id: Any = 0) -> dict[str, Any]:
+        return await super().initialize(params or TEST_INITIALIZE, request_id=request_id)
+
+
+# --- proxies with sessions over a pool -----------------------------------------------------------
+
+
+def write_config(
+    tmp_path: Path,
+    *,
+    pool: dict[str, str | int] | None = None,
+    backends: dict[str, dict[str, Any]] | None = None,
+    default_backend: str | None = None,
+    tasks: dict[str, str] | None = None,
+) -> Path:
+    """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options)."""
+    lines = []
+    if default_backend:
+        lines.append(f'default_backend = "{default_backend}"')
+    lines += ["[shutdown]", 'close_timeout = "500ms"', 'stdin_grace = "300ms"', 'term_grace = "1s"', "[pool]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in (pool or {}).items()]
+    if tasks:
+        lines += ["[tasks]", *(f"{key} = {json.dumps(value)}" for key, value in tasks.items())]
+    for name, options in (backends or {"unused": {}}).items():
+        settings = dict(options)
+        resume = settings.pop("resume", None)
+        max_live = settings.pop("max_live", None)
+        lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(**settings))}"]
+        if resume:
+            lines.append(f'resume = "{resume}"')
+        if max_live:
+            lines.append(f"max_live = {max_live}")
+    path = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start(env: dict[str, str], tmp_path: Path, *, pool: dict[str, str | int] | None = None, **options: Any) -> Any:
+    """A proxy serving one fake backend with ``options``, its sessions stored under tmp_path/store."""
+    options.setdefault("store", str(tmp_path / "store"))
+    config = write_config(tmp_path, pool={"max_live": 1, **(pool or {})})
+    return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], **options)
+
+
+async def state_of(gw: Gateway, session: str) -> dict[str, Any]:
+    """What the adapter serving ``session`` knows about it (the ``state`` prompt command)."""
+    response = await gw.prompt(session, "state")
+    assert response["result"]["stopReason"] == "end_turn", response
+    updates = gw.updates(session)
+    gw.clear_stash()
+    return dict(json.loads(updates[-1]["params"]["update"]["content"]["text"]))
+
+
+async def adapter_pid(gw: Gateway, session: str) -> int:
+    return int((await state_of(gw, session))["pid"])
+
+
+def registry(env: dict[str, str]) -> SessionRegistry:
+    return SessionRegistry(StateDB(Path(env["ACP_PROXY_STATE_DIR"]), create=False), "reader")
+
+
+def state_db(env: dict[str, str]) -> StateDB:
+    return StateDB(Path(env["ACP_PROXY_STATE_DIR"]), create=False)
+
+
+def adapter_calls(gw: Gateway, method: str) -> list[dict[str, Any]]:
+    """Every ``method`` request the proxy sent to any adapter process."""
+    sent = [json.loads(e["in"]) for e in gw.adapter_record() if "in" in e]
+    return [m for m in sent if m.get("method") == method]
+
+
+async def send_prompt(gw: Gateway, session: str, text: str, meta: dict[str, Any] | None = None) -> int:
+    """Send a prompt without waiting for its answer; its id."""
+    request_id = gw.new_id()
+    params = gateway.prompt_params(session, text)
+    if meta is not None:
+        params["_meta"] = meta
+    await gw.send({"jsonrpc": "2.0", "id": request_id, "method": "session/prompt", "params": params})
+    return request_id
+
+
+# --- the operator's CLI ------------------------------------------------------------------------
+
+
+async def cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    """Run ``acp-proxy ARGS`` as an operator would; exit status, stdout, stderr."""
+    result = await anyio.run_process(
+        [sys.executable, "-m", "acp_proxy", *args], env=env, check=False, stdin=subprocess.DEVNULL
+    )
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+async def cli_json(env: dict[str, str], *args: str) -> Any:
+    code, out, err = await cli(env, *args, "--json")
+    assert code == 0, (args, code, out, err)
+    return json.loads(out)
+
+
+async def wait_for_task(env: dict[str, str], status: str, timeout: float = 10) -> dict[str, Any]:
+    with anyio.fail_after(timeout):
+        while True:
+            listed = await cli_json(env, "tasks", "list", "--status", status)
+            if listed["tasks"]:
+                return dict(listed["tasks"][0])
+            await anyio.sleep(0.05)

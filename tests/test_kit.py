@@ -1,0 +1,165 @@
+"""The kit's client and marker scanner, against the fake adapter run directly (no proxy in between).
+
+Both faces of the client are driven the same way: ids from the counter, answers matched
+to requests, updates kept per session, agent requests answered by the handler (or left
+for the caller), ``$/cancel_request``, a timeout on every wait, and a close that ends
+even an adapter that ignores EOF.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from acp_proxy.kit import markers
+from acp_proxy.kit.gateway import Closed, Gateway, RpcError, SyncGateway
+from tests.support import MARKER_VARIABLE, fake_command
+
+ALLOW = {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+
+
+def seen(gw: Any) -> list[tuple[str, Any]]:
+    """(direction, id or method) of every message, in the order the observer saw them."""
+    log: list[tuple[str, Any]] = []
+    gw.observers.append(lambda direction, msg: log.append((direction, msg.get("method", msg.get("id")))))
+    return log
+
+
+@pytest.mark.anyio
+async def test_async_requests_updates_agent_requests_and_cancel(proc_env: dict[str, str]) -> None:
+    async with Gateway.launch(fake_command(), env=proc_env) as gw:
+        log = seen(gw)
+        initialized = await gw.request("initialize", {"protocolVersion": 1})
+        assert initialized["id"] == 0, "the counter starts at 0"
+        session = await gw.new_session()
+        assert (await gw.prompt(session, "stream 3"))["result"]["stopReason"] == "end_turn"
+        assert len(gw.updates(session)) == 3
+        assert len(gw.take_updates(session)) == 3
+        assert gw.updates() == []
+        # The handler answers the agent's requests; without one, they are left for the caller.
+        gw.handler = lambda msg: ALLOW if msg["method"] == "session/request_permission" else None
+        assert (await gw.prompt(session, "permission"))["result"]["stopReason"] == "end_turn"
+        gw.handler = None
+        await gw.send({"jsonrpc": "2.0", "id": "by-hand", "method": "session/prompt", "params": {
+            "sessionId": session, "prompt": [{"type": "text", "text": "permission"}]}})  # fmt: skip
+        asked = await gw.expect(lambda m: m.get("method") == "session/request_permission")
+        await gw.send({"jsonrpc": "2.0", "id": asked["id"], "result": {"outcome": {"outcome": "cancelled"}}})
+        assert (await gw.response_to("by-hand"))["result"]["stopReason"] == "refusal"
+        # Errors, $/cancel_request, and timeouts.
+        with pytest.raises(RpcError) as failed:
+            await gw.call("no/such_method", {})
+        assert failed.value.code == -32601
+        slow = gw.new_id()
+        await gw.send({"jsonrpc": "2.0", "id": slow, "method": "_fake/slow", "params": {"seconds": 30}})
+        await gw.cancel_request(slow)
+        assert (await gw.response_to(slow))["error"]["code"] == -32800
+        with pytest.raises(TimeoutError):
+            await gw.request("_fake/slow", {"seconds": 30}, timeout=0.2)
+        with pytest.raises(TimeoutError):
+            await gw.expect(lambda m: False, timeout=0.1)
+        assert ("out", "initialize") in log
+        assert ("in", "session/request_permission") in log
+        assert await gw.close() == 0
+    assert gw.bad_lines == []
+
+
+@pytest.mark.anyio
+async def test_async_close_kills_what_ignores_eof_and_a_dead_peer_is_closed(proc_env: dict[str, str]) -> None:
+    async with Gateway.launch(fake_command(ignore_eof=True), env=proc_env) as gw:
+        await gw.request("initialize", {"protocolVersion": 1})
+        started = time.monotonic()
+        assert await gw.close(timeout=0.5) == -signal.SIGKILL
+        assert time.monotonic() - started < 5
+    async with Gateway.launch(fake_command(), env=proc_env) as gw:
+        session = await gw.new_session()
+        with pytest.raises(Closed):
+            await gw.prompt(session, "crash 3")
+        assert await gw.close() == 3
+        with pytest.raises(Closed):
+            await gw.notify("session/cancel", {"sessionId": session})
+
+
+@pytest.mark.anyio
+async def test_async_connect_wraps_given_streams(proc_env: dict[str, str]) -> None:
+    async with await anyio.open_process(fake_command(), env=proc_env) as process:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        async with Gateway.connect(process.stdin, process.stdout, first_id=7) as gw:
+            assert (await gw.request("_fake/echo", {"a": [1]})) == {"jsonrpc": "2.0", "id": 7, "result": {"a": [1]}}
+        assert gw.gone.is_set()
+        assert await process.wait() == 0
+
+
+def test_sync_requests_updates_handler_raw_lines_and_close(proc_env: dict[str, str]) -> None:
+    with SyncGateway.launch(fake_command(), env=proc_env, handler=lambda msg: ALLOW) as gw:
+        assert gw.initialize()["protocolVersion"] == 1
+        session = gw.new_session()
+        assert gw.prompt(session, "stream 2; permission")["result"]["stopReason"] == "end_turn"
+        said = [m["params"]["update"]["content"]["text"] for m in gw.take_updates(session)]
+        assert said[-1] == "permission granted"
+        assert len(said) == 3
+        request_id, data = gw.request_bytes("_fake/echo", {"x": 1})
+        gw.send_raw(data)
+        assert gw.read_line(timeout=10) == b'{"jsonrpc":"2.0","id":%d,"result":{"x":1}}' % request_id
+        with pytest.raises(RpcError):
+            gw.call("no/such_method", {})
+        with pytest.raises(TimeoutError):
+            gw.request("_fake/slow", {"seconds": 30}, timeout=0.2)
+        gw.notify("_fake/ignored", {})
+        gw.drain(quiet=0.2, limit=2)
+        assert gw.close() == 0
+    assert b"Traceback" not in gw.stderr
+
+
+def test_sync_reader_thread_serves_many_threads(proc_env: dict[str, str]) -> None:
+    gw = SyncGateway.launch(fake_command(), env=proc_env, reader_thread=True, keep=False)
+    answers: list[Any] = []
+
+    def echo(n: int) -> None:
+        answers.append(gw.call("_fake/echo", {"n": n})["n"])
+
+    threads = [threading.Thread(target=echo, args=(n,)) for n in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(answers) == list(range(20))
+    gw.kill()
+    with pytest.raises(Closed):
+        gw.call("_fake/echo", {}, timeout=10)
+    assert gw.close() == -signal.SIGKILL
+
+
+def test_markers_find_live_marked_processes_only(proc_env: dict[str, str], tmp_path: Path) -> None:
+    marker = proc_env[MARKER_VARIABLE]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    lease = subprocess.Popen(sleeper, env={**proc_env, "ACP_PROXY_LEASE": f"{marker}.lease-1.x"})
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"], env=proc_env)
+    try:
+        deadline = time.monotonic() + 10
+        while markers.start_ticks(zombie.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # exited, not yet reaped: a zombie, which does not count
+        found = markers.find(MARKER_VARIABLE, marker)
+        assert set(found) == {lease.pid}
+        assert found[lease.pid].argv == tuple(sleeper)
+        assert set(markers.find("ACP_PROXY_LEASE", f"{marker}.", prefix=True)) == {lease.pid}
+        assert markers.find("ACP_PROXY_LEASE", f"{marker}.") == {}
+        assert markers.find(MARKER_VARIABLE, marker[:-1]) == {}
+        assert os.getpid() not in markers.find(MARKER_VARIABLE, marker[:4], prefix=True)
+        markers.kill(found.values())
+        assert lease.wait(10) == -signal.SIGKILL
+        assert not markers.alive(lease.pid)
+    finally:
+        for process in (lease, zombie):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
