@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from acp_proxy.kit.gateway import SyncGateway
+from acp_proxy.protocol.methods import Method
 
 BOLD, DIM, GREEN, RED, CYAN, RESET = "\033[1m", "\033[2m", "\033[32m", "\033[31m", "\033[36m", "\033[0m"
 if not sys.stdout.isatty() or os.environ.get("NO_COLOR"):
@@ -63,7 +64,7 @@ class Narrator:
 
 
 def answer_permission(msg: dict[str, Any]) -> dict[str, Any] | None:
-    if msg.get("method") != "session/request_permission":
+    if msg.get("method") != Method.REQUEST_PERMISSION:
         return None
     line("proxy → gateway", f"session/request_permission (id {msg['id']}, the proxy's own id space)")
     line("gateway → proxy", "allow")
@@ -107,7 +108,7 @@ def show_tree(lease: dict[str, Any]) -> None:
 
 def sessions_view(env: dict[str, str], gw: SyncGateway) -> dict[str, str]:
     """session/list, served by the proxy from its registry: every session and its state."""
-    listed = request(gw, "session/list", {})["result"]["sessions"]
+    listed = request(gw, Method.LIST, {})["result"]["sessions"]
     return {s["sessionId"]: s["_meta"]["acp-proxy"]["state"] for s in listed}
 
 
@@ -156,7 +157,7 @@ def main() -> int:
             failures += 1
 
     step("1. Handshake")
-    init = request(gw, "initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+    init = request(gw, Method.INITIALIZE, {"protocolVersion": 1, "clientCapabilities": {}})
     result = init["result"]
     served = sorted(result["agentCapabilities"].get("sessionCapabilities", {}))
     line(
@@ -166,10 +167,10 @@ def main() -> int:
     )
 
     step("2. Session A: a streamed turn, in its own owned process tree")
-    first = request(gw, "session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
+    first = request(gw, Method.NEW, {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
     line("proxy → gateway", f"sessionId {first}")
     narrator.on = True
-    turn = request(gw, "session/prompt", {"sessionId": first, "prompt": [{"type": "text", "text": "hello A"}]})
+    turn = request(gw, Method.PROMPT, {"sessionId": first, "prompt": [{"type": "text", "text": "hello A"}]})
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']} after {len(narrator.chunks)} updates")
     lease = live_lease(env)
     first_pid = lease["adapterPid"]
@@ -178,7 +179,7 @@ def main() -> int:
 
     step("3. The agent asks the gateway for permission")
     prompt = {"sessionId": first, "prompt": [{"type": "text", "text": "permission granted please"}]}
-    turn = request(gw, "session/prompt", prompt)  # the handler answers the agent's request
+    turn = request(gw, Method.PROMPT, prompt)  # the handler answers the agent's request
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
     narrator.on = False
 
@@ -190,19 +191,19 @@ def main() -> int:
         {
             "jsonrpc": "2.0",
             "id": request_id,
-            "method": "session/prompt",
+            "method": Method.PROMPT,
             "params": {"sessionId": first, "prompt": [{"type": "text", "text": long_text}]},
         }
     )
     time.sleep(0.2)
-    line("gateway → proxy", "session/cancel")
-    gw.notify("session/cancel", {"sessionId": first})
+    line("gateway → proxy", Method.CANCEL)
+    gw.notify(Method.CANCEL, {"sessionId": first})
     turn = gw.response_to(request_id, timeout=15)
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
     check(pid_alive(first_pid), f"adapter pid {first_pid} still running: cancel is not close", "it died on cancel")
 
     step("5. Session B, with max_live = 1: the idle session A is suspended to make room")
-    second = request(gw, "session/new", {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
+    second = request(gw, Method.NEW, {"cwd": os.getcwd(), "mcpServers": []})["result"]["sessionId"]
     line("proxy → gateway", f"sessionId {second}")
     deadline = time.monotonic() + 10
     while pid_alive(first_pid) and time.monotonic() < deadline:
@@ -220,7 +221,7 @@ def main() -> int:
     narrator.chunks.clear()
     narrator.on = True
     prompt = {"sessionId": first, "prompt": [{"type": "text", "text": "are you still there?"}]}
-    turn = request(gw, "session/prompt", prompt)
+    turn = request(gw, Method.PROMPT, prompt)
     narrator.on = False
     resumed = live_lease(env)
     line("proxy → gateway", f"stopReason {turn['result']['stopReason']}")
@@ -241,7 +242,7 @@ def main() -> int:
 
     step("8. session/close ends A for good and reaps its tree")
     tree = [p["pid"] for p in resumed["processes"]]
-    request(gw, "session/close", {"sessionId": first})
+    request(gw, Method.CLOSE, {"sessionId": first})
     check(
         not any(pid_alive(pid) for pid in tree) and first not in sessions_view(env, gw),
         f"closed: none of its {len(tree)} processes is left, and it is no longer listed",

@@ -36,6 +36,8 @@ import anyio
 import anyio.abc
 import msgspec
 
+from acp_proxy.protocol.methods import Method
+
 Message = dict[str, Any]
 Handler = Callable[[Message], Message | None]
 """Answers an agent->client request: ``{"result": ...}`` or ``{"error": ...}``, or ``None`` to stash it."""
@@ -48,7 +50,7 @@ AUTO: Any = object()
 """The default request id: the next of the connection's counter."""
 TIMEOUT = 10.0
 READ_SIZE = 1 << 16
-UPDATE = "session/update"
+UPDATE = Method.UPDATE
 
 
 class GatewayError(Exception):
@@ -466,7 +468,7 @@ class Gateway(_Connection):
 
     async def cancel_request(self, request_id: Any) -> None:
         """``$/cancel_request``: withdraw a request sent earlier."""
-        await self.notify("$/cancel_request", {"requestId": request_id})
+        await self.notify(Method.CANCEL_REQUEST, {"requestId": request_id})
 
     # --- waiting -----------------------------------------------------------------------------
 
@@ -545,16 +547,16 @@ class Gateway(_Connection):
     # --- common sequences --------------------------------------------------------------------
 
     async def initialize(self, params: Message | None = None, *, request_id: Any = AUTO) -> Message:
-        return await self.request("initialize", params or INITIALIZE, request_id=request_id)
+        return await self.request(Method.INITIALIZE, params or INITIALIZE, request_id=request_id)
 
     async def new_session(self, cwd: str = "/tmp", **params: Any) -> str:
-        response = await self.request("session/new", {"cwd": cwd, "mcpServers": [], **params})
+        response = await self.request(Method.NEW, {"cwd": cwd, "mcpServers": [], **params})
         if "result" not in response:
-            raise RpcError("session/new", response.get("error"))
+            raise RpcError(Method.NEW, response.get("error"))
         return str(response["result"]["sessionId"])
 
     async def prompt(self, session_id: str, text: str, timeout: float = 20.0) -> Message:
-        return await self.request("session/prompt", prompt_params(session_id, text), timeout=timeout)
+        return await self.request(Method.PROMPT, prompt_params(session_id, text), timeout=timeout)
 
 
 INITIALIZE: Message = {
@@ -703,7 +705,7 @@ class SyncGateway(_Connection):
         self.send(notification(method, params))
 
     def cancel_request(self, request_id: Any) -> None:
-        self.notify("$/cancel_request", {"requestId": request_id})
+        self.notify(Method.CANCEL_REQUEST, {"requestId": request_id})
 
     def send_request(self, method: str, params: Any = None, *, request_id: Any = AUTO) -> Any:
         """Send a request whose answer ``answer`` waits for; its id."""
@@ -860,14 +862,14 @@ class SyncGateway(_Connection):
     # --- common sequences --------------------------------------------------------------------
 
     def initialize(self, params: Message | None = None, *, timeout: float = TIMEOUT) -> Any:
-        return self.call("initialize", params or INITIALIZE, timeout=timeout)
+        return self.call(Method.INITIALIZE, params or INITIALIZE, timeout=timeout)
 
     def new_session(self, cwd: str = "/tmp", *, timeout: float = TIMEOUT, **params: Any) -> str:
-        result = self.call("session/new", {"cwd": cwd, "mcpServers": [], **params}, timeout=timeout)
+        result = self.call(Method.NEW, {"cwd": cwd, "mcpServers": [], **params}, timeout=timeout)
         session_id = result.get("sessionId") if isinstance(result, dict) else None
         if not isinstance(session_id, str):
             raise GatewayError(f"{self.name}: session/new returned {str(result)[:300]}")
         return session_id
 
     def prompt(self, session_id: str, text: str, timeout: float = 20.0) -> Message:
-        return self.request("session/prompt", prompt_params(session_id, text), timeout=timeout)
+        return self.request(Method.PROMPT, prompt_params(session_id, text), timeout=timeout)

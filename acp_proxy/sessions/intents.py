@@ -173,14 +173,20 @@ class SessionIntents:
             raise ProxyError.unknown_backend(name, self.config.backends)
         return self.config.backends[name]
 
-    async def new(self, msg: Message) -> None:
-        """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
+    async def _prepared_for(self, msg: Message) -> Adapter | None:
+        """A prepared process of the backend the request names; ``None`` (the request answered) if none."""
         try:
-            backend = self.backend_named(proxy_meta(msg.params))
-            adapter = await self.pool.take(backend)
+            return await self.pool.take(self.backend_named(proxy_meta(msg.params)))
         except ProxyError as exc:
             await self.gateway.fail(msg.id, exc)
+            return None
+
+    async def new(self, msg: Message) -> None:
+        """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
+        adapter = await self._prepared_for(msg)
+        if adapter is None:
             return
+        backend = adapter.backend
 
         def created(answer: Message) -> Message | None:
             adapter.claimed = False
@@ -549,12 +555,10 @@ class SessionIntents:
 
     async def _adopt(self, msg: Message, session_id: str) -> None:
         """A load/resume of a session the registry does not know (or closed): the adapter may have it."""
-        try:
-            backend = self.backend_named(proxy_meta(msg.params))
-            adapter = await self.pool.take(backend)
-        except ProxyError as exc:
-            await self.gateway.fail(msg.id, exc)
+        adapter = await self._prepared_for(msg)
+        if adapter is None:
             return
+        backend = adapter.backend
         adapter.gateway_session = adapter.adapter_session = session_id
         caps = adapter.capabilities
         if msg.method == Method.RESUME and not caps.resume and caps.load:
