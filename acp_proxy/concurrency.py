@@ -70,10 +70,6 @@ class Background:
         self._running = 0
         self._changes = Changes()
 
-    @property
-    def running(self) -> int:
-        return self._running
-
     def start(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         async def handle() -> None:
             try:

@@ -1,8 +1,10 @@
-"""The composition root: wires the layers for one ``acp-proxy`` process, and the program's entry point.
+"""The composition root: wires the layers for one ``acp-proxy`` process (``main`` runs it).
 
-Everything below is built here, once, and handed what it needs; the two calls
-that must go upward (the pool asking the sessions to suspend one, the pool
-handing a new adapter to the relay) are closures made here.
+Everything below is built here, once, and handed what it needs. The calls that
+must go upward are callables made or picked here: the pool asking the sessions to
+suspend one (``suspend``), the pool handing a new adapter to the relay
+(``attach``), and the task book handing a turn past its deadline to the sessions
+(``intents.expire_turn``).
 
     protocol -> state, config -> ownership -> tasks -> pool -> sessions -> relay -> operator -> serve
 """
@@ -67,9 +69,9 @@ async def serve_gateway(
             assert gateway is not None
             gateway.stop(reason)
 
-        async def suspend(session_id: str, why: str) -> bool:
+        def suspend(session_id: str, why: str) -> bool:
             assert intents is not None
-            return await intents.suspend(session_id, why)
+            return intents.suspend(session_id, why)
 
         def attach(adapter: Adapter) -> None:
             assert relay is not None
@@ -87,8 +89,8 @@ async def serve_gateway(
             attach=attach,
         )
         table = SessionTable(registry, background, pool.changed)
-        intents = SessionIntents(config, registry, table, pool, turns, writer, stopping)
-        relay = AdapterRelay(config, pool, turns, intents, writer, stopping)
+        intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
+        relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping)
         gateway = GatewayConnection(
             config,
             pool=pool,

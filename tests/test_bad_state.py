@@ -29,6 +29,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from acp_proxy.concurrency import Stopping
 from acp_proxy.config import validate
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message
@@ -266,7 +267,8 @@ async def test_an_adapter_that_cannot_start_is_an_error_on_every_request_and_the
 
 def task_book(db: StateDB) -> TurnBook:
     """The task keeping of a proxy, without the proxy."""
-    return TurnBook(TaskRegistry(db, "inst-full"), validate({"backends": {"fake": {"command": ["fake"]}}}))
+    config = validate({"backends": {"fake": {"command": ["fake"]}}})
+    return TurnBook(TaskRegistry(db, "inst-full"), config, Stopping())
 
 
 def prompt_message(request_id: int) -> Message:

@@ -586,23 +586,21 @@ def test_the_demo_runs_clean(proc_env: dict[str, str]) -> None:
 async def test_cancelling_a_task_whose_end_is_being_written_says_it_ended(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from acp_proxy.concurrency import Stopping
+    from acp_proxy.config import validate
     from acp_proxy.operator.control import ControlError
     from acp_proxy.operator.operations import Operations
-    from acp_proxy.tasks.records import Turn, outcome_of
+    from acp_proxy.tasks.records import TaskRegistry, Turn, outcome_of
+    from acp_proxy.tasks.turns import TurnBook
 
     turn = Turn(task_id="0123456789ab", session_id="s", backend="b", request_id="1")
     turn.start(None, None)
     turn.finish(outcome_of(stop_reason="end_turn"))
-    from acp_proxy.concurrency import Stopping
-    from acp_proxy.config import validate
-    from acp_proxy.tasks.records import TaskRegistry
-    from acp_proxy.tasks.turns import TurnBook
-
-    turns = TurnBook(
-        TaskRegistry(StateDB(tmp_path / "state"), "inst"), validate({"backends": {"b": {"command": ["b"]}}})
-    )
+    stopping = Stopping()
+    config = validate({"backends": {"b": {"command": ["b"]}}})
+    turns = TurnBook(TaskRegistry(StateDB(tmp_path / "state"), "inst"), config, stopping)
     turns.settled_unwritten.append(turn)
-    proxy = SimpleNamespace(turns=turns, stopping=Stopping())
+    proxy = SimpleNamespace(turns=turns, stopping=stopping)
     with pytest.raises(ControlError) as refused:
         await Operations(proxy).cancel_task({"taskId": turn.task_id})  # type: ignore[arg-type]
     assert refused.value.code == "task_finished"

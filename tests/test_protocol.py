@@ -8,8 +8,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from acp_proxy.protocol.acp import AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.methods import METHODS, Direction, Effect, Method, facts, is_setting, routed_by_session
 
@@ -146,3 +148,20 @@ def test_no_method_name_is_spelled_out_in_the_package_but_in_its_table() -> None
             if pattern.search(line):
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("agent_capabilities", "load", "resume", "close"),
+    [
+        ({}, False, False, False),
+        ({"loadSession": True}, True, False, False),
+        ({"loadSession": False, "sessionCapabilities": {"resume": {}}}, False, True, False),
+        ({"sessionCapabilities": {"close": {}, "resume": None}}, False, False, True),
+        ({"sessionCapabilities": "all of them"}, False, False, False),
+    ],
+)
+def test_capabilities_are_read_where_the_method_table_says(
+    agent_capabilities: dict[str, Any], load: bool, resume: bool, close: bool
+) -> None:
+    result = msgspec.Raw(json.dumps({"agentCapabilities": agent_capabilities}).encode())
+    assert AgentCapabilities.from_initialize(result) == AgentCapabilities(load=load, resume=resume, close=close)

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from acp_proxy.concurrency import Stopping
 from acp_proxy.config import ConfigError, validate
 from acp_proxy.ownership import instances
 from acp_proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, ErrorObject
@@ -373,7 +374,7 @@ def test_the_relay_does_not_import_the_operator_cli() -> None:
 
 
 def test_a_failed_write_is_retried_whole_and_never_reopens_an_ended_row(db: StateDB) -> None:
-    keeper = TurnBook(TaskRegistry(db, "inst-a"), validate({"backends": {"a": {"command": ["a"]}}}))
+    keeper = TurnBook(TaskRegistry(db, "inst-a"), validate({"backends": {"a": {"command": ["a"]}}}), Stopping())
     turn = _turn()
     turn.start("lease-1", None)
     real_create = keeper.tasks.create

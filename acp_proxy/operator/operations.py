@@ -196,7 +196,7 @@ class Operations:
         adapter = session.live_adapter
         if adapter is None:
             return {"sessionId": session.session_id, "suspended": True, "already": True}
-        if not await self.proxy.intents.suspend(session.session_id, "an operator asked"):
+        if not self.proxy.intents.suspend(session.session_id, "an operator asked"):
             raise ControlError(
                 "busy", f"session {session.session_id} is busy (a turn or request is in flight); cancel it or wait"
             )

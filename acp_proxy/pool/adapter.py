@@ -62,7 +62,7 @@ class PendingCall:
     gateway_id: RequestId = None
     internal: InternalCall | None = None
     session_id: str | None = None
-    """For a request that opens or ends a session on the adapter (load, resume, close): the one it names."""
+    """For a request that names the session it opens or ends on the adapter (load, resume, close)."""
     on_answer: Callable[[Message], Message | None] | None = None
     """Called with the adapter's answer before it is forwarded (the proxy's bookkeeping); what it
     returns, if anything, is forwarded instead."""
@@ -238,10 +238,7 @@ class Adapter:
         if turn is not None:
             call.turn = self.turn = turn
         self.last_active = time.monotonic()
-        params = msg.params
-        if self.rewrites_session and self.gateway_session is not None and self.adapter_session is not None:
-            params = rewrite_session_id(params, self.gateway_session, self.adapter_session)
-        out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=params)
+        out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))
         try:
             await self.send(jsonrpc.encode(out))
         except AdapterGone:
@@ -295,10 +292,16 @@ class Adapter:
     async def pass_on(self, msg: Message, line: bytes) -> None:
         """Send a gateway notification on: the very line it came as, or with ``sessionId`` rewritten."""
         data = line + b"\n"
-        if self.rewrites_session and self.gateway_session is not None and self.adapter_session is not None:
-            msg.params = rewrite_session_id(msg.params, self.gateway_session, self.adapter_session)
+        if self.rewrites_session:
+            msg.params = self.to_adapter_ids(msg.params)
             data = jsonrpc.encode(msg)
         await self.send(data)
+
+    def to_adapter_ids(self, params: Raw | UnsetType) -> Raw | UnsetType:
+        """``params`` with the stable ``sessionId`` replaced by the adapter's own, where they differ."""
+        if self.rewrites_session and self.gateway_session is not None and self.adapter_session is not None:
+            return rewrite_session_id(params, self.gateway_session, self.adapter_session)
+        return params
 
     def take_call_of(self, turn: Turn) -> PendingCall | None:
         """Forget the prompt request of ``turn`` (to answer it ourselves)."""

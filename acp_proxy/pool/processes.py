@@ -13,7 +13,7 @@ import collections
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Final
 
 import anyio
@@ -35,8 +35,9 @@ log = logging.getLogger("acp_proxy.lifecycle")
 DRAIN_TIMEOUT: Final = 1.0
 """How long to keep relaying an exited adapter's last output before closing its stdout."""
 
-Suspend = Callable[[str, str], Awaitable[bool]]
-"""Suspend the session of this id if it is idle (the reason for the log); False if it is not."""
+Suspend = Callable[[str, str], bool]
+"""Suspend the session of this id if it is idle (the reason for the log); False if it is not.
+Synchronous, so that the plan's choice and the suspension happen in one step."""
 
 
 def slot_key(adapter: Adapter) -> str:
@@ -164,7 +165,7 @@ class ProcessPool:
                         if decision.evict is None:
                             self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
                             return
-                        if await self.evict(decision.evict):
+                        if self.evict(decision.evict):
                             # The slot is ours once its process has exited: a wait bounded by the
                             # teardown's own graces, not by acquire_timeout (that is for busy sessions).
                             await changed.wait()
@@ -188,7 +189,7 @@ class ProcessPool:
         self._reserved[backend.name] -= 1
         self.changed.notify()
 
-    async def evict(self, slot: Slot, why: str = "least recently used") -> bool:
+    def evict(self, slot: Slot, why: str = "least recently used") -> bool:
         """Suspend what the plan chose (a spare is simply stopped); False if it is no longer idle.
 
         The bookkeeping happens at once, before anything waits, so the slot is free for
@@ -204,7 +205,7 @@ class ProcessPool:
                 log.info("pool: stopping a spare %s adapter (%s)", adapter.backend.name, why)
                 self.stop_in_background(adapter)
                 return True
-            return await self._suspend(adapter.gateway_session, why)
+            return self._suspend(adapter.gateway_session, why)
         return False
 
     async def suspend_idle(self) -> None:
@@ -216,7 +217,7 @@ class ProcessPool:
             if self.stopping.begun:
                 return
             for slot in expired(self.slots(), time.monotonic(), ttl):
-                await self.evict(slot, f"idle for {ttl:g}s")
+                self.evict(slot, f"idle for {ttl:g}s")
 
     # --- starting ------------------------------------------------------------------------------
 

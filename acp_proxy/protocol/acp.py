@@ -17,6 +17,7 @@ from msgspec import UNSET, Raw, UnsetType
 from acp_proxy import __version__
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import RequestId
+from acp_proxy.protocol.methods import Method, facts
 
 PROXY_META: Final = "acp-proxy"
 """The proxy's own key in ``_meta``, both ways."""
@@ -70,13 +71,26 @@ class AgentCapabilities:
         obj = jsonrpc.decode_object(result) or {}
         capabilities = obj.get("agentCapabilities")
         capabilities = capabilities if isinstance(capabilities, dict) else {}
-        sessions = capabilities.get("sessionCapabilities")
-        sessions = sessions if isinstance(sessions, dict) else {}
         return cls(
-            load=capabilities.get("loadSession") is True,
-            resume=isinstance(sessions.get("resume"), dict),
-            close=isinstance(sessions.get("close"), dict),
+            load=advertises(capabilities, Method.LOAD),
+            resume=advertises(capabilities, Method.RESUME),
+            close=advertises(capabilities, Method.CLOSE),
         )
+
+
+def advertises(capabilities: dict[str, Any], method: str) -> bool:
+    """Whether capabilities (the agent's, for a client->agent method) advertise ``method``.
+
+    The method table names the entry; it advertises the method when it is ``true`` or an
+    object (``{}``); absent means unsupported. A method gated on nothing is always there.
+    """
+    path = facts(method).capability
+    if path is None:
+        return True
+    value: object = capabilities
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value is True or isinstance(value, dict)
 
 
 def annotate_initialize(result: Raw, backend: str) -> Raw:

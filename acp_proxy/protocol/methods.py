@@ -69,7 +69,8 @@ class MethodFacts:
     setting: bool = False
     """A session setting: recorded on success and re-applied after a resume."""
     capability: str | None = None
-    """The ``agentCapabilities`` entry that advertises it (dotted path; ``None``: always there)."""
+    """The capability entry that advertises it, a dotted path in the handling side's capabilities
+    (``agentCapabilities`` for a client->agent method; ``None``: always there). See ``acp.advertises``."""
     effect: Effect = Effect.NONE
 
 

@@ -18,7 +18,7 @@ from typing import Any, Final
 import anyio
 from msgspec import UNSET, Raw
 
-from acp_proxy.concurrency import Stopping
+from acp_proxy.concurrency import Background, Stopping
 from acp_proxy.config import Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone, PendingCall
 from acp_proxy.pool.processes import ProcessPool
@@ -106,9 +106,11 @@ class AdapterRelay:
         turns: TurnBook,
         intents: SessionIntents,
         writer: GatewayWriter,
+        background: Background,
         stopping: Stopping,
     ) -> None:
         self.config = config
+        self.background = background
         self.pool = pool
         self.turns = turns
         self.intents = intents
@@ -157,7 +159,7 @@ class AdapterRelay:
 
     def attach(self, adapter: Adapter) -> None:
         """A new adapter is running: relay its output from now on (the pool calls this)."""
-        self.pool.background.start_task(self._relay, adapter)
+        self.background.start_task(self._relay, adapter)
 
     async def _relay(self, adapter: Adapter) -> None:
         reader = adapter.lines

@@ -151,7 +151,7 @@ class GatewayConnection:
                         await self.relay.answer_from_gateway(msg)
                 except sqlite3.Error as exc:
                     state_failed(self.registry.db.path, exc)
-                    if kind is Kind.REQUEST:
+                    if kind is Kind.REQUEST and msg.id is not None:
                         await self.writer.fail(msg.id, ProxyError.state_error(exc))
 
     # --- requests -----------------------------------------------------------------------------
@@ -161,13 +161,12 @@ class GatewayConnection:
         route = ROUTES.get(msg.method)
         if route is not None:
             await route(self, msg)
-            return
-        session_id = session_of(msg.params)
-        if session_id is not None:
-            await self.intents.forward(msg, session_id)
         elif routed_by_session(msg.method):
-            message = f"Invalid params: {msg.method} needs params.sessionId, a string"
-            await self.writer.fail(msg.id, ProxyError.invalid_params(message))
+            session_id = await self._session_id_or_fail(msg)
+            if session_id is not None:
+                await self.intents.forward(msg, session_id)
+        elif (session_id := session_of(msg.params)) is not None:
+            await self.intents.forward(msg, session_id)  # a method the table does not know, for a session
         else:
             self.background.start(lambda: self._to_any(msg))
 
@@ -194,7 +193,7 @@ class GatewayConnection:
     async def _close(self, msg: Message) -> None:
         session_id = await self._session_id_or_fail(msg)
         if session_id is not None:
-            await self.intents.close(session_id, msg.id)  # ordered now; the work queues behind the session's
+            await self.intents.close(session_id, msg)  # ordered now; the work queues behind the session's
 
     async def _load_or_resume(self, msg: Message) -> None:
         session_id = await self._session_id_or_fail(msg)
@@ -245,7 +244,7 @@ class GatewayConnection:
             log.info("dropped %s: its params name no session", msg.method)
             return
         session = self.intents.table.get(session_id) if session_id is not None else None
-        if msg.method == Method.CANCEL and session is not None:
+        if msg.method == Method.CANCEL and session is not None:  # forwarded by the intent, never reaps
             await self.intents.cancel(session, by="the gateway", notification=(msg, line))
             return
         adapter: Adapter | None

@@ -27,7 +27,7 @@ import anyio
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from acp_proxy.concurrency import Stopping
+from acp_proxy.concurrency import Background, Stopping
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter, AdapterGone
@@ -148,6 +148,7 @@ class SessionIntents:
         pool: ProcessPool,
         turns: TurnBook,
         gateway: GatewayPort,
+        background: Background,
         stopping: Stopping,
     ) -> None:
         self.config = config
@@ -156,6 +157,7 @@ class SessionIntents:
         self.pool = pool
         self.turns = turns
         self.gateway = gateway
+        self.background = background
         self.stopping = stopping
         self.restorer = Restorer(config, registry, table, pool, gateway)
         self._queued_ids: set[RequestId] = set()
@@ -303,8 +305,14 @@ class SessionIntents:
                     self.turns.settle(turn, error=(exc.code, exc.message))
                 await self.gateway.fail(msg.id, exc)
                 return
-            if adapter is None:  # a close cut the resume short
+            if adapter is None and session.closed:  # a close cut the resume short
                 await self._answered_while_queued(session, msg, epoch, turn, closed=True)
+                return
+            if adapter is None:  # its new process died as it came up: the session stays suspended
+                exited = ProxyError.adapter_exited(None, session.record.backend, during=Method.RESUME)
+                if turn is not None:
+                    self.turns.settle(turn, error=(exited.code, exited.message))
+                await self.gateway.fail(msg.id, exited)
                 return
             if await self._answered_while_queued(session, msg, epoch, turn):
                 return
@@ -353,6 +361,10 @@ class SessionIntents:
         return session.live_adapter
 
     async def _fail_unknown(self, request_id: RequestId | UnsetType, session_id: str) -> None:
+        held = self.table.get(session_id)
+        if held is not None and held.closed:  # being closed here: its row says so only once it is reaped
+            await self.gateway.fail(request_id, ProxyError.session_closed(session_id))
+            return
         await self.gateway.fail(request_id, unknown_session_error(session_id, self.registry.get(session_id)))
 
     # --- cancel -------------------------------------------------------------------------------
@@ -381,9 +393,16 @@ class SessionIntents:
             return
         adapter = session.live_adapter
         if adapter is None:
-            return  # suspended: nothing runs
+            log.info("dropped session/cancel for session %s: it has no live process", session.session_id)
+            return
         if by is not None:
             self.turns.note(adapter.turn, "cancel_requested", f"by {by}")
+        await self._ask_to_end_turn(session, adapter, notification)
+
+    async def _ask_to_end_turn(
+        self, session: Session, adapter: Adapter, notification: tuple[Message, bytes] | None = None
+    ) -> None:
+        """``session/cancel`` to the adapter: the gateway's own, else one under the id the adapter knows."""
         try:
             if notification is not None:
                 await adapter.pass_on(*notification)
@@ -391,49 +410,47 @@ class SessionIntents:
                 cancel = {"sessionId": adapter.adapter_session or session.session_id}
                 await adapter.send(jsonrpc.notification(Method.CANCEL, cancel))
         except AdapterGone:
-            log.info("session/cancel for session %s not sent: the adapter has exited", session.session_id)
+            log.info("dropped session/cancel: the adapter has exited")
 
     # --- close --------------------------------------------------------------------------------
 
-    async def close(self, session_id: str, request_id: RequestId | UnsetType | None) -> Session | None:
+    async def close(self, session_id: str, request: Message | None) -> Session | None:
         """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, mark it closed.
 
         A resume in progress is cut short, and requests queued for the session are answered
-        (prompts ``cancelled``) rather than sent. ``request_id`` is the gateway's request, answered
-        once the session is gone (``None``: an operator's close). The session being closed, or
-        ``None`` if there is no such session to close.
+        (prompts ``cancelled``) rather than sent. ``request`` is the gateway's, answered once the
+        session is gone (``None``: an operator's close). The session being closed, or ``None`` if
+        there is no such session to close.
         """
         session = self.table.find(session_id)
         if session is None or session.closed:
-            if request_id is not None:
-                await self._fail_unknown(request_id, session_id)
+            if request is not None:
+                await self._fail_unknown(request.id, session_id)
             return None
         session.closed = True
         session.cancel_epoch += 1
         if session.resume_scope is not None:
             session.resume_scope.cancel()
-        self.table.enqueue(session, lambda: self._reap_closed(session, request_id))
+        self.table.enqueue(session, lambda: self._reap_closed(session, request))
         return session
 
-    async def _reap_closed(self, session: Session, request_id: RequestId | UnsetType | None) -> None:
-        adapter = session.live_adapter
+    async def _reap_closed(self, session: Session, request: Message | None) -> None:
+        adapter, session.adapter = session.live_adapter, None
         if adapter is not None:
             await self._end_turns(session, adapter)
-            session.adapter = None
             await self.pool.stop(adapter)
-        session.adapter = None
         if session.stopping is not None:
             await session.stopping.wait()
         self.registry.mark_closed(session.session_id)
         self.table.forget(session)
         log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
-        if request_id is not None:
-            await self.gateway.answer(request_id, {})
+        if request is not None:
+            await self.gateway.answer(request.id, {})
 
     async def _end_turns(self, session: Session, adapter: Adapter) -> None:
         """Cancel the turn in flight, give the adapter ``close_timeout`` to end it, answer the rest ourselves."""
         if adapter.turn_in_flight:
-            await self.cancel(session, by=None)
+            await self._ask_to_end_turn(session, adapter)
             with anyio.move_on_after(self.config.shutdown.close_timeout):
                 await adapter.answered.until(lambda: not adapter.turn_in_flight or adapter.gone)
         for call in adapter.take_gateway_calls():
@@ -446,11 +463,13 @@ class SessionIntents:
 
     # --- suspend ------------------------------------------------------------------------------
 
-    async def suspend(self, session_id: str, why: str, *, even_if_busy: bool = False) -> bool:
+    def suspend(self, session_id: str, why: str, *, even_if_busy: bool = False) -> bool:
         """Suspend a session: it keeps its mapping and is resumable; its process is stopped in the background.
 
         Only an idle session (nothing in flight, nothing queued), unless ``even_if_busy``
-        (a turn the proxy has answered itself). False if it was not suspended.
+        (a turn the proxy has answered itself). False if it was not suspended. Not a coroutine
+        on purpose: the pool decides whom to suspend and this bookkeeping follows in the same
+        step, with no point in between where another task could take the session.
         """
         session = self.table.get(session_id)
         if session is None:
@@ -507,13 +526,13 @@ class SessionIntents:
         self.turns.settle(turn, stop_reason="cancelled")
         if session.adapter is adapter and not session.closed:
             log.warning(
-                "session %s: pid %s did not end the timed-out turn within %gs; stopping it",
+                "session %s: pid %s did not end the timed-out turn within %gs; stopping it (session suspended)",
                 session.session_id,
                 adapter.pid,
                 self.config.shutdown.close_timeout,
                 extra=turn_ids(turn),
             )
-            await self.suspend(session.session_id, "turn_timeout", even_if_busy=True)
+            self.suspend(session.session_id, "turn_timeout", even_if_busy=True)
 
     # --- resume -------------------------------------------------------------------------------
 
@@ -525,7 +544,7 @@ class SessionIntents:
             if record is not None and record.state is not SessionState.CLOSED:
                 await self._fail_unknown(msg.id, session_id)  # live in another proxy
             else:
-                self.table.background.start(lambda: self._adopt(msg, session_id))
+                self.background.start(lambda: self._adopt(msg, session_id))
             return
         self.table.enqueue(session, lambda: self._resume_when_ready(session, msg))
 

@@ -95,10 +95,10 @@ def turn_ids(turn: Turn) -> dict[str, Any]:
 class TurnBook:
     """The tasks of the prompts this proxy serves: opened, followed, settled once, written when it can."""
 
-    def __init__(self, tasks: TaskRegistry, config: Config, stopping: Stopping | None = None) -> None:
+    def __init__(self, tasks: TaskRegistry, config: Config, stopping: Stopping) -> None:
         self.tasks = tasks
         self.config = config
-        self.stopping = stopping or Stopping()
+        self.stopping = stopping
         self.turns: dict[str, Turn] = {}
         """Tasks of this proxy not yet settled, by task id."""
         self.unwritten: dict[str, Turn] = {}
