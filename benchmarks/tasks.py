@@ -310,7 +310,7 @@ def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argp
 
 
 def new_turn(index: int) -> Turn:
-    """A turn as ``TaskKeeping.open_turn`` makes one for a gateway's prompt."""
+    """A turn as ``TurnBook.open_turn`` makes one for a gateway's prompt."""
     return Turn(
         task_id=new_task_id(),
         session_id=f"sess-bench-{index % TURN_SESSIONS:02d}",

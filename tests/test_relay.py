@@ -2,7 +2,7 @@
 
 Each test runs the proxy as a subprocess on the test's anyio backend, in front of
 the scriptable fake adapter. Everything the proxy writes on either connection is
-validated against the ACP schema (see ``harness.Gateway``), and no process the
+validated against the ACP schema (see ``support.Gateway``), and no process the
 test started may outlive it (see ``conftest.proc_env``).
 """
 
