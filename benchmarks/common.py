@@ -12,8 +12,8 @@ from typing import Any
 
 import psutil
 
-from acp_proxy.kit import markers
-from acp_proxy.kit.gateway import GatewayError
+from tests.kit import markers
+from tests.kit.gateway import GatewayError
 
 ROOT = Path(__file__).resolve().parent.parent
 PYCACHE = ROOT / "bench-results" / "pycache"

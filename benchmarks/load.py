@@ -68,7 +68,6 @@ from typing import Any
 
 import psutil
 
-from acp_proxy.kit.gateway import Closed, SyncGateway
 from benchmarks.common import (
     BENCH_MARKER,
     ROOT,
@@ -84,6 +83,7 @@ from benchmarks.common import (
     proxy_mode,
     table,
 )
+from tests.kit.gateway import Closed, SyncGateway
 
 LOAD_AGENT = ROOT / "benchmarks" / "load_agent.py"
 LOAD_PROXY = ROOT / "benchmarks" / "load_proxy.py"

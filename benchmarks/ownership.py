@@ -44,7 +44,6 @@ from typing import Any
 import anyio
 
 from acp_proxy.config import ShutdownConfig
-from acp_proxy.kit.markers import alive, start_ticks
 from acp_proxy.ownership.instances import start_instance
 from acp_proxy.ownership.leases import ACTIVE_STATES, LeaseState, create_lease, get_lease, record_spawn, set_state
 from acp_proxy.ownership.owner import Owner
@@ -68,6 +67,7 @@ from benchmarks.common import (
     table,
     verdict,
 )
+from tests.kit.markers import alive, start_ticks
 
 TREE_ADAPTER = ROOT / "benchmarks" / "tree_adapter.py"
 COOPERATIVE = "cooperative"

@@ -61,7 +61,6 @@ from typing import Any
 import msgspec
 import psutil
 
-from acp_proxy.kit.gateway import GatewayError, SyncGateway
 from benchmarks import load, ownership, sessions, tasks
 from benchmarks.common import (
     ROOT,
@@ -78,6 +77,7 @@ from benchmarks.common import (
     table,
     verdict,
 )
+from tests.kit.gateway import GatewayError, SyncGateway
 
 AGENT = ROOT / "benchmarks" / "stream_agent.py"
 RESULTS = ROOT / "bench-results" / "bench.json"

@@ -55,7 +55,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from acp_proxy.kit.gateway import RpcError, SyncGateway
 from acp_proxy.sessions.registry import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
 from acp_proxy.state import StateDB
 from benchmarks.common import (
@@ -74,6 +73,7 @@ from benchmarks.common import (
     table,
     verdict,
 )
+from tests.kit.gateway import RpcError, SyncGateway
 
 SESSION_AGENT = ROOT / "benchmarks" / "session_agent.py"
 DIRECT = "direct"

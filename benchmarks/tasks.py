@@ -48,7 +48,6 @@ from typing import Any
 
 import msgspec
 
-from acp_proxy.kit.gateway import SyncGateway
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
 from benchmarks.common import (
@@ -68,6 +67,7 @@ from benchmarks.common import (
 )
 from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, call, connect, mode_label, stop
 from benchmarks.stream_agent import update_line
+from tests.kit.gateway import SyncGateway
 
 STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
 DIRECT = "direct"

@@ -59,8 +59,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from acp_proxy.kit import markers
-from acp_proxy.kit.gateway import Closed, SyncGateway
+from tests.kit import markers
+from tests.kit.gateway import Closed, SyncGateway
 
 REPO = Path(__file__).resolve().parent.parent
 NPM_PACKAGES = ("acpx@latest", "@zed-industries/codex-acp@latest", "@zed-industries/claude-agent-acp@latest")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from acp_proxy.kit import markers
+from tests.kit import markers
 from tests.support import MARKER_VARIABLE, marked_processes
 
 # Config files the tests write must not be group-writable (the proxy refuses those), whatever

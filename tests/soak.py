@@ -50,9 +50,9 @@ import anyio
 import anyio.abc
 import psutil
 
-from acp_proxy.kit import markers
-from acp_proxy.kit.gateway import Closed, Gateway
 from tests.conformance import ConformanceError, Conversation
+from tests.kit import markers
+from tests.kit.gateway import Closed, Gateway
 from tests.support import MARKER_VARIABLE, fake_command, marked_processes
 
 ANSWER_TIMEOUT = 60.0

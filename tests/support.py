@@ -1,7 +1,7 @@
 """What the tests share: a real proxy driven as a gateway drives it, the fake adapter, and their helpers.
 
 ``Gateway.start`` launches ``python -m acp_proxy [...] -- fake_adapter.py OPTIONS`` on
-the test's own anyio backend, through the kit's client (``acp_proxy.kit.gateway``).
+the test's own anyio backend, through the kit's client (``tests.kit.gateway``).
 Every message the proxy writes to the gateway is validated against the ACP schema as
 it arrives; every line it writes to the adapter is recorded by the fake adapter and
 validated when the gateway closes.
@@ -25,10 +25,10 @@ from typing import Any
 import anyio
 import sniffio
 
-from acp_proxy.kit import gateway, markers
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.state import StateDB
 from tests.conformance import Conversation
+from tests.kit import gateway, markers
 
 TESTS = Path(__file__).parent
 FAKE_ADAPTER = TESTS / "fake_adapter.py"

@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 import pytest
 
-from acp_proxy.kit import markers
-from acp_proxy.kit.gateway import Closed, Gateway, RpcError, SyncGateway
+from tests.kit import markers
+from tests.kit.gateway import Closed, Gateway, RpcError, SyncGateway
 from tests.support import MARKER_VARIABLE, fake_command
 
 ALLOW = {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}

@@ -576,7 +576,12 @@ async def test_a_corrupt_database_is_a_clear_message_not_a_traceback(proc_env: d
 def test_the_demo_runs_clean(proc_env: dict[str, str]) -> None:
     """``scripts/demo``, a new user's first command, passes every one of its own checks."""
     result = subprocess.run(
-        [sys.executable, "-m", "acp_proxy.examples.demo"], env=proc_env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "scripts.demo"],
+        env=proc_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "✗" not in result.stdout

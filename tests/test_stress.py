@@ -35,7 +35,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from acp_proxy.kit import markers
+from tests.kit import markers
 from tests.support import RESUME_AND_LOAD, Gateway, pid_alive, survivors, write_config
 
 pytestmark = pytest.mark.anyio

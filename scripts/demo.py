@@ -2,7 +2,7 @@
 
 The "gateway" here is this script: it launches ``acp-proxy --config demo.toml``
 exactly as an editor or chat bridge would launch an agent, speaks ACP to it over
-stdio (with the kit's client, ``acp_proxy.kit.gateway``), and narrates each step.
+stdio (with the kit's client, ``tests.kit.gateway``), and narrates each step.
 The config runs the example echo agent (which keeps session histories on disk, as
 real adapters do) with ``max_live = 1``: two sessions share one live process slot,
 so one of them is always suspended.
@@ -19,8 +19,8 @@ import tempfile
 import time
 from typing import Any
 
-from acp_proxy.kit.gateway import SyncGateway
 from acp_proxy.protocol.methods import Method
+from tests.kit.gateway import SyncGateway
 
 BOLD, DIM, GREEN, RED, CYAN, RESET = "\033[1m", "\033[2m", "\033[32m", "\033[31m", "\033[36m", "\033[0m"
 if not sys.stdout.isatty() or os.environ.get("NO_COLOR"):
