@@ -127,6 +127,10 @@ class Adapter:
     def turn_in_flight(self) -> bool:
         return any(call.internal is None for call in self.pending.values())
 
+    async def until_answered(self) -> None:
+        """Until the gateway's requests in flight on this process are answered, or it is gone."""
+        await self.answered.until(lambda: self.gone or not self.turn_in_flight)
+
     @property
     def busy(self) -> bool:
         """Not suspendable: a request of the gateway's or a request to the gateway is pending."""

@@ -99,9 +99,14 @@ class GatewayConnection:
         with anyio.CancelScope(shield=True):
             if not self.stopping.refusing:
                 # Gateway EOF: what it sent before leaving is still served, for a while (a client
-                # may pipe in its requests and read the answers after closing its end).
+                # may pipe in its requests and read the answers after closing its end). Requests
+                # already with an adapter get its stdin grace to be answered before its stdin is
+                # closed, so that an adapter that ends by itself meanwhile is told apart from one
+                # that ends because the proxy stopped it.
                 with anyio.move_on_after(shutdown.stdin_grace + SHUTDOWN_WRITE_GRACE):
                     await self.background.wait_idle()
+                with anyio.move_on_after(shutdown.stdin_grace):
+                    await self._until_answered()
             self.pool.refuse()  # requests still waiting for a process slot give up (proxy_shutdown)
             await self.pool.stop_warm()
             if self.stopping.reason is not None:
@@ -120,6 +125,11 @@ class GatewayConnection:
             suspended = self.registry.suspend_all_of_this_instance()
             if suspended:
                 log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
+
+    async def _until_answered(self) -> None:
+        """Until every request the gateway sent to an adapter is answered (or its adapter is gone)."""
+        for adapter in list(self.pool.running):
+            await adapter.until_answered()
 
     # --- reading ------------------------------------------------------------------------------
 

@@ -452,7 +452,7 @@ class SessionIntents:
         if adapter.turn_in_flight:
             await self._ask_to_end_turn(session, adapter)
             with anyio.move_on_after(self.config.shutdown.close_timeout):
-                await adapter.answered.until(lambda: not adapter.turn_in_flight or adapter.gone)
+                await adapter.until_answered()
         for call in adapter.take_gateway_calls():
             if call.method == Method.PROMPT:
                 if call.turn is not None:
