@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import psutil
 
+from acp_proxy.ownership.proctable import TableUnavailable, default_table
+
 PROC = os.path.isdir("/proc/self")
+_TABLE = default_table()
 
 
 @dataclass(frozen=True)
@@ -38,20 +41,16 @@ class Marked:
 
 
 def start_ticks(pid: int) -> int | None:
-    """The start time of a live process (not a zombie) in clock ticks, or None if there is none."""
-    if not PROC:
-        try:
-            process = psutil.Process(pid)
-            return None if process.status() == psutil.STATUS_ZOMBIE else round(process.create_time() * 100)
-        except psutil.Error:
-            return None
+    """The start time of a live process (not a zombie) in clock ticks, or None if there is none.
+
+    Read through the proxy's own process table (``/proc``, else psutil), so the kit and the
+    ownership layer agree on what a process's identity is.
+    """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
+        info = _TABLE.info(pid)
+    except TableUnavailable:
         return None
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+    return None if info is None or info.zombie else info.start_ticks
 
 
 def alive(pid: int, ticks: int | None = None) -> bool:
