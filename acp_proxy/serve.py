@@ -57,7 +57,7 @@ async def serve_gateway(
     registry = SessionRegistry(owner.db, owner.instance_id)
     for session_id in registry.adopt_orphans():
         log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
-    turns = TurnBook(TaskRegistry(owner.db, owner.instance_id), config, stopping)
+    turns = TurnBook(TaskRegistry(owner.db, owner.instance_id), config, stopping, prune_also=registry.prune_deleted)
     turns.maintain()
     async with anyio.create_task_group() as tasks:
         background = Background(tasks, owner.db.path)

@@ -129,6 +129,46 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX tasks_by_created ON tasks (created_at);
     CREATE INDEX tasks_by_end ON tasks (ended_at);
     """,
+    # 4: sessions as ACP v1 defines them: closed is restorable, deleted is a tombstone; titles; forks
+    """
+    CREATE TABLE sessions_v4 (
+        session_id TEXT PRIMARY KEY,
+        adapter_session_id TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('live', 'suspended', 'resuming', 'closed', 'deleted')),
+        instance_id TEXT,
+        lease_id TEXT,
+        cwd TEXT NOT NULL,
+        mcp_servers TEXT NOT NULL,
+        additional_directories TEXT,
+        settings TEXT NOT NULL,
+        auth_method TEXT,
+        session_key TEXT,
+        owner_session_key TEXT,
+        spawned_by TEXT,
+        parent_session_key TEXT,
+        agent_id TEXT,
+        history_resets INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL,
+        last_active_at REAL NOT NULL,
+        closed_at REAL,
+        title TEXT,
+        title_updated_at TEXT,
+        parent_session_id TEXT,
+        deleted_at REAL
+    );
+    INSERT INTO sessions_v4 (session_id, adapter_session_id, backend, state, instance_id, lease_id, cwd,
+        mcp_servers, additional_directories, settings, auth_method, session_key, owner_session_key, spawned_by,
+        parent_session_key, agent_id, history_resets, created_at, last_active_at, closed_at)
+    SELECT session_id, adapter_session_id, backend, state, instance_id, lease_id, cwd, mcp_servers,
+        additional_directories, settings, auth_method, session_key, owner_session_key, spawned_by,
+        parent_session_key, agent_id, history_resets, created_at, last_active_at, closed_at FROM sessions;
+    DROP TABLE sessions;
+    ALTER TABLE sessions_v4 RENAME TO sessions;
+    CREATE INDEX sessions_by_state ON sessions (state, backend);
+    CREATE INDEX sessions_by_instance ON sessions (instance_id, state);
+    CREATE INDEX sessions_by_deleted ON sessions (deleted_at) WHERE state = 'deleted';
+    """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

@@ -240,13 +240,20 @@ def main() -> int:
     error = gw.expect(lambda m: "error" in m, timeout=15)
     line("proxy → gateway", f"error {error['error']['code']}: {error['error']['message']}")
 
-    step("8. session/close ends A for good and reaps its tree")
+    step("8. session/close frees A's processes; session/delete removes it for good")
     tree = [p["pid"] for p in resumed["processes"]]
     request(gw, Method.CLOSE, {"sessionId": first})
     check(
-        not any(pid_alive(pid) for pid in tree) and first not in sessions_view(env, gw),
-        f"closed: none of its {len(tree)} processes is left, and it is no longer listed",
+        not any(pid_alive(pid) for pid in tree) and sessions_view(env, gw).get(first) == "closed",
+        f"closed: none of its {len(tree)} processes is left; it is still listed (closed), and the gateway's"
+        " session/load would bring it back",
         f"still running: {[p for p in tree if pid_alive(p)]}",
+    )
+    request(gw, Method.DELETE, {"sessionId": first})
+    check(
+        first not in sessions_view(env, gw),
+        "deleted: no longer listed, and no load brings it back",
+        "still listed after session/delete",
     )
 
     step("9. The gateway goes away")

@@ -47,11 +47,16 @@ then the turn ends with end_turn unless a command ended it first.
     emit Z             write base64(zlib(bytes)) Z to stdout exactly as the bytes are, not recorded:
                        garbage, broken or oversized lines, stray messages (compressed so that a
                        long line fits in a prompt under the proxy's line limit)
+    title T            a session_info_update with title T (and updatedAt now); "title -" clears it
+    background S       after the turn has ended, keep sending an agent_message_chunk every 0.1 s for
+                       S seconds (background work, as agents with background shells do)
 
 A turn that ends (whatever the stop reason) counts as completed; a crash does not.
 
 Sessions: session/load replays the history then answers; session/resume answers without
-replaying; session/close forgets the session in memory (the stored file stays). A session
+replaying; session/close forgets the session in memory (the stored file stays);
+session/delete forgets it in memory and in the store; session/fork copies the session
+(history and turns) under a new id; logout forgets the methodIds authenticated. A session
 not in memory is read from the store; unknown sessions get -32002, except that a prompt
 for one starts it afresh. session/set_mode and session/set_config_option record the value
 (answers {} and {"configOptions": []}); authenticate records its methodId.
@@ -251,6 +256,23 @@ class FakeAdapter:
                 self.session(params.get("sessionId"))
                 del self.sessions[params["sessionId"]]
             return {}
+        if method == "session/delete":
+            with self.sessions_lock:
+                self.sessions.pop(params.get("sessionId"), None)
+                path = self.stored_path(params.get("sessionId"))
+                if path is not None and os.path.exists(path):
+                    os.remove(path)
+            return {}
+        if method == "session/fork":
+            with self.sessions_lock:
+                parent = self.session(params.get("sessionId"))
+                fork_id = self.new_session_id()
+                self.sessions[fork_id] = {**json.loads(json.dumps(parent)), "mode": parent["mode"]}
+                self.persist(fork_id)
+            return {"sessionId": fork_id}
+        if method == "logout":
+            self.authenticated.clear()
+            return {}
         if method == "session/set_mode":
             with self.sessions_lock:
                 self.session(params.get("sessionId"))["mode"] = params.get("modeId")
@@ -388,12 +410,27 @@ class FakeAdapter:
                 self.say(session_id, json.dumps(report, sort_keys=True))
         elif verb == "auth":
             self.say(session_id, json.dumps(self.authenticated))
+        elif verb == "title":
+            title = None if arg == "-" else arg
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            info = {"sessionUpdate": "session_info_update", "title": title, "updatedAt": stamp}
+            self.send({"method": "session/update", "params": {"sessionId": session_id, "update": info}})
+        elif verb == "background":
+            threading.Thread(target=self.background, args=(session_id, float(arg)), daemon=True).start()
         elif verb == "emit":
             with self.out_lock:
                 sys.stdout.flush()
                 sys.stdout.buffer.write(zlib.decompress(base64.b64decode(arg)))
                 sys.stdout.buffer.flush()
         return None
+
+    def background(self, session_id: str, seconds: float) -> None:
+        time.sleep(0.05)  # the turn's answer goes first
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            chunk = {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "working "}}
+            self.send({"method": "session/update", "params": {"sessionId": session_id, "update": chunk}})
+            time.sleep(0.1)
 
     @staticmethod
     def permission_params(session_id: str) -> dict[str, Any]:

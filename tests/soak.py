@@ -3,23 +3,24 @@
 Several workers drive one proxy at a time, each with sessions of its own over three
 backends of the fake adapter (``alpha``: resume and load, modes; ``beta``: load only,
 modes, chatty; ``gamma``: ignores SIGTERM and stdin EOF, turns time out after 2 s).
-Operations: session/new, prompt (streaming, spawning a tree, escaping with setsid
-and a double fork), cancel, close, load, list, set_mode, a prompt to a closed session,
-and a ``state`` prompt that asks the adapter what it knows. Faults: an adapter crash
-mid-turn, an adapter hang (the turn timeout ends it), the stubborn backend's teardown,
-grandchild escapes, and each proxy's end, drawn per epoch: a clean gateway EOF, a
-gateway EOF in the middle of turns, or SIGKILL of the proxy, after which the next proxy
-starts on the same state dir. Decoy processes that look like the proxy's own run
-throughout.
+Operations: session/new, prompt (streaming, spawning a tree, escaping with setsid and a
+double fork), cancel, close, load (of open and of closed sessions: close is not delete),
+delete, list, set_mode, a prompt to a closed or deleted session, and a ``state`` prompt
+that asks the adapter what it knows. Faults: an adapter crash mid-turn, an adapter hang
+(the turn timeout ends it), the stubborn backend's teardown, grandchild escapes, and
+each proxy's end, drawn per epoch: a clean gateway EOF, a gateway EOF in the middle of
+turns, or SIGKILL of the proxy, after which the next proxy starts on the same state
+dir. Decoy processes that look like the proxy's own run throughout.
 
 Checked after the run: no process with the run's marker survives, every decoy is alive
 (nothing outside the leases was signalled), every request got exactly one answer
 (except those in flight when a proxy was SIGKILLed: those are counted), every session
-not closed is still resumable with its history (``session/load`` replays what the
-adapter reports, its completed turns are within what the gateway saw, its mode is the
-last one set), ``session/list`` agrees, the database passes ``PRAGMA integrity_check``,
-and every task and lease has ended. Each ``state`` prompt checks turns and mode along
-the way too.
+not deleted (a closed one by the gateway's own load) is still resumable with its
+history (``session/load`` replays what the adapter reports, its completed turns are
+within what the gateway saw, its mode is the last one set), ``session/list`` agrees
+(closed sessions listed as closed, deleted ones not at all), the database passes
+``PRAGMA integrity_check``, and every task and lease has ended. Each ``state`` prompt
+checks turns and mode along the way too.
 
 The sequence of operations and faults follows from the seed; the interleaving of the
 workers depends on timing, as it would in production. ``scripts/soak --ops N`` runs it
@@ -79,6 +80,8 @@ OP_WEIGHTS = {
     "list": 5,
     "close": 4,
     "closed_probe": 2,
+    "reopen": 2,
+    "delete": 1,
     "new": 6,
 }
 ENDINGS = {"clean": 2, "eof_mid_turn": 2, "sigkill": 3}
@@ -110,6 +113,7 @@ class Tracked:
     modes: set[str | None] = dataclasses.field(default_factory=set)
     closed: bool | None = False  # None: a close was in flight when its proxy ended
     closing: bool = False
+    deleted: bool = False  # closed for good: never listed, never reopened
 
 
 @dataclasses.dataclass
@@ -306,6 +310,10 @@ class Worker:
     def open_sessions(self) -> list[Tracked]:
         return [s for s in self.sessions if s.closed is False]
 
+    def reopenable(self) -> list[Tracked]:
+        """Closed sessions: the gateway's own load brings them back (ACP: close is not delete)."""
+        return [s for s in self.sessions if s.closed is True and not s.deleted]
+
     async def run(self, link: Link, budget: int) -> None:
         for _ in range(budget):
             if link.closing or link.gone.is_set():
@@ -315,6 +323,8 @@ class Worker:
             if op == "new" or not live:
                 op = "prompt" if len(live) >= self.options.sessions_per_worker else "new"
             if op == "closed_probe" and not any(s.closed is True for s in self.sessions):
+                op = "state"
+            if op == "reopen" and not self.reopenable():
                 op = "state"
             session = self.rng.choice(live) if live else None
             if op == "hang":
@@ -343,6 +353,9 @@ class Worker:
         if op == "closed_probe":
             await self.closed_probe(link)
             return
+        if op == "reopen":
+            await self.load(link, self.rng.choice(self.reopenable()))
+            return
         assert session is not None
         if op == "prompt":
             await self.turn(link, session, f"stream {self.rng.randint(1, 30)}")
@@ -367,6 +380,8 @@ class Worker:
             await self.load(link, session)
         elif op == "close":
             await self.close(link, session)
+        elif op == "delete":
+            await self.delete(link, session)
 
     def unexpected(self, link: Link, what: str, response: dict[str, Any]) -> None:
         if link.closing and _error_reason(response) == "proxy_shutdown":
@@ -485,12 +500,12 @@ class Worker:
         """session/load replays the whole history: as many updates as the adapter then reports."""
         before = link.updates[s.session_id]
         response = await link.request("session/load", {"sessionId": s.session_id, "cwd": "/tmp", "mcpServers": []})
-        if s.closed is None and response.get("error", {}).get("code") == SESSION_NOT_FOUND:
-            s.closed = True  # its close went through before its proxy ended
+        if s.deleted and _error_reason(response) == "session_deleted":
             return
         if "result" not in response:
             self.unexpected(link, f"session/load of {s.session_id}", response)
             return
+        s.closed = False  # open again, if it was closed (or a close was in flight when its proxy ended)
         replayed = link.updates[s.session_id] - before
         known = await self.state(link, s)
         if known is not None and known["history"] != replayed:
@@ -513,6 +528,19 @@ class Worker:
             s.closed = None
             self.unexpected(link, f"session/close of {s.session_id}", response)
 
+    async def delete(self, link: Link, s: Tracked) -> None:
+        s.closing = True
+        try:
+            response = await link.request("session/delete", {"sessionId": s.session_id})
+        except ProxyGone:
+            s.closed = None
+            raise
+        finally:
+            s.closing = False
+        s.closed, s.deleted = True, True  # whatever the answer: a delete is never undone
+        if response.get("result") != {}:
+            self.unexpected(link, f"session/delete of {s.session_id}", response)
+
     async def closed_probe(self, link: Link, s: Tracked | None = None) -> None:
         s = s or self.rng.choice([s for s in self.sessions if s.closed is True])
         response = await link.request("session/prompt", _prompt(s.session_id, "stream 1"))
@@ -524,7 +552,7 @@ class Worker:
 
 
 async def check_list(link: Link, report: Report, sessions: list[Tracked], tolerance: int, strict: bool) -> None:
-    """session/list shows every open session and no closed one (all pages)."""
+    """session/list shows every session, closed ones as closed, and no deleted one (all pages)."""
     listed: dict[str, str] = {}
     cursor = None
     while True:
@@ -543,10 +571,12 @@ async def check_list(link: Link, report: Report, sessions: list[Tracked], tolera
     for s in sessions:
         if s.closing or s.closed is None:
             continue
-        if s.closed is False and s.session_id not in listed:
-            report.violation(f"session/list lacks open session {s.session_id}")
-        if s.closed is True and s.session_id in listed:
-            report.violation(f"session/list shows closed session {s.session_id}")
+        if s.closed is False and listed.get(s.session_id, "closed") == "closed":
+            report.violation(f"session/list lacks open session {s.session_id}: {listed.get(s.session_id)}")
+        if s.closed is True and not s.deleted and listed.get(s.session_id) != "closed":
+            report.violation(f"session/list does not show closed session {s.session_id} as closed")
+        if s.deleted and s.session_id in listed:
+            report.violation(f"session/list shows deleted session {s.session_id}")
     if strict:
         strangers = [sid for sid in listed if sid not in known]
         if len(strangers) > tolerance:
@@ -739,7 +769,7 @@ async def _end_abruptly(link: Link, report: Report, ending: str, at: int) -> Non
 
 
 async def _final_epoch(workdir: Path, env: dict[str, str], config: Path, report: Report, workers: list[Worker]) -> None:
-    """A fresh proxy: every session not closed comes back with its history; the registry agrees."""
+    """A fresh proxy: every session not deleted comes back with its history; the registry agrees."""
     log = workdir / "proxy-final.log"
     sessions = [s for w in workers for s in w.sessions]
     async with Link.start(env, config, report, log) as link:
@@ -760,14 +790,11 @@ async def _check_every_session(link: Link, report: Report, workers: list[Worker]
     for s in sessions:
         if s.closed is True:
             await checker.closed_probe(link, s)
-            continue
-        maybe_closed = s.closed is None
-        await checker.load(link, s)
-        if s.closed is True:
-            continue
-        if maybe_closed:
-            s.closed = False
-        report.sessions_checked += 1
+            if s.deleted:
+                continue
+        await checker.load(link, s)  # a closed one too: the gateway's own load reopens it, history and all
+        if s.closed is False:
+            report.sessions_checked += 1
     tolerance = sum(w.unknown_news for w in workers)
     await check_list(link, report, sessions, tolerance=tolerance, strict=True)
     for session_id in link.history_resets:

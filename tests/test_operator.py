@@ -292,7 +292,7 @@ async def test_sessions_suspend_and_close_from_the_shell(proc_env: dict[str, str
         closed = await cli_json(proc_env, "sessions", "close", first)
         assert (closed["done"], closed["state"]) == (True, "closed")
         answer = await gw.prompt(first, "stream 1")
-        assert answer["error"]["message"] == f"Session {first} was closed"
+        assert answer["error"]["message"] == f"Session {first} was closed: session/load or session/resume it first"
         code, out, _ = await cli(proc_env, "sessions", "close", first)
         assert (code, out.strip()) == (0, f"session {first} is already closed")
         listed = await cli_json(proc_env, "sessions", "list")

@@ -43,9 +43,11 @@ def test_the_method_table_says_what_the_schema_says(method: str, expected: dict[
     assert known.names_session is expected["names_session"]
 
 
-def test_the_table_knows_no_method_beyond_the_schema_but_the_old_set_model() -> None:
-    assert set(METHODS) - set(schema_methods()) == {Method.SET_MODEL}
+def test_the_table_knows_no_method_beyond_the_schema_but_the_old_set_model_and_the_unstable_fork() -> None:
+    assert set(METHODS) - set(schema_methods()) == {Method.SET_MODEL, Method.FORK}
     assert is_setting(Method.SET_MODEL), "older adapters still take it: it is re-applied like the others"
+    assert facts(Method.FORK).names_session
+    assert facts(Method.FORK).capability == "sessionCapabilities.fork"
 
 
 # (method, must name its session when the gateway sends it, a setting, what its answer does on the adapter)
@@ -55,7 +57,8 @@ ROUTING = [
     ("session/load", True, False, Effect.OPENS),
     ("session/resume", True, False, Effect.OPENS),
     ("session/close", True, False, Effect.ENDS),
-    ("session/delete", True, False, Effect.NONE),
+    ("session/delete", True, False, Effect.ENDS),
+    ("session/fork", True, False, Effect.NONE),
     ("session/set_mode", True, True, Effect.NONE),
     ("session/set_config_option", True, True, Effect.NONE),
     ("session/set_model", True, True, Effect.NONE),

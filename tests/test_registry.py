@@ -115,16 +115,63 @@ def test_shutdown_suspends_only_this_instances_sessions(tmp_path: Path) -> None:
     assert mine.counts() == {"suspended": 1, "closed": 1, "live": 1}
 
 
-def test_paging_is_stable_and_skips_closed_sessions(tmp_path: Path) -> None:
+def test_paging_is_stable_lists_closed_sessions_and_skips_deleted_ones(tmp_path: Path) -> None:
     registry = SessionRegistry(StateDB(tmp_path), "me")
     for n in range(7):
         registry.create(record(f"s{n}", cwd="/a" if n % 2 else "/b"))
-    registry.mark_closed("s3")
+    registry.mark_deleted("s3")
+    registry.mark_closed("s4")
     first = registry.page(limit=3)
     assert [r.session_id for r in first] == ["s0", "s1", "s2"]
     rest = registry.page(cursor=decode_cursor(encode_cursor(first[-1])))
-    assert [r.session_id for r in rest] == ["s4", "s5", "s6"]
+    assert [r.session_id for r in rest] == ["s4", "s5", "s6"], "closed is listed (ACP: close is not delete)"
+    assert rest[0].state is SessionState.CLOSED
     assert [r.session_id for r in registry.page(cwd="/a")] == ["s1", "s5"]
+
+
+def test_a_tombstone_forgets_what_restored_it_and_is_pruned_after_the_retention(tmp_path: Path) -> None:
+    registry = SessionRegistry(StateDB(tmp_path), "me")
+    registry.create(record("gone"))
+    registry.create(record("kept"))
+    registry.record_title("gone", {"title": "Secret plans"})
+    registry.mark_deleted("gone")
+    tomb = registry.get("gone")
+    assert tomb is not None
+    assert tomb.state is SessionState.DELETED
+    assert (tomb.mcp_servers, tomb.settings, tomb.title) == ("[]", (), None)
+    assert not registry.mark_resuming("gone"), "a deleted session is never restored"
+    assert registry.prune_deleted(3600) == 0, "younger than the retention: kept, so a load is told it was deleted"
+    assert registry.prune_deleted(-1) == 1
+    assert registry.get("gone") is None
+    assert registry.get("kept") is not None
+
+
+def test_titles_are_recorded_as_announced_and_null_clears(tmp_path: Path) -> None:
+    registry = SessionRegistry(StateDB(tmp_path), "me")
+    registry.create(record("s"))
+    registry.record_title("s", {"title": "Fix the build", "updatedAt": "2026-11-24T03:00:00Z"})
+    got = registry.get("s")
+    assert got is not None
+    assert (got.title, got.title_updated_at) == ("Fix the build", "2026-11-24T03:00:00Z")
+    registry.record_title("s", {"updatedAt": "2026-11-24T04:00:00Z"})
+    got = registry.get("s")
+    assert got is not None
+    assert (got.title, got.title_updated_at) == ("Fix the build", "2026-11-24T04:00:00Z")
+    registry.record_title("s", {"title": None})
+    got = registry.get("s")
+    assert got is not None
+    assert got.title is None
+
+
+def test_a_closed_session_can_be_claimed_for_the_gateways_own_resume(tmp_path: Path) -> None:
+    registry = SessionRegistry(StateDB(tmp_path), "me")
+    registry.create(record("s"))
+    registry.mark_closed("s")
+    assert registry.mark_resuming("s")
+    registry.release_claim("s", SessionState.CLOSED)
+    got = registry.get("s")
+    assert got is not None
+    assert got.state is SessionState.CLOSED, "a resume that did not take leaves it closed"
 
 
 @pytest.mark.parametrize("bad", ["", "!!!", "bm90IGpzb24", "eyJ4IjoxfQ"])

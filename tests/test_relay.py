@@ -36,8 +36,8 @@ async def test_initialize_is_relayed_with_proxy_meta(proc_env: dict[str, str], t
         assert result["agentCapabilities"] == {
             "loadSession": True,
             "promptCapabilities": {"image": True},
-            # served by the proxy: close and list always, resume because the adapter can load
-            "sessionCapabilities": {"close": {}, "list": {}, "resume": {}},
+            # served by the proxy: close, list and delete always, resume because the adapter can load
+            "sessionCapabilities": {"close": {}, "list": {}, "delete": {}, "resume": {}},
         }
         assert result["agentInfo"]["name"] == "fake-adapter"
         assert result["_meta"]["acp-proxy"]["version"]

@@ -242,13 +242,14 @@ async def test_a_gateway_load_is_answered_with_the_settings_as_reapplied(
         assert loaded["result"]["sessionId"] == session
 
 
-async def test_fork_is_not_advertised(proc_env: dict[str, str], tmp_path: Path) -> None:
-    """A forked session would get an id the proxy cannot route, so the capability is withheld."""
-    caps = {"loadSession": True, "sessionCapabilities": {"fork": {}, "close": {}}}
+@pytest.mark.parametrize("forks", [True, False], ids=["adapter-forks", "adapter-does-not"])
+async def test_fork_is_advertised_when_the_adapter_forks(proc_env: dict[str, str], tmp_path: Path, forks: bool) -> None:
+    """The proxy serves session/fork (the fork gets its own stable id and row) only on adapters that fork."""
+    caps = {"loadSession": True, "sessionCapabilities": {"fork": {}, "close": {}} if forks else {"close": {}}}
     async with start(proc_env, tmp_path, caps=caps) as gw:
         sessions = (await gw.initialize())["result"]["agentCapabilities"]["sessionCapabilities"]
-        assert "fork" not in sessions
-        assert {"close", "list", "resume"} <= set(sessions)
+        assert ("fork" in sessions) is forks
+        assert {"close", "list", "resume", "delete"} <= set(sessions)
 
 
 async def test_an_id_issued_again_in_a_later_proxy_replaces_the_stale_session(

@@ -259,8 +259,9 @@ async def test_close_during_a_turn_answers_cancelled_and_reaps_the_tree(
         assert not any(pid_alive(p) for p in tree)
         assert registry(proc_env).get(session).state is SessionState.CLOSED  # type: ignore[union-attr]
         again = await gw.request("session/close", {"sessionId": session})
-        assert again["error"]["code"] == -32002
-        assert (await gw.prompt(session, "stream 1"))["error"]["code"] == -32002
+        assert again["result"] == {}, "closing a closed session is {} (ACP: close is not delete)"
+        refused = await gw.prompt(session, "stream 1")
+        assert (refused["error"]["code"], refused["error"]["data"]["reason"]) == (-32002, "session_closed")
 
 
 async def test_unknown_session_is_resource_not_found(proc_env: dict[str, str], tmp_path: Path) -> None:

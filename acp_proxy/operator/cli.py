@@ -89,12 +89,16 @@ def _add_sessions_parser(commands: argparse._SubParsersAction[argparse.ArgumentP
     actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="open sessions, most recently active first")
     listing.add_argument(
-        "--state", action="append", default=[], metavar="STATE", help="live, resuming, suspended or closed (repeatable)"
+        "--state",
+        action="append",
+        default=[],
+        metavar="STATE",
+        help="live, resuming, suspended, closed or deleted (repeatable)",
     )
-    listing.add_argument("--all", action="store_true", help="closed sessions too")
+    listing.add_argument("--all", action="store_true", help="closed sessions too (deleted ones only with --state)")
     show = actions.add_parser("show", help="one session: its process, its recent tasks")
     suspend = actions.add_parser("suspend", help="stop an idle session's process; it stays resumable")
-    close = actions.add_parser("close", help="end a session's turn, reap its processes, forget it")
+    close = actions.add_parser("close", help="end a session's turn and reap its processes; it stays listed, closed")
     for parser in (listing, show, suspend, close):
         _add_config_option(parser)
         _add_json(parser)

@@ -438,6 +438,8 @@ def session_view(record: SessionRecord, alive: Callable[[str | None], bool]) -> 
         "instanceAlive": holder_alive,
         "lease": record.lease_id,
         "cwd": record.cwd,
+        "title": record.title,
+        "parentSessionId": record.parent_session_id,
         "adapterSessionId": record.adapter_session_id,
         "historyResets": record.history_resets,
         "createdAt": record.created_at,
@@ -471,8 +473,10 @@ def sessions_list(state_dir: Path, *, states: Sequence[str], show_all: bool, as_
             if states:
                 query += f" WHERE state IN ({', '.join('?' * len(states))})"
                 args += list(states)
-            elif not show_all:
-                query += " WHERE state != 'closed'"
+            elif show_all:
+                query += " WHERE state != 'deleted'"  # tombstones only when asked for by state
+            else:
+                query += " WHERE state NOT IN ('closed', 'deleted')"
             query += " ORDER BY last_active_at DESC"
             alive = Liveness(db)
             counts = dict(
@@ -492,7 +496,7 @@ def sessions_list(state_dir: Path, *, states: Sequence[str], show_all: bool, as_
         return 0
     moment = time.time()
     table(
-        ("SESSION", "STATE", "BACKEND", "INSTANCE", "LAST ACTIVE", "TURNS", "CWD"),
+        ("SESSION", "STATE", "BACKEND", "INSTANCE", "LAST ACTIVE", "TURNS", "TITLE", "CWD"),
         [
             (
                 v["sessionId"],
@@ -501,6 +505,7 @@ def sessions_list(state_dir: Path, *, states: Sequence[str], show_all: bool, as_
                 v["instance"] or "-",
                 _ago(v["lastActiveAt"], moment),
                 v["activeTasks"],
+                _short(v["title"] or "-", 40),
                 v["cwd"],
             )
             for v in views
@@ -528,6 +533,7 @@ def sessions_show(state_dir: Path, session_id: str, *, as_json: bool) -> int:
     moment = time.time()
     print(f"session {view['sessionId']}: {_state_label(view)}")
     rows = [
+        ("title", view["title"] or "-"),
         ("backend", view["backend"]),
         ("cwd", view["cwd"]),
         ("instance", f"{view['instance'] or '-'} ({'alive' if view['instanceAlive'] else 'gone'})"),
@@ -537,6 +543,8 @@ def sessions_show(state_dir: Path, session_id: str, *, as_json: bool) -> int:
         ("last active", f"{_when(view['lastActiveAt'])} ({_ago(view['lastActiveAt'], moment)})"),
         ("history resets", view["historyResets"]),
     ]
+    if view["parentSessionId"]:
+        rows.append(("forked from", view["parentSessionId"]))
     rows += [(k, v) for k, v in view["ownership"].items() if v]
     for name, value in rows:
         print(f"  {name + ':':<16}{value}")
@@ -624,6 +632,7 @@ def status(state_dir: Path, *, as_json: bool) -> int:
         "sessions": {},
         "leases": {},
         "processes": [],
+        "liveSessions": [],
         "tasks": {"running": 0, "queued": 0, "lastDay": {}},
         "runningTasks": [],
     }
@@ -657,6 +666,13 @@ def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None
                 entry["controlError"] = str(exc)
         report["instances"].append(entry)
     report["sessions"] = dict(db.conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state").fetchall())
+    report["liveSessions"] = [
+        {"sessionId": row[0], "backend": row[1], "state": row[2], "title": row[3]}
+        for row in db.conn.execute(
+            """SELECT session_id, backend, state, title FROM sessions WHERE state IN ('live', 'resuming')
+               ORDER BY last_active_at DESC"""
+        )
+    ]
     report["leases"] = dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())
     active = [state.value for state in ACTIVE_STATES]
     for row in db.conn.execute(
@@ -706,6 +722,11 @@ def _print_status(report: dict[str, Any], has_db: bool) -> None:
         print(line)
     sessions = report["sessions"]
     print("sessions: " + (", ".join(f"{n} {s}" for s, n in sorted(sessions.items())) or "none"))
+    for entry in report["liveSessions"]:
+        print(
+            f"  {_short(entry['sessionId'], 24):<24} {entry['state']:<8} {entry['backend'][:12]:<12} "
+            f"{_short(entry['title'] or '-', 40)}"
+        )
     leases = report["leases"]
     print("leases: " + (", ".join(f"{n} {s}" for s, n in sorted(leases.items())) or "none"))
     processes = report["processes"]

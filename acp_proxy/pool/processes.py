@@ -79,6 +79,8 @@ class ProcessPool:
         """The gateway's ``initialize`` params: every later process is initialized with them."""
         self.auth_params: Raw | UnsetType = UNSET
         """The gateway's successful ``authenticate`` params, sent again to every later process."""
+        self.known_capabilities: dict[str, AgentCapabilities] = {}
+        """Per backend, what its last initialized process advertised."""
 
     # --- what runs ------------------------------------------------------------------------------
 
@@ -274,6 +276,7 @@ class ProcessPool:
         answer = await self.call(adapter, Method.INITIALIZE, init)
         adapter.capabilities = AgentCapabilities.from_initialize(answer.result)
         adapter.can_close_sessions = adapter.capabilities.close
+        self.known_capabilities[adapter.backend.name] = adapter.capabilities
         if self.auth_params is not UNSET:
             await self.call(adapter, Method.AUTHENTICATE, self.auth_params)
 

@@ -65,6 +65,9 @@ class AgentCapabilities:
     load: bool = False
     resume: bool = False
     close: bool = False
+    delete: bool = False
+    fork: bool = False
+    logout: bool = False
 
     @classmethod
     def from_initialize(cls, result: Raw | UnsetType) -> AgentCapabilities:
@@ -75,6 +78,9 @@ class AgentCapabilities:
             load=advertises(capabilities, Method.LOAD),
             resume=advertises(capabilities, Method.RESUME),
             close=advertises(capabilities, Method.CLOSE),
+            delete=advertises(capabilities, Method.DELETE),
+            fork=advertises(capabilities, Method.FORK),
+            logout=advertises(capabilities, Method.LOGOUT),
         )
 
 
@@ -96,9 +102,10 @@ def advertises(capabilities: dict[str, Any], method: str) -> bool:
 def annotate_initialize(result: Raw, backend: str) -> Raw:
     """The adapter's ``initialize`` result, adjusted for what the proxy itself provides.
 
-    ``session/close`` and ``session/list`` are always served (by the proxy);
-    ``session/resume`` is, when the adapter can load or resume (the proxy restores
-    the session on a fresh process either way). ``_meta["acp-proxy"]`` says who we are.
+    ``session/close``, ``session/list`` and ``session/delete`` are always served (by the
+    proxy); ``session/resume`` is, when the adapter can load or resume (the proxy restores
+    the session on a fresh process either way); ``session/fork`` when the adapter forks.
+    ``_meta["acp-proxy"]`` says who we are.
     """
     obj = jsonrpc.decode_object(result)
     if obj is None:
@@ -110,7 +117,7 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     sessions = dict(sessions) if isinstance(sessions, dict) else {}
     sessions.setdefault("close", {})
     sessions.setdefault("list", {})
-    sessions.pop("fork", None)  # a forked session would be one the proxy cannot route yet
+    sessions.setdefault("delete", {})
     if caps.load or caps.resume:
         sessions.setdefault("resume", {})
     agent["sessionCapabilities"] = sessions

@@ -77,8 +77,14 @@ class ProxyError(Exception):
     @classmethod
     def session_closed(cls, session_id: str) -> ProxyError:
         """A request for a session the gateway closed (the proxy never reopens one by itself)."""
-        message = f"Session {session_id} was closed"
+        message = f"Session {session_id} was closed: session/load or session/resume it first"
         return cls(jsonrpc.RESOURCE_NOT_FOUND, message, "session_closed", sessionId=session_id)
+
+    @classmethod
+    def session_deleted(cls, session_id: str) -> ProxyError:
+        """A request for a session the gateway deleted: it cannot be brought back."""
+        message = f"Session {session_id} was deleted"
+        return cls(jsonrpc.RESOURCE_NOT_FOUND, message, "session_deleted", sessionId=session_id)
 
     @classmethod
     def closed_in_flight(cls) -> ProxyError:

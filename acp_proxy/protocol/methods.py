@@ -25,6 +25,8 @@ class Method(enum.StrEnum):
     LIST = "session/list"
     DELETE = "session/delete"
     CLOSE = "session/close"
+    FORK = "session/fork"
+    """Unstable in ACP v1 (not in the schema yet); served when the adapter advertises it."""
     PROMPT = "session/prompt"
     CANCEL = "session/cancel"
     SET_MODE = "session/set_mode"
@@ -80,14 +82,15 @@ _CLIENT: Final = Direction.TO_CLIENT
 METHODS: Final[dict[str, MethodFacts]] = {
     Method.INITIALIZE: MethodFacts(_AGENT),
     Method.AUTHENTICATE: MethodFacts(_AGENT),
-    Method.LOGOUT: MethodFacts(_AGENT),
+    Method.LOGOUT: MethodFacts(_AGENT, capability="auth.logout"),
     Method.NEW: MethodFacts(_AGENT, effect=Effect.OPENS),
     Method.LOAD: MethodFacts(_AGENT, names_session=True, capability="loadSession", effect=Effect.OPENS),
     Method.RESUME: MethodFacts(
         _AGENT, names_session=True, capability="sessionCapabilities.resume", effect=Effect.OPENS
     ),
     Method.LIST: MethodFacts(_AGENT, capability="sessionCapabilities.list"),
-    Method.DELETE: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.delete"),
+    Method.DELETE: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.delete", effect=Effect.ENDS),
+    Method.FORK: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.fork"),
     Method.CLOSE: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.close", effect=Effect.ENDS),
     Method.PROMPT: MethodFacts(_AGENT, names_session=True),
     Method.CANCEL: MethodFacts(_AGENT, notification=True, names_session=True),

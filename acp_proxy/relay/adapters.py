@@ -273,6 +273,7 @@ class AdapterRelay:
         if not adapter.busy:
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
         if call.method == Method.INITIALIZE and msg.result is not UNSET:
+            self.pool.known_capabilities[adapter.backend.name] = adapter.capabilities
             msg.result = annotate_initialize(msg.result, adapter.backend.name)
         return jsonrpc.with_id(msg, call.gateway_id)
 

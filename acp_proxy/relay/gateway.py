@@ -205,6 +205,11 @@ class GatewayConnection:
         if session_id is not None:
             await self.intents.close(session_id, msg)  # ordered now; the work queues behind the session's
 
+    async def _delete(self, msg: Message) -> None:
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is not None:
+            await self.intents.delete(msg, session_id)  # ordered now, like a close
+
     async def _load_or_resume(self, msg: Message) -> None:
         session_id = await self._session_id_or_fail(msg)
         if session_id is not None:
@@ -280,9 +285,10 @@ ROUTES: Final[dict[str, Route]] = {
     Method.NEW: GatewayConnection._new,
     Method.LIST: GatewayConnection._list,
     Method.CLOSE: GatewayConnection._close,
+    Method.DELETE: GatewayConnection._delete,
     Method.LOAD: GatewayConnection._load_or_resume,
     Method.RESUME: GatewayConnection._load_or_resume,
 }
 """The requests the proxy handles itself. Any other request naming a session is forwarded to it
-(``SessionIntents.forward``; ``session/prompt``, the settings, ``session/delete``, unknown ones);
+(``SessionIntents.forward``; ``session/prompt``, the settings, unknown ones);
 one naming none goes to a process of the pool."""

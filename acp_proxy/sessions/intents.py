@@ -3,10 +3,11 @@
     new            session/new on a prepared process; the id it answers is the stable id
     forward        a request for a session, sent now or queued behind its resume
     cancel         session/cancel: queued prompts end cancelled, the running turn is asked to end; nothing is reaped
-    close          session/close: end the turn in flight, reap the tree, mark it closed
+    close          session/close: end the turn in flight, reap the tree, mark it closed (still listed)
+    delete         session/delete: as close, then delete it on the backend too and leave a tombstone
     suspend        stop an idle session's process; it keeps its mapping and is resumable
     resume         the gateway's session/load or session/resume: restore a suspended or closed session
-    list_sessions  session/list from the registry, suspended sessions included, filtered by who asks
+    list_sessions  session/list from the registry (all but the deleted), filtered by who asks
     process_ended  the process of a session exited by itself: the session is suspended
     expire_turn    a turn ran past turn_timeout: cancel, then answer it ourselves and suspend
 
@@ -64,13 +65,15 @@ def unknown_session_error(session_id: str, record: SessionRecord | None) -> Prox
     """Why this proxy cannot serve a session, from its row (if any)."""
     if record is not None and record.state is SessionState.CLOSED:
         return ProxyError.session_closed(session_id)
+    if record is not None and record.state is SessionState.DELETED:
+        return ProxyError.session_deleted(session_id)
     if record is not None:
         return ProxyError.session_in_use(session_id, record.instance_id)
     return ProxyError.unknown_session(session_id)
 
 
 def queued_fate(
-    *, withdrawn: bool, refusing: bool, prompt_cancelled: bool, closed: bool, session_id: str
+    *, withdrawn: bool, refusing: bool, prompt_cancelled: bool, closed: bool, session_id: str, deleted: bool = False
 ) -> ProxyError | Literal["cancelled"] | None:
     """What becomes of a request that waited for its session: ``None`` to send it now,
     ``"cancelled"`` to answer a prompt ``{"stopReason": "cancelled"}``, or the error to answer."""
@@ -81,7 +84,7 @@ def queued_fate(
     if prompt_cancelled:
         return "cancelled"
     if closed:
-        return ProxyError.session_closed(session_id)
+        return ProxyError.session_deleted(session_id) if deleted else ProxyError.session_closed(session_id)
     return None
 
 
@@ -111,13 +114,33 @@ def ownership_from(meta: dict[str, Any]) -> Ownership:
     )
 
 
+def updated_at(record: SessionRecord) -> str:
+    """``updatedAt`` for ``session/list``: the later of the adapter's own (if it announced one) and
+    the proxy's last sight of activity."""
+    ours = datetime.fromtimestamp(record.last_active_at, UTC)
+    theirs = record.title_updated_at
+    if theirs is not None:
+        try:
+            announced = datetime.fromisoformat(theirs)
+        except ValueError:
+            announced = None
+        if announced is not None and announced.tzinfo is not None and announced >= ours:
+            return theirs
+    return ours.isoformat().replace("+00:00", "Z")
+
+
 def session_info(record: SessionRecord) -> dict[str, Any]:
     """A ``SessionInfo`` for ``session/list``."""
     info: dict[str, Any] = {"sessionId": record.session_id, "cwd": record.cwd}
     if record.additional_directories is not None:
         info["additionalDirectories"] = msgspec.json.decode(record.additional_directories)
-    info["updatedAt"] = datetime.fromtimestamp(record.last_active_at, UTC).isoformat().replace("+00:00", "Z")
-    info["_meta"] = {"acp-proxy": {"state": record.state.value, "backend": record.backend}}
+    if record.title is not None:
+        info["title"] = record.title
+    info["updatedAt"] = updated_at(record)
+    ours: dict[str, Any] = {"state": record.state.value, "backend": record.backend}
+    if record.parent_session_id is not None:
+        ours["parentSessionId"] = record.parent_session_id
+    info["_meta"] = {"acp-proxy": ours}
     return info
 
 
@@ -282,14 +305,6 @@ class SessionIntents:
                     self.registry.record_setting(session.session_id, method, params)
 
             return remember
-        if method == Method.DELETE:
-
-            def forget(answer: Message) -> None:
-                if answer.error is UNSET and not session.closed:
-                    session.closed = True  # deleted: it is gone, so is its process
-                    self.table.enqueue(session, lambda: self._reap_closed(session, None))
-
-            return forget
         return None
 
     async def _forward_when_live(self, session: Session, msg: Message, epoch: int, turn: Turn | None) -> None:
@@ -336,6 +351,7 @@ class SessionIntents:
             prompt_cancelled=msg.method == Method.PROMPT
             and (session.cancel_epoch != epoch or (turn is not None and turn.cancel_requested)),
             closed=closed or session.closed,
+            deleted=session.deleted,
             session_id=session.session_id,
         )
         if fate is None:
@@ -362,6 +378,9 @@ class SessionIntents:
 
     async def _fail_unknown(self, request_id: RequestId | UnsetType, session_id: str) -> None:
         held = self.table.get(session_id)
+        if held is not None and held.deleted:  # being deleted here: its row says so once it is done
+            await self.gateway.fail(request_id, ProxyError.session_deleted(session_id))
+            return
         if held is not None and held.closed:  # being closed here: its row says so only once it is reaped
             await self.gateway.fail(request_id, ProxyError.session_closed(session_id))
             return
@@ -418,21 +437,35 @@ class SessionIntents:
         """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, mark it closed.
 
         A resume in progress is cut short, and requests queued for the session are answered
-        (prompts ``cancelled``) rather than sent. ``request`` is the gateway's, answered once the
-        session is gone (``None``: an operator's close). The session being closed, or ``None`` if
-        there is no such session to close.
+        (prompts ``cancelled``) rather than sent. The session stays listed; only the gateway's
+        own load or resume brings it back. ``request`` is the gateway's, answered ``{}`` once
+        the session is gone (``None``: an operator's close); closing a closed session is ``{}``
+        too. The session being closed, or ``None`` if there is none to close.
         """
         session = self.table.find(session_id)
+        if session is not None and session.closed and not session.deleted:
+            if request is not None:  # being closed already: answered once that is done
+                self.table.enqueue(session, lambda: self.gateway.answer(request.id, {}))
+            return None
         if session is None or session.closed:
             if request is not None:
-                await self._fail_unknown(request.id, session_id)
+                record = self.registry.get(session_id)
+                if record is not None and record.state is SessionState.CLOSED:
+                    await self.gateway.answer(request.id, {})
+                else:
+                    await self._fail_unknown(request.id, session_id)
             return None
+        self._ending(session)
+        self.table.enqueue(session, lambda: self._reap_closed(session, request))
+        return session
+
+    def _ending(self, session: Session, *, deleted: bool = False) -> None:
+        """From now on nothing more is sent to the session: queued requests are answered, a resume is cut short."""
         session.closed = True
+        session.deleted = session.deleted or deleted
         session.cancel_epoch += 1
         if session.resume_scope is not None:
             session.resume_scope.cancel()
-        self.table.enqueue(session, lambda: self._reap_closed(session, request))
-        return session
 
     async def _reap_closed(self, session: Session, request: Message | None) -> None:
         adapter, session.adapter = session.live_adapter, None
@@ -460,6 +493,85 @@ class SessionIntents:
                 await self.gateway.answer(call.gateway_id, CANCELLED)
             else:
                 await self.gateway.send(ProxyError.closed_in_flight().response(call.gateway_id, method=call.method))
+
+    # --- delete -------------------------------------------------------------------------------
+
+    async def delete(self, msg: Message, session_id: str) -> None:
+        """``session/delete``: end the session as a close does, delete it on the backend, leave a tombstone.
+
+        Served for every backend. It is gone from ``session/list`` at once and for good; an
+        unknown or already deleted id is ``{}``. The backend's own ``session/delete`` (when it
+        advertises one) goes to the live process, else to a short-lived one, within
+        ``resume_timeout``; if that fails it is logged and the delete stands.
+        """
+        session = self.table.find(session_id, reopen=True)
+        if session is None:
+            record = self.registry.get(session_id)
+            if record is None or record.state is SessionState.DELETED:
+                await self.gateway.answer(msg.id, {})
+            else:
+                await self._fail_unknown(msg.id, session_id)  # live in another proxy
+            return
+        if session.deleted:  # being deleted already: answered once that is done
+            self.table.enqueue(session, lambda: self.gateway.answer(msg.id, {}))
+            return
+        self._ending(session, deleted=True)
+        self.table.enqueue(session, lambda: self._reap_deleted(session, msg))
+
+    async def _reap_deleted(self, session: Session, request: Message) -> None:
+        adapter, session.adapter = session.live_adapter, None
+        record = self.registry.get(session.session_id) or session.record
+        self.registry.mark_deleted(session.session_id)  # first: no list shows it from now on
+        if adapter is not None:
+            await self._end_turns(session, adapter)
+            await self._delete_on_backend(adapter, record.adapter_session_id)
+            await self.pool.stop(adapter)
+        else:
+            if session.stopping is not None:
+                await session.stopping.wait()
+            await self._delete_on_a_process_of(record)
+        self.table.forget(session)
+        log.info("session %s deleted", session.session_id, extra=ids(session=session.session_id))
+        await self.gateway.answer(request.id, {})
+
+    async def _delete_on_backend(self, adapter: Adapter, adapter_session_id: str) -> None:
+        """The backend's own ``session/delete``, if it advertises one; a failure is logged, not raised."""
+        if not adapter.capabilities.delete:
+            return
+        try:
+            answer = await self.pool.call_answer(adapter, Method.DELETE, {"sessionId": adapter_session_id})
+        except ProxyError as exc:
+            log.warning("session %s: the backend's session/delete failed: %s", adapter_session_id, exc.message)
+            return
+        adapter.open_sessions.discard(adapter_session_id)
+        if answer.error is not UNSET:
+            log.warning("session %s: the backend refused session/delete: %s", adapter_session_id, answer.error.message)
+
+    async def _delete_on_a_process_of(self, record: SessionRecord) -> None:
+        """Delete a session with no process on its backend: on a spare, else on a short-lived process."""
+        backend = self.config.backends.get(record.backend)
+        known = self.pool.known_capabilities.get(record.backend)
+        if backend is None or (known is not None and not known.delete):
+            return
+        spare = self.pool.spare(backend)
+        try:
+            with anyio.fail_after(self.config.pool.resume_timeout):
+                adapter = await self.pool.take(backend)
+        except (ProxyError, TimeoutError) as exc:
+            log.warning(
+                "session %s: no %s process to delete it on (%s); deleted here only",
+                record.session_id,
+                backend.name,
+                exc.message if isinstance(exc, ProxyError) else "resume_timeout",
+            )
+            return
+        try:
+            await self._delete_on_backend(adapter, record.adapter_session_id)
+        finally:
+            if adapter is spare:
+                adapter.release_to_spare()
+            else:
+                await self.pool.stop(adapter)
 
     # --- suspend ------------------------------------------------------------------------------
 
@@ -538,19 +650,18 @@ class SessionIntents:
 
     async def resume(self, msg: Message, session_id: str) -> None:
         """The gateway's ``session/load`` or ``session/resume``: restore the session (in its queue's order)."""
-        session = self.table.find(session_id)
+        session = self.table.find(session_id, reopen=True)
         if session is None:
-            record = self.registry.get(session_id)
-            if record is not None and record.state is not SessionState.CLOSED:
-                await self._fail_unknown(msg.id, session_id)  # live in another proxy
+            if self.registry.get(session_id) is not None:
+                await self._fail_unknown(msg.id, session_id)  # deleted, or live in another proxy
             else:
                 self.background.start(lambda: self._adopt(msg, session_id))
             return
         self.table.enqueue(session, lambda: self._resume_when_ready(session, msg))
 
     async def _resume_when_ready(self, session: Session, msg: Message) -> None:
-        if session.closed:  # closed just before: the adapter may still have it in its own storage
-            await self._adopt(msg, session.session_id)
+        if session.closed:  # closed or deleted just before: now from its row, as any closed one
+            await self.resume(msg, session.session_id)
             return
         if self.stopping.refusing:
             await self.gateway.fail(msg.id, ProxyError.proxy_shutdown())
@@ -565,6 +676,8 @@ class SessionIntents:
         try:
             answer = await self.restorer.restore_cancellable(session, gateway_asked=str(msg.method))
         except ProxyError as exc:
+            if session.record.state is SessionState.CLOSED:
+                self.table.forget(session)  # it stays closed: nothing but the gateway's load reopens it
             await self.gateway.fail(msg.id, exc)
             return
         if answer is None:

@@ -7,9 +7,11 @@ the gateway set, the auth method it used), the ownership metadata ``session/list
 filters on, and which proxy instance holds it live under which lease.
 
 States: ``live`` (a process serves it) · ``resuming`` (one is being started) ·
-``suspended`` (no process; resumable) · ``closed`` (gone for good). Rows survive
-the proxy: a session left ``live`` by a proxy that died is ``suspended`` to the
-next one (its process tree was reaped with its lease).
+``suspended`` (no process; resumable) · ``closed`` (the gateway closed it: no
+process, still listed, restored only by the gateway's own load or resume) ·
+``deleted`` (a tombstone: never listed, never restored, pruned after the task
+retention). Rows survive the proxy: a session left ``live`` by a proxy that died
+is ``suspended`` to the next one (its process tree was reaped with its lease).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class SessionState(enum.StrEnum):
     RESUMING = "resuming"
     SUSPENDED = "suspended"
     CLOSED = "closed"
+    DELETED = "deleted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +71,12 @@ class SessionRecord:
     history_resets: int = 0
     created_at: float = 0.0
     last_active_at: float = 0.0
+    title: str | None = None
+    """The title the adapter last announced (``session_info_update``)."""
+    title_updated_at: str | None = None
+    """The ``updatedAt`` the adapter last announced, as it wrote it (ISO 8601)."""
+    parent_session_id: str | None = None
+    """For a fork: the session it was forked from."""
 
     def restore_params(self) -> dict[str, Any]:
         """Params for ``session/load``, ``session/resume`` or ``session/new`` (add ``sessionId``)."""
@@ -100,6 +109,9 @@ class SessionRecord:
             history_resets=row["history_resets"],
             created_at=row["created_at"],
             last_active_at=row["last_active_at"],
+            title=row["title"],
+            title_updated_at=row["title_updated_at"],
+            parent_session_id=row["parent_session_id"],
         )
 
 
@@ -147,7 +159,7 @@ class SessionRegistry:
         self.instance_id = instance_id
 
     def create(self, record: SessionRecord) -> SessionRecord:
-        """Insert (or replace: a session the gateway loads again after it was closed) a row."""
+        """Insert a row, or replace one of the same id (a tombstone, or an id the adapter issued afresh)."""
         at = now()
         record = replace(record, instance_id=self.instance_id, created_at=at, last_active_at=at)
         owner = record.ownership
@@ -156,8 +168,8 @@ class SessionRegistry:
                 """INSERT OR REPLACE INTO sessions (session_id, adapter_session_id, backend, state, instance_id,
                        lease_id, cwd, mcp_servers, additional_directories, settings, auth_method, session_key,
                        owner_session_key, spawned_by, parent_session_key, agent_id, history_resets, created_at,
-                       last_active_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                       last_active_at, title, title_updated_at, parent_session_id)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
                 (
                     record.session_id,
                     record.adapter_session_id,
@@ -178,6 +190,9 @@ class SessionRegistry:
                     record.history_resets,
                     record.created_at,
                     record.last_active_at,
+                    record.title,
+                    record.title_updated_at,
+                    record.parent_session_id,
                 ),
             )
         return record
@@ -198,14 +213,15 @@ class SessionRegistry:
         )
 
     def mark_resuming(self, session_id: str) -> bool:
-        """Claim a suspended session for a resume by this proxy; False if another proxy holds it.
+        """Claim a suspended (or closed) session for a resume by this proxy; False if another proxy holds it.
 
         One compare-and-set, so two proxies of an install never resume one session at once.
         """
         with self.db.transaction() as conn:
             cursor = conn.execute(
                 """UPDATE sessions SET state = 'resuming', instance_id = ?
-                   WHERE session_id = ? AND (state = 'suspended' OR instance_id = ?) AND state != 'closed'""",
+                   WHERE session_id = ? AND (state IN ('suspended', 'closed') OR instance_id = ?)
+                     AND state != 'deleted'""",
                 (self.instance_id, session_id, self.instance_id),
             )
         return cursor.rowcount == 1
@@ -228,8 +244,36 @@ class SessionRegistry:
     def mark_suspended(self, session_id: str) -> None:
         self._update(session_id, "state = 'suspended', lease_id = NULL", ())
 
+    def release_claim(self, session_id: str, state: SessionState) -> None:
+        """A resume that did not take: the session is again ``state`` (suspended, or closed)."""
+        self._update(session_id, "state = ?, lease_id = NULL", (state.value,))
+
     def mark_closed(self, session_id: str) -> None:
         self._update(session_id, "state = 'closed', lease_id = NULL, closed_at = ?", (now(),))
+
+    def mark_deleted(self, session_id: str) -> None:
+        """A tombstone: never listed or restored again. What it took to restore it is wiped."""
+        self._update(
+            session_id,
+            """state = 'deleted', lease_id = NULL, deleted_at = ?, mcp_servers = '[]', settings = '[]',
+               additional_directories = NULL, title = NULL""",
+            (now(),),
+        )
+
+    def prune_deleted(self, retention: float) -> int:
+        """Forget tombstones older than ``retention`` seconds; how many."""
+        with self.db.transaction() as conn:
+            cursor = conn.execute(
+                "DELETE FROM sessions WHERE state = 'deleted' AND deleted_at < ?", (now() - retention,)
+            )
+        return cursor.rowcount
+
+    def record_title(self, session_id: str, changes: dict[str, str | None]) -> None:
+        """What a ``session_info_update`` announced: ``title`` and/or ``updatedAt`` (``None`` clears)."""
+        columns = {"title": "title", "updatedAt": "title_updated_at"}
+        assignments = ", ".join(f"{columns[key]} = ?" for key in changes)
+        if assignments:
+            self._update(session_id, assignments, changes.values())
 
     def close_if_unchanged(self, record: SessionRecord) -> bool:
         """Mark a session closed that no proxy holds, unless its row changed since ``record`` was read.
@@ -291,8 +335,8 @@ class SessionRegistry:
     def page(
         self, *, cwd: str | None = None, cursor: Cursor | None = None, limit: int | None = None
     ) -> list[SessionRecord]:
-        """Open (not closed) sessions, oldest first, after ``cursor``; all of them unless ``limit``."""
-        query = "SELECT * FROM sessions WHERE state != 'closed'"
+        """Listed sessions (all but the deleted), oldest first, after ``cursor``; all of them unless ``limit``."""
+        query = "SELECT * FROM sessions WHERE state != 'deleted'"
         args: list[object] = []
         if cwd is not None:
             query += " AND cwd = ?"

@@ -27,7 +27,7 @@ from acp_proxy.protocol.acp import history_reset_update, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method
-from acp_proxy.sessions.registry import SessionRecord, SessionRegistry
+from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.sessions.table import Session, SessionTable
 
 log = logging.getLogger("acp_proxy.lifecycle")
@@ -94,12 +94,14 @@ class Restorer:
         if backend is None:
             raise ProxyError.backend_gone(record.session_id, record.backend)
         started = time.monotonic()
+        # A resume that does not take leaves the session as it was: suspended, or closed.
+        was = SessionState.CLOSED if record.state is SessionState.CLOSED else SessionState.SUSPENDED
         if not self.registry.mark_resuming(record.session_id):
             raise ProxyError.session_in_use(record.session_id)
         try:
             adapter = await self.pool.take(backend, session_key=record.session_id)
         except BaseException:
-            self.registry.mark_suspended(record.session_id)
+            self.registry.release_claim(record.session_id, was)
             raise
         adapter.gateway_session = record.session_id
         adapter.adapter_session = record.adapter_session_id
@@ -118,7 +120,7 @@ class Restorer:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 adapter.gateway_session = adapter.adapter_session = None
-                self.registry.mark_suspended(record.session_id)
+                self.registry.release_claim(record.session_id, was)
                 await self.pool.stop(adapter)
             raise
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)

@@ -41,6 +41,8 @@ class Session:
     """Bumped by ``session/cancel`` and ``session/close``: a queued prompt that sees it changed is
     answered ``cancelled``."""
     closed: bool = False
+    """Being closed (or deleted): nothing more is sent to it from this object."""
+    deleted: bool = False
     stopping: anyio.Event | None = None
     """Set once its last process is gone (a resume waits for that first)."""
     resume_scope: anyio.CancelScope | None = None
@@ -89,15 +91,22 @@ class SessionTable:
     def values(self) -> list[Session]:
         return list(self.sessions.values())
 
-    def find(self, session_id: str) -> Session | None:
-        """A session this proxy can serve: in memory, or in the registry (suspended, or left by a dead proxy)."""
+    def find(self, session_id: str, *, reopen: bool = False) -> Session | None:
+        """A session this proxy can serve: in memory, or in the registry (suspended, or left by a dead proxy).
+
+        A closed session only with ``reopen`` (the gateway's own load or resume, or a delete);
+        a deleted one never.
+        """
         session = self.sessions.get(session_id)
         if session is not None:
             return session
         record = self.registry.get(session_id)
-        if record is None or record.state is SessionState.CLOSED:
+        if record is None or record.state is SessionState.DELETED:
             return None
-        if record.state is not SessionState.SUSPENDED and record.instance_id != self.registry.instance_id:
+        if record.state is SessionState.CLOSED and not reopen:
+            return None
+        held_elsewhere = record.instance_id != self.registry.instance_id
+        if record.state in (SessionState.LIVE, SessionState.RESUMING) and held_elsewhere:
             # Live in another proxy: unless that proxy has died since we started (its tree was
             # reaped by then or will be by the next start), it is not ours to serve.
             if not self.registry.take_over_if_orphaned(session_id):

@@ -95,10 +95,19 @@ def turn_ids(turn: Turn) -> dict[str, Any]:
 class TurnBook:
     """The tasks of the prompts this proxy serves: opened, followed, settled once, written when it can."""
 
-    def __init__(self, tasks: TaskRegistry, config: Config, stopping: Stopping) -> None:
+    def __init__(
+        self,
+        tasks: TaskRegistry,
+        config: Config,
+        stopping: Stopping,
+        *,
+        prune_also: Callable[[float], int] | None = None,
+    ) -> None:
         self.tasks = tasks
         self.config = config
         self.stopping = stopping
+        self._prune_also = prune_also
+        """Also forget what else ends with the retention (the sessions' tombstones): how many."""
         self.turns: dict[str, Turn] = {}
         """Tasks of this proxy not yet settled, by task id."""
         self.unwritten: dict[str, Turn] = {}
@@ -146,16 +155,23 @@ class TurnBook:
         self._prune()
 
     def _prune(self) -> None:
-        """Finished tasks and ended leases older than ``[tasks] retention`` go (the history an operator reads)."""
+        """Finished tasks, ended leases and deleted sessions' tombstones older than ``[tasks] retention`` go."""
         retention = self.config.tasks.retention
         try:
             pruned = prune(self.tasks.db, retention)
             leases = prune_ended(self.tasks.db, retention)
+            tombstones = self._prune_also(retention) if self._prune_also is not None else 0
         except sqlite3.Error as exc:
             log.error("pruning skipped: the state database: %s", exc)
             return
-        if pruned or leases:
-            log.info("pruned %d task(s) and %d lease(s) that ended more than %gs ago", pruned, leases, retention)
+        if pruned or leases or tombstones:
+            log.info(
+                "pruned %d task(s), %d lease(s) and %d deleted session(s) that ended more than %gs ago",
+                pruned,
+                leases,
+                tombstones,
+                retention,
+            )
 
     # --- opening -------------------------------------------------------------------------
 

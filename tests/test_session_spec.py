@@ -1,0 +1,292 @@
+"""Sessions as ACP v1 defines them, method by state, with real processes.
+
+Every session method the gateway can send, against a session in each state the
+registry knows (live, suspended, closed, deleted, unknown; resuming has its own
+tests below): the answer it gets and the state the session is left in. Close is
+not delete: a closed session is still listed and the gateway's own load or resume
+brings it back; a deleted one is a tombstone, and deleting what is not there is
+``{}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from acp_proxy.sessions.registry import SessionState
+from tests.support import (
+    RESUME_AND_LOAD,
+    Gateway,
+    adapter_calls,
+    cli_json,
+    pid_alive,
+    registry,
+    state_of,
+    write_config,
+)
+
+pytestmark = pytest.mark.anyio
+
+STATES = ("live", "suspended", "closed", "deleted", "unknown")
+CAPS = {**RESUME_AND_LOAD, "sessionCapabilities": {"resume": {}, "close": {}, "delete": {}, "fork": {}}}
+
+# What a request of each method answers for a session in each state, and the state it leaves:
+# "result" (any result), a dict (that result), or an error reason; None for the unknown session's
+# state means "no row".
+Expectation = tuple[str | dict[str, Any], str | None]
+TABLE: dict[str, dict[str, Expectation]] = {
+    "session/prompt": {
+        "live": ("result", "live"),
+        "suspended": ("result", "live"),  # resumed transparently
+        "closed": ("session_closed", "closed"),  # never reopened by itself
+        "deleted": ("session_deleted", "deleted"),
+        "unknown": ("unknown_session", None),
+    },
+    "session/set_mode": {
+        "live": ({}, "live"),
+        "suspended": ({}, "live"),
+        "closed": ("session_closed", "closed"),
+        "deleted": ("session_deleted", "deleted"),
+        "unknown": ("unknown_session", None),
+    },
+    "session/close": {
+        "live": ({}, "closed"),
+        "suspended": ({}, "closed"),
+        "closed": ({}, "closed"),  # closing what is closed is {}
+        "deleted": ("session_deleted", "deleted"),
+        "unknown": ("unknown_session", None),
+    },
+    "session/delete": {
+        "live": ({}, "deleted"),
+        "suspended": ({}, "deleted"),
+        "closed": ({}, "deleted"),
+        "deleted": ({}, "deleted"),  # SHOULD succeed silently
+        "unknown": ({}, None),
+    },
+    "session/load": {
+        "live": ("result", "live"),
+        "suspended": ("result", "live"),
+        "closed": ("result", "live"),  # restored exactly as a suspended one
+        "deleted": ("session_deleted", "deleted"),
+        "unknown": ("adapter:-32002", None),  # the adapter's own answer: it does not have it either
+    },
+    "session/resume": {
+        "live": ("result", "live"),
+        "suspended": ("result", "live"),
+        "closed": ("result", "live"),
+        "deleted": ("session_deleted", "deleted"),
+        "unknown": ("adapter:-32002", None),
+    },
+}
+
+
+def params_for(method: str, session_id: str) -> dict[str, Any]:
+    params: dict[str, Any] = {"sessionId": session_id}
+    if method == "session/prompt":
+        params["prompt"] = [{"type": "text", "text": "state"}]
+    elif method == "session/set_mode":
+        params["modeId"] = "plan"
+    elif method in ("session/load", "session/resume"):
+        params |= {"cwd": "/tmp", "mcpServers": []}
+    return params
+
+
+def spec_config(tmp_path: Path, **pool: Any) -> Path:
+    options = {"caps": CAPS, "modes": True, "store": str(tmp_path / "store"), "record": str(tmp_path / "rec.jsonl")}
+    return write_config(tmp_path, pool={"max_live": 8, **pool}, backends={"fake": options})
+
+
+async def session_in(gw: Gateway, env: dict[str, str], state: str) -> str:
+    """A session of this proxy in ``state``, with one turn in its history."""
+    if state == "unknown":
+        return "fake-000000000000"
+    session = await gw.new_session()
+    assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
+    if state == "suspended":
+        assert (await cli_json(env, "sessions", "suspend", session))["done"]
+    elif state == "closed":
+        assert (await gw.request("session/close", {"sessionId": session}))["result"] == {}
+    elif state == "deleted":
+        assert (await gw.request("session/delete", {"sessionId": session}))["result"] == {}
+    return session
+
+
+def listed_states(answer: dict[str, Any]) -> dict[str, str]:
+    return {s["sessionId"]: s["_meta"]["acp-proxy"]["state"] for s in answer["result"]["sessions"]}
+
+
+@pytest.mark.parametrize("method", sorted(TABLE))
+async def test_each_method_against_each_state(proc_env: dict[str, str], tmp_path: Path, method: str) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        await gw.initialize()
+        sessions = {state: await session_in(gw, proc_env, state) for state in STATES}
+        listed = listed_states(await gw.request("session/list", {}))
+        assert listed == {sessions[s]: s for s in ("live", "suspended", "closed")}, "deleted is never listed"
+        for state, session in sessions.items():
+            expected, after = TABLE[method][state]
+            answer = await gw.request(method, params_for(method, session))
+            where = f"{method} on a {state} session"
+            if expected == "result":
+                assert "result" in answer, (where, answer)
+            elif isinstance(expected, dict):
+                assert answer.get("result") == expected, (where, answer)
+            elif expected.startswith("adapter:"):
+                assert answer["error"]["code"] == int(expected.split(":")[1]), (where, answer)
+            else:
+                assert answer["error"]["code"] == -32002, (where, answer)
+                assert answer["error"]["data"]["reason"] == expected, (where, answer)
+            record = registry(proc_env).get(session)
+            assert (None if record is None else record.state.value) == after, where
+        assert not adapter_calls(gw, "session/fork"), "nothing here forks"
+
+
+async def test_close_then_load_and_close_then_resume_restore_with_history(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        await gw.initialize()
+        loaded, resumed = await gw.new_session(), await gw.new_session()
+        for session in (loaded, resumed):
+            assert (await gw.prompt(session, "stream 2"))["result"]["stopReason"] == "end_turn"
+            assert (await gw.request("session/set_mode", {"sessionId": session, "modeId": "plan"}))["result"] == {}
+            pid = int((await state_of(gw, session))["pid"])
+            assert (await gw.request("session/close", {"sessionId": session}))["result"] == {}
+            assert not pid_alive(pid), "close reaps the tree"
+        gw.clear_stash()
+        assert "result" in await gw.request("session/load", params_for("session/load", loaded))
+        replayed = [u["params"]["update"]["sessionUpdate"] for u in gw.updates(loaded)]
+        assert replayed.count("agent_message_chunk") == 3, "the gateway's own load replays the history"
+        gw.clear_stash()
+        assert "result" in await gw.request("session/resume", params_for("session/resume", resumed))
+        assert gw.updates(resumed) == [], "resume does not replay"
+        for session in (loaded, resumed):
+            state = await state_of(gw, session)
+            assert (state["turns"], state["mode"]) == (2, "plan"), "same stable id, history and settings"
+            assert registry(proc_env).get(session).state is SessionState.LIVE  # type: ignore[union-attr]
+        resets = [u for u in gw.received if "historyReset" in json.dumps(u)]
+        assert resets == [], "restored, not started afresh"
+
+
+async def test_delete_reaches_the_backend_on_the_live_process_or_a_short_lived_one(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        init = await gw.initialize()
+        assert "delete" in init["result"]["agentCapabilities"]["sessionCapabilities"]
+        live = await session_in(gw, proc_env, "live")
+        suspended = await session_in(gw, proc_env, "suspended")
+        closed = await session_in(gw, proc_env, "closed")
+        for session in (live, suspended, closed):
+            assert (tmp_path / "store" / f"{session}.json").exists()
+            assert (await gw.request("session/delete", {"sessionId": session}))["result"] == {}
+            assert not (tmp_path / "store" / f"{session}.json").exists(), "deleted in the adapter's storage too"
+        deletes = adapter_calls(gw, "session/delete")
+        assert sorted(d["params"]["sessionId"] for d in deletes) == sorted((live, suspended, closed))
+        assert listed_states(await gw.request("session/list", {})) == {}
+        shown = await cli_json(proc_env, "sessions", "list", "--all")
+        assert shown["sessions"] == [], "tombstones are not sessions to an operator either"
+
+
+@pytest.mark.parametrize("advertised", [True, False], ids=["backend-deletes", "backend-does-not"])
+async def test_delete_is_served_for_every_backend(proc_env: dict[str, str], tmp_path: Path, advertised: bool) -> None:
+    caps = CAPS if advertised else RESUME_AND_LOAD
+    options = {"caps": caps, "store": str(tmp_path / "store"), "record": str(tmp_path / "rec.jsonl")}
+    config = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        init = await gw.initialize()
+        assert "delete" in init["result"]["agentCapabilities"]["sessionCapabilities"], "the proxy serves it"
+        session = await session_in(gw, proc_env, "suspended")
+        spawned = len(adapter_calls(gw, "initialize"))
+        assert (await gw.request("session/delete", {"sessionId": session}))["result"] == {}
+        assert len(adapter_calls(gw, "session/delete")) == (1 if advertised else 0)
+        if not advertised:
+            assert len(adapter_calls(gw, "initialize")) == spawned, "no process started for a backend that cannot"
+        refused = await gw.request("session/load", params_for("session/load", session))
+        assert refused["error"]["data"]["reason"] == "session_deleted"
+
+
+async def test_a_backend_delete_that_fails_does_not_undo_the_delete(proc_env: dict[str, str], tmp_path: Path) -> None:
+    options = {"caps": CAPS, "store": str(tmp_path / "store"), "fail": {"session/delete": -32603}}
+    config = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await session_in(gw, proc_env, "live")
+        assert (await gw.request("session/delete", {"sessionId": session}))["result"] == {}
+        assert registry(proc_env).get(session).state is SessionState.DELETED  # type: ignore[union-attr]
+        assert (await gw.prompt(session, "stream 1"))["error"]["data"]["reason"] == "session_deleted"
+
+
+# --- resuming: requests that arrive while a session is being brought back -----------------------
+
+
+async def resuming(gw: Gateway, env: dict[str, str]) -> tuple[str, Any]:
+    """A suspended session whose resume (by a prompt, the id returned) is in progress."""
+    session = await session_in(gw, env, "suspended")
+    request_id = gw.new_id()
+    prompt = params_for("session/prompt", session)
+    await gw.send({"jsonrpc": "2.0", "id": request_id, "method": "session/prompt", "params": prompt})
+    with anyio.fail_after(10):
+        while (record := registry(env).get(session)) is None or record.state is not SessionState.RESUMING:
+            await anyio.sleep(0.02)
+    return session, request_id
+
+
+Act = Callable[[Gateway, str], Awaitable[dict[str, Any]]]
+
+
+async def _close(gw: Gateway, session: str) -> dict[str, Any]:
+    return await gw.request("session/close", {"sessionId": session})
+
+
+async def _delete(gw: Gateway, session: str) -> dict[str, Any]:
+    return await gw.request("session/delete", {"sessionId": session})
+
+
+async def _prompt(gw: Gateway, session: str) -> dict[str, Any]:
+    return await gw.request("session/prompt", params_for("session/prompt", session))
+
+
+# (what arrives while resuming, its answer, what the resuming prompt gets, the state after)
+RESUMING: list[tuple[str, Act, str | dict[str, Any], str | dict[str, Any], str]] = [
+    ("close", _close, {}, {"stopReason": "cancelled"}, "closed"),
+    ("delete", _delete, {}, {"stopReason": "cancelled"}, "deleted"),
+    ("prompt", _prompt, "result", "result", "live"),
+]
+
+
+@pytest.mark.parametrize(("act", "answer", "first", "after"), [r[1:] for r in RESUMING], ids=[r[0] for r in RESUMING])
+async def test_requests_while_resuming(
+    proc_env: dict[str, str],
+    tmp_path: Path,
+    act: Act,
+    answer: str | dict[str, Any],
+    first: str | dict[str, Any],
+    after: str,
+) -> None:
+    options = {"caps": CAPS, "store": str(tmp_path / "store"), "init_delay": 0.6}
+    config = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session, prompt_id = await resuming(gw, proc_env)
+        got = await act(gw, session)
+        assert ("result" in got) if answer == "result" else got.get("result") == answer, got
+        resumed = await gw.response_to(prompt_id)
+        if first == "result":
+            assert resumed["result"]["stopReason"] == "end_turn", resumed
+        elif isinstance(first, dict):
+            assert resumed["result"] == first, resumed
+        else:
+            assert resumed["error"]["data"]["reason"] == first, resumed
+        assert registry(proc_env).get(session).state.value == after  # type: ignore[union-attr]
