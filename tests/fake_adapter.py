@@ -38,6 +38,13 @@ then the turn ends with end_turn unless a command ended it first.
     wait_cancel        stream until session/cancel arrives, then stop with "cancelled"
     ext                send a "_fake/notice" extension notification with _meta
     ask_then_cancel    ask permission, then withdraw it with $/cancel_request
+    elicit MODE        elicitation/create for the session, MODE "form" (default; tied to tool call
+                       "call-1") or "url" (elicitationId "url-" + the session id); the answer
+                       message is echoed as a message chunk: "elicited " + JSON (sorted keys)
+    elicit_later MODE  the same from a thread of its own: the turn ends without waiting for the
+                       answer, which is echoed when it comes
+    elicit_then_cancel elicit, then withdraw it with $/cancel_request; the answer is echoed
+    elicit_complete ID an elicitation/complete notification for elicitationId ID
     meta               echo the prompt's _meta back in a message chunk
     state              a message chunk whose text is JSON (sorted keys): {"session", "mode",
                        "config", "turns": turns completed before this one, "history": updates
@@ -63,7 +70,9 @@ for one starts it afresh. session/set_mode and session/set_config_option record 
 
 Other requests: "_fake/echo" answers its params; "_fake/slow" {"seconds": S} answers
 after S seconds unless cancelled with $/cancel_request (then -32800); "_fake/pids"
-answers the pids it started; "_fake/sessions" answers {"sessions": ids in memory, sorted}.
+answers the pids it started; "_fake/sessions" answers {"sessions": ids in memory, sorted};
+"_fake/elicit" makes a url elicitation scoped to itself (its requestId is this request's id)
+and answers {"answer": the answer message}.
 Anything unknown gets -32601.
 """
 
@@ -294,6 +303,11 @@ class FakeAdapter:
                     raise RpcError(-32800, "Request cancelled")
                 time.sleep(0.01)
             return {"slept": params.get("seconds", 1)}
+        if method == "_fake/elicit":
+            scope = {"requestId": request_id, "mode": "url", "elicitationId": "url-request", "message": "Sign in"}
+            _, done, box = self.ask("elicitation/create", {**scope, "url": "https://agent.example/sign-in"})
+            done.wait()
+            return {"answer": box[0]}
         if method == "_fake/pids":
             return {"adapter": os.getpid(), "children": self.children}
         if method == "_fake/sessions":
@@ -352,6 +366,17 @@ class FakeAdapter:
             self.send({"method": "$/cancel_request", "params": {"requestId": request_id}})
             done.wait()
             self.say(session_id, "withdrawn: " + json.dumps(box[0], sort_keys=True))
+        elif verb == "elicit":
+            self.elicit(session_id, arg)
+        elif verb == "elicit_later":
+            threading.Thread(target=self.elicit, args=(session_id, arg), daemon=True).start()
+        elif verb == "elicit_then_cancel":
+            request_id, done, box = self.ask("elicitation/create", self.elicitation_params(session_id, "form"))
+            self.send({"method": "$/cancel_request", "params": {"requestId": request_id}})
+            done.wait()
+            self.say(session_id, "elicited " + json.dumps(box[0], sort_keys=True))
+        elif verb == "elicit_complete":
+            self.send({"method": "elicitation/complete", "params": {"elicitationId": arg}})
         elif verb == "read":
             _, done, box = self.ask("fs/read_text_file", {"sessionId": session_id, "path": arg})
             done.wait()
@@ -431,6 +456,31 @@ class FakeAdapter:
             chunk = {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "working "}}
             self.send({"method": "session/update", "params": {"sessionId": session_id, "update": chunk}})
             time.sleep(0.1)
+
+    def elicit(self, session_id: str, mode: str) -> None:
+        _, done, box = self.ask("elicitation/create", self.elicitation_params(session_id, mode or "form"))
+        done.wait()
+        self.say(session_id, "elicited " + json.dumps(box[0], sort_keys=True))
+
+    @staticmethod
+    def elicitation_params(session_id: str, mode: str) -> dict[str, Any]:
+        if mode == "url":
+            url = f"https://agent.example/connect?session={session_id}"
+            return {
+                "sessionId": session_id,
+                "mode": "url",
+                "elicitationId": f"url-{session_id}",
+                "url": url,
+                "message": "Connect your account",
+            }
+        schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+        return {
+            "sessionId": session_id,
+            "toolCallId": "call-1",
+            "mode": "form",
+            "message": "Your name?",
+            "requestedSchema": schema,
+        }
 
     @staticmethod
     def permission_params(session_id: str) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 ``sessionId`` (to route, and to rewrite after a fallback gave a new adapter id),
 ``_meta["acp-proxy"]`` (the gateway's word to the proxy), the session
-capabilities of an ``initialize`` answer, and ``$/cancel_request``'s
-``requestId``. Everything else stays the bytes it arrived as.
+capabilities of an ``initialize`` answer, and the ``requestId`` of
+``$/cancel_request`` and of a request-scoped ``elicitation/create``. Everything
+else stays the bytes it arrived as.
 """
 
 from __future__ import annotations
@@ -135,8 +136,9 @@ def history_reset_update(session_id: str) -> dict[str, Any]:
     return {"sessionId": session_id, "update": update}
 
 
-def cancel_target(params: Raw | UnsetType) -> tuple[bool, RequestId]:
-    """``$/cancel_request``'s ``requestId``: (False, None) when it names none."""
+def target_request(params: Raw | UnsetType) -> tuple[bool, RequestId]:
+    """``params.requestId``: the request a ``$/cancel_request`` cancels, or a request-scoped
+    ``elicitation/create`` belongs to; (False, None) when it names none."""
     obj = jsonrpc.decode_object(params)
     if obj is None or "requestId" not in obj:
         return False, None
@@ -146,8 +148,8 @@ def cancel_target(params: Raw | UnsetType) -> tuple[bool, RequestId]:
     return True, target
 
 
-def remap_cancel_request(params: Raw | UnsetType, new_id: RequestId) -> Raw:
-    """``$/cancel_request`` params naming ``new_id``, everything else (``_meta``) kept."""
+def retarget_request(params: Raw | UnsetType, new_id: RequestId) -> Raw:
+    """``params`` with ``requestId`` ``new_id``, everything else (``_meta``) kept."""
     obj = jsonrpc.decode_object(params) or {}
     obj["requestId"] = new_id
     return Raw(jsonrpc.encode_json(obj))

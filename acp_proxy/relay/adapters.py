@@ -2,7 +2,8 @@
 
 Agent->client requests reach the gateway under ids from the proxy's own counter
 (so two adapters' requests never collide upstream) and their answers are mapped
-back; ``$/cancel_request`` is mapped both ways. The hot path, a block of
+back; ``$/cancel_request`` is mapped both ways, and a request-scoped
+``elicitation/create`` names the gateway's request by the gateway's id. The hot path, a block of
 ``session/update`` notifications, is decoded with one call and written on as the
 very block that was read.
 """
@@ -16,7 +17,7 @@ from contextlib import suppress
 from typing import Any, Final
 
 import anyio
-from msgspec import UNSET, Raw
+from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Stopping
 from acp_proxy.config import Config
@@ -25,10 +26,10 @@ from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import (
     annotate_initialize,
-    cancel_target,
-    remap_cancel_request,
+    retarget_request,
     rewrite_session_id,
     session_of,
+    target_request,
 )
 from acp_proxy.protocol.errors import ProxyError, describe_exit
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message, RequestId
@@ -96,6 +97,20 @@ def permission_choice(msg: Message) -> str:
     return ""
 
 
+def gateway_scope(adapter: Adapter, params: Raw | UnsetType) -> Raw | UnsetType:
+    """A request-scoped ``elicitation/create`` names a request of the gateway's by the id the
+    adapter got it under: the gateway's own id instead.
+
+    A request the gateway did not make (the proxy's own, or one already answered) has no id
+    of the gateway's; that elicitation goes on as the adapter wrote it.
+    """
+    ok, target = target_request(params)
+    call = adapter.pending.get(target) if ok and isinstance(target, int) else None
+    if call is None or call.internal is not None:
+        return params
+    return retarget_request(params, call.gateway_id)
+
+
 class AdapterRelay:
     """Relays every adapter's output to the gateway, and the gateway's answers to agent->client requests back."""
 
@@ -142,13 +157,13 @@ class AdapterRelay:
 
     async def cancel_request_from_gateway(self, msg: Message, line: bytes) -> None:
         """The gateway's ``$/cancel_request``: to the adapter running that request, or withdraw it if queued."""
-        ok, target = cancel_target(msg.params)
+        ok, target = target_request(msg.params)
         if not ok:
             return
         for adapter in list(self.pool.running):
             call_id = adapter.find_gateway_call(target)
             if call_id is not None:
-                data = jsonrpc.notification(Method.CANCEL_REQUEST, remap_cancel_request(msg.params, call_id))
+                data = jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, call_id))
                 with suppress(AdapterGone):
                     await adapter.send(data)
                 return
@@ -224,13 +239,15 @@ class AdapterRelay:
                 turn.observe(line, 1)
         if msg.method != Method.CANCEL_REQUEST:
             return line + b"\n"
-        ok, target = cancel_target(msg.params)
+        ok, target = target_request(msg.params)
         upstream = self._find_upstream(adapter, target) if ok else None
         if upstream is None:
             return None
-        return jsonrpc.notification(Method.CANCEL_REQUEST, remap_cancel_request(msg.params, upstream))
+        return jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, upstream))
 
     def _request(self, adapter: Adapter, msg: Message) -> bytes:
+        if msg.method == Method.ELICITATION_CREATE:
+            msg.params = gateway_scope(adapter, msg.params)
         upstream_id = self._next_upstream_id
         self._next_upstream_id += 1
         self._upstream[upstream_id] = (adapter, msg.id, str(msg.method))  # type: ignore[assignment]
