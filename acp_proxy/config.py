@@ -32,6 +32,9 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     acquire_timeout: float = 30.0
     resume_timeout: float = 120.0
     """Bound on bringing a suspended session back (spawn, initialize, authenticate, restore)."""
+    quiet_after: float = 3.0
+    """A session whose agent sent work updates after its turn ended is busy until this long
+    without one (background shells, sub-agents): the pool and ``idle_ttl`` leave it alone."""
 
 
 class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,6 +234,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "idle_ttl": parse_duration,
                 "acquire_timeout": parse_duration,
                 "resume_timeout": parse_duration,
+                "quiet_after": parse_duration,
             },
         )
     )

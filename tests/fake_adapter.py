@@ -56,7 +56,8 @@ then the turn ends with end_turn unless a command ended it first.
                        long line fits in a prompt under the proxy's line limit)
     title T            a session_info_update with title T (and updatedAt now); "title -" clears it
     background S       after the turn has ended, keep sending an agent_message_chunk every 0.1 s for
-                       S seconds (background work, as agents with background shells do)
+                       S seconds (background work, as agents with background shells do), then
+                       "background done"
 
 A turn that ends (whatever the stop reason) counts as completed; a crash does not.
 
@@ -456,6 +457,8 @@ class FakeAdapter:
             chunk = {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "working "}}
             self.send({"method": "session/update", "params": {"sessionId": session_id, "update": chunk}})
             time.sleep(0.1)
+        done = {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "background done"}}
+        self.send({"method": "session/update", "params": {"sessionId": session_id, "update": done}})
 
     def elicit(self, session_id: str, mode: str) -> None:
         _, done, box = self.ask("elicitation/create", self.elicitation_params(session_id, mode or "form"))

@@ -23,6 +23,7 @@ from tests.support import (
     RESUME_AND_LOAD,
     Gateway,
     adapter_calls,
+    cli,
     cli_json,
     pid_alive,
     registry,
@@ -290,3 +291,87 @@ async def test_requests_while_resuming(
         else:
             assert resumed["error"]["data"]["reason"] == first, resumed
         assert registry(proc_env).get(session).state.value == after  # type: ignore[union-attr]
+
+
+# --- titles --------------------------------------------------------------------------------------
+
+
+def listed_titles(answer: dict[str, Any]) -> dict[str, str | None]:
+    return {s["sessionId"]: s.get("title") for s in answer["result"]["sessions"]}
+
+
+async def test_titles_from_session_info_updates_are_listed_shown_and_survive_a_restart(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    config = spec_config(tmp_path)
+    args = ["--config", str(config)]
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=args) as gw:
+        await gw.initialize()
+        titled, cleared, untitled = await gw.new_session(), await gw.new_session(), await gw.new_session()
+        assert (await gw.prompt(titled, "stream 1; title Fix the build"))["result"]["stopReason"] == "end_turn"
+        assert (await gw.prompt(cleared, "title Draft; title -"))["result"]["stopReason"] == "end_turn"
+        await gw.prompt(untitled, "stream 1")
+        listed = await gw.request("session/list", {})
+        assert listed_titles(listed) == {titled: "Fix the build", cleared: None, untitled: None}
+        stamp = next(s["updatedAt"] for s in listed["result"]["sessions"] if s["sessionId"] == titled)
+        assert stamp.endswith("Z")
+        shown = await cli_json(proc_env, "sessions", "show", titled)
+        assert shown["title"] == "Fix the build"
+        status = await cli_json(proc_env, "status")
+        assert {s["sessionId"]: s["title"] for s in status["liveSessions"]}[titled] == "Fix the build"
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=args) as gw:
+        await gw.initialize()
+        listed = await gw.request("session/list", {})
+        assert listed_titles(listed)[titled] == "Fix the build", "kept in the registry across a restart"
+        listing = await cli_json(proc_env, "sessions", "list")
+        assert {s["sessionId"]: s["title"] for s in listing["sessions"]}[titled] == "Fix the build"
+
+
+# --- background work ------------------------------------------------------------------------------
+
+
+async def test_background_updates_keep_a_session_from_eviction_until_it_is_quiet(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    options = {"caps": CAPS, "store": str(tmp_path / "store")}
+    config = write_config(tmp_path, pool={"max_live": 1, "quiet_after": "500ms"}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        worker = await gw.new_session()
+        assert (await gw.prompt(worker, "stream 1; background 1.5"))["result"]["stopReason"] == "end_turn"
+        # The only slot is the worker's, idle as far as turns go but still reporting work.
+        code, out, _ = await cli(proc_env, "sessions", "suspend", worker, "--json")
+        assert (code, json.loads(out)["done"]) == (1, False), "busy: not suspended"
+        assert "background" in json.loads(out)["reason"]
+        other = await gw.new_session()  # waits until the worker has been quiet for quiet_after
+        texts = [u["params"]["update"]["content"]["text"] for u in gw.updates(worker)]
+        assert "background done" in texts, "its background work was not cut short"
+        assert registry(proc_env).get(worker).state is SessionState.SUSPENDED  # type: ignore[union-attr]
+        assert registry(proc_env).get(other).state is SessionState.LIVE  # type: ignore[union-attr]
+
+
+async def test_background_updates_hold_off_the_idle_ttl(proc_env: dict[str, str], tmp_path: Path) -> None:
+    options = {"caps": CAPS, "store": str(tmp_path / "store")}
+    pool = {"max_live": 2, "idle_ttl": "200ms", "quiet_after": "500ms"}
+    config = write_config(tmp_path, pool=pool, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        worker = await gw.new_session()
+        assert (await gw.prompt(worker, "background 1.2"))["result"]["stopReason"] == "end_turn"
+        with anyio.fail_after(15):
+            while registry(proc_env).get(worker).state is not SessionState.SUSPENDED:  # type: ignore[union-attr]
+                await anyio.sleep(0.05)
+        texts = [u["params"]["update"]["content"]["text"] for u in gw.updates(worker)]
+        assert "background done" in texts, "suspended by idle_ttl only once its background work was over"
+
+
+async def test_metadata_updates_between_turns_are_not_background_work(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """A title or the commands list after a turn does not keep a session busy."""
+    options = {"caps": CAPS, "store": str(tmp_path / "store"), "chatty": True}
+    config = write_config(tmp_path, pool={"max_live": 1, "quiet_after": "1h"}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        first = await gw.new_session()  # chatty: an available_commands_update right behind the answer
+        assert (await gw.prompt(first, "stream 1"))["result"]["stopReason"] == "end_turn"
+        suspended = await cli_json(proc_env, "sessions", "suspend", first)
+        assert suspended["done"], "idle: metadata is not work"

@@ -197,9 +197,12 @@ class Operations:
         if adapter is None:
             return {"sessionId": session.session_id, "suspended": True, "already": True}
         if not self.proxy.intents.suspend(session.session_id, "an operator asked"):
-            raise ControlError(
-                "busy", f"session {session.session_id} is busy (a turn or request is in flight); cancel it or wait"
+            why = (
+                "its agent is still working in the background (quiet_after)"
+                if adapter.working_in_background and not adapter.turn_in_flight
+                else "a turn or request is in flight"
             )
+            raise ControlError("busy", f"session {session.session_id} is busy ({why}); cancel it or wait")
         stopping = session.stopping
         if stopping is not None:
             with anyio.move_on_after(self._stop_budget()):

@@ -111,6 +111,9 @@ class Adapter:
         """``stop`` has begun: if it exits now, it is because we are ending it."""
         self.turn: Turn | None = None
         """The prompt turn running on this process, whose streamed updates are counted against it."""
+        self.quiet_at = 0.0
+        """Monotonic time until which it counts as busy: it reported work after its turn ended
+        (``[pool] quiet_after`` from its last such update)."""
 
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""
@@ -133,8 +136,19 @@ class Adapter:
 
     @property
     def busy(self) -> bool:
-        """Not suspendable: a request of the gateway's or a request to the gateway is pending."""
-        return self.claimed or self.upstream_pending > 0 or self.turn_in_flight
+        """Not suspendable: a request of the gateway's or a request to the gateway is pending,
+        or it reported background work moments ago."""
+        return self.claimed or self.upstream_pending > 0 or self.turn_in_flight or self.working_in_background
+
+    @property
+    def working_in_background(self) -> bool:
+        return self.quiet_at > 0 and time.monotonic() < self.quiet_at
+
+    def heard_working(self, quiet_after: float) -> None:
+        """It reported work with no turn running: busy until ``quiet_after`` passes without more."""
+        moment = time.monotonic()
+        self.quiet_at = moment + quiet_after
+        self.last_active = moment
 
     @property
     def pid(self) -> int:

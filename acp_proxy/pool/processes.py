@@ -178,7 +178,7 @@ class ProcessPool:
                 remaining = deadline - anyio.current_time()
                 if remaining <= 0:
                     break
-                with anyio.move_on_after(remaining):
+                with anyio.move_on_after(min(remaining, self._until_a_session_quiets())):
                     await changed.wait()
         finally:
             queue.remove(ticket)
@@ -186,6 +186,13 @@ class ProcessPool:
                 del self._slot_queues[backend.name]
             self.changed.notify()  # the next in line plans now
         raise ProxyError.pool_exhausted(backend.name, self.backend_cap(backend))
+
+    def _until_a_session_quiets(self) -> float:
+        """Seconds until the first session busy only with background work counts as idle again
+        (no event marks that moment: a waiter for a slot plans again then)."""
+        moment = time.monotonic()
+        pending = [a.quiet_at - moment for a in self.running if a.quiet_at > moment]
+        return min(pending, default=math.inf) + 0.01
 
     def _release_reservation(self, backend: BackendConfig) -> None:
         self._reserved[backend.name] -= 1

@@ -130,6 +130,78 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     return Raw(jsonrpc.encode_json(obj))
 
 
+SESSION_INFO_MARK: Final = b'"session_info_update"'
+"""Found in the raw bytes before any line is decoded for a title: the streaming path pays one search."""
+
+TITLE_LIMIT: Final = 1000
+"""Characters of a title kept in the registry."""
+
+METADATA_UPDATES: Final = frozenset(
+    {
+        "available_commands_update",
+        "current_mode_update",
+        "config_option_update",
+        "session_info_update",
+        "usage_update",
+    }
+)
+"""``session/update`` kinds that describe the session rather than report work being done."""
+
+
+class _Update(msgspec.Struct, gc=False):
+    sessionUpdate: str = ""
+    title: str | UnsetType | None = UNSET
+    updatedAt: str | UnsetType | None = UNSET
+
+
+class _UpdateParams(msgspec.Struct, gc=False):
+    sessionId: str | UnsetType = UNSET
+    update: _Update | UnsetType = UNSET
+
+
+class _UpdateNotification(msgspec.Struct, gc=False):
+    method: str = ""
+    params: _UpdateParams | UnsetType = UNSET
+
+
+_update_decoder: Final = msgspec.json.Decoder(_UpdateNotification)
+
+
+def _update_of(line: bytes) -> tuple[str, _Update] | None:
+    try:
+        msg = _update_decoder.decode(line)
+    except (msgspec.DecodeError, RecursionError):  # ValidationError included: a field of another type
+        return None
+    params = msg.params
+    if msg.method != Method.UPDATE or params is UNSET or params.update is UNSET or params.sessionId is UNSET:
+        return None
+    return params.sessionId, params.update
+
+
+def session_info_of(line: bytes) -> tuple[str, dict[str, str | None]] | None:
+    """The session a ``session_info_update`` line is for and what it announces (``title``,
+    ``updatedAt``; ``None`` clears); ``None`` for any other line."""
+    if SESSION_INFO_MARK not in line:
+        return None
+    found = _update_of(line)
+    if found is None or found[1].sessionUpdate != "session_info_update":
+        return None
+    session_id, update = found
+    changes: dict[str, str | None] = {}
+    if update.title is not UNSET:
+        changes["title"] = update.title[:TITLE_LIMIT] if update.title is not None else None
+    if update.updatedAt is not UNSET:
+        changes["updatedAt"] = update.updatedAt[:64] if update.updatedAt is not None else None
+    return (session_id, changes) if changes else None
+
+
+def reports_work(line: bytes) -> bool:
+    """Whether a line is a ``session/update`` of work being done (a message, a thought, a tool
+    call, a plan), rather than one describing the session (commands, mode, title, usage)."""
+    found = _update_of(line)
+    return found is not None and found[1].sessionUpdate not in METADATA_UPDATES
+
+
 def history_reset_update(session_id: str) -> dict[str, Any]:
     """The ``session/update`` params telling the gateway a session starts afresh (its history is gone)."""
     update = {"sessionUpdate": "session_info_update", "_meta": {PROXY_META: {"historyReset": True}}}

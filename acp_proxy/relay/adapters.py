@@ -25,9 +25,12 @@ from acp_proxy.pool.adapter import Adapter, AdapterGone, PendingCall
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import (
+    SESSION_INFO_MARK,
     annotate_initialize,
+    reports_work,
     retarget_request,
     rewrite_session_id,
+    session_info_of,
     session_of,
     target_request,
 )
@@ -195,6 +198,10 @@ class AdapterRelay:
                     turn = adapter.turn
                     if turn is not None and turn.status is TaskStatus.RUNNING:
                         turn.observe(batch.block, batch.count)
+                    elif turn is None and adapter.gateway_session is not None:
+                        self._between_turns(adapter, batch.lines)
+                    if SESSION_INFO_MARK in batch.block:
+                        self._note_session_info(adapter, batch.lines)
                     await self.writer.send(batch.block)
                     continue
                 out: list[bytes] = []
@@ -237,6 +244,10 @@ class AdapterRelay:
             turn = adapter.turn
             if turn is not None and turn.status is TaskStatus.RUNNING:
                 turn.observe(line, 1)
+            elif turn is None and adapter.gateway_session is not None:
+                self._between_turns(adapter, [line])
+            if SESSION_INFO_MARK in line:
+                self._note_session_info(adapter, [line])
         if msg.method != Method.CANCEL_REQUEST:
             return line + b"\n"
         ok, target = target_request(msg.params)
@@ -244,6 +255,25 @@ class AdapterRelay:
         if upstream is None:
             return None
         return jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, upstream))
+
+    def _between_turns(self, adapter: Adapter, lines: list[bytes]) -> None:
+        """Updates with no turn running: if they report work, the session is busy for ``quiet_after``."""
+        if any(reports_work(line) for line in lines):
+            adapter.heard_working(self.config.pool.quiet_after)
+
+    def _note_session_info(self, adapter: Adapter, lines: list[bytes]) -> None:
+        """Record the title and ``updatedAt`` a ``session_info_update`` announces, for ``session/list``."""
+        for line in lines:
+            found = session_info_of(line)
+            if found is None:
+                continue
+            session_id, changes = found
+            if adapter.gateway_session is None or session_id not in (adapter.gateway_session, adapter.adapter_session):
+                continue
+            try:
+                self.intents.registry.record_title(adapter.gateway_session, changes)
+            except sqlite3.Error as exc:  # the title is lost; the update itself is relayed
+                log.error("could not record the title of session %s: %s", adapter.gateway_session, exc)
 
     def _request(self, adapter: Adapter, msg: Message) -> bytes:
         if msg.method == Method.ELICITATION_CREATE:
