@@ -375,3 +375,92 @@ async def test_metadata_updates_between_turns_are_not_background_work(proc_env: 
         assert (await gw.prompt(first, "stream 1"))["result"]["stopReason"] == "end_turn"
         suspended = await cli_json(proc_env, "sessions", "suspend", first)
         assert suspended["done"], "idle: metadata is not work"
+
+
+# --- fork --------------------------------------------------------------------------------------
+
+
+async def test_fork_gets_its_own_row_and_process_and_both_suspend_and_resume(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        await gw.initialize()
+        meta = {"acp-proxy": {"sessionKey": "agent:main", "agentId": "main"}}
+        parent = await gw.new_session(_meta=meta)
+        assert (await gw.prompt(parent, "stream 2"))["result"]["stopReason"] == "end_turn"
+        parent_pid = int((await state_of(gw, parent))["pid"])
+        forked = await gw.request("session/fork", {"sessionId": parent, "cwd": "/tmp", "mcpServers": []})
+        fork = forked["result"]["sessionId"]
+        assert fork != parent
+        row = registry(proc_env).get(fork)
+        assert row is not None
+        assert (row.parent_session_id, row.state) == (parent, SessionState.LIVE)
+        assert (row.ownership.parent_session_key, row.ownership.agent_id) == ("agent:main", "main")
+        assert registry(proc_env).get(parent).state is SessionState.SUSPENDED  # type: ignore[union-attr]
+        fork_state = await state_of(gw, fork)
+        assert (fork_state["pid"], fork_state["turns"]) == (parent_pid, 2), "the fork keeps the parent's process"
+        parent_state = await state_of(gw, parent)  # the parent comes back on a process of its own
+        assert parent_state["pid"] != parent_pid
+        assert parent_state["turns"] == 2
+        listed = (await gw.request("session/list", {}))["result"]["sessions"]
+        parents = {s["sessionId"]: s["_meta"]["acp-proxy"].get("parentSessionId") for s in listed}
+        assert parents == {parent: None, fork: parent}
+        for session in (fork, parent):
+            assert (await cli_json(proc_env, "sessions", "suspend", session))["done"]
+            assert (await state_of(gw, session))["turns"] == 3, "resumed with its own history"
+        assert (await gw.request("session/close", {"sessionId": fork}))["result"] == {}
+        assert (await gw.request("session/delete", {"sessionId": fork}))["result"] == {}
+        assert (await state_of(gw, parent))["turns"] == 4, "the parent is untouched by its fork's end"
+        mine = {"acp-proxy": {"requester": {"sessionKey": "agent:main", "visibility": "tree"}}}
+        fork2 = (await gw.request("session/fork", {"sessionId": parent, "cwd": "/tmp"}))["result"]["sessionId"]
+        seen = {s["sessionId"] for s in (await gw.request("session/list", {"_meta": mine}))["result"]["sessions"]}
+        assert {parent, fork2} <= seen, "a fork is in its parent's tree"
+
+
+async def test_fork_of_a_closed_or_unknown_session_is_refused(proc_env: dict[str, str], tmp_path: Path) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        closed = await session_in(gw, proc_env, "closed")
+        for session, reason in ((closed, "session_closed"), ("fake-000000000000", "unknown_session")):
+            answer = await gw.request("session/fork", {"sessionId": session, "cwd": "/tmp"})
+            assert answer["error"]["data"]["reason"] == reason
+
+
+# --- logout ------------------------------------------------------------------------------------
+
+
+async def test_logout_reaches_every_live_process_and_later_resumes_do_not_authenticate(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    options = {
+        "caps": {**CAPS, "auth": {"logout": {}}},
+        "store": str(tmp_path / "store"),
+        "record": str(tmp_path / "rec.jsonl"),
+        "auth_methods": [{"id": "token", "name": "Token"}],
+    }
+    config = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        await gw.initialize()
+        assert "result" in await gw.request("authenticate", {"methodId": "token"})
+        first, second = await gw.new_session(), await gw.new_session()
+        assert json.loads(await _said(gw, second, "auth")) == ["token"], "authenticated again for a new process"
+        answer = await gw.request("logout", {})
+        assert answer["result"] == {}
+        pids = {int((await state_of(gw, s))["pid"]) for s in (first, second)}
+        logouts = {e["pid"] for e in gw.adapter_record() if '"method":"logout"' in e.get("in", "").replace(" ", "")}
+        assert pids <= logouts, "every live process was logged out"
+        assert (await cli_json(proc_env, "sessions", "suspend", first))["done"]
+        authenticated_before = len(adapter_calls(gw, "authenticate"))
+        assert json.loads(await _said(gw, first, "auth")) == [], "resumed without the forgotten credentials"
+        assert len(adapter_calls(gw, "authenticate")) == authenticated_before
+
+
+async def _said(gw: Gateway, session: str, command: str) -> str:
+    assert (await gw.prompt(session, command))["result"]["stopReason"] == "end_turn"
+    text = str(gw.updates(session)[-1]["params"]["update"]["content"]["text"])
+    gw.clear_stash()
+    return text

@@ -26,7 +26,7 @@ from acp_proxy.config import BackendConfig, Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.acp import session_of
+from acp_proxy.protocol.acp import proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method, routed_by_session
@@ -215,6 +215,48 @@ class GatewayConnection:
         if session_id is not None:
             await self.intents.resume(msg, session_id)
 
+    async def _logout(self, msg: Message) -> None:
+        self.pool.auth_params = UNSET  # from now on, no process is authenticated with what the gateway gave
+        self.background.start(lambda: self._logout_everywhere(msg))
+
+    async def _logout_everywhere(self, msg: Message) -> None:
+        """``logout``: to every live process of the backend, each bounded by ``resume_timeout``; one
+        answer, the first error if any, else the first result. With none live, to a spare or a new one."""
+        try:
+            backend = self.intents.backend_named(proxy_meta(msg.params))
+        except ProxyError as exc:
+            await self.writer.fail(msg.id, exc)
+            return
+        live = [adapter for adapter in self.pool.live() if adapter.backend.name == backend.name]
+        if not live:
+            adapter = self.pool.spare(backend) or await self._started(msg, backend, prepare=True)
+            if adapter is not None:
+                await adapter.forward(msg)
+            return
+        answers: list[Message | ProxyError] = []
+
+        async def logout(adapter: Adapter) -> None:
+            try:
+                answers.append(await self.pool.call_answer(adapter, Method.LOGOUT, msg.params))
+            except ProxyError as exc:
+                answers.append(exc)
+
+        async with anyio.create_task_group() as tasks:
+            for adapter in live:
+                tasks.start_soon(logout, adapter)
+        failed = [a for a in answers if isinstance(a, ProxyError) or a.error is not UNSET]
+        answer = failed[0] if failed else answers[0]
+        if isinstance(answer, ProxyError):
+            await self.writer.fail(msg.id, answer)
+        else:
+            await self.writer.send(jsonrpc.with_id(answer, msg.id))  # type: ignore[arg-type]
+        log.info("logout sent to %d %s process(es); %d failed", len(live), backend.name, len(failed))
+
+    async def _fork(self, msg: Message) -> None:
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is not None:
+            await self.intents.fork(msg, session_id)
+
     async def _to_spare(self, msg: Message, backend: BackendConfig) -> None:
         """``initialize`` / ``authenticate``: to the spare process, started for it if need be."""
         adapter = self.pool.spare(backend)
@@ -286,6 +328,8 @@ ROUTES: Final[dict[str, Route]] = {
     Method.LIST: GatewayConnection._list,
     Method.CLOSE: GatewayConnection._close,
     Method.DELETE: GatewayConnection._delete,
+    Method.FORK: GatewayConnection._fork,
+    Method.LOGOUT: GatewayConnection._logout,
     Method.LOAD: GatewayConnection._load_or_resume,
     Method.RESUME: GatewayConnection._load_or_resume,
 }

@@ -5,6 +5,7 @@
     cancel         session/cancel: queued prompts end cancelled, the running turn is asked to end; nothing is reaped
     close          session/close: end the turn in flight, reap the tree, mark it closed (still listed)
     delete         session/delete: as close, then delete it on the backend too and leave a tombstone
+    fork           session/fork: on the parent's process, which the fork then keeps (the parent is suspended)
     suspend        stop an idle session's process; it keeps its mapping and is resumable
     resume         the gateway's session/load or session/resume: restore a suspended or closed session
     list_sessions  session/list from the registry (all but the deleted), filtered by who asks
@@ -572,6 +573,99 @@ class SessionIntents:
                 adapter.release_to_spare()
             else:
                 await self.pool.stop(adapter)
+
+    # --- fork ---------------------------------------------------------------------------------
+
+    async def fork(self, msg: Message, session_id: str) -> None:
+        """``session/fork``: made on the parent's process (only it is sure to hold all of the parent),
+        which then serves the fork; the parent is suspended, and comes back on a process of its
+        own when next used, as any suspended session. In the parent's queue, after its turn."""
+        parent = self.table.find(session_id)
+        if parent is None:
+            await self._fail_unknown(msg.id, session_id)
+            return
+        self.table.enqueue(parent, lambda: self._fork_when_ready(parent, msg))
+
+    async def _fork_when_ready(self, parent: Session, msg: Message) -> None:
+        if parent.closed:
+            await self._fail_unknown(msg.id, parent.session_id)
+            return
+        try:
+            adapter = await self._ensure_live(parent)
+        except ProxyError as exc:
+            await self.gateway.fail(msg.id, exc)
+            return
+        if adapter is None:
+            await self._fail_unknown(msg.id, parent.session_id)
+            return
+        await adapter.until_answered()  # the parent's turn ends before its process changes hands
+        answered = anyio.Event()
+
+        def forked(answer: Message) -> Message | None:
+            answered.set()
+            fork_id = session_of(answer.result) if answer.error is UNSET else None
+            if fork_id is None or parent.adapter is not adapter:
+                return None
+            stable = self._take_over_for_fork(parent, adapter, fork_id, msg.params)
+            if stable == fork_id:
+                return None
+            result = jsonrpc.decode_object(answer.result) or {}
+            return Message(
+                jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable}))
+            )
+
+        await adapter.forward(msg, forked)
+        await adapter.answered.until(lambda: answered.is_set() or adapter.gone)
+
+    def _take_over_for_fork(self, parent: Session, adapter: Adapter, fork_id: str, params: Raw | UnsetType) -> str:
+        """The fork's row (parent recorded, ownership inherited unless given) and its process: the parent's."""
+        record = self.registry.get(parent.session_id) or parent.record
+        given = jsonrpc.decode_object(params) or {}
+        meta = proxy_meta(params)
+        inherited = record.ownership
+        ownership = (
+            ownership_from(meta)
+            if any(key in meta for key in ("sessionKey", "ownerSessionKey", "spawnedBy", "parentSessionKey"))
+            else Ownership(
+                owner_session_key=inherited.owner_session_key,
+                spawned_by=inherited.session_key,
+                parent_session_key=inherited.session_key,
+                agent_id=inherited.agent_id,
+            )
+        )
+        taken = self.registry.get(fork_id)
+        live_elsewhere = taken is not None and taken.state in (SessionState.LIVE, SessionState.RESUMING)
+        stable = stable_id(fork_id, taken_here=self.table.get(fork_id) is not None, live_elsewhere=live_elsewhere)
+        directories = given.get("additionalDirectories")
+        fork = SessionRecord(
+            session_id=stable,
+            adapter_session_id=fork_id,
+            backend=record.backend,
+            cwd=str(given.get("cwd", record.cwd)),
+            mcp_servers=jsonrpc.encode_json(given["mcpServers"]).decode()
+            if "mcpServers" in given
+            else record.mcp_servers,
+            additional_directories=record.additional_directories
+            if directories is None
+            else jsonrpc.encode_json(directories).decode(),
+            lease_id=adapter.supervised.lease.lease_id,
+            settings=record.settings,
+            auth_method=record.auth_method,
+            ownership=ownership,
+            parent_session_id=parent.session_id,
+        )
+        parent.adapter = None
+        self.registry.mark_suspended(parent.session_id)
+        self.table.bind(Session(self.registry.create(fork)), adapter, fork_id)
+        log.info(
+            "session %s forked as %s on pid %s, which serves the fork from now on; %s suspended, resumable",
+            parent.session_id,
+            stable,
+            adapter.pid,
+            parent.session_id,
+            extra=ids(session=stable, lease=adapter.supervised.lease.lease_id),
+        )
+        return stable
 
     # --- suspend ------------------------------------------------------------------------------
 
