@@ -25,7 +25,7 @@ from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
 from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire
-from acp_proxy.protocol.acp import AgentCapabilities
+from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.protocol.methods import Method
@@ -270,7 +270,7 @@ class ProcessPool:
 
     async def _prepare(self, adapter: Adapter) -> None:
         """``initialize`` (and ``authenticate``) a fresh adapter as the gateway did its first one."""
-        init = self.client_init if self.client_init is not UNSET else {"protocolVersion": 1}
+        init = self.client_init if self.client_init is not UNSET else {"protocolVersion": PROTOCOL_VERSION}
         answer = await self.call(adapter, Method.INITIALIZE, init)
         adapter.capabilities = AgentCapabilities.from_initialize(answer.result)
         adapter.can_close_sessions = adapter.capabilities.close

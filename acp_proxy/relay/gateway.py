@@ -26,7 +26,7 @@ from acp_proxy.config import BackendConfig, Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.acp import session_of
+from acp_proxy.protocol.acp import offered_initialize, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method, routed_by_session
@@ -188,7 +188,7 @@ class GatewayConnection:
         return session_id
 
     async def _initialize(self, msg: Message) -> None:
-        self.pool.client_init = msg.params
+        msg.params = self.pool.client_init = offered_initialize(msg.params)
         self.background.start(lambda: self._to_spare(msg, self.pool.default_backend))
 
     async def _authenticate(self, msg: Message) -> None:
