@@ -32,6 +32,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     acquire_timeout: float = 30.0
     resume_timeout: float = 120.0
     """Bound on bringing a suspended session back (spawn, initialize, authenticate, restore)."""
+    start_timeout: float = 60.0
+    """A new process must answer ``initialize`` and the request it was started for within this; 0 = no limit."""
 
 
 class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,6 +58,8 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_live: int | None = None
     turn_timeout: float | None = None
     """Overrides ``[tasks] turn_timeout`` for this backend."""
+    start_timeout: float | None = None
+    """Overrides ``[pool] start_timeout`` for this backend."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -231,6 +235,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "idle_ttl": parse_duration,
                 "acquire_timeout": parse_duration,
                 "resume_timeout": parse_duration,
+                "start_timeout": parse_duration,
             },
         )
     )
@@ -269,6 +274,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "resume": _one_of(RESUME_STRATEGIES),
                 "max_live": _int_at_least(1),
                 "turn_timeout": parse_duration,
+                "start_timeout": parse_duration,
             },
         )
         if isinstance(raw, dict) and "command" not in raw:

@@ -24,7 +24,7 @@ from msgspec import UNSET
 from acp_proxy.concurrency import Background, Stopping, state_failed
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone
-from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.processes import Answer, ProcessPool
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import offered_initialize, session_of
 from acp_proxy.protocol.errors import ProxyError
@@ -212,36 +212,36 @@ class GatewayConnection:
 
     async def _to_spare(self, msg: Message, backend: BackendConfig) -> None:
         """``initialize`` / ``authenticate``: to the spare process, started for it if need be."""
-        adapter = self.pool.spare(backend)
-        if adapter is None:
-            adapter = await self._started(msg, backend, prepare=msg.method != Method.INITIALIZE)
-            if adapter is None:
-                return
+        on_answer: Answer | None = None
         if msg.method == Method.AUTHENTICATE:
 
             def remember(answer: Message) -> None:
                 if answer.error is UNSET:
                     self.pool.auth_params = msg.params
 
-            await adapter.forward(msg, remember)
+            on_answer = remember
+        adapter = self.pool.spare(backend)
+        if adapter is None:
+            await self._started(msg, backend, prepare=msg.method != Method.INITIALIZE, on_answer=on_answer)
         else:
-            await adapter.forward(msg)
+            await adapter.forward(msg, on_answer)
 
     async def _to_any(self, msg: Message) -> None:
         """A request naming no session (``logout``, extensions): a spare, else the most recently used process."""
-        adapter = self.pool.any_adapter() or await self._started(msg, self.pool.default_backend, prepare=True)
-        if adapter is not None:
+        adapter = self.pool.any_adapter()
+        if adapter is None:
+            await self._started(msg, self.pool.default_backend, prepare=True)
+        else:
             await adapter.forward(msg)
 
-    async def _started(self, msg: Message, backend: BackendConfig, *, prepare: bool) -> Adapter | None:
-        """A new process for a request no process is there for; ``None`` (and the request answered) if none."""
+    async def _started(
+        self, msg: Message, backend: BackendConfig, *, prepare: bool, on_answer: Answer | None = None
+    ) -> None:
+        """A request no process is there for: to a new process, under its start deadline (an error answered)."""
         try:
-            adapter = await self.pool.start(backend, prepare=prepare)
+            await self.pool.start_for(msg, backend, prepare=prepare, on_answer=on_answer)
         except ProxyError as exc:
             await self.writer.fail(msg.id, exc)
-            return None
-        adapter.claimed = False
-        return adapter
 
     # --- notifications ------------------------------------------------------------------------
 
