@@ -35,6 +35,8 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     quiet_after: float = 3.0
     """A session whose agent sent work updates after its turn ended is busy until this long
     without one (background shells, sub-agents): the pool and ``idle_ttl`` leave it alone."""
+    start_timeout: float = 60.0
+    """A new process must answer ``initialize`` and the request it was started for within this; 0 = no limit."""
 
 
 class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +61,8 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_live: int | None = None
     turn_timeout: float | None = None
     """Overrides ``[tasks] turn_timeout`` for this backend."""
+    start_timeout: float | None = None
+    """Overrides ``[pool] start_timeout`` for this backend."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,6 +239,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "acquire_timeout": parse_duration,
                 "resume_timeout": parse_duration,
                 "quiet_after": parse_duration,
+                "start_timeout": parse_duration,
             },
         )
     )
@@ -273,6 +278,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "resume": _one_of(RESUME_STRATEGIES),
                 "max_live": _int_at_least(1),
                 "turn_timeout": parse_duration,
+                "start_timeout": parse_duration,
             },
         )
         if isinstance(raw, dict) and "command" not in raw:

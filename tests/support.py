@@ -150,7 +150,8 @@ def write_config(
     default_backend: str | None = None,
     tasks: dict[str, str] | None = None,
 ) -> Path:
-    """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options)."""
+    """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options, but
+    ``resume``, ``max_live`` and ``start_timeout``, which are the backend's own)."""
     lines = []
     if default_backend:
         lines.append(f'default_backend = "{default_backend}"')
@@ -162,11 +163,14 @@ def write_config(
         settings = dict(options)
         resume = settings.pop("resume", None)
         max_live = settings.pop("max_live", None)
+        start_timeout = settings.pop("start_timeout", None)
         lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(**settings))}"]
         if resume:
             lines.append(f'resume = "{resume}"')
         if max_live:
             lines.append(f"max_live = {max_live}")
+        if start_timeout:
+            lines.append(f"start_timeout = {json.dumps(start_timeout)}")
     path = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

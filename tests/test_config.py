@@ -90,7 +90,8 @@ def test_design_example_is_valid() -> None:
         ({**GOOD, "pool": {"idle_ttl": "soon"}}, 'pool.idle_ttl: expected a duration such as "150ms"'),
         (
             {**GOOD, "pool": {"max_lve": 3}},
-            "pool.max_lve: unknown key (expected one of: acquire_timeout, idle_ttl, max_live, resume_timeout)",
+            "pool.max_lve: unknown key "
+            "(expected one of: acquire_timeout, idle_ttl, max_live, resume_timeout, start_timeout)",
         ),
         ({**GOOD, "shutdown": {"term_grace": -1}}, "shutdown.term_grace: expected a duration"),
         ({**GOOD, "pool": 5}, "pool: expected a table, got 5"),

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import anyio
@@ -114,6 +115,8 @@ class Adapter:
         self.quiet_at = 0.0
         """Monotonic time until which it counts as busy: it reported work after its turn ended
         (``[pool] quiet_after`` from its last such update)."""
+        self.start_deadline: float | None = None
+        """By when it must answer the request it was started (or, a spare, taken) for: ``start_timeout``."""
 
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""
@@ -242,8 +245,8 @@ class Adapter:
         on_answer: Callable[[Message], Message | None] | None = None,
         *,
         turn: Turn | None = None,
-    ) -> None:
-        """Send a gateway request on under a fresh id (``sessionId`` rewritten if need be).
+    ) -> int:
+        """Send a gateway request on under a fresh id (``sessionId`` rewritten if need be); that id.
 
         An adapter that is gone is not an error here: the relay answers every pending
         call once it sees the adapter's output end.
@@ -257,10 +260,9 @@ class Adapter:
             call.turn = self.turn = turn
         self.last_active = time.monotonic()
         out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))
-        try:
+        with suppress(AdapterGone):
             await self.send(jsonrpc.encode(out))
-        except AdapterGone:
-            return
+        return call_id
 
     def note_answer(self, call: PendingCall, msg: Message) -> None:
         """Keep track of what the adapter can close and which sessions it has open."""

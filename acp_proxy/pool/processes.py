@@ -21,11 +21,12 @@ from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Changes, Stopping
 from acp_proxy.config import BackendConfig, Config
+from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
 from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire
-from acp_proxy.protocol.acp import AgentCapabilities
+from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.protocol.methods import Method
@@ -34,6 +35,9 @@ log = logging.getLogger("acp_proxy.lifecycle")
 
 DRAIN_TIMEOUT: Final = 1.0
 """How long to keep relaying an exited adapter's last output before closing its stdout."""
+
+Answer = Callable[[Message], Message | None]
+"""Called with the adapter's answer to a gateway request before it is forwarded (``PendingCall.on_answer``)."""
 
 Suspend = Callable[[str, str], bool]
 """Suspend the session of this id if it is idle (the reason for the log); False if it is not.
@@ -129,6 +133,11 @@ class ProcessPool:
 
     def backend_cap(self, backend: BackendConfig) -> int:
         return backend.max_live if backend.max_live is not None else self.config.pool.max_live
+
+    def start_timeout(self, backend: BackendConfig) -> float:
+        """``start_timeout`` for ``backend``, the backend's own first; ``inf`` when it is 0 (no limit)."""
+        timeout = backend.start_timeout if backend.start_timeout is not None else self.config.pool.start_timeout
+        return timeout or math.inf
 
     def refuse(self) -> None:
         """From now on, requests waiting for a slot (and new ones) fail fast with ``proxy_shutdown``."""
@@ -235,11 +244,14 @@ class ProcessPool:
 
         ``prepare``: send it ``initialize`` with the gateway's own params, and
         ``authenticate`` again if the gateway did, so it can take a session.
+        Its start deadline counts from now (the slot is ours): the warm process
+        launched with the proxy is counted from the request that takes it.
         """
         await self._acquire_slot(backend)
         try:
             if self.stopping.refusing:
                 raise ProxyError.proxy_shutdown()
+            deadline = anyio.current_time() + self.start_timeout(backend)
             warm, self._warm = (self._warm, None) if backend is self.default_backend else (None, self._warm)
             try:
                 supervised = warm or Adapter.launch(
@@ -255,6 +267,7 @@ class ProcessPool:
                 raise ProxyError.spawn_failed(backend.name, str(exc)) from None
             adapter.last_active = time.monotonic()
             adapter.claimed = prepare
+            adapter.start_deadline = deadline
             self.running.add(adapter)
         finally:
             self._release_reservation(backend)
@@ -270,22 +283,74 @@ class ProcessPool:
         return adapter
 
     async def take(self, backend: BackendConfig, session_key: str | None = None) -> Adapter:
-        """A prepared adapter for a new or restored session: the spare, else a new one."""
+        """A prepared adapter for a new or restored session: the spare, else a new one.
+
+        A spare has answered only ``initialize``: its first session is still part of its
+        start, so its start deadline counts from now.
+        """
         adapter = self.spare(backend)
         if adapter is not None:
             adapter.claimed = True
+            adapter.start_deadline = anyio.current_time() + self.start_timeout(backend)
             return adapter
         return await self.start(backend, prepare=True, session_key=session_key)
 
+    async def start_for(
+        self, msg: Message, backend: BackendConfig, *, prepare: bool, on_answer: Answer | None = None
+    ) -> None:
+        """A gateway request no process is there for: to a new one, which is a spare once it has answered."""
+        adapter = await self.start(backend, prepare=prepare)
+        adapter.claimed = False
+        await self.forward_first(adapter, msg, on_answer)
+
+    async def forward_first(self, adapter: Adapter, msg: Message, on_answer: Answer | None = None) -> None:
+        """Send a process the request it was started (or taken) for, and wait until its start deadline.
+
+        That request is part of the start: an adapter that hangs in it would leave the
+        gateway waiting for ever. Past the deadline the request is taken off the adapter
+        (``on_answer`` never runs, a late answer is dropped), the process is stopped and
+        ``start_timeout`` raised, for the caller to answer with. Answered in time, the
+        process is like any other from then on.
+        """
+        deadline, adapter.start_deadline = adapter.start_deadline, None
+        call_id = await adapter.forward(msg, on_answer)
+        with anyio.CancelScope(deadline=math.inf if deadline is None else deadline):
+            await adapter.answered.until(lambda: adapter.gone or call_id not in adapter.pending)
+        if adapter.take_pending(call_id) is None:
+            return  # answered (or answered for: the relay fails what a process that exited owed)
+        if adapter.gone:  # it exited before the request reached it
+            raise ProxyError.adapter_exited(adapter.returncode, adapter.backend.name)
+        timeout = self.start_timeout(adapter.backend)
+        log.warning(
+            "%s adapter pid %s did not answer %s within start_timeout (%gs): stopping it",
+            adapter.backend.name,
+            adapter.pid,
+            msg.method,
+            timeout,
+            extra=ids(lease=adapter.supervised.lease.lease_id, backend=adapter.backend.name, pid=adapter.pid),
+        )
+        self.stop_in_background(adapter)
+        raise ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
+
     async def _prepare(self, adapter: Adapter) -> None:
-        """``initialize`` (and ``authenticate``) a fresh adapter as the gateway did its first one."""
-        init = self.client_init if self.client_init is not UNSET else {"protocolVersion": 1}
-        answer = await self.call(adapter, Method.INITIALIZE, init)
-        adapter.capabilities = AgentCapabilities.from_initialize(answer.result)
-        adapter.can_close_sessions = adapter.capabilities.close
-        self.known_capabilities[adapter.backend.name] = adapter.capabilities
-        if self.auth_params is not UNSET:
-            await self.call(adapter, Method.AUTHENTICATE, self.auth_params)
+        """``initialize`` (and ``authenticate``) a fresh adapter as the gateway did its first one.
+
+        Bounded by its start deadline and, each request, by ``resume_timeout``: the earlier
+        one ends it, and the error names that one (``start_timeout``, ``restore_timeout``).
+        """
+        init = self.client_init if self.client_init is not UNSET else {"protocolVersion": PROTOCOL_VERSION}
+        method = Method.INITIALIZE
+        deadline = math.inf if adapter.start_deadline is None else adapter.start_deadline
+        with anyio.CancelScope(deadline=deadline) as scope:
+            answer = await self.call(adapter, method, init)
+            adapter.capabilities = AgentCapabilities.from_initialize(answer.result)
+            adapter.can_close_sessions = adapter.capabilities.close
+            self.known_capabilities[adapter.backend.name] = adapter.capabilities
+            if self.auth_params is not UNSET:
+                method = Method.AUTHENTICATE
+                await self.call(adapter, method, self.auth_params)
+        if scope.cancelled_caught:
+            raise ProxyError.start_timeout(method, adapter.backend.name, self.start_timeout(adapter.backend))
 
     async def call(self, adapter: Adapter, method: str, params: object) -> Message:
         """A request of the proxy's own, bounded by ``resume_timeout``; an error answer raises ``restore_failed``."""

@@ -23,6 +23,9 @@ from acp_proxy.protocol.methods import Method, facts
 PROXY_META: Final = "acp-proxy"
 """The proxy's own key in ``_meta``, both ways."""
 
+PROTOCOL_VERSION: Final = 1
+"""The ACP version the proxy speaks: the newest it lets a gateway and an adapter agree on."""
+
 
 class _SessionParams(msgspec.Struct, gc=False):
     sessionId: str | UnsetType = UNSET
@@ -100,6 +103,30 @@ def advertises(capabilities: dict[str, Any], method: str) -> bool:
     return value is True or isinstance(value, dict)
 
 
+def _lower_version(obj: dict[str, Any]) -> bool:
+    """``protocolVersion`` newer than ``PROTOCOL_VERSION`` lowered to it (True); anything else left alone."""
+    version = obj.get("protocolVersion")
+    if isinstance(version, int) and not isinstance(version, bool) and version > PROTOCOL_VERSION:
+        obj["protocolVersion"] = PROTOCOL_VERSION
+        return True
+    return False
+
+
+def offered_initialize(params: Raw | UnsetType) -> Raw | UnsetType:
+    """The gateway's ``initialize`` params as adapters get them: a version newer than the proxy's lowered to it.
+
+    ACP's negotiation: a client asks for the newest version it supports, and an agent that does
+    not support it answers with its own newest. The proxy is the agent here, so its adapters are
+    asked for no version it does not speak. A ``protocolVersion`` that is missing or not an
+    integer passes through untouched, for the adapter to judge (and answer ``-32602``): the
+    proxy validates no other ``initialize`` field either.
+    """
+    obj = jsonrpc.decode_object(params)
+    if obj is None or not _lower_version(obj):
+        return params
+    return Raw(jsonrpc.encode_json(obj))
+
+
 def annotate_initialize(result: Raw, backend: str) -> Raw:
     """The adapter's ``initialize`` result, adjusted for what the proxy itself provides.
 
@@ -107,10 +134,12 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     proxy); ``session/resume`` is, when the adapter can load or resume (the proxy restores
     the session on a fresh process either way); ``session/fork`` when the adapter forks.
     ``_meta["acp-proxy"]`` says who we are.
+    ``protocolVersion`` is at most the proxy's own, whatever the adapter answered.
     """
     obj = jsonrpc.decode_object(result)
     if obj is None:
         return result
+    _lower_version(obj)
     caps = AgentCapabilities.from_initialize(result)
     agent = obj.get("agentCapabilities")
     agent = dict(agent) if isinstance(agent, dict) else {}

@@ -155,6 +155,18 @@ class ProxyError(Exception):
             backend=backend,
         )
 
+    @classmethod
+    def start_timeout(cls, method: str, backend: str, timeout: float) -> ProxyError:
+        """A process started (or taken fresh) for a request had not answered it within ``start_timeout``."""
+        return cls(
+            jsonrpc.INTERNAL_ERROR,
+            f"The agent process did not answer {method} within start_timeout ({timeout:g}s); it was stopped",
+            "start_timeout",
+            method=method,
+            backend=backend,
+            startTimeout=timeout,
+        )
+
     # --- processes ------------------------------------------------------------------------------
 
     @classmethod

@@ -24,9 +24,9 @@ from msgspec import UNSET
 from acp_proxy.concurrency import Background, Stopping, state_failed
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone
-from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.processes import Answer, ProcessPool
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.acp import proxy_meta, session_of
+from acp_proxy.protocol.acp import offered_initialize, proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method, routed_by_session
@@ -188,7 +188,7 @@ class GatewayConnection:
         return session_id
 
     async def _initialize(self, msg: Message) -> None:
-        self.pool.client_init = msg.params
+        msg.params = self.pool.client_init = offered_initialize(msg.params)
         self.background.start(lambda: self._to_spare(msg, self.pool.default_backend))
 
     async def _authenticate(self, msg: Message) -> None:
@@ -229,9 +229,11 @@ class GatewayConnection:
             return
         live = [adapter for adapter in self.pool.live() if adapter.backend.name == backend.name]
         if not live:
-            adapter = self.pool.spare(backend) or await self._started(msg, backend, prepare=True)
-            if adapter is not None:
-                await adapter.forward(msg)
+            spare = self.pool.spare(backend)
+            if spare is not None:
+                await spare.forward(msg)
+            else:
+                await self._started(msg, backend, prepare=True)
             return
         answers: list[Message | ProxyError] = []
 
@@ -259,36 +261,36 @@ class GatewayConnection:
 
     async def _to_spare(self, msg: Message, backend: BackendConfig) -> None:
         """``initialize`` / ``authenticate``: to the spare process, started for it if need be."""
-        adapter = self.pool.spare(backend)
-        if adapter is None:
-            adapter = await self._started(msg, backend, prepare=msg.method != Method.INITIALIZE)
-            if adapter is None:
-                return
+        on_answer: Answer | None = None
         if msg.method == Method.AUTHENTICATE:
 
             def remember(answer: Message) -> None:
                 if answer.error is UNSET:
                     self.pool.auth_params = msg.params
 
-            await adapter.forward(msg, remember)
+            on_answer = remember
+        adapter = self.pool.spare(backend)
+        if adapter is None:
+            await self._started(msg, backend, prepare=msg.method != Method.INITIALIZE, on_answer=on_answer)
         else:
-            await adapter.forward(msg)
+            await adapter.forward(msg, on_answer)
 
     async def _to_any(self, msg: Message) -> None:
         """A request naming no session (``logout``, extensions): a spare, else the most recently used process."""
-        adapter = self.pool.any_adapter() or await self._started(msg, self.pool.default_backend, prepare=True)
-        if adapter is not None:
+        adapter = self.pool.any_adapter()
+        if adapter is None:
+            await self._started(msg, self.pool.default_backend, prepare=True)
+        else:
             await adapter.forward(msg)
 
-    async def _started(self, msg: Message, backend: BackendConfig, *, prepare: bool) -> Adapter | None:
-        """A new process for a request no process is there for; ``None`` (and the request answered) if none."""
+    async def _started(
+        self, msg: Message, backend: BackendConfig, *, prepare: bool, on_answer: Answer | None = None
+    ) -> None:
+        """A request no process is there for: to a new process, under its start deadline (an error answered)."""
         try:
-            adapter = await self.pool.start(backend, prepare=prepare)
+            await self.pool.start_for(msg, backend, prepare=prepare, on_answer=on_answer)
         except ProxyError as exc:
             await self.writer.fail(msg.id, exc)
-            return None
-        adapter.claimed = False
-        return adapter
 
     # --- notifications ------------------------------------------------------------------------
 

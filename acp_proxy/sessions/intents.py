@@ -207,6 +207,13 @@ class SessionIntents:
             await self.gateway.fail(msg.id, exc)
             return None
 
+    async def _send_first(self, adapter: Adapter, msg: Message, on_answer: Answer) -> None:
+        """The request a process was taken for, under its start deadline (past it, ``start_timeout`` answered)."""
+        try:
+            await self.pool.forward_first(adapter, msg, on_answer)
+        except ProxyError as exc:
+            await self.gateway.fail(msg.id, exc)
+
     async def new(self, msg: Message) -> None:
         """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
         adapter = await self._prepared_for(msg)
@@ -227,7 +234,7 @@ class SessionIntents:
                 jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable}))
             )
 
-        await adapter.forward(msg, created)
+        await self._send_first(adapter, msg, created)
 
     def _register(self, session_id: str, backend: BackendConfig, adapter: Adapter, params: Raw | UnsetType) -> str:
         """A session the adapter just opened (``session/new``, or a load of one the registry did not know).
@@ -810,7 +817,7 @@ class SessionIntents:
                 return
             self._register(session_id, backend, adapter, msg.params)
 
-        await adapter.forward(msg, adopted)
+        await self._send_first(adapter, msg, adopted)
 
     # --- list ---------------------------------------------------------------------------------
 
