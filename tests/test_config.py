@@ -34,7 +34,7 @@ def test_defaults_fill_a_minimal_config() -> None:
 def test_design_example_is_valid() -> None:
     doc = {
         "default_backend": "claude",
-        "pool": {"max_live": 4, "idle_ttl": "15m", "acquire_timeout": "30s"},
+        "pool": {"max_live": 4, "idle_ttl": "15m", "acquire_timeout": "30s", "quiet_after": "2s"},
         "shutdown": {"close_timeout": "1.5s", "stdin_grace": "1s", "term_grace": "3s"},
         "backends": {
             "claude": {
@@ -49,6 +49,7 @@ def test_design_example_is_valid() -> None:
     config = validate(doc)
     assert config.backend().name == "claude"
     assert config.pool.idle_ttl == 900.0
+    assert config.pool.quiet_after == 2.0
     assert config.shutdown.close_timeout == 1.5
     assert config.backends["claude"].max_live == 2
 
@@ -91,7 +92,7 @@ def test_design_example_is_valid() -> None:
         (
             {**GOOD, "pool": {"max_lve": 3}},
             "pool.max_lve: unknown key "
-            "(expected one of: acquire_timeout, idle_ttl, max_live, resume_timeout, start_timeout)",
+            "(expected one of: acquire_timeout, idle_ttl, max_live, quiet_after, resume_timeout, start_timeout)",
         ),
         ({**GOOD, "shutdown": {"term_grace": -1}}, "shutdown.term_grace: expected a duration"),
         ({**GOOD, "pool": 5}, "pool: expected a table, got 5"),
