@@ -215,7 +215,10 @@ async def test_an_adapters_cancel_request_for_its_elicitation_reaches_the_gatewa
 async def test_a_pending_elicitation_keeps_its_session_from_being_suspended(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
-    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, pool={"acquire_timeout": "500ms"}) as gw:
+    # The adapter reports the answer as a message chunk after its turn: background work, over
+    # once quiet_after has passed without more.
+    pool = {"acquire_timeout": "500ms", "quiet_after": "100ms"}
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, pool=pool) as gw:
         await gw.initialize(INITIALIZE)
         first = await gw.new_session()
         pid = await adapter_pid(gw, first)

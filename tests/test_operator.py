@@ -351,11 +351,13 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
         "ownership",
         "instances",
         "sessions",
+        "liveSessions",
         "leases",
         "processes",
         "tasks",
         "runningTasks",
     }
+    assert [s["sessionId"] for s in report["liveSessions"]] == [session]
     [instance] = report["instances"]
     assert instance["alive"] is True
     assert instance["pid"] == gw.pid
