@@ -133,6 +133,13 @@ def test_overlong_line_is_never_buffered_whole() -> None:
         (b'{"jsonrpc":"2.0","id":true,"method":"x"}', BadLine.INVALID),
         (b'{"jsonrpc":"2.0","id":1,"error":{"code":"x","message":"m"}}', BadLine.INVALID),
         (b'{"jsonrpc":"2.0","id":1,"method":"x","result":{}}', BadLine.INVALID),
+        # Found by fuzzing at scale: the envelope decoder refuses a wrong type before it has read
+        # the rest, so broken JSON that starts with one was answered -32600 instead of -32700.
+        (b"[1,2", BadLine.PARSE),
+        (b'"unterminated', BadLine.PARSE),
+        (b'{"jsonrpc":"2.0","id":1.5,"method":"x"', BadLine.PARSE),
+        (b'{"jsonrpc":"2.0","id":true,"method":"x","params":{,}}', BadLine.PARSE),
+        (b"[" * 5000 + b"]" * 5000, BadLine.INVALID),
     ],
 )
 def test_decode_line_classifies(line: bytes, expected: Kind | BadLine) -> None:

@@ -118,13 +118,30 @@ def decode_line(line: bytes) -> tuple[Message, Kind] | BadLine:
     try:
         msg = _decoder.decode(line)
     except msgspec.ValidationError:
-        return BadLine.INVALID
+        return BadLine.INVALID if _is_json(line) else BadLine.PARSE
     except (msgspec.DecodeError, RecursionError):
         return BadLine.PARSE
     kind = classify(msg)
     if kind is None:
         return BadLine.INVALID
     return msg, kind
+
+
+def _is_json(line: bytes) -> bool:
+    """Whether a line the envelope decoder refused is JSON at all.
+
+    That decoder stops at the first member of a wrong type, before it has read the rest:
+    ``[1,2`` is "not an object" to it, though it is not JSON (-32700, not -32600). Only
+    refused lines get this second read. A value nested too deep to read to its end
+    counts as JSON: its envelope is already known to be wrong.
+    """
+    try:
+        msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return False
+    except RecursionError:
+        return True
+    return True
 
 
 def salvage_id(line: bytes) -> RequestId:
