@@ -13,8 +13,9 @@ and PyPI. It installs the peers into WORKDIR (default /tmp/acp-peers):
 Every check runs twice, once straight against the peer and once with the agent
 command wrapped as ``acp-proxy -- CMD``, and compares the two: the only allowed
 differences are in the initialize result: ``_meta["acp-proxy"]``, and the
-session capabilities the proxy serves itself (``close`` and ``list``, and
-``resume`` when the adapter can load), which must be present through the proxy.
+session capabilities the proxy serves itself (``close``, ``list`` and
+``delete``, and ``resume`` when the adapter can load), which must be present
+through the proxy; ``fork`` is relayed as the adapter advertised it.
 After each run no process it started may be left (every process gets a marker
 in its environment and /proc is searched for it); a leftover after a proxied
 run is a failure, after a direct run a note.
@@ -37,6 +38,19 @@ run is a failure, after a direct run a note.
   credentials only after the prompt is recorded, so the conversations checked
   are the users' prompts. No session id the gateway never got from
   session/new may reach it.
+* spec-*: session/close, session/delete and session/fork through the proxy
+  (raw JSON-RPC, ``max_live = 1``, the sessions-* setup): a closed session is
+  listed as closed, its process tree is gone, a prompt to it is -32002
+  session_closed, and the gateway's session/load (or session/resume) brings
+  it back, the load replaying its prompt; session/delete of a live and of a
+  closed session is ``{}``, unlists them, and a later session/load is -32002
+  session_deleted, also for a second proxy on the same state dir. Where the
+  adapter forks (claude-agent-acp), session/fork after a prompt: the fork gets
+  its own id and row (``parentSessionId``) and the parent's process, and its
+  prompt; the parent comes back on a process of its own, its load replaying
+  only its own prompt. NOTE lines say whether the adapter itself advertises
+  delete and still loads a session the proxy deleted, and what it answered
+  to session/fork; those are the adapter's business, not failures.
 
 Prints one PASS/FAIL line per check (NOTE lines add what the peers did) and
 exits 1 if any check failed. Logs and transcripts are kept in WORKDIR/logs.
@@ -118,6 +132,9 @@ PROXY_REASONS = frozenset(
         "resume_disabled",
         "unknown_session",
         "session_in_use",
+        "session_closed",
+        "session_deleted",
+        "start_timeout",
         "unknown_backend",
         "proxy_shutdown",
     }
@@ -532,17 +549,17 @@ def strip_proxy_meta(messages: list[Any], proxied: bool, where: str) -> list[Any
     return messages
 
 
-SERVED_SESSION_CAPABILITIES = ("close", "list")
+SERVED_SESSION_CAPABILITIES = ("close", "list", "delete")
 
 
 def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -> None:
     """An initialize result with the session capabilities the proxy serves itself.
 
-    The proxy adds ``sessionCapabilities.close`` and ``.list`` always, and
-    ``.resume`` when the adapter can load or resume, and withholds ``.fork``
-    (README). Proxied, the first two must be there and ``fork`` must not; both
+    The proxy adds ``sessionCapabilities.close``, ``.list`` and ``.delete`` always,
+    and ``.resume`` when the adapter can load or resume; ``.fork`` it relays as the
+    adapter advertised it (README). Proxied, the first three must be there; both
     sides then get the same adjustments, so what remains compared is everything
-    else the adapter itself advertised.
+    else the adapter itself advertised, ``fork`` included.
     """
     caps = result.get("agentCapabilities")
     caps = dict(caps) if isinstance(caps, dict) else {}
@@ -551,9 +568,6 @@ def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -
     missing = [key for key in SERVED_SESSION_CAPABILITIES if not isinstance(sessions.get(key), dict)]
     if proxied and missing:
         raise CheckFailed(f"{where}: the initialize result lacks sessionCapabilities {missing}, served by the proxy")
-    if proxied and "fork" in sessions:
-        raise CheckFailed(f"{where}: sessionCapabilities.fork relayed, but the proxy cannot route forked sessions")
-    sessions.pop("fork", None)
     for key in SERVED_SESSION_CAPABILITIES:
         sessions.setdefault(key, {})
     if caps.get("loadSession") is True or isinstance(sessions.get("resume"), dict):
@@ -1224,6 +1238,237 @@ class Checker:
             "and session/load through a fresh proxy replayed each conversation whole and apart; nothing left running"
         )
 
+    # -- 5. session/close, session/delete and session/fork through the proxy ----------
+
+    def spec_raw(self, name: str, adapter: str) -> str:
+        """close then load or resume, delete of a live and of a closed session, fork; raw JSON-RPC, ``max_live = 1``."""
+        command, env, marker = self.session_setup(name, adapter)
+        logs = [self.logs / f"{name}-run{run}.stderr" for run in (1, 2)]
+        for log in logs:
+            log.unlink(missing_ok=True)
+        problems: list[str] = []
+
+        gateway, init = self.session_gateway(command, env, logs[0])
+        probe = SessionProbe(gateway, self.ws, problems)
+        try:
+            served = (init.get("agentCapabilities") or {}).get("sessionCapabilities") or {}
+            missing = [key for key in ("close", "list", "delete", "resume") if not isinstance(served.get(key), dict)]
+            if missing:
+                problems.append(f"the initialize result lacks sessionCapabilities {missing}")
+
+            s1 = probe.new()
+            probe.prompt(s1, FIRST_WORDS, "S1")
+            if not probe.processes_but_proxy(marker, wait=0):
+                problems.append("live S1's processes were not found (the scan after session/close would prove nothing)")
+            probe.empty("session/close", s1, "S1")
+            left = probe.processes_but_proxy(marker)
+            if left:
+                problems.append(f"after session/close of S1 still running: {'; '.join(left)}")
+            probe.refused("session/prompt", prompt_params(s1, SECOND_WORDS), "session_closed", "closed S1")
+            if probe.states().get(s1) != "closed":
+                problems.append(f"after session/close, session/list gave {probe.states()}, expected S1 closed")
+            replay = probe.restore("session/load", s1, "closed S1")
+            if replay is not None and not in_order([FIRST_WORDS], replay):
+                problems.append(f"session/load of closed S1 replayed {replay}, not its prompt")
+            if probe.states().get(s1) != "live":
+                problems.append(f"after session/load of closed S1, session/list gave {probe.states()}")
+
+            s2 = probe.new()
+            probe.prompt(s2, OTHER_WORDS, "S2")
+            probe.empty("session/close", s2, "S2")
+            probe.restore("session/resume", s2, "closed S2")
+            if probe.states().get(s2) != "live":
+                problems.append(f"after session/resume of closed S2, session/list gave {probe.states()}")
+
+            # S2 is live; S1 was suspended for it (one slot), then is closed
+            probe.empty("session/delete", s2, "live S2")
+            left = probe.processes_but_proxy(marker)
+            if left:
+                problems.append(f"after session/delete of S2 still running: {'; '.join(left)}")
+            probe.empty("session/close", s1, "suspended S1")
+            probe.empty("session/delete", s1, "closed S1")
+            listed = probe.states()
+            if s1 in listed or s2 in listed:
+                problems.append(f"after session/delete, session/list still gave {listed}")
+            for sid, what in ((s1, "deleted S1"), (s2, "deleted S2")):
+                probe.refused("session/load", probe.load_params(sid), "session_deleted", what)
+            probe.empty("session/delete", s1, "deleted S1")
+            probe.empty("session/delete", "never-issued", "an unknown id")
+
+            fork_note = self.spec_fork(probe, adapter, served, logs[0])
+            gateway.drain(quiet=1.0, limit=10.0)
+            problems += [f"run 1: {leak}" for leak in foreign_session_ids(gateway.received, probe.known)]
+            self.end_gateway(gateway, "run 1")
+        finally:
+            (self.logs / f"{name}-run1.stdout").write_text("\n".join(json.dumps(m) for m in transcript(gateway)))
+            end(gateway)
+        self.check_leftovers(name, "proxy", marker, wait=3.0)
+
+        # a new proxy on the same state dir: the tombstones and the other rows last
+        gateway, _ = self.session_gateway(command, env, logs[1])
+        try:
+            after = SessionProbe(gateway, self.ws, problems)
+            listed = after.listing()
+            kept = probe.known - {s1, s2}
+            if listed.keys() != kept or any(meta.get("state") != "suspended" for meta in listed.values()):
+                problems.append(f"after a restart session/list gave {listed}, expected {sorted(kept)} suspended")
+            after.refused("session/load", after.load_params(s1), "session_deleted", "deleted S1 after a restart")
+            self.end_gateway(gateway, "run 2")
+        finally:
+            (self.logs / f"{name}-run2.stdout").write_text("\n".join(json.dumps(m) for m in transcript(gateway)))
+            end(gateway)
+        self.check_leftovers(name, "proxy", marker, wait=3.0)
+
+        self.report.note(name, self.kept_by_adapter(name, adapter, env, s1))
+        self.report.note(name, fork_note)
+        self.check_leftovers(name, "proxy", marker, wait=3.0)
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        return (
+            "closed S1 listed closed with its tree reaped, a prompt to it -32002 session_closed, session/load "
+            "restored it with its prompt; closed S2 restored by session/resume; session/delete of live S2 and "
+            "closed S1 {}, both unlisted, session/load -32002 session_deleted (also after a restart), a second "
+            "delete and an unknown id {}; no foreign session id reached the gateway; nothing left running"
+        )
+
+    def spec_fork(self, probe: SessionProbe, adapter: str, served: dict[str, Any], log: Path) -> str:
+        """session/fork of a session that had a turn; a NOTE line on what the adapter did."""
+        problems = probe.problems
+        parent = probe.new()
+        if "fork" not in served:
+            answer = call(probe.gateway, "session/fork", probe.load_params(parent))
+            if "error" not in answer:
+                problems.append(f"session/fork, not advertised, answered {short(answer)}")
+            return (
+                f"{adapter} advertises no sessionCapabilities.fork, nor does the proxy; session/fork: {short(answer)}"
+            )
+        probe.prompt(parent, FIRST_WORDS, "the parent")
+        answer = call(probe.gateway, "session/fork", probe.load_params(parent), timeout=PROMPT_TIMEOUT)
+        fork = (answer.get("result") or {}).get("sessionId")
+        if not isinstance(fork, str):
+            if proxy_error(answer) or "error" not in answer:
+                problems.append(f"session/fork answered {short(answer)}")
+            return f"{adapter} could not fork without credentials: session/fork answered {short(answer)}"
+        probe.known.add(fork)
+        if fork == parent:
+            problems.append(f"session/fork answered the parent's own id {fork}")
+        forked_on = log_match(log, rf"session {re.escape(parent)} forked as {re.escape(fork)} on pid (\d+)")
+        listed = probe.listing()
+        if listed.get(fork, {}).get("parentSessionId") != parent or listed.get(parent, {}).get("state") != "suspended":
+            problems.append(f"after session/fork, session/list gave {listed}, expected the fork with its parent")
+        probe.prompt(fork, OTHER_WORDS, "the fork")
+        parent_replay = probe.restore("session/load", parent, "the parent") or []
+        if not in_order([FIRST_WORDS], parent_replay) or OTHER_WORDS in parent_replay:
+            problems.append(f"session/load of the parent replayed {parent_replay}")
+        back_on = log_match(log, rf"session {re.escape(parent)} resumed on pid (\d+)")
+        if forked_on is None or back_on is None or forked_on == back_on:
+            problems.append(f"the parent came back on pid {back_on}, the fork was made on pid {forked_on} (see {log})")
+        fork_replay = probe.restore("session/load", fork, "the fork") or []
+        if OTHER_WORDS not in fork_replay:
+            problems.append(f"session/load of the fork replayed {fork_replay}, not its own prompt")
+        final = probe.states()
+        if final.get(parent) != "suspended" or final.get(fork) != "live":
+            problems.append(f"at last session/list gave {final}, expected the parent suspended and the fork live")
+        return (
+            f"{adapter} forked offline: the fork made on the parent's pid {forked_on}, which then served its prompt; "
+            f"the parent back on pid {back_on}, its load replaying {checked_words(parent_replay)}; the fork's "
+            f"load replayed {checked_words(fork_replay)} (the parent's history, then its own prompt)"
+        )
+
+    def kept_by_adapter(self, name: str, adapter: str, env: dict[str, str], session_id: str) -> str:
+        """Whether the adapter itself still has a session the proxy deleted (its own load, straight)."""
+        log = self.logs / f"{name}-direct.stderr"
+        log.unlink(missing_ok=True)
+        peer, init = self.session_gateway([str(self.bin / adapter)], env, log)
+        try:
+            deletes = isinstance(
+                ((init.get("agentCapabilities") or {}).get("sessionCapabilities") or {}).get("delete"), dict
+            )
+            params = {"sessionId": session_id, "cwd": str(self.ws), "mcpServers": []}
+            answer = call(peer, "session/load", params, timeout=PROMPT_TIMEOUT)
+        finally:
+            end(peer)
+        kept = (
+            "still loads it (its storage kept the session)" if "result" in answer else f"answers {short(answer, 200)}"
+        )
+        return (
+            f"{adapter} {'advertises' if deletes else 'does not advertise'} session/delete "
+            f"({'sent' if deletes else 'so the proxy deleted its own record only'}); "
+            f"a session/load of deleted S1 straight on {adapter} {kept}"
+        )
+
+
+class SessionProbe:
+    """Requests to one proxy whose wrong answers are collected in ``problems``, so one check reports them all.
+
+    Only a missing answer (or a prompt the proxy itself refused) ends the check at once.
+    """
+
+    def __init__(self, gateway: SyncGateway, cwd: Path, problems: list[str]) -> None:
+        self.gateway = gateway
+        self.cwd = str(cwd)
+        self.problems = problems
+        self.known: set[str] = set()
+        """The session ids the gateway was given (session/new, session/fork)."""
+
+    def load_params(self, session_id: str) -> dict[str, Any]:
+        return {"sessionId": session_id, "cwd": self.cwd, "mcpServers": []}
+
+    def new(self) -> str:
+        session_id = str(call_result(self.gateway, "session/new", {"cwd": self.cwd, "mcpServers": []})["sessionId"])
+        self.known.add(session_id)
+        return session_id
+
+    def prompt(self, session_id: str, words: str, what: str) -> None:
+        """A turn: the adapter fails it without credentials, once it has recorded it; the proxy must not."""
+        answer = call(self.gateway, "session/prompt", prompt_params(session_id, words), timeout=PROMPT_TIMEOUT)
+        if proxy_error(answer) or "id" not in answer:
+            raise CheckFailed(f"the prompt to {what} got {short(answer)}")
+
+    def empty(self, method: str, session_id: str, what: str) -> None:
+        """``method`` for a session, which must answer ``{}``."""
+        answer = call(self.gateway, method, {"sessionId": session_id}, timeout=PROMPT_TIMEOUT)
+        if answer.get("result") != {}:
+            self.problems.append(f"{method} of {what} answered {short(answer)}, expected {{}}")
+
+    def refused(self, method: str, params: dict[str, Any], reason: str, what: str) -> None:
+        """A request the proxy must refuse with ``-32002`` and ``data.reason``."""
+        answer = call(self.gateway, method, params, timeout=PROMPT_TIMEOUT)
+        error = answer.get("error") or {}
+        if error.get("code") != -32002 or (error.get("data") or {}).get("reason") != reason:
+            self.problems.append(f"{method} of {what} answered {short(answer)}, expected -32002 {reason}")
+
+    def restore(self, method: str, session_id: str, what: str) -> list[str] | None:
+        """session/load or session/resume: the user prompts replayed; None if it failed (a problem noted)."""
+        since = len(self.gateway.received)
+        answer = call(self.gateway, method, self.load_params(session_id), timeout=PROMPT_TIMEOUT)
+        result = answer.get("result")
+        if not isinstance(result, dict):
+            self.problems.append(f"{method} of {what} answered {short(answer)}")
+            return None
+        if result.get("sessionId", session_id) != session_id:
+            self.problems.append(f"{method} of {what} answered sessionId {result['sessionId']!r}, not {session_id!r}")
+        return user_texts(updates(self.gateway, since), session_id)
+
+    def listing(self) -> dict[str, dict[str, Any]]:
+        """session/list: each session's ``_meta["acp-proxy"]`` by id."""
+        rows = call_result(self.gateway, "session/list", {}).get("sessions") or []
+        return {str(row.get("sessionId")): (row.get("_meta") or {}).get(PROXY_META) or {} for row in rows}
+
+    def states(self) -> dict[str, Any]:
+        return {session_id: meta.get("state") for session_id, meta in self.listing().items()}
+
+    def processes_but_proxy(self, marker: str, wait: float = 5.0) -> list[str]:
+        """The run's processes other than the proxy still there after ``wait`` s: with no session
+        live there should be none (the pool keeps no spare process)."""
+        deadline = time.monotonic() + wait
+        while True:
+            found = markers.find(MARKER_VAR, marker)
+            found.pop(self.gateway.process.pid, None)
+            if not found or time.monotonic() >= deadline:
+                return [str(marked) for marked in found.values()]
+            time.sleep(0.1)
+
 
 def outline(messages: list[Any]) -> str:
     """A few words per message: its method, or what the answer was."""
@@ -1306,6 +1551,11 @@ def user_texts(updates: list[dict[str, Any]], session_id: str) -> list[str]:
     return texts
 
 
+def checked_words(texts: list[str]) -> list[str]:
+    """The prompts the checks sent, among the user messages a load replayed (adapters add their own)."""
+    return [text for text in texts if text in (FIRST_WORDS, SECOND_WORDS, OTHER_WORDS)]
+
+
 def in_order(wanted: list[str], texts: list[str]) -> bool:
     remaining = iter(texts)
     return all(any(text == word for text in remaining) for word in wanted)
@@ -1354,6 +1604,17 @@ def wait_for_log(log: Path, text: str, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def log_match(log: Path, pattern: str, timeout: float = 10.0) -> str | None:
+    """The first group of ``pattern`` once it appears in ``log``; None if it did not within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(pattern, log.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        time.sleep(0.1)
+    return None
 
 
 def prompt_params(session_id: str, words: str) -> dict[str, Any]:
@@ -1411,6 +1672,8 @@ def main() -> int:
         "sessions-claude-agent-acp": lambda name: checker.sessions_raw(name, "claude-agent-acp"),
         "sessions-acpx-codex-acp": lambda name: checker.sessions_acpx(name, "codex-acp"),
         "sessions-acpx-claude-agent-acp": lambda name: checker.sessions_acpx(name, "claude-agent-acp"),
+        "spec-codex-acp": lambda name: checker.spec_raw(name, "codex-acp"),
+        "spec-claude-agent-acp": lambda name: checker.spec_raw(name, "claude-agent-acp"),
     }
     unknown = set(args.only or ()) - checks.keys()
     if unknown:

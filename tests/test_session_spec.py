@@ -377,6 +377,22 @@ async def test_metadata_updates_between_turns_are_not_background_work(proc_env: 
         assert suspended["done"], "idle: metadata is not work"
 
 
+async def test_the_replay_of_a_load_is_not_background_work(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """The history a session/load streams before its answer is the past, not work: the session is idle after it."""
+    options = {"caps": CAPS, "store": str(tmp_path / "store")}
+    config = write_config(tmp_path, pool={"max_live": 1, "quiet_after": "1h"}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        assert (await gw.prompt(session, "stream 2"))["result"]["stopReason"] == "end_turn"
+        assert (await gw.request("session/close", {"sessionId": session}))["result"] == {}
+        loaded = await gw.request("session/load", {"sessionId": session, "cwd": "/tmp", "mcpServers": []})
+        assert "result" in loaded
+        assert gw.updates(session), "the history was replayed"
+        suspended = await cli_json(proc_env, "sessions", "suspend", session)
+        assert suspended["done"], "idle once loaded"
+
+
 # --- fork --------------------------------------------------------------------------------------
 
 

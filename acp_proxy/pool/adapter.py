@@ -144,6 +144,11 @@ class Adapter:
         return self.claimed or self.upstream_pending > 0 or self.turn_in_flight or self.working_in_background
 
     @property
+    def replaying(self) -> bool:
+        """A ``session/load`` is in flight: the updates it streams before its answer are history."""
+        return any(call.method == Method.LOAD for call in self.pending.values())
+
+    @property
     def working_in_background(self) -> bool:
         return self.quiet_at > 0 and time.monotonic() < self.quiet_at
 

@@ -257,8 +257,9 @@ class AdapterRelay:
         return jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, upstream))
 
     def _between_turns(self, adapter: Adapter, lines: list[bytes]) -> None:
-        """Updates with no turn running: if they report work, the session is busy for ``quiet_after``."""
-        if any(reports_work(line) for line in lines):
+        """Updates with no turn running: if they report work, the session is busy for ``quiet_after``
+        (the replay of a load is history, not work)."""
+        if not adapter.replaying and any(reports_work(line) for line in lines):
             adapter.heard_working(self.config.pool.quiet_after)
 
     def _note_session_info(self, adapter: Adapter, lines: list[bytes]) -> None:
