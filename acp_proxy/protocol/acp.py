@@ -165,16 +165,18 @@ SESSION_INFO_MARK: Final = b'"session_info_update"'
 TITLE_LIMIT: Final = 1000
 """Characters of a title kept in the registry."""
 
-METADATA_UPDATES: Final = frozenset(
+NOT_WORK_UPDATES: Final = frozenset(
     {
         "available_commands_update",
         "current_mode_update",
         "config_option_update",
         "session_info_update",
         "usage_update",
+        "user_message_chunk",
     }
 )
-"""``session/update`` kinds that describe the session rather than report work being done."""
+"""``session/update`` kinds that describe the session, or echo what the user said (a replay),
+rather than report work the agent is doing."""
 
 
 class _Update(msgspec.Struct, gc=False):
@@ -228,7 +230,7 @@ def reports_work(line: bytes) -> bool:
     """Whether a line is a ``session/update`` of work being done (a message, a thought, a tool
     call, a plan), rather than one describing the session (commands, mode, title, usage)."""
     found = _update_of(line)
-    return found is not None and found[1].sessionUpdate not in METADATA_UPDATES
+    return found is not None and found[1].sessionUpdate not in NOT_WORK_UPDATES
 
 
 def history_reset_update(session_id: str) -> dict[str, Any]:
