@@ -57,7 +57,13 @@ async def serve_gateway(
     registry = SessionRegistry(owner.db, owner.instance_id)
     for session_id in registry.adopt_orphans():
         log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
-    turns = TurnBook(TaskRegistry(owner.db, owner.instance_id), config, stopping, prune_also=registry.prune_deleted)
+    turns = TurnBook(
+        TaskRegistry(owner.db, owner.instance_id),
+        config,
+        stopping,
+        prune_also=registry.prune_deleted,
+        session_info=registry.record_title,
+    )
     turns.maintain()
     async with anyio.create_task_group() as tasks:
         background = Background(tasks, owner.db.path)

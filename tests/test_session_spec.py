@@ -10,7 +10,9 @@ brings it back; a deleted one is a tombstone, and deleting what is not there is
 
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -480,3 +482,22 @@ async def _said(gw: Gateway, session: str, command: str) -> str:
     text = str(gw.updates(session)[-1]["params"]["update"]["content"]["text"])
     gw.clear_stash()
     return text
+
+
+async def test_a_title_inside_a_burst_is_read_with_the_turns_digest(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """A block too large to scan on the streaming path is read at the turn's digest: its title is not lost."""
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+
+        def update(kind: dict[str, Any]) -> bytes:
+            message = {"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": session, "update": kind}}
+            return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+        chunk = update({"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "x" * 200}})
+        title = update({"sessionUpdate": "session_info_update", "title": "Burst", "updatedAt": "2026-11-24T03:00:00Z"})
+        burst = chunk * 100 + title + chunk * 100  # one write of ~50 KB
+        encoded = base64.b64encode(zlib.compress(burst)).decode()
+        assert (await gw.prompt(session, f"emit {encoded}"))["result"]["stopReason"] == "end_turn"
+        assert listed_titles(await gw.request("session/list", {})) == {session: "Burst"}

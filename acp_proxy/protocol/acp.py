@@ -159,7 +159,7 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     return Raw(jsonrpc.encode_json(obj))
 
 
-SESSION_INFO_MARK: Final = b'"session_info_update"'
+SESSION_INFO_MARK: Final = b"session_info_update"
 """Found in the raw bytes before any line is decoded for a title: the streaming path pays one search."""
 
 TITLE_LIMIT: Final = 1000
@@ -218,12 +218,18 @@ def session_info_of(line: bytes) -> tuple[str, dict[str, str | None]] | None:
     if found is None or found[1].sessionUpdate != "session_info_update":
         return None
     session_id, update = found
-    changes: dict[str, str | None] = {}
-    if update.title is not UNSET:
-        changes["title"] = update.title[:TITLE_LIMIT] if update.title is not None else None
-    if update.updatedAt is not UNSET:
-        changes["updatedAt"] = update.updatedAt[:64] if update.updatedAt is not None else None
+    changes = session_info_changes(update.title, update.updatedAt)
     return (session_id, changes) if changes else None
+
+
+def session_info_changes(title: str | UnsetType | None, updated_at: str | UnsetType | None) -> dict[str, str | None]:
+    """What a ``session_info_update`` changes: the fields it has (``None`` clears), bounded."""
+    changes: dict[str, str | None] = {}
+    if title is not UNSET:
+        changes["title"] = title[:TITLE_LIMIT] if title is not None else None
+    if updated_at is not UNSET:
+        changes["updatedAt"] = updated_at[:64] if updated_at is not None else None
+    return changes
 
 
 def reports_work(line: bytes) -> bool:

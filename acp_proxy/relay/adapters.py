@@ -197,11 +197,9 @@ class AdapterRelay:
                 if not adapter.swallow_updates and not adapter.rewrites_session and is_plain_notification_block(batch):
                     turn = adapter.turn
                     if turn is not None and turn.status is TaskStatus.RUNNING:
-                        turn.observe(batch.block, batch.count)
-                    elif turn is None and adapter.gateway_session is not None:
-                        self._between_turns(adapter, batch.lines)
-                    if SESSION_INFO_MARK in batch.block:
-                        self._note_session_info(adapter, batch.lines)
+                        turn.observe(batch.block, batch.count)  # titles included, as the turn reads it
+                    elif adapter.gateway_session is not None:
+                        self._between_turns(adapter, batch.lines, batch.block)
                     await self.writer.send(batch.block)
                     continue
                 out: list[bytes] = []
@@ -244,10 +242,8 @@ class AdapterRelay:
             turn = adapter.turn
             if turn is not None and turn.status is TaskStatus.RUNNING:
                 turn.observe(line, 1)
-            elif turn is None and adapter.gateway_session is not None:
-                self._between_turns(adapter, [line])
-            if SESSION_INFO_MARK in line:
-                self._note_session_info(adapter, [line])
+            elif adapter.gateway_session is not None:
+                self._between_turns(adapter, [line], line)
         if msg.method != Method.CANCEL_REQUEST:
             return line + b"\n"
         ok, target = target_request(msg.params)
@@ -256,11 +252,14 @@ class AdapterRelay:
             return None
         return jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, upstream))
 
-    def _between_turns(self, adapter: Adapter, lines: list[bytes]) -> None:
+    def _between_turns(self, adapter: Adapter, lines: list[bytes], block: bytes) -> None:
         """Updates with no turn running: if they report work, the session is busy for ``quiet_after``
-        (the replay of a load is history, not work)."""
-        if not adapter.replaying and any(reports_work(line) for line in lines):
+        (the replay of a load is history, not work); a title is recorded at once. (During a turn,
+        the turn reads both where it reads its tool calls.)"""
+        if adapter.turn is None and not adapter.replaying and any(reports_work(line) for line in lines):
             adapter.heard_working(self.config.pool.quiet_after)
+        if SESSION_INFO_MARK in block:
+            self._note_session_info(adapter, lines)
 
     def _note_session_info(self, adapter: Adapter, lines: list[bytes]) -> None:
         """Record the title and ``updatedAt`` a ``session_info_update`` announces, for ``session/list``."""

@@ -29,6 +29,7 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.ownership import instances
+from acp_proxy.protocol.acp import SESSION_INFO_MARK, session_info_changes
 from acp_proxy.protocol.jsonrpc import REQUEST_CANCELLED
 from acp_proxy.protocol.methods import Method
 from acp_proxy.state import StateDB, now
@@ -139,6 +140,7 @@ class _Update(msgspec.Struct, gc=False):
     content: Raw = Raw(b"null")
     """Left undecoded (msgspec takes ``Raw`` only on its own, not in a union)."""
     title: str | UnsetType | None = UNSET
+    updatedAt: str | UnsetType | None = UNSET
 
 
 class _UpdateParams(msgspec.Struct, gc=False):
@@ -250,6 +252,10 @@ class Turn:
     _unread: list[tuple[bytes, bool]] = field(default_factory=list)
     """Blocks relayed since the last digest, each with whether its tool calls have been counted."""
     _unread_bytes: int = 0
+    session_info: dict[str, str | None] = field(default_factory=dict)
+    """What ``session_info_update``s of this turn announced (``title``, ``updatedAt``) and is not
+    yet recorded on the session: read where the tool calls are (small blocks at once, bursts at
+    the next digest), so that titles cost the streaming path no pass of their own."""
 
     def event(self, kind: str, detail: str = "") -> None:
         self.events_dropped += keep_recent(self.events, Event(now(), kind, detail))
@@ -275,8 +281,10 @@ class Turn:
             self.first_output_at = now()
             self.event("first_output")
         scanned = len(block) <= SCAN_LIMIT
-        if scanned and b'"tool_call"' in block:
-            self._count_tool_calls(updates_in(block))
+        if scanned and (b'"tool_call"' in block or SESSION_INFO_MARK in block):
+            updates = updates_in(block)
+            self._count_tool_calls(updates)
+            self._note_session_info(updates)
         self._unread.append((block, scanned))
         self._unread_bytes += len(block)
         while self._unread_bytes > UNREAD_LIMIT and len(self._unread) > 1:
@@ -289,6 +297,11 @@ class Turn:
                 self.tool_calls += 1
                 self.event("tool_call", update.title if isinstance(update.title, str) else "")
 
+    def _note_session_info(self, updates: Iterable[_Update]) -> None:
+        for update in updates:
+            if update.sessionUpdate == "session_info_update":
+                self.session_info.update(session_info_changes(update.title, update.updatedAt))
+
     def digest(self) -> None:
         """Fold the updates relayed since the last digest into the text summary (and unseen tool calls)."""
         if not self._unread:
@@ -299,6 +312,7 @@ class Turn:
             updates = updates_in(block)
             if not scanned:
                 self._count_tool_calls(updates)
+                self._note_session_info(updates)
             text += [agent_text(update) for update in updates]
         joined = "".join(text)
         if joined:

@@ -102,12 +102,15 @@ class TurnBook:
         stopping: Stopping,
         *,
         prune_also: Callable[[float], int] | None = None,
+        session_info: Callable[[str, dict[str, str | None]], None] | None = None,
     ) -> None:
         self.tasks = tasks
         self.config = config
         self.stopping = stopping
         self._prune_also = prune_also
         """Also forget what else ends with the retention (the sessions' tombstones): how many."""
+        self._session_info = session_info
+        """Record on its session what a turn's ``session_info_update``s announced (title, ``updatedAt``)."""
         self.turns: dict[str, Turn] = {}
         """Tasks of this proxy not yet settled, by task id."""
         self.unwritten: dict[str, Turn] = {}
@@ -122,6 +125,9 @@ class TurnBook:
     def _record(self, write: Callable[[Turn], object], turn: Turn) -> None:
         try:
             write(turn)
+            if turn.session_info and self._session_info is not None:
+                self._session_info(turn.session_id, turn.session_info)
+                turn.session_info = {}
         except sqlite3.Error as exc:
             if turn.task_id not in self.unwritten:
                 log.error(
