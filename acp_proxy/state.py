@@ -129,7 +129,9 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX tasks_by_created ON tasks (created_at);
     CREATE INDEX tasks_by_end ON tasks (ended_at);
     """,
-    # 4: sessions as ACP v1 defines them: closed is restorable, deleted is a tombstone; titles; forks
+    # 4: sessions as ACP v1 defines them: closed is restorable, deleted is a tombstone; titles; forks.
+    # Before, "closed" meant gone for good (a session/delete the adapter took was recorded so too):
+    # those rows become tombstones, so that nothing the gateway deleted comes back into its list.
     """
     CREATE TABLE sessions_v4 (
         session_id TEXT PRIMARY KEY,
@@ -165,6 +167,8 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         parent_session_key, agent_id, history_resets, created_at, last_active_at, closed_at FROM sessions;
     DROP TABLE sessions;
     ALTER TABLE sessions_v4 RENAME TO sessions;
+    UPDATE sessions SET state = 'deleted', deleted_at = COALESCE(closed_at, last_active_at), mcp_servers = '[]',
+        settings = '[]' WHERE state = 'closed';
     CREATE INDEX sessions_by_state ON sessions (state, backend);
     CREATE INDEX sessions_by_instance ON sessions (instance_id, state);
     CREATE INDEX sessions_by_deleted ON sessions (deleted_at) WHERE state = 'deleted';

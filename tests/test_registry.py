@@ -178,3 +178,33 @@ def test_a_closed_session_can_be_claimed_for_the_gateways_own_resume(tmp_path: P
 def test_a_cursor_that_was_not_issued_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid cursor"):
         decode_cursor(bad)
+
+
+def test_schema_4_keeps_sessions_and_turns_the_old_closed_ones_into_tombstones(tmp_path: Path) -> None:
+    """Before schema 4 "closed" meant gone for good (a delete was recorded so too): nothing comes back."""
+    import sqlite3
+
+    from acp_proxy.state import DB_NAME, MIGRATIONS
+
+    tmp_path.chmod(0o700)
+    conn = sqlite3.connect(tmp_path / DB_NAME)
+    for script in MIGRATIONS[:3]:
+        for statement in filter(str.strip, script.split(";")):
+            conn.execute(statement)
+    conn.execute("PRAGMA user_version = 3")
+    columns = "session_id, adapter_session_id, backend, state, cwd, mcp_servers, settings, created_at, last_active_at"
+    for session_id, state in (("kept", "suspended"), ("gone", "closed")):
+        conn.execute(
+            f"INSERT INTO sessions ({columns}) VALUES (?, ?, 'fake', ?, '/w', '[{{\"name\": \"m\"}}]', '[]', 1, 2)",
+            (session_id, session_id, state),
+        )
+    conn.commit()
+    conn.close()
+    (tmp_path / DB_NAME).chmod(0o600)
+    registry = SessionRegistry(StateDB(tmp_path), "me")
+    kept, gone = registry.get("kept"), registry.get("gone")
+    assert kept is not None
+    assert gone is not None
+    assert (kept.state, kept.mcp_servers, kept.title) == (SessionState.SUSPENDED, '[{"name": "m"}]', None)
+    assert (gone.state, gone.mcp_servers) == (SessionState.DELETED, "[]")
+    assert [r.session_id for r in registry.page()] == ["kept"]

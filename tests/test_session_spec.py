@@ -501,3 +501,89 @@ async def test_a_title_inside_a_burst_is_read_with_the_turns_digest(proc_env: di
         encoded = base64.b64encode(zlib.compress(burst)).decode()
         assert (await gw.prompt(session, f"emit {encoded}"))["result"]["stopReason"] == "end_turn"
         assert listed_titles(await gw.request("session/list", {})) == {session: "Burst"}
+
+
+# --- races the order of the gateway's requests decides ------------------------------------------
+
+
+def request(request_id: str, method: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+
+
+async def test_a_close_cuts_short_a_fork_waiting_for_the_parents_turn(proc_env: dict[str, str], tmp_path: Path) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        parent = await gw.new_session()
+        await gw.send(request("turn2", "session/prompt", _text(parent, "sleep 2")))
+        await gw.send(request("fork", "session/fork", {"sessionId": parent, "cwd": "/tmp"}))
+        await anyio.sleep(0.3)
+        assert (await gw.request("session/close", {"sessionId": parent}))["result"] == {}
+        assert (await gw.response_to("fork"))["error"]["data"]["reason"] == "session_closed"
+        assert (await gw.response_to("turn2"))["result"] == {"stopReason": "cancelled"}
+        assert [r.session_id for r in registry(proc_env).page()] == [parent], "no fork was registered"
+        assert registry(proc_env).get(parent).state is SessionState.CLOSED  # type: ignore[union-attr]
+
+
+async def test_a_fork_whose_process_exits_first_is_answered(proc_env: dict[str, str], tmp_path: Path) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        parent = await gw.new_session()
+        await gw.send(request("turn", "session/prompt", _text(parent, "sleep 0.5; crash 3")))
+        await gw.send(request("fork", "session/fork", {"sessionId": parent, "cwd": "/tmp"}))
+        assert (await gw.response_to("turn"))["error"]["data"]["reason"] == "adapter_exited"
+        forked = await gw.response_to("fork")
+        assert "error" in forked or forked["result"]["sessionId"] != parent, forked
+
+
+async def test_a_close_after_a_load_is_the_last_word(proc_env: dict[str, str], tmp_path: Path) -> None:
+    config = spec_config(tmp_path)
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await session_in(gw, proc_env, "suspended")
+        load = request("load", "session/load", params_for("session/load", session))
+        close = request("close", "session/close", {"sessionId": session})
+        await gw.send_raw((json.dumps(load) + "\n" + json.dumps(close) + "\n").encode())
+        assert (await gw.response_to("close"))["result"] == {}
+        loaded = await gw.response_to("load")
+        assert "result" in loaded or loaded["error"]["data"]["reason"] == "session_closed", loaded
+        assert registry(proc_env).get(session).state is SessionState.CLOSED  # type: ignore[union-attr]
+
+
+async def test_a_closed_session_whose_load_failed_is_not_reopened_by_a_prompt(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    options = {"caps": CAPS, "store": str(tmp_path / "store"), "fail": {"session/resume": -32603}}
+    config = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await session_in(gw, proc_env, "closed")
+        load = request("resume", "session/resume", params_for("session/resume", session))
+        prompt = request("prompt", "session/prompt", _text(session, "stream 1"))
+        await gw.send_raw((json.dumps(load) + "\n" + json.dumps(prompt) + "\n").encode())
+        assert (await gw.response_to("resume"))["error"]["data"]["reason"] == "restore_failed"
+        assert (await gw.response_to("prompt"))["error"]["data"]["reason"] == "session_closed"
+        assert registry(proc_env).get(session).state is SessionState.CLOSED  # type: ignore[union-attr]
+
+
+def _text(session: str, text: str) -> dict[str, Any]:
+    return {"sessionId": session, "prompt": [{"type": "text", "text": text}]}
+
+
+async def test_a_suspended_session_of_a_backend_that_does_not_fork_is_not_restored_to_be_refused(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    options = {"caps": RESUME_AND_LOAD, "store": str(tmp_path / "store"), "record": str(tmp_path / "rec.jsonl")}
+    config = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": options})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        await gw.initialize()
+        live = await session_in(gw, proc_env, "live")
+        await gw.request("session/fork", {"sessionId": live, "cwd": "/tmp"})
+        assert len(adapter_calls(gw, "session/fork")) == 1, "a live process is asked, and answers for itself"
+        suspended = await session_in(gw, proc_env, "suspended")
+        starts = len(adapter_calls(gw, "initialize"))
+        refused = await gw.request("session/fork", {"sessionId": suspended, "cwd": "/tmp"})
+        assert (refused["error"]["code"], refused["error"]["data"]["reason"]) == (-32601, "fork_unsupported")
+        assert len(adapter_calls(gw, "initialize")) == starts, "not restored only to be refused"

@@ -112,6 +112,10 @@ class ProcessPool:
     def live(self) -> list[Adapter]:
         return [a for a in self.running if not a.gone]
 
+    def serving(self, backend: BackendConfig) -> list[Adapter]:
+        """The processes of ``backend`` that run and are not being stopped."""
+        return [a for a in self.running if a.backend.name == backend.name and not a.gone and a not in self._evicting]
+
     def slots(self) -> list[Slot]:
         """The snapshot the plan decides over."""
         slots = []

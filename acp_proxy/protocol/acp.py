@@ -201,7 +201,7 @@ _update_decoder: Final = msgspec.json.Decoder(_UpdateNotification)
 def _update_of(line: bytes) -> tuple[str, _Update] | None:
     try:
         msg = _update_decoder.decode(line)
-    except (msgspec.DecodeError, RecursionError):  # ValidationError included: a field of another type
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # ValidationError: a field of another type
         return None
     params = msg.params
     if msg.method != Method.UPDATE or params is UNSET or params.update is UNSET or params.sessionId is UNSET:

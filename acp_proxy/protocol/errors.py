@@ -121,6 +121,12 @@ class ProxyError(Exception):
         )
 
     @classmethod
+    def fork_unsupported(cls, session_id: str, backend: str) -> ProxyError:
+        """``session/fork`` for a session whose backend does not advertise forking."""
+        message = f"Method not found: backend {backend!r} does not fork sessions"
+        return cls(jsonrpc.METHOD_NOT_FOUND, message, "fork_unsupported", sessionId=session_id, backend=backend)
+
+    @classmethod
     def resume_disabled(cls, session_id: str, backend: str) -> ProxyError:
         return cls(
             jsonrpc.RESOURCE_NOT_FOUND,

@@ -216,7 +216,6 @@ class GatewayConnection:
             await self.intents.resume(msg, session_id)
 
     async def _logout(self, msg: Message) -> None:
-        self.pool.auth_params = UNSET  # from now on, no process is authenticated with what the gateway gave
         self.background.start(lambda: self._logout_everywhere(msg))
 
     async def _logout_everywhere(self, msg: Message) -> None:
@@ -227,7 +226,8 @@ class GatewayConnection:
         except ProxyError as exc:
             await self.writer.fail(msg.id, exc)
             return
-        live = [adapter for adapter in self.pool.live() if adapter.backend.name == backend.name]
+        self.pool.auth_params = UNSET  # from now on, no process is authenticated with what the gateway gave
+        live = self.pool.serving(backend)
         if not live:
             spare = self.pool.spare(backend)
             if spare is not None:

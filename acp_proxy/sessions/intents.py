@@ -381,6 +381,10 @@ class SessionIntents:
         Runs from the session's queue, so nothing else of the session runs meanwhile.
         """
         if session.live_adapter is None:
+            record = self.registry.get(session.session_id)
+            if record is not None and record.state is SessionState.CLOSED:
+                # Held in memory since a load of it failed: only the gateway's load or resume reopens it.
+                raise ProxyError.session_closed(session.session_id)
             await self.restorer.restore_cancellable(session, gateway_asked=None)
         return session.live_adapter
 
@@ -597,21 +601,25 @@ class SessionIntents:
         if parent.closed:
             await self._fail_unknown(msg.id, parent.session_id)
             return
+        known = self.pool.known_capabilities.get(parent.record.backend)
+        if parent.live_adapter is None and known is not None and not known.fork:
+            # Not worth a restore: the backend would only answer that it does not fork.
+            await self.gateway.fail(msg.id, ProxyError.fork_unsupported(parent.session_id, parent.record.backend))
+            return
         try:
             adapter = await self._ensure_live(parent)
         except ProxyError as exc:
             await self.gateway.fail(msg.id, exc)
             return
-        if adapter is None:
+        if adapter is None or parent.closed:
             await self._fail_unknown(msg.id, parent.session_id)
             return
-        await adapter.until_answered()  # the parent's turn ends before its process changes hands
         answered = anyio.Event()
 
         def forked(answer: Message) -> Message | None:
             answered.set()
             fork_id = session_of(answer.result) if answer.error is UNSET else None
-            if fork_id is None or parent.adapter is not adapter:
+            if fork_id is None:
                 return None
             stable = self._take_over_for_fork(parent, adapter, fork_id, msg.params)
             if stable == fork_id:
@@ -621,8 +629,27 @@ class SessionIntents:
                 jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable}))
             )
 
-        await adapter.forward(msg, forked)
-        await adapter.answered.until(lambda: answered.is_set() or adapter.gone)
+        call_id: int | None = None
+        with anyio.CancelScope() as scope:
+            parent.resume_scope = scope  # a close or delete of the parent cuts the fork short
+            try:
+                await adapter.until_answered()  # the parent's turn ends before its process changes hands
+                if not (adapter.gone or parent.closed or parent.adapter is not adapter):
+                    call_id = await adapter.forward(msg, forked)
+                    await adapter.answered.until(
+                        lambda: answered.is_set() or adapter.gone or call_id not in adapter.pending
+                    )
+            finally:
+                parent.resume_scope = None
+        if answered.is_set():
+            return
+        if call_id is not None and adapter.take_pending(call_id) is None:
+            return  # answered for: the relay failed what the process owed when it exited
+        # Never sent, or sent and given up: the process exited, or the parent was closed meanwhile.
+        if parent.closed:
+            await self._fail_unknown(msg.id, parent.session_id)
+        else:
+            await self.gateway.fail(msg.id, ProxyError.adapter_exited(adapter.returncode, adapter.backend.name))
 
     def _take_over_for_fork(self, parent: Session, adapter: Adapter, fork_id: str, params: Raw | UnsetType) -> str:
         """The fork's row (parent recorded, ownership inherited unless given) and its process: the parent's."""
@@ -661,9 +688,13 @@ class SessionIntents:
             ownership=ownership,
             parent_session_id=parent.session_id,
         )
+        created = Session(self.registry.create(fork))
+        if parent.adapter is not adapter or adapter.gone:  # its process is going: the fork starts suspended
+            self.registry.mark_suspended(created.session_id)
+            return stable
         parent.adapter = None
         self.registry.mark_suspended(parent.session_id)
-        self.table.bind(Session(self.registry.create(fork)), adapter, fork_id)
+        self.table.bind(created, adapter, fork_id)
         log.info(
             "session %s forked as %s on pid %s, which serves the fork from now on; %s suspended, resumable",
             parent.session_id,
@@ -758,11 +789,15 @@ class SessionIntents:
             else:
                 self.background.start(lambda: self._adopt(msg, session_id))
             return
-        self.table.enqueue(session, lambda: self._resume_when_ready(session, msg))
+        closed_before = session.closed
+        self.table.enqueue(session, lambda: self._resume_when_ready(session, msg, closed_before))
 
-    async def _resume_when_ready(self, session: Session, msg: Message) -> None:
-        if session.closed:  # closed or deleted just before: now from its row, as any closed one
+    async def _resume_when_ready(self, session: Session, msg: Message, closed_before: bool = False) -> None:
+        if session.closed and closed_before:  # it came after a close (or delete): now from its row
             await self.resume(msg, session.session_id)
+            return
+        if session.closed:  # a close (or delete) came after it: the gateway's last word stands
+            await self._fail_unknown(msg.id, session.session_id)
             return
         if self.stopping.refusing:
             await self.gateway.fail(msg.id, ProxyError.proxy_shutdown())
@@ -777,9 +812,7 @@ class SessionIntents:
         try:
             answer = await self.restorer.restore_cancellable(session, gateway_asked=str(msg.method))
         except ProxyError as exc:
-            if session.record.state is SessionState.CLOSED:
-                self.table.forget(session)  # it stays closed: nothing but the gateway's load reopens it
-            await self.gateway.fail(msg.id, exc)
+            await self.gateway.fail(msg.id, exc)  # a closed session stays closed (``_ensure_live``)
             return
         if answer is None:
             await self._fail_unknown(msg.id, session.session_id)
