@@ -13,10 +13,10 @@ Every input is a byte stream as a peer could send it, and a way of cutting it in
 * ``decode_block`` over those lines agrees with ``decode_line`` line by line, or declines
   (``None``), and declines whenever some line is unparseable; ``notification_methods`` gives
   a set only when every line is a notification, and then exactly their methods;
-* the ACP readers of a decoded message (``session_of``, ``cancel_target``, ``proxy_meta``,
-  ``rewrite_session_id``, ``remap_cancel_request``, ``AgentCapabilities.from_initialize``,
-  ``annotate_initialize``, ``params_structured``, ``decode_object``) return their documented
-  types.
+* the ACP readers of a decoded message (``session_of``, ``target_request``, ``proxy_meta``,
+  ``rewrite_session_id``, ``retarget_request``, ``AgentCapabilities.from_initialize``,
+  ``annotate_initialize``, ``params_structured``, ``decode_object``, and the ``session/update``
+  readers ``session_info_of`` and ``reports_work`` on any line) return their documented types.
 
 Anything else (an exception, a wrong type, a disagreement) is a crash: libFuzzer stops and
 saves the input. ``python -m tests.fuzz_decoders --runs N`` runs it and prints a summary;
@@ -151,10 +151,14 @@ def check_framing(stream: bytes, read_size: int, limit: int) -> list[bytes]:
 def check_line(line: bytes) -> None:
     import msgspec
 
-    from acp_proxy.protocol import jsonrpc
+    from acp_proxy.protocol import acp, jsonrpc
 
     salvaged = jsonrpc.salvage_id(line)
     assert salvaged is None or type(salvaged) in (int, str), salvaged
+    # The readers of session/update lines on the relay path (titles, background work) take any bytes.
+    info = acp.session_info_of(line)
+    assert info is None or (isinstance(info[0], str) and set(info[1]) <= {"title", "updatedAt"}), info
+    assert isinstance(acp.reports_work(line), bool)
     decoded = jsonrpc.decode_line(line)
     if isinstance(decoded, jsonrpc.BadLine):
         answer = msgspec.json.decode(jsonrpc.bad_line_response(decoded, line))
@@ -192,11 +196,11 @@ def check_acp(msg: Any) -> None:
             rewritten = acp.rewrite_session_id(raw, session, "new")
             assert acp.session_of(rewritten) == "new", rewritten
         assert isinstance(acp.proxy_meta(raw), dict)
-        names, target = acp.cancel_target(raw)
+        names, target = acp.target_request(raw)
         assert isinstance(names, bool), names
         assert target is None or type(target) in (int, str), target
         if names:
-            assert acp.cancel_target(acp.remap_cancel_request(raw, 7)) == (True, 7)
+            assert acp.target_request(acp.retarget_request(raw, 7)) == (True, 7)
         assert isinstance(acp.AgentCapabilities.from_initialize(raw), acp.AgentCapabilities)
         if isinstance(raw, Raw):
             assert isinstance(acp.annotate_initialize(raw, "fuzz"), Raw)

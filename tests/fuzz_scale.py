@@ -401,7 +401,8 @@ class GatewayLines:
         return head + b"x" * (size - len(head) - 3) + b'"}}', None, ("error", -32600)
 
     def invalid_params(self) -> tuple[bytes, Any, Outcome | None]:
-        """Session methods the proxy itself must refuse: -32602 naming no session, -32002 an unknown one."""
+        """Session methods the proxy itself must refuse: -32602 naming no session, -32002 an unknown one
+        (except ``session/delete``, which ACP has succeed silently: ``{}``)."""
         rng = self.rng
         request_id = self.fresh_id()
         if rng.random() < 0.6:
@@ -415,6 +416,8 @@ class GatewayLines:
         msg: dict[str, Any] = {"jsonrpc": "2.0", "id": request_id, "method": method}
         if params is not None:
             msg["params"] = params
+        if code == -32002 and method == "session/delete":
+            return dumps(msg), request_id, ("echo", {})
         return dumps(msg), request_id, ("error", code)
 
     def unanswered(self) -> tuple[bytes, Any, Outcome | None]:
