@@ -112,8 +112,9 @@ class Tracked:
     hi: int = 0
     modes: set[str | None] = dataclasses.field(default_factory=set)
     closed: bool | None = False  # None: a close was in flight when its proxy ended
-    closing: bool = False
+    closing: bool = False  # a close, delete or reopen is in flight: its listing may be either way
     deleted: bool = False  # closed for good: never listed, never reopened
+    maybe_deleted: bool = False  # a delete was in flight when its proxy ended
 
 
 @dataclasses.dataclass
@@ -499,13 +500,19 @@ class Worker:
     async def load(self, link: Link, s: Tracked) -> None:
         """session/load replays the whole history: as many updates as the adapter then reports."""
         before = link.updates[s.session_id]
-        response = await link.request("session/load", {"sessionId": s.session_id, "cwd": "/tmp", "mcpServers": []})
-        if s.deleted and _error_reason(response) == "session_deleted":
+        reopening = s.closed is not False
+        s.closing = s.closing or reopening
+        try:
+            response = await link.request("session/load", {"sessionId": s.session_id, "cwd": "/tmp", "mcpServers": []})
+        finally:
+            s.closing = s.closing and not reopening
+        if (s.deleted or s.maybe_deleted) and _error_reason(response) == "session_deleted":
+            s.closed, s.deleted = True, True
             return
         if "result" not in response:
             self.unexpected(link, f"session/load of {s.session_id}", response)
             return
-        s.closed = False  # open again, if it was closed (or a close was in flight when its proxy ended)
+        s.closed, s.maybe_deleted = False, False  # open again, if it was closed (or a close was in flight)
         replayed = link.updates[s.session_id] - before
         known = await self.state(link, s)
         if known is not None and known["history"] != replayed:
@@ -533,7 +540,7 @@ class Worker:
         try:
             response = await link.request("session/delete", {"sessionId": s.session_id})
         except ProxyGone:
-            s.closed = None
+            s.closed, s.maybe_deleted = None, True
             raise
         finally:
             s.closing = False
@@ -552,9 +559,18 @@ class Worker:
 
 
 async def check_list(link: Link, report: Report, sessions: list[Tracked], tolerance: int, strict: bool) -> None:
-    """session/list shows every session, closed ones as closed, and no deleted one (all pages)."""
+    """session/list shows every session, closed ones as closed, and no deleted one (all pages).
+
+    Only sessions whose state did not change while the list was asked for are checked: a list
+    served before a close, delete or reopen was answered may show the session either way.
+    """
     listed: dict[str, str] = {}
     cursor = None
+
+    def state(s: Tracked) -> tuple[Any, ...]:
+        return (s.closed, s.deleted, s.closing, s.maybe_deleted)
+
+    asked = {s.session_id: state(s) for s in sessions}
     while True:
         params = {} if cursor is None else {"cursor": cursor}
         response = await link.request("session/list", params)
@@ -569,7 +585,7 @@ async def check_list(link: Link, report: Report, sessions: list[Tracked], tolera
             break
     known = {s.session_id: s for s in sessions}
     for s in sessions:
-        if s.closing or s.closed is None:
+        if s.closing or s.closed is None or s.maybe_deleted or asked.get(s.session_id) != state(s):
             continue
         if s.closed is False and listed.get(s.session_id, "closed") == "closed":
             report.violation(f"session/list lacks open session {s.session_id}: {listed.get(s.session_id)}")

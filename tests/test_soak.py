@@ -27,6 +27,8 @@ async def test_a_soak_run_keeps_every_invariant(proc_env: dict[str, str], tmp_pa
         assert report.faults[fault] >= 1, (fault, report.faults)
     assert report.faults["grandchild escape"] + report.ops["tree"] >= 1
     assert report.faults["adapter ignoring SIGTERM and EOF, torn down"] >= 1
+    assert report.ops["reopen"] >= 1, "a closed session was loaded back (close is not delete)"
+    assert report.ops["delete"] >= 1
     assert report.total_ops >= OPS
     assert report.sessions_checked >= 3
     assert report.decoys == 3
