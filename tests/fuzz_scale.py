@@ -38,12 +38,9 @@ import collections
 import dataclasses
 import json
 import math
-import os
 import random
 import sys
-import tempfile
 import time
-import uuid
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -54,7 +51,7 @@ import anyio.abc
 
 from tests.kit import markers
 from tests.kit.gateway import Gateway, GatewayError
-from tests.support import MARKER_VARIABLE, TEST_INITIALIZE, fake_command, marked_processes
+from tests.support import MARKER_VARIABLE, TEST_INITIALIZE, end_run, fake_command, marked_processes, scratch_run
 
 LIMIT = 64 * 1024
 """The proxy's max_line_bytes here: small, so that lines over it are cheap to send."""
@@ -956,24 +953,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--lines must be at least 2")
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     options = Options(seed, args.lines, args.backend, args.log_level, args.timeout)
-    workdir = Path(tempfile.mkdtemp(prefix="acp-proxy-fuzz-"))
-    env = dict(os.environ)
-    env[MARKER_VARIABLE] = uuid.uuid4().hex
-    env["ACP_PROXY_STATE_DIR"] = str(workdir / "state")
-    env.pop("ACP_PROXY_CONFIG", None)
-    env["PYTHONUNBUFFERED"] = "1"
+    workdir, env = scratch_run("acp-proxy-fuzz-")
     print(f"fuzz: seed {seed}, {args.lines:,} lines, {args.backend}, work dir {workdir}", file=sys.stderr, flush=True)
     report = anyio.run(run, options, workdir, env, backend=args.backend)
     if args.json:
         print(json.dumps(dataclasses.asdict(report) | {"malformed": report.malformed}, indent=2))
     else:
         print(report.summary())
-    if args.keep or report.violations:
-        print(f"work dir kept: {workdir}", file=sys.stderr)
-    else:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
+    end_run(workdir, keep=args.keep or bool(report.violations))
     return 1 if report.violations else 0
 
 

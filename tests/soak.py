@@ -40,7 +40,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -54,7 +53,7 @@ import psutil
 from tests.conformance import ConformanceError, Conversation
 from tests.kit import markers
 from tests.kit.gateway import Closed, Gateway
-from tests.support import MARKER_VARIABLE, fake_command, marked_processes
+from tests.support import MARKER_VARIABLE, end_run, fake_command, marked_processes, scratch_run
 
 ANSWER_TIMEOUT = 60.0
 SESSION_NOT_FOUND = -32002
@@ -854,24 +853,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ops, --workers and --max-live must be positive")
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     options = Options(seed=seed, ops=args.ops, workers=args.workers, max_live=args.max_live, async_backend=args.backend)
-    workdir = Path(tempfile.mkdtemp(prefix="acp-proxy-soak-"))
-    env = dict(os.environ)
-    env[MARKER_VARIABLE] = uuid.uuid4().hex
-    env["ACP_PROXY_STATE_DIR"] = str(workdir / "state")
-    env.pop("ACP_PROXY_CONFIG", None)
-    env["PYTHONUNBUFFERED"] = "1"
+    workdir, env = scratch_run("acp-proxy-soak-")
     print(f"soak: seed {seed}, {args.ops} ops, work dir {workdir}", file=sys.stderr, flush=True)
     report = anyio.run(run, options, workdir, env, backend=args.backend)
     if args.json:
         print(json.dumps(dataclasses.asdict(report) | {"total_ops": report.total_ops}, indent=2))
     else:
         print(report.summary())
-    if args.keep or report.violations:
-        print(f"work dir kept: {workdir}", file=sys.stderr)
-    else:
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)
+    end_run(workdir, keep=args.keep or bool(report.violations))
     return 1 if report.violations else 0
 
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,6 +57,26 @@ def fake_command(**options: Any) -> list[str]:
 
 
 # --- processes -------------------------------------------------------------------------------
+
+
+def scratch_run(prefix: str) -> tuple[Path, dict[str, str]]:
+    """A work dir and an environment for a run from the shell (the soak, the fuzzer at scale):
+    a marker of its own, a state dir of its own, no config from the caller's environment."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    env = dict(os.environ)
+    env[MARKER_VARIABLE] = uuid.uuid4().hex
+    env["ACP_PROXY_STATE_DIR"] = str(workdir / "state")
+    env.pop("ACP_PROXY_CONFIG", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return workdir, env
+
+
+def end_run(workdir: Path, *, keep: bool) -> None:
+    """Keep the work dir of a run that asked for it or found something, else remove it."""
+    if keep:
+        print(f"work dir kept: {workdir}", file=sys.stderr)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def marked_processes(marker: str) -> dict[int, markers.Marked]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,16 @@ def spec_config(tmp_path: Path, **pool: Any) -> Path:
     return write_config(tmp_path, pool={"max_live": 8, **pool}, backends={"fake": options})
 
 
+@asynccontextmanager
+async def spec_proxy(env: dict[str, str], tmp_path: Path) -> AsyncIterator[Gateway]:
+    """A proxy over the spec backend (resume, load, close, delete, fork; modes; a store), initialized."""
+    config = spec_config(tmp_path)
+    async with Gateway.start(env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        gw.record = tmp_path / "rec.jsonl"
+        await gw.initialize()
+        yield gw
+
+
 async def session_in(gw: Gateway, env: dict[str, str], state: str) -> str:
     """A session of this proxy in ``state``, with one turn in its history."""
     if state == "unknown":
@@ -125,10 +136,7 @@ def listed_states(answer: dict[str, Any]) -> dict[str, str]:
 
 @pytest.mark.parametrize("method", sorted(TABLE))
 async def test_each_method_against_each_state(proc_env: dict[str, str], tmp_path: Path, method: str) -> None:
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        gw.record = tmp_path / "rec.jsonl"
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         sessions = {state: await session_in(gw, proc_env, state) for state in STATES}
         listed = listed_states(await gw.request("session/list", {}))
         assert listed == {sessions[s]: s for s in ("live", "suspended", "closed")}, "deleted is never listed"
@@ -153,10 +161,7 @@ async def test_each_method_against_each_state(proc_env: dict[str, str], tmp_path
 async def test_close_then_load_and_close_then_resume_restore_with_history(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        gw.record = tmp_path / "rec.jsonl"
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         loaded, resumed = await gw.new_session(), await gw.new_session()
         for session in (loaded, resumed):
             assert (await gw.prompt(session, "stream 2"))["result"]["stopReason"] == "end_turn"
@@ -401,10 +406,7 @@ async def test_the_replay_of_a_load_is_not_background_work(proc_env: dict[str, s
 async def test_fork_gets_its_own_row_and_process_and_both_suspend_and_resume(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        gw.record = tmp_path / "rec.jsonl"
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         meta = {"acp-proxy": {"sessionKey": "agent:main", "agentId": "main"}}
         parent = await gw.new_session(_meta=meta)
         assert (await gw.prompt(parent, "stream 2"))["result"]["stopReason"] == "end_turn"
@@ -438,9 +440,7 @@ async def test_fork_gets_its_own_row_and_process_and_both_suspend_and_resume(
 
 
 async def test_fork_of_a_closed_or_unknown_session_is_refused(proc_env: dict[str, str], tmp_path: Path) -> None:
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         closed = await session_in(gw, proc_env, "closed")
         for session, reason in ((closed, "session_closed"), ("fake-000000000000", "unknown_session")):
             answer = await gw.request("session/fork", {"sessionId": session, "cwd": "/tmp"})
@@ -486,9 +486,7 @@ async def _said(gw: Gateway, session: str, command: str) -> str:
 
 async def test_a_title_inside_a_burst_is_read_with_the_turns_digest(proc_env: dict[str, str], tmp_path: Path) -> None:
     """A block too large to scan on the streaming path is read at the turn's digest: its title is not lost."""
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         session = await gw.new_session()
 
         def update(kind: dict[str, Any]) -> bytes:
@@ -511,9 +509,7 @@ def request(request_id: str, method: str, params: dict[str, Any]) -> dict[str, A
 
 
 async def test_a_close_cuts_short_a_fork_waiting_for_the_parents_turn(proc_env: dict[str, str], tmp_path: Path) -> None:
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         parent = await gw.new_session()
         await gw.send(request("turn2", "session/prompt", _text(parent, "sleep 2")))
         await gw.send(request("fork", "session/fork", {"sessionId": parent, "cwd": "/tmp"}))
@@ -526,9 +522,7 @@ async def test_a_close_cuts_short_a_fork_waiting_for_the_parents_turn(proc_env: 
 
 
 async def test_a_fork_whose_process_exits_first_is_answered(proc_env: dict[str, str], tmp_path: Path) -> None:
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         parent = await gw.new_session()
         await gw.send(request("turn", "session/prompt", _text(parent, "sleep 0.5; crash 3")))
         await gw.send(request("fork", "session/fork", {"sessionId": parent, "cwd": "/tmp"}))
@@ -538,9 +532,7 @@ async def test_a_fork_whose_process_exits_first_is_answered(proc_env: dict[str, 
 
 
 async def test_a_close_after_a_load_is_the_last_word(proc_env: dict[str, str], tmp_path: Path) -> None:
-    config = spec_config(tmp_path)
-    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
-        await gw.initialize()
+    async with spec_proxy(proc_env, tmp_path) as gw:
         session = await session_in(gw, proc_env, "suspended")
         load = request("load", "session/load", params_for("session/load", session))
         close = request("close", "session/close", {"sessionId": session})
