@@ -220,20 +220,16 @@ class GatewayConnection:
 
     async def _logout_everywhere(self, msg: Message) -> None:
         """``logout``: to every live process of the backend, each bounded by ``resume_timeout``; one
-        answer, the first error if any, else the first result. With none live, to a spare or a new one."""
+        answer, the first error if any, else the first result. With none running, to a new one."""
         try:
             backend = self.intents.backend_named(proxy_meta(msg.params))
         except ProxyError as exc:
             await self.writer.fail(msg.id, exc)
             return
         self.pool.auth_params = UNSET  # from now on, no process is authenticated with what the gateway gave
-        live = self.pool.serving(backend)
+        live = self.pool.serving(backend)  # spares included
         if not live:
-            spare = self.pool.spare(backend)
-            if spare is not None:
-                await spare.forward(msg)
-            else:
-                await self._started(msg, backend, prepare=True)
+            await self._started(msg, backend, prepare=True)
             return
         answers: list[Message | ProxyError] = []
 
