@@ -51,7 +51,15 @@ import anyio.abc
 
 from tests.kit import markers
 from tests.kit.gateway import Gateway, GatewayError
-from tests.support import MARKER_VARIABLE, TEST_INITIALIZE, end_run, fake_command, marked_processes, scratch_run
+from tests.support import (
+    BAD_ERROR_OBJECTS,
+    MARKER_VARIABLE,
+    TEST_INITIALIZE,
+    end_run,
+    fake_command,
+    marked_processes,
+    scratch_run,
+)
 
 LIMIT = 64 * 1024
 """The proxy's max_line_bytes here: small, so that lines over it are cheap to send."""
@@ -115,16 +123,7 @@ VALUES: list[Any] = [
 ]
 INVALID_IDS: list[Any] = [1.5, 0.0, -2.5e10, True, False, [1], [], {"a": 1}, {}]
 NOT_STRUCTURED: list[Any] = [0, 7, -1.5, "x", "", True, False]
-BAD_ERRORS: list[Any] = [
-    *NOT_STRUCTURED,
-    {"code": "1", "message": "m"},
-    {"message": "m"},
-    {"code": 1},
-    {"code": 1.5, "message": "m"},
-    {"code": 1, "message": 5},
-    {"code": True, "message": "m"},
-    [1, "m"],
-]
+BAD_ERRORS: list[Any] = [*NOT_STRUCTURED, *BAD_ERROR_OBJECTS]
 NOT_A_STRING: list[Any] = [0, 7, True, None, [1], {"a": 1}]
 SESSION_METHODS = [
     "session/prompt",

@@ -42,6 +42,17 @@ RESUME_AND_LOAD = {"loadSession": True, "sessionCapabilities": {"resume": {}, "c
 LOAD_ONLY = {"loadSession": True}
 NEITHER: dict[str, Any] = {}
 
+BAD_ERROR_OBJECTS: list[Any] = [
+    {"code": "1", "message": "m"},
+    {"message": "m"},
+    {"code": 1},
+    {"code": 1.5, "message": "m"},
+    {"code": 1, "message": 5},
+    {"code": True, "message": "m"},
+    [1, "m"],
+]
+"""``error`` members that are objects (or arrays) but no JSON-RPC error: what a bad answer carries."""
+
 TEST_INITIALIZE = {
     "protocolVersion": 1,
     "clientCapabilities": {"fs": {"readTextFile": True, "writeTextFile": True}, "terminal": True},

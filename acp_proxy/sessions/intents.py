@@ -101,6 +101,14 @@ def stable_id(issued: str, *, taken_here: bool, live_elsewhere: bool) -> str:
     return issued
 
 
+def answered_as(answer: Message, issued: str, stable: str) -> Message | None:
+    """The answer that opened a session, under its stable id if that differs from the one the adapter issued."""
+    if stable == issued:
+        return None
+    result = jsonrpc.decode_object(answer.result) or {}
+    return Message(jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable})))
+
+
 def ownership_from(meta: dict[str, Any]) -> Ownership:
     def text(key: str) -> str | None:
         value = meta.get(key)
@@ -226,13 +234,7 @@ class SessionIntents:
             session_id = session_of(answer.result) if answer.error is UNSET else None
             if session_id is None:
                 return None  # the error goes to the gateway; the process stays as a spare
-            stable = self._register(session_id, backend, adapter, msg.params)
-            if stable == session_id:
-                return None
-            result = jsonrpc.decode_object(answer.result) or {}
-            return Message(
-                jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable}))
-            )
+            return answered_as(answer, session_id, self._register(session_id, backend, adapter, msg.params))
 
         await self._send_first(adapter, msg, created)
 
@@ -242,18 +244,7 @@ class SessionIntents:
         A suspended row of an earlier proxy with the same id is replaced: the adapter has
         issued that id afresh, so the old session is not one it could restore.
         """
-        taken = self.registry.get(session_id)
-        live_elsewhere = (
-            taken is not None
-            and taken.state in (SessionState.LIVE, SessionState.RESUMING)
-            and taken.instance_id != self.registry.instance_id
-            and not self.registry.take_over_if_orphaned(session_id)
-        )
-        stable = stable_id(session_id, taken_here=self.table.get(session_id) is not None, live_elsewhere=live_elsewhere)
-        if stable != session_id:
-            log.info("session %s: the adapter's id is taken by another session; known as %s", session_id, stable)
-        elif taken is not None and taken.state is not SessionState.CLOSED:
-            log.info("session %s: issued again by the adapter; the older session of that id is replaced", session_id)
+        stable = self._stable_for(session_id)
         given = jsonrpc.decode_object(params) or {}
         directories = given.get("additionalDirectories")
         record = SessionRecord(
@@ -268,6 +259,22 @@ class SessionIntents:
             ownership=ownership_from(proxy_meta(params)),
         )
         self.table.bind(Session(self.registry.create(record)), adapter, session_id)
+        return stable
+
+    def _stable_for(self, issued: str) -> str:
+        """The stable id of a session the adapter just opened under ``issued`` (``stable_id``, from the rows)."""
+        taken = self.registry.get(issued)
+        live_elsewhere = (
+            taken is not None
+            and taken.state in (SessionState.LIVE, SessionState.RESUMING)
+            and taken.instance_id != self.registry.instance_id
+            and not self.registry.take_over_if_orphaned(issued)
+        )
+        stable = stable_id(issued, taken_here=self.table.get(issued) is not None, live_elsewhere=live_elsewhere)
+        if stable != issued:
+            log.info("session %s: the adapter's id is taken by another session; known as %s", issued, stable)
+        elif taken is not None and taken.state is not SessionState.CLOSED:
+            log.info("session %s: issued again by the adapter; the older session of that id is replaced", issued)
         return stable
 
     def _auth_method(self) -> str | None:
@@ -621,13 +628,7 @@ class SessionIntents:
             fork_id = session_of(answer.result) if answer.error is UNSET else None
             if fork_id is None:
                 return None
-            stable = self._take_over_for_fork(parent, adapter, fork_id, msg.params)
-            if stable == fork_id:
-                return None
-            result = jsonrpc.decode_object(answer.result) or {}
-            return Message(
-                jsonrpc="2.0", id=answer.id, result=Raw(jsonrpc.encode_json({**result, "sessionId": stable}))
-            )
+            return answered_as(answer, fork_id, self._take_over_for_fork(parent, adapter, fork_id, msg.params))
 
         call_id: int | None = None
         with anyio.CancelScope() as scope:
@@ -667,9 +668,7 @@ class SessionIntents:
                 agent_id=inherited.agent_id,
             )
         )
-        taken = self.registry.get(fork_id)
-        live_elsewhere = taken is not None and taken.state in (SessionState.LIVE, SessionState.RESUMING)
-        stable = stable_id(fork_id, taken_here=self.table.get(fork_id) is not None, live_elsewhere=live_elsewhere)
+        stable = self._stable_for(fork_id)
         directories = given.get("additionalDirectories")
         fork = SessionRecord(
             session_id=stable,
