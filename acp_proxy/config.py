@@ -37,6 +37,12 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     without one (background shells, sub-agents): the pool and ``idle_ttl`` leave it alone."""
     start_timeout: float = 60.0
     """A new process must answer ``initialize`` and the request it was started for within this; 0 = no limit."""
+    min_idle: float = 2.0
+    """A session active this recently (a turn just ended) is not taken for another while one idle
+    longer exists; a waiter for a slot waits for it at most this long (and no longer than a start
+    of its backend takes)."""
+    max_memory: int | None = None
+    """Bytes all live adapter trees of the install may use together (PSS, else RSS); None: no budget."""
 
 
 class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +69,8 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Overrides ``[tasks] turn_timeout`` for this backend."""
     start_timeout: float | None = None
     """Overrides ``[pool] start_timeout`` for this backend."""
+    max_memory: int | None = None
+    """Bytes the live trees of this backend may use together, across the install."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +134,21 @@ def parse_duration(value: object) -> float:
     if isinstance(value, str) and (m := _DURATION.match(value)):
         return float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
     raise _expect('a duration such as "150ms", "3s", "15m", "4h", "7d" or seconds >= 0', value)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)\s*$", re.IGNORECASE)
+_UNIT_BYTES: Final = {"b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(value: object) -> int:
+    """``"512M"``, ``"6G"``, ``"6GiB"``, ``"1.5G"`` or a number of bytes, as bytes (units are powers of 1024)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str) and (m := _SIZE.match(value)):
+        size = int(float(m.group(1)) * _UNIT_BYTES[m.group(2)[:1].lower()])
+        if size > 0:
+            return size
+    raise _expect('a size such as "512M", "6G" or bytes > 0', value)
 
 
 def _int_at_least(minimum: int) -> Callable[[object], int]:
@@ -240,6 +263,8 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "resume_timeout": parse_duration,
                 "quiet_after": parse_duration,
                 "start_timeout": parse_duration,
+                "min_idle": parse_duration,
+                "max_memory": parse_size,
             },
         )
     )
@@ -279,6 +304,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "max_live": _int_at_least(1),
                 "turn_timeout": parse_duration,
                 "start_timeout": parse_duration,
+                "max_memory": parse_size,
             },
         )
         if isinstance(raw, dict) and "command" not in raw:

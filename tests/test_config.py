@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from acp_proxy import config as configuration
-from acp_proxy.config import ConfigError, parse_duration, validate
+from acp_proxy.config import ConfigError, parse_duration, parse_size, validate
 
 
 def problems(doc: dict[str, Any]) -> list[str]:
@@ -92,7 +92,8 @@ def test_design_example_is_valid() -> None:
         (
             {**GOOD, "pool": {"max_lve": 3}},
             "pool.max_lve: unknown key "
-            "(expected one of: acquire_timeout, idle_ttl, max_live, quiet_after, resume_timeout, start_timeout)",
+            "(expected one of: acquire_timeout, idle_ttl, max_live, max_memory, min_idle, quiet_after, "
+            "resume_timeout, start_timeout)",
         ),
         ({**GOOD, "shutdown": {"term_grace": -1}}, "shutdown.term_grace: expected a duration"),
         ({**GOOD, "pool": 5}, "pool: expected a table, got 5"),
@@ -137,6 +138,44 @@ def test_durations(text: object, seconds: float) -> None:
 def test_bad_durations(text: object) -> None:
     with pytest.raises(Exception, match="expected a duration"):
         parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("512M", 512 * 2**20),
+        ("6G", 6 * 2**30),
+        ("6GiB", 6 * 2**30),
+        ("6gb", 6 * 2**30),
+        ("1.5G", int(1.5 * 2**30)),
+        ("64k", 64 * 2**10),
+        ("1T", 2**40),
+        ("100B", 100),
+        (4096, 4096),
+    ],
+)
+def test_sizes(text: object, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["0G", "4096", 0, -5, "-1G", "G", "6X", "six gigs", True, 1.5, None])
+def test_bad_sizes(text: object) -> None:
+    with pytest.raises(Exception, match="a size such as"):
+        parse_size(text)
+
+
+def test_memory_budget_and_min_idle_are_read() -> None:
+    config = validate(
+        {
+            "pool": {"max_memory": "6G", "min_idle": "500ms"},
+            "backends": {"a": {"command": ["a"], "max_memory": "1G"}, "b": {"command": ["b"]}},
+        }
+    )
+    assert config.pool.max_memory == 6 * 2**30
+    assert config.pool.min_idle == 0.5
+    assert config.backends["a"].max_memory == 2**30
+    assert config.backends["b"].max_memory is None
+    assert validate({"backends": {"b": {"command": ["b"]}}}).pool.max_memory is None
 
 
 def test_variable_expansion_is_literal_and_shell_free() -> None:
