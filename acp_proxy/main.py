@@ -14,16 +14,14 @@ from acp_proxy.operator import cli
 if TYPE_CHECKING:
     from acp_proxy.config import Config
     from acp_proxy.ownership.owner import Owner
-    from acp_proxy.ownership.supervised import SupervisedProcess
+    from acp_proxy.pool.processes import WarmStart
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return cli.main(argv, serve=run_proxy)
 
 
-def run_proxy(
-    config: Config, owner: Owner, backend: str | None, warm: SupervisedProcess | None, async_backend: str
-) -> int:
+def run_proxy(config: Config, owner: Owner, backend: str | None, warm: WarmStart | None, async_backend: str) -> int:
     """Serve ACP on stdio with the layers wired by ``acp_proxy.serve``, on ``async_backend``."""
     import anyio
 

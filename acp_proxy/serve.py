@@ -20,11 +20,10 @@ import anyio
 from acp_proxy.concurrency import Background, Stopping
 from acp_proxy.config import Config
 from acp_proxy.early_signals import EARLY_SIGNALS
-from acp_proxy.operator.operations import Operations, ServedProxy
+from acp_proxy.operator.operations import InstallPeers, Operations, ServedProxy
 from acp_proxy.ownership.owner import Owner
-from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter
-from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.processes import ProcessPool, WarmStart
 from acp_proxy.relay.adapters import AdapterRelay
 from acp_proxy.relay.gateway import GatewayConnection
 from acp_proxy.relay.writer import GatewayWriter
@@ -45,7 +44,7 @@ async def serve_gateway(
     gateway_out: anyio.abc.ByteSendStream,
     *,
     backend: str | None = None,
-    warm: SupervisedProcess | None = None,
+    warm: WarmStart | None = None,
 ) -> None:
     """Serve one gateway connection until it leaves or a signal, then shut down cleanly.
 
@@ -93,8 +92,9 @@ async def serve_gateway(
             warm=warm,
             suspend=suspend,
             attach=attach,
+            peers=InstallPeers(owner.db),
         )
-        table = SessionTable(registry, background, pool.changed)
+        table = SessionTable(registry, background, pool.changed, on_bound=pool.note_bound)
         intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
         relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping)
         gateway = GatewayConnection(
@@ -111,6 +111,7 @@ async def serve_gateway(
         operations = Operations(ServedProxy(config, owner, pool, turns, intents, stopping, time.time()))
         tasks.start_soon(stop_on_signals, gateway)
         tasks.start_soon(pool.suspend_idle)
+        tasks.start_soon(pool.publish_slots)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)
         tasks.start_soon(operations.serve)
         await gateway.run(gateway_in)
@@ -126,7 +127,7 @@ async def stop_on_signals(gateway: GatewayConnection) -> None:
             gateway.stop(f"received {signal.Signals(signum).name}")
 
 
-async def serve_stdio(config: Config, owner: Owner, backend: str | None, warm: SupervisedProcess | None) -> int:
+async def serve_stdio(config: Config, owner: Owner, backend: str | None, warm: WarmStart | None) -> int:
     """Serve ACP on this process's stdin/stdout."""
     gateway_in, gateway_out = FdReceiveStream(0), FdSendStream(1)
     enlarge_pipe(1)  # fewer, larger writes to the gateway while updates stream

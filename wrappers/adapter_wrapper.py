@@ -1,6 +1,7 @@
 """The per-lease wrapper: one per adapter, owning the adapter's whole process tree.
 
-Run as ``python -I -S adapter_wrapper.py --lifeline FD --report FD --grace S [--tombstone PATH] -- ARGV...``
+Run as ``python -I -S adapter_wrapper.py --lifeline FD --report FD --grace S [--tombstone PATH]
+[--hold FD,...] -- ARGV...``
 (standard library only, so it starts fast and cannot be broken by site packages).
 acp-proxy starts it with ``start_new_session=True``, the adapter's stdin/stdout as
 its own, a lifeline pipe and a report pipe. The wrapper:
@@ -13,6 +14,8 @@ its own, a lifeline pipe and a report pipe. The wrapper:
 * reaps with ``waitpid(-1)``, and tears the tree down when the adapter exits
   leaving descendants, on SIGTERM/SIGINT/SIGHUP, or when the lifeline reaches
   EOF (acp-proxy died, however it died);
+* keeps the ``--hold`` descriptors (the install's slot locks) open, and out of the
+  adapter's reach, until it exits: a slot is free exactly when its tree is gone;
 * once nothing is left, writes the tombstone file (proof for a later reaper that
   the tree ended under control) and exits with the adapter's status,
   re-raising the signal that killed it.
@@ -267,7 +270,10 @@ def main() -> None:
     lifeline, report, grace = int(options["--lifeline"]), int(options["--report"]), float(options["--grace"])
     subreaper = set_subreaper()
     wrapper = Wrapper(lifeline, grace)  # handlers first: a SIGTERM must never find us defenceless
-    adapter_pid, error = spawn_adapter(argv, [lifeline, report])
+    # --hold: the install's slot locks. Kept open until we exit (the tree is gone then), never
+    # passed to the adapter: the slot must be free once this tree has ended, whatever it left.
+    held = [int(fd) for fd in options.get("--hold", "").split(",") if fd]
+    adapter_pid, error = spawn_adapter(argv, [lifeline, report, *held])
     wrapper.adapter_pid = adapter_pid
     stat = read_stat(adapter_pid)
     try:

@@ -32,9 +32,9 @@ from acp_proxy.state import DB_NAME, StateError, explain_failure
 
 if TYPE_CHECKING:
     from acp_proxy.ownership.owner import Owner
-    from acp_proxy.ownership.supervised import SupervisedProcess
+    from acp_proxy.pool.processes import WarmStart
 
-Serve = Callable[[Config, "Owner", str | None, "SupervisedProcess | None", str], int]
+Serve = Callable[[Config, "Owner", str | None, "WarmStart | None", str], int]
 """Runs a proxy: config, owner, backend name, the warm adapter, the async backend -> exit status."""
 
 EXIT_USAGE = 2
@@ -227,7 +227,7 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
     logs.configure(level, log_format)
     from acp_proxy.early_signals import hold_signals_until_serving
     from acp_proxy.ownership.owner import Owner
-    from acp_proxy.pool.adapter import Adapter
+    from acp_proxy.pool.processes import launch_warm
 
     hold_signals_until_serving()
 
@@ -243,7 +243,7 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
         # Launch the adapter now, before the event loop and the relay are even imported:
         # its start-up then overlaps ours. Nearly every gateway's first request needs it.
         try:
-            warm = Adapter.launch(config.backend(backend), owner=owner, shutdown=config.shutdown)
+            warm = launch_warm(config, owner, config.backend(backend))
         except Exception:
             warm = None
         return serve(config, owner, backend, warm, async_backend)

@@ -18,6 +18,7 @@ code as the idle TTL and ``session/close``, which stop adapters by their leases.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -31,12 +32,21 @@ from acp_proxy import __version__
 from acp_proxy.concurrency import Stopping
 from acp_proxy.config import Config
 from acp_proxy.logs import ids
-from acp_proxy.operator.control import ControlError, ControlServer, bind_private, remove_stale, socket_path
+from acp_proxy.operator.control import (
+    ControlError,
+    ControlServer,
+    ControlUnavailable,
+    bind_private,
+    remove_stale,
+    request,
+    socket_path,
+)
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.table import Session
+from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TERMINAL, TaskStatus, Turn, get_task
 from acp_proxy.tasks.turns import TurnBook
 
@@ -44,6 +54,8 @@ log = logging.getLogger("acp_proxy.operations")
 
 CANCEL_WAIT: Final = 10.0
 """How long ``cancel_task`` waits for the agent to end the turn before answering "still running"."""
+PEER_TIMEOUT: Final = 2.0
+"""How long another proxy has to answer a request to suspend one of its sessions for us."""
 
 
 def turn_view(turn: Turn) -> dict[str, Any]:
@@ -106,6 +118,7 @@ class Operations:
             "cancel_task": self.cancel_task,
             "suspend_session": self.suspend_session,
             "close_session": self.close_session,
+            "evict_slot": self.evict_slot,
         }
 
     async def serve(self) -> None:
@@ -220,9 +233,35 @@ class Operations:
         done = closing.forgotten.is_set()
         return {"sessionId": closing.session_id, "closed": done}
 
+    async def evict_slot(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Another proxy of the install needs a slot and chose this one of ours (the pool's own checks decide)."""
+        key = _text_arg(args, "key")
+        why = args.get("why") if isinstance(args.get("why"), str) else "another proxy needs a slot"
+        return {"key": key, "evicted": self.proxy.pool.evict_for_peer(key, f"{why}, for another proxy")}
+
     def _stop_budget(self) -> float:
         shutdown = self.proxy.config.shutdown
         return shutdown.stdin_grace + shutdown.term_grace + 2.0
+
+
+class InstallPeers:
+    """The other proxies of this install, reached through their control sockets (the pool's ``Peers``)."""
+
+    def __init__(self, db: StateDB) -> None:
+        self.db = db
+
+    def alive(self, instance_id: str) -> bool:
+        return instances.instance_alive(self.db, instance_id)
+
+    async def evict(self, instance_id: str, key: str, why: str) -> bool:
+        path = socket_path(self.db.state_dir, instance_id)
+        ask = functools.partial(request, path, "evict_slot", {"key": key, "why": why}, timeout=PEER_TIMEOUT)
+        try:
+            result = await anyio.to_thread.run_sync(ask, abandon_on_cancel=True)
+        except (ControlUnavailable, ControlError, TimeoutError, OSError) as exc:
+            log.info("proxy %s did not suspend %s for us: %s", instance_id, key, exc)
+            return False
+        return result.get("evicted") is True
 
 
 def _text_arg(args: dict[str, Any], name: str) -> str:

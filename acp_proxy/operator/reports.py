@@ -30,6 +30,7 @@ from acp_proxy.ownership import instances
 from acp_proxy.ownership.leases import ACTIVE_STATES, Lease, get_lease
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.verify import process_table
+from acp_proxy.pool.install import InstallSlots
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import (
@@ -633,6 +634,7 @@ def status(state_dir: Path, *, as_json: bool) -> int:
         "leases": {},
         "processes": [],
         "liveSessions": [],
+        "slots": [],
         "tasks": {"running": 0, "queued": 0, "lastDay": {}},
         "runningTasks": [],
     }
@@ -673,6 +675,7 @@ def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None
                ORDER BY last_active_at DESC"""
         )
     ]
+    report["slots"] = install_slots_view(state_dir, alive)
     report["leases"] = dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())
     active = [state.value for state in ACTIVE_STATES]
     for row in db.conn.execute(
@@ -692,6 +695,54 @@ def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None
             "SELECT status, COUNT(*) FROM tasks WHERE created_at >= ? GROUP BY status", (moment - RECENT_WINDOW,)
         )
     }
+
+
+def install_slots_view(state_dir: Path, alive: Callable[[str | None], bool]) -> list[dict[str, Any]]:
+    """The install's held slots: who holds each (proxy, session, backend), how idle, how much memory."""
+    moment = time.monotonic()
+    views: list[dict[str, Any]] = []
+    for held in InstallSlots(state_dir, "reader").holders():
+        record = held.record
+        if record is None:
+            views.append({"slot": held.index, "holder": None})
+            continue
+        views.append(
+            {
+                "slot": held.index,
+                "holder": {"instance": record.instance, "pid": record.pid, "alive": alive(record.instance)},
+                "sessionId": record.session,
+                "backend": record.backend,
+                "adapterPid": record.adapter_pid,
+                "since": record.since,
+                "idleSeconds": round(max(0.0, moment - record.last_active), 3),
+                "busy": record.busy,
+                "recent": record.recent_until > moment,
+                "stopping": record.stopping,
+                "memoryBytes": record.memory,
+                "memoryKind": record.memory_kind,
+            }
+        )
+    return views
+
+
+def _slot_line(view: dict[str, Any]) -> str:
+    holder = view["holder"]
+    if holder is None:
+        return f"  slot {view['slot']}: being taken (a start in progress)"
+    who = view["sessionId"] or "a spare"
+    state = (
+        "stopping"
+        if view["stopping"]
+        else "busy"
+        if view["busy"]
+        else f"idle {_age(view['idleSeconds'])}" + (" (recent)" if view["recent"] else "")
+    )
+    memory = "" if view["memoryBytes"] is None else f"  {view['memoryBytes'] / 1e6:.1f} MB {view['memoryKind']}"
+    dead = "" if holder["alive"] else " (proxy gone: its tree is ending)"
+    return (
+        f"  slot {view['slot']}: {_short(who, 24):<24} {view['backend'][:12]:<12} {state:<14} "
+        f"proxy {holder['instance']} pid {holder['pid']}{dead}{memory}"
+    )
 
 
 def _print_status(report: dict[str, Any], has_db: bool) -> None:
@@ -727,6 +778,10 @@ def _print_status(report: dict[str, Any], has_db: bool) -> None:
             f"  {_short(entry['sessionId'], 24):<24} {entry['state']:<8} {entry['backend'][:12]:<12} "
             f"{_short(entry['title'] or '-', 40)}"
         )
+    slots = report["slots"]
+    print(f"install slots: {len(slots)} held")
+    for view in slots:
+        print(_slot_line(view))
     leases = report["leases"]
     print("leases: " + (", ".join(f"{n} {s}" for s, n in sorted(leases.items())) or "none"))
     processes = report["processes"]

@@ -185,8 +185,12 @@ class SupervisedProcess:
         term_grace: float,
         session_key: str | None = None,
         recorded_argv: Sequence[str] | None = None,
+        hold: Sequence[int] = (),
     ) -> SupervisedProcess:
         """Write the lease, then start the wrapper; needs no event loop (see ``ready``).
+
+        ``hold``: descriptors the wrapper keeps open until it exits, i.e. until the tree is
+        gone, and its adapter does not get (the locks of the install's slot files).
 
         ``recorded_argv`` is what the lease keeps and operators are shown (default ``argv``):
         the config's command before ``${VAR}`` expansion, so that no secret from the
@@ -224,6 +228,7 @@ class SupervisedProcess:
             f"{wrapper_grace(term_grace):.3f}",
             "--tombstone",
             str(tombstone),
+            *(["--hold", ",".join(map(str, hold))] if hold else []),
             "--",
             *argv,
         ]
@@ -236,7 +241,7 @@ class SupervisedProcess:
                 cwd=cwd,
                 env={**env, lease.marker_key: lease.marker_value},
                 start_new_session=True,
-                pass_fds=(lifeline_r, report_w),
+                pass_fds=(lifeline_r, report_w, *hold),
             )
         except (OSError, ValueError) as exc:  # ValueError: a NUL byte in argv or env
             for fd in (lifeline_w, report_r, stdin_w, stdout_r):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
 
@@ -25,6 +25,7 @@ from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import TableUnavailable
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
+from acp_proxy.pool.install import Held
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import AgentCapabilities, rewrite_session_id, session_of
 from acp_proxy.protocol.errors import describe_exit
@@ -117,6 +118,18 @@ class Adapter:
         (``[pool] quiet_after`` from its last such update)."""
         self.start_deadline: float | None = None
         """By when it must answer the request it was started (or, a spare, taken) for: ``start_timeout``."""
+        self.slot: Held | None = None
+        """The install's slot it holds (its wrapper holds it too, until the tree is gone)."""
+        self.slot_since = time.time()
+        self.started_at: float | None = None
+        """Monotonic time its slot was had, until its first session is bound (what a start costs)."""
+        self.recent_until = 0.0
+        """Monotonic time until which it was active moments ago (``[pool] min_idle``): not taken."""
+        self.memory: int | None = None
+        """Its tree's memory when last measured (bytes), and how (``pss`` or ``rss``)."""
+        self.memory_kind: str | None = None
+        self.pool_changed: Changes | None = None
+        """Told when a turn starts here, so that the install's record of this slot says busy at once."""
 
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""
@@ -190,8 +203,11 @@ class Adapter:
         shutdown: ShutdownConfig,
         environ: Mapping[str, str] | None = None,
         session_key: str | None = None,
+        hold: Sequence[int] = (),
     ) -> SupervisedProcess:
         """Start the backend's command under a wrapper and a lease; needs no event loop.
+
+        ``hold``: the install's slot locks, kept by the wrapper for as long as the tree lives.
 
         The argv list is executed directly, never through a shell. The adapter's
         stderr is the proxy's stderr, so its logs reach whoever reads ours.
@@ -212,6 +228,7 @@ class Adapter:
                 cwd=backend.cwd,
                 term_grace=shutdown.term_grace,
                 session_key=session_key,
+                hold=hold,
             )
         except WrapperFailed as exc:
             raise SpawnError(f"cannot start backend {backend.name!r} ({argv[0]}): {exc}") from None
@@ -263,6 +280,8 @@ class Adapter:
         call.on_answer = on_answer
         if turn is not None:
             call.turn = self.turn = turn
+            if self.pool_changed is not None:
+                self.pool_changed.notify()
         self.last_active = time.monotonic()
         out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))
         with suppress(AdapterGone):

@@ -9,6 +9,13 @@ A *slot* is one live adapter process: a session's, or a *spare* (started for
 next ``session/new``). A slot is *idle* when no turn is in flight on it and no
 agent->client request of it is pending; only idle slots are ever suspended.
 Spares go first, then the least recently used session.
+
+A session active moments ago (its turn just ended, it was just opened) is *recent*
+until ``recent_until``: the gateway's next prompt is likely on its way, and taking
+its process now would cost it a restore. It is not taken while it is recent; a waiter
+for a slot plans again when it stops being so. The slots may be the whole install's
+(every proxy of a state dir), read from its slot files: a slot being stopped still
+counts, and means a slot is coming free.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ class Slot:
     spare: bool = False
     pinned: bool = False
     """Never suspended by the pool (a backend whose sessions cannot be resumed)."""
+    recent_until: float = 0.0
+    """Until then it counts as active moments ago: not taken (same clock as ``now``)."""
+    stopping: bool = False
+    """Being stopped: it still counts, and its slot is coming free."""
+    instance: str | None = None
+    """The proxy that holds it, if not this one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +57,8 @@ class Wait:
     """No room and nothing idle to suspend: wait for a slot to free up."""
 
     reason: str
+    until: float | None = None
+    """When a recently active session stops being so: plan again then."""
 
 
 Decision = Admit | Wait
@@ -54,12 +69,19 @@ def _eviction_order(slot: Slot) -> tuple[bool, float]:
 
 
 def plan_acquire(
-    live: Sequence[Slot], backend: str, *, backend_cap: int, global_cap: int, reserved: Mapping[str, int] | None = None
+    live: Sequence[Slot],
+    backend: str,
+    *,
+    backend_cap: int,
+    global_cap: int,
+    reserved: Mapping[str, int] | None = None,
+    now: float = 0.0,
 ) -> Decision:
     """Decide how a new process for ``backend`` gets a slot.
 
     ``reserved`` counts slots promised to starts in progress (per backend), which
-    are not in ``live`` yet but must not be promised twice.
+    are not in ``live`` yet but must not be promised twice. ``now`` is the clock
+    ``recent_until`` is on.
     """
     pending = reserved or {}
     in_backend = sum(1 for slot in live if slot.backend == backend) + pending.get(backend, 0)
@@ -68,13 +90,17 @@ def plan_acquire(
     global_full = total >= global_cap
     if not backend_full and not global_full:
         return Admit()
-    idle = [slot for slot in live if not slot.busy and not slot.pinned]
-    if backend_full:
-        idle = [slot for slot in idle if slot.backend == backend]
-    if not idle:
-        scope = f"backend {backend!r} ({backend_cap})" if backend_full else f"all backends ({global_cap})"
-        return Wait(f"every live session of {scope} is busy")
-    return Admit(evict=min(idle, key=_eviction_order))
+    scope = [slot for slot in live if slot.backend == backend] if backend_full else list(live)
+    if any(slot.stopping for slot in scope):
+        return Wait("a slot is being freed")
+    idle = [slot for slot in scope if not slot.busy and not slot.pinned]
+    ready = [slot for slot in idle if slot.spare or slot.recent_until <= now]
+    if ready:
+        return Admit(evict=min(ready, key=_eviction_order))
+    which = f"backend {backend!r} ({backend_cap})" if backend_full else f"all backends ({global_cap})"
+    if idle:
+        return Wait(f"every idle session of {which} was active moments ago", until=min(s.recent_until for s in idle))
+    return Wait(f"every live session of {which} is busy")
 
 
 def expired(live: Sequence[Slot], now: float, idle_ttl: float) -> list[Slot]:

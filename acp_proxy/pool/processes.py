@@ -2,19 +2,25 @@
 
 Who may start, and whom to suspend for it, is decided by the pure plan
 (``pool.plan``) over a snapshot of the live slots; here the decision meets
-processes. Two calls go upward, both handed in by the composition root:
-``suspend`` (the sessions' intent, for the idle session the plan chose) and
-``attach`` (the relay, which reads a new adapter's output).
+processes. The budget is the install's (``pool.install``): every process holds a
+slot file of the state dir, so the caps hold across every proxy of it, and the
+plan's snapshot has the other proxies' slots too. Calls that go upward are handed
+in by the composition root: ``suspend`` (the sessions' intent, for the idle session
+the plan chose), ``attach`` (the relay, which reads a new adapter's output) and
+``peers`` (another proxy's control socket, to suspend one of its sessions).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
-from typing import Final
+from dataclasses import dataclass
+from typing import Final, Protocol
 
 import anyio
 from msgspec import UNSET, Raw, UnsetType
@@ -25,6 +31,7 @@ from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
+from acp_proxy.pool.install import Held, InstallSlots, SlotRecord, Ticket
 from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire
 from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
@@ -35,6 +42,15 @@ log = logging.getLogger("acp_proxy.lifecycle")
 
 DRAIN_TIMEOUT: Final = 1.0
 """How long to keep relaying an exited adapter's last output before closing its stdout."""
+INSTALL_POLL: Final = 0.02
+"""How often a waiter for a slot looks at the install's slot files (other proxies free
+slots without telling us; within this proxy, waiters are woken at once)."""
+REFUSED_FOR: Final = 0.25
+"""A session whose proxy refused to suspend it is not asked again for this long (its record,
+which said it was idle, is rewritten by then)."""
+START_COST_WEIGHT: Final = 0.3
+"""Weight of the newest start in the running estimate of a backend's start cost."""
+WARM_KEY: Final = "spare:warm"
 
 Answer = Callable[[Message], Message | None]
 """Called with the adapter's answer to a gateway request before it is forwarded (``PendingCall.on_answer``)."""
@@ -42,6 +58,59 @@ Answer = Callable[[Message], Message | None]
 Suspend = Callable[[str, str], bool]
 """Suspend the session of this id if it is idle (the reason for the log); False if it is not.
 Synchronous, so that the plan's choice and the suspension happen in one step."""
+
+
+class Peers(Protocol):
+    """The other proxies of the install, as the pool needs them."""
+
+    def alive(self, instance_id: str) -> bool: ...
+
+    async def evict(self, instance_id: str, key: str, why: str) -> bool:
+        """Ask that proxy to suspend its session (or stop its spare) ``key`` if idle; False if it refused."""
+        ...
+
+
+@dataclass(slots=True)
+class WarmStart:
+    """The adapter launched with the proxy, before the event loop, and the install slot it holds."""
+
+    process: SupervisedProcess
+    slot: Held
+    since: float = dataclasses.field(default_factory=time.time)
+
+    def record(self, instance_id: str, backend: str) -> SlotRecord:
+        """A spare nobody has taken: the first to go when another start needs its slot."""
+        return SlotRecord(
+            instance=instance_id,
+            pid=os.getpid(),
+            backend=backend,
+            key=WARM_KEY,
+            adapter_pid=self.process.process.pid,
+            since=self.since,
+            busy=False,
+        )
+
+
+def launch_warm(config: Config, owner: Owner, backend: BackendConfig) -> WarmStart | None:
+    """Launch ``backend`` at once if the install has a slot free for it and nobody waits for one.
+
+    Nearly every gateway's first request needs an adapter: launched now, its start-up
+    overlaps the proxy's own. A full install starts it later, when a slot is had.
+    """
+    install = InstallSlots(owner.db.state_dir, owner.instance_id)
+    if install.waiting(backend.name):
+        return None
+    slot = install.try_take(backend.name, global_cap=config.pool.max_live, backend_cap=backend.max_live)
+    if slot is None:
+        return None
+    try:
+        process = Adapter.launch(backend, owner=owner, shutdown=config.shutdown, hold=slot.descriptors)
+    except BaseException:
+        slot.release()
+        raise
+    warm = WarmStart(process, slot)
+    slot.publish(warm.record(owner.instance_id, backend.name))
+    return warm
 
 
 def slot_key(adapter: Adapter) -> str:
@@ -59,9 +128,10 @@ class ProcessPool:
         stopping: Stopping,
         *,
         default_backend: BackendConfig,
-        warm: SupervisedProcess | None,
+        warm: WarmStart | None,
         suspend: Suspend,
         attach: Callable[[Adapter], None],
+        peers: Peers | None = None,
     ) -> None:
         self.config = config
         self.owner = owner
@@ -71,11 +141,17 @@ class ProcessPool:
         self._warm = warm
         self._suspend = suspend
         self._attach = attach
+        self.peers = peers
+        self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
+        self._start_costs: dict[str, float] = {}
+        """Per backend, a running estimate of how long a start takes (slot taken -> session bound)."""
         self.running: set[Adapter] = set()
         """Every adapter process started and not yet stopped."""
         self.changed = Changes()
         """Notified when a slot may have freed up (a process ended, a session went idle)."""
         self._reserved: dict[str, int] = {}
+        self._taking: list[Held] = []
+        """Install slots taken for starts that are not running yet."""
         self._evicting: set[Adapter] = set()
         self._slot_queues: dict[str, collections.deque[object]] = {}
         """Per backend, who waits for a process slot, oldest first."""
@@ -128,12 +204,56 @@ class ProcessPool:
                     key=slot_key(adapter),
                     backend=adapter.backend.name,
                     last_active=adapter.last_active,
-                    busy=adapter.busy or stopping,  # being stopped: it still counts, but cannot be chosen
+                    busy=adapter.busy,
                     spare=adapter.gateway_session is None,
                     pinned=adapter.backend.resume == "never" and adapter.gateway_session is not None,
+                    recent_until=adapter.recent_until,
+                    stopping=stopping,
+                )
+            )
+        if self._warm is not None:  # launched with the proxy, not taken yet: the first spare to go
+            slots.append(Slot(key=WARM_KEY, backend=self.default_backend.name, last_active=0.0, spare=True))
+        return slots
+
+    def install_slots(self, refused: dict[str, float] | None = None) -> list[Slot]:
+        """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files.
+
+        A slot whose holder is a proxy that is gone is being freed (its wrapper holds it
+        until the tree is gone); one not described yet is a start in progress.
+        """
+        moment = time.monotonic()
+        slots = self.slots()
+        for held in self.install.holders():
+            record = held.record
+            if record is not None and record.instance == self.owner.instance_id:
+                continue  # ours: counted above, fresher
+            if record is None:
+                if held.index in self._own_install_indexes():
+                    continue
+                slots.append(Slot(key=f"starting:{held.index}", backend="", last_active=moment, busy=True))
+                continue
+            alive = self.peers.alive(record.instance) if self.peers is not None else True
+            slots.append(
+                Slot(
+                    key=record.key,
+                    backend=record.backend,
+                    last_active=record.last_active,
+                    busy=record.busy or (refused or {}).get(record.key, 0.0) > moment,
+                    spare=record.session is None,
+                    pinned=record.pinned,
+                    recent_until=record.recent_until,
+                    stopping=record.stopping or not alive,
+                    instance=record.instance,
                 )
             )
         return slots
+
+    def _own_install_indexes(self) -> set[int]:
+        held = [a.slot for a in self.running if a.slot is not None]
+        if self._warm is not None:
+            held.append(self._warm.slot)
+        held.extend(self._taking)
+        return {index for h in held for scope, index in h.scope_indexes if scope == "all"}
 
     def backend_cap(self, backend: BackendConfig) -> int:
         return backend.max_live if backend.max_live is not None else self.config.pool.max_live
@@ -150,55 +270,98 @@ class ProcessPool:
 
     # --- the budget -----------------------------------------------------------------------------
 
-    async def _acquire_slot(self, backend: BackendConfig) -> None:
-        """Reserve room for one more process of ``backend``, suspending an idle session if needed.
+    async def _acquire_slot(self, backend: BackendConfig) -> Held:
+        """Take room for one more process of ``backend`` in the install, suspending an idle session if needed.
 
         Waits at most ``acquire_timeout``; then ``pool_exhausted``. The caller must call
-        ``_release_reservation`` once the process runs (or failed). Waiters for one backend
-        are served first come, first served: only the oldest plans, so a slot freed for it
-        is not taken by a later arrival, and none waits out its timeout behind newer ones.
+        ``_release_reservation`` once the process runs (or failed), and owns the slot.
+        Waiters for one backend are served first come, first served, across the install:
+        only the oldest plans, so a slot freed for it is not taken by a later arrival, and
+        none waits out its timeout behind newer ones. Within this proxy the oldest waiter
+        stands in the install's queue under its own arrival time.
         """
+        arrived = time.monotonic()
         deadline = anyio.current_time() + self.config.pool.acquire_timeout
         queue = self._slot_queues.setdefault(backend.name, collections.deque())
         ticket = object()
         queue.append(ticket)
+        place: Ticket | None = None
+        refused: dict[str, float] = {}
         waiting_logged = False
         try:
             while True:
                 if self.stopping.refusing:
                     raise ProxyError.proxy_shutdown()
                 changed = self.changed.next()
+                pause = INSTALL_POLL
                 if queue[0] is ticket:
-                    decision = plan_acquire(
-                        self.slots(),
-                        backend.name,
-                        backend_cap=self.backend_cap(backend),
-                        global_cap=self.config.pool.max_live,
-                        reserved=self._reserved,
+                    first = (
+                        self.install.first_in_line(place, backend.name)
+                        if place is not None
+                        else not self.install.waiting(backend.name)
                     )
-                    if isinstance(decision, Admit):
-                        if decision.evict is None:
-                            self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
-                            return
-                        if self.evict(decision.evict):
-                            # The slot is ours once its process has exited: a wait bounded by the
-                            # teardown's own graces, not by acquire_timeout (that is for busy sessions).
-                            await changed.wait()
-                            continue
-                    elif not waiting_logged:
-                        log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
-                        waiting_logged = True
+                    if first:
+                        held = self._take_install_slot(backend)
+                        if held is not None:
+                            return held
+                        decision = plan_acquire(
+                            self.install_slots(refused),
+                            backend.name,
+                            backend_cap=self.backend_cap(backend),
+                            global_cap=self.config.pool.max_live,
+                            reserved=self._reserved,
+                            now=time.monotonic(),
+                        )
+                        if isinstance(decision, Admit):
+                            if decision.evict is not None:
+                                if await self._evict_anywhere(decision.evict):
+                                    # The slot is ours once its tree is gone: a wait bounded by the
+                                    # teardown's own graces, not by acquire_timeout (that is for busy sessions).
+                                    await self._wait_for_change(changed, pause)
+                                    continue
+                                refused[decision.evict.key] = time.monotonic() + REFUSED_FOR
+                                continue
+                        else:
+                            if decision.until is not None:
+                                pause = min(pause, max(0.0, decision.until - time.monotonic()) + 0.005)
+                            if not waiting_logged:
+                                log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
+                                waiting_logged = True
+                    if place is None:
+                        place = self.install.enqueue(backend.name, arrived)
                 remaining = deadline - anyio.current_time()
                 if remaining <= 0:
                     break
-                with anyio.move_on_after(min(remaining, self._until_a_session_quiets())):
-                    await changed.wait()
+                await self._wait_for_change(changed, min(remaining, pause, self._until_a_session_quiets()))
         finally:
+            if place is not None:
+                place.leave()
             queue.remove(ticket)
             if not queue:
                 del self._slot_queues[backend.name]
             self.changed.notify()  # the next in line plans now
         raise ProxyError.pool_exhausted(backend.name, self.backend_cap(backend))
+
+    def _take_install_slot(self, backend: BackendConfig) -> Held | None:
+        held = self.install.try_take(backend.name, global_cap=self.config.pool.max_live, backend_cap=backend.max_live)
+        if held is not None:
+            self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
+            self._taking.append(held)
+        return held
+
+    @staticmethod
+    async def _wait_for_change(changed: anyio.Event, timeout: float) -> None:
+        with anyio.move_on_after(timeout):
+            await changed.wait()
+
+    async def _evict_anywhere(self, slot: Slot) -> bool:
+        """Suspend what the plan chose, in this proxy or (through its control socket) in another."""
+        if slot.instance is None:
+            return self.evict(slot)
+        if self.peers is None:
+            return False
+        log.info("pool: asking proxy %s to suspend %s (least recently used of the install)", slot.instance, slot.key)
+        return await self.peers.evict(slot.instance, slot.key, "least recently used of the install")
 
     def _until_a_session_quiets(self) -> float:
         """Seconds until the first session busy only with background work counts as idle again
@@ -207,8 +370,9 @@ class ProcessPool:
         pending = [a.quiet_at - moment for a in self.running if a.quiet_at > moment]
         return min(pending, default=math.inf) + 0.01
 
-    def _release_reservation(self, backend: BackendConfig) -> None:
+    def _release_reservation(self, backend: BackendConfig, held: Held) -> None:
         self._reserved[backend.name] -= 1
+        self._taking.remove(held)
         self.changed.notify()
 
     def evict(self, slot: Slot, why: str = "least recently used") -> bool:
@@ -218,6 +382,10 @@ class ProcessPool:
         the caller's plan; the process is stopped in the background, so that whoever
         needed the slot does not wait for the teardown.
         """
+        if slot.key == WARM_KEY and self._warm is not None:
+            log.info("pool: stopping the adapter launched with the proxy, not taken yet (%s)", why)
+            self.background.start(self.stop_warm)
+            return True
         for adapter in list(self.running):
             if slot_key(adapter) != slot.key:
                 continue
@@ -228,6 +396,26 @@ class ProcessPool:
                 self.stop_in_background(adapter)
                 return True
             return self._suspend(adapter.gateway_session, why)
+        return False
+
+    def evict_for_peer(self, key: str, why: str) -> bool:
+        """Another proxy's plan chose ``key``: suspend it if it is idle here too (False: refused).
+
+        The other proxy read a record that may be a moment stale; this proxy's own state
+        decides, with the same checks as its own plan.
+        """
+        if self.stopping.begun:
+            return False
+        moment = time.monotonic()
+        for slot in self.slots():
+            if slot.key != key:
+                continue
+            if slot.stopping:
+                return True  # already on its way out: the slot is coming free
+            if slot.busy or slot.pinned or (not slot.spare and slot.recent_until > moment):
+                self.changed.notify()  # the record that said otherwise is rewritten
+                return False
+            return self.evict(slot, why)
         return False
 
     async def suspend_idle(self) -> None:
@@ -251,30 +439,53 @@ class ProcessPool:
         Its start deadline counts from now (the slot is ours): the warm process
         launched with the proxy is counted from the request that takes it.
         """
-        await self._acquire_slot(backend)
+        warm: WarmStart | None = None
+        if backend is self.default_backend and self._warm is not None:
+            warm, self._warm = self._warm, None
+            held = warm.slot
+            self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
+            self._taking.append(held)
+        else:
+            held = await self._acquire_slot(backend)
+        started = time.monotonic()
         try:
             if self.stopping.refusing:
+                held.release()
                 raise ProxyError.proxy_shutdown()
             deadline = anyio.current_time() + self.start_timeout(backend)
-            warm, self._warm = (self._warm, None) if backend is self.default_backend else (None, self._warm)
             try:
-                supervised = warm or Adapter.launch(
-                    backend, owner=self.owner, shutdown=self.config.shutdown, session_key=session_key
+                supervised = (
+                    warm.process
+                    if warm is not None
+                    else Adapter.launch(
+                        backend,
+                        owner=self.owner,
+                        shutdown=self.config.shutdown,
+                        session_key=session_key,
+                        hold=held.descriptors,
+                    )
                 )
                 adapter = await Adapter.attach(backend, supervised, self.config.max_line_bytes)
             except Exception as exc:
                 # Whatever went wrong (a missing binary, an unusable state database), the
                 # gateway gets an answer and the proxy keeps serving.
+                held.release()
                 if not isinstance(exc, SpawnError):
                     log.exception("starting backend %r failed", backend.name)
                     exc = SpawnError(f"cannot start backend {backend.name!r}: {exc}")
                 raise ProxyError.spawn_failed(backend.name, str(exc)) from None
+            except BaseException:
+                held.release()  # a launched wrapper keeps it until its tree is gone
+                raise
             adapter.last_active = time.monotonic()
+            adapter.started_at = started
+            adapter.slot = held
+            adapter.pool_changed = self.changed
             adapter.claimed = prepare
             adapter.start_deadline = deadline
             self.running.add(adapter)
         finally:
-            self._release_reservation(backend)
+            self._release_reservation(backend, held)
         self._attach(adapter)
         self.background.start_task(self._watch_exit, adapter)
         if prepare:
@@ -374,6 +585,59 @@ class ProcessPool:
         except AdapterGone as exc:
             raise ProxyError.adapter_exited(exc.returncode, adapter.backend.name, during=method) from None
 
+    # --- what the install sees -------------------------------------------------------------------
+
+    def protection(self, backend: BackendConfig) -> float:
+        """How long a session just active is not taken: ``min_idle``, and no longer than a start of its backend.
+
+        Taking it would cost it a start (a restore) when the gateway's next request
+        comes; a waiter that waits for it instead never waits longer than that.
+        """
+        return min(self.config.pool.min_idle, self._start_costs.get(backend.name, math.inf))
+
+    def note_bound(self, adapter: Adapter) -> None:
+        """A session now runs on ``adapter`` (opened or restored): learn the start cost, mark it recent."""
+        moment = time.monotonic()
+        if adapter.started_at is not None:
+            cost = moment - adapter.started_at
+            adapter.started_at = None
+            old = self._start_costs.get(adapter.backend.name)
+            name = adapter.backend.name
+            self._start_costs[name] = cost if old is None else old + START_COST_WEIGHT * (cost - old)
+        adapter.recent_until = moment + self.protection(adapter.backend)
+
+    def note_turn_ended(self, adapter: Adapter) -> None:
+        adapter.recent_until = time.monotonic() + self.protection(adapter.backend)
+
+    def record_of(self, adapter: Adapter) -> SlotRecord:
+        return SlotRecord(
+            instance=self.owner.instance_id,
+            pid=os.getpid(),
+            backend=adapter.backend.name,
+            key=slot_key(adapter),
+            session=adapter.gateway_session,
+            adapter_pid=adapter.pid,
+            since=adapter.slot_since,
+            last_active=adapter.last_active,
+            recent_until=adapter.recent_until,
+            busy=adapter.busy,
+            pinned=adapter.backend.resume == "never" and adapter.gateway_session is not None,
+            stopping=adapter in self._evicting or adapter.stopping,
+            memory=adapter.memory,
+            memory_kind=adapter.memory_kind,
+        )
+
+    async def publish_slots(self) -> None:
+        """Keep this proxy's slot records current: who holds each, for which session, how idle."""
+        while True:
+            changed = self.changed.next()
+            for adapter in list(self.running):
+                if adapter.slot is not None:
+                    adapter.slot.publish(self.record_of(adapter))
+            if self._warm is not None:
+                self._warm.slot.publish(self._warm.record(self.owner.instance_id, self.default_backend.name))
+            await changed.wait()
+
     # --- stopping ------------------------------------------------------------------------------
 
     async def stop(self, adapter: Adapter, *, drain: bool = True) -> None:
@@ -382,6 +646,9 @@ class ProcessPool:
         ``drain``: keep relaying what it wrote last (briefly) before closing its stdout.
         """
         await adapter.stop(self.config.shutdown)
+        if adapter.slot is not None:
+            adapter.slot.release()  # its wrapper has exited: the install's slot is free now
+            adapter.slot = None
         if drain:
             with anyio.move_on_after(DRAIN_TIMEOUT):
                 await adapter.drained.wait()
@@ -392,6 +659,7 @@ class ProcessPool:
     def stop_in_background(self, adapter: Adapter) -> anyio.Event:
         """Stop ``adapter`` without waiting for it; the event is set once it is gone."""
         self._evicting.add(adapter)
+        self.changed.notify()  # its slot record says it is being stopped
         stopped = anyio.Event()
 
         async def stop() -> None:
@@ -412,9 +680,14 @@ class ProcessPool:
 
     async def stop_warm(self) -> None:
         """The adapter launched at startup, if no request ever took it."""
-        if self._warm is not None:
+        warm, self._warm = self._warm, None
+        if warm is not None:
             shutdown = self.config.shutdown
-            await self._warm.stop(stdin_grace=shutdown.stdin_grace, term_grace=shutdown.term_grace)
+            try:
+                await warm.process.stop(stdin_grace=shutdown.stdin_grace, term_grace=shutdown.term_grace)
+            finally:
+                warm.slot.release()
+                self.changed.notify()
 
     async def _watch_exit(self, adapter: Adapter) -> None:
         """When the wrapper exits, make sure its whole tree is gone and its lease settled.

@@ -317,6 +317,7 @@ class AdapterRelay:
             self.turns.settle_answer(call.turn, msg, write_later=True)
             if adapter.turn is call.turn:
                 adapter.turn = None
+            self.pool.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
         if not adapter.busy:
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
         if call.method == Method.INITIALIZE and msg.result is not UNSET:

@@ -75,10 +75,18 @@ class Session:
 class SessionTable:
     """The sessions of this proxy by stable id, and the queue each runs its waiting work from."""
 
-    def __init__(self, registry: SessionRegistry, background: Background, pool_changed: Changes) -> None:
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        background: Background,
+        pool_changed: Changes,
+        on_bound: Callable[[Adapter], None] | None = None,
+    ) -> None:
         self.registry = registry
         self.background = background
         self.pool_changed = pool_changed
+        self._on_bound = on_bound
+        """The pool learns that a session now runs on a process (``ProcessPool.note_bound``)."""
         self.sessions: dict[str, Session] = {}
 
     def get(self, session_id: str) -> Session | None:
@@ -128,6 +136,8 @@ class SessionTable:
         adapter.open_sessions = {adapter_session_id}
         adapter.claimed = False
         adapter.last_active = time.monotonic()
+        if self._on_bound is not None:
+            self._on_bound(adapter)
         session.adapter = adapter
         self.sessions[session.session_id] = session
         self.pool_changed.notify()

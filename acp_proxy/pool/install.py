@@ -1,0 +1,327 @@
+"""Slots shared by every proxy of an install: the live-process cap across processes.
+
+acpx and openab start one agent process, hence one ``acp-proxy``, per session: a cap
+counted inside one proxy caps nothing for them. So every live adapter process holds a
+*slot file* of the install (the state dir), locked with ``flock(2)``::
+
+    slots/all/<n>.slot          n < [pool] max_live
+    slots/b-<hash>/<n>.slot     n < the backend's own max_live, when it sets one
+
+The proxy takes the lock and its adapter's wrapper inherits it, so the slot is held as
+long as either of them lives. It is free again once the proxy has let go *and* the
+wrapper has exited, which it does only when its tree is gone: a proxy killed with
+SIGKILL frees its slots as its orphaned trees end. The kernel keeps this account;
+nothing here judges a PID.
+
+A held slot file also says who holds it (a ``SlotRecord``), rewritten by the holding
+proxy when that changes. It is what ``acp-proxy status`` shows, and what another
+proxy's plan reads to choose whom to suspend. A record is a hint that may be a moment
+stale; the eviction itself is asked of the holding proxy, which checks its own state
+and may refuse.
+
+Waiters queue in ``slots/queue/``: the oldest waiter of each proxy and backend keeps a
+ticket file named by its arrival time and locked for as long as it waits. The oldest
+live ticket of a backend plans first; a ticket whose lock is free belongs to a waiter
+that is gone, and is removed by whoever finds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from acp_proxy.state import ensure_private_dir
+
+log = logging.getLogger("acp_proxy.pool")
+
+SLOTS_DIR: Final = "slots"
+ALL: Final = "all"
+QUEUE: Final = "queue"
+RECORD_BYTES: Final = 4096
+"""A record is rewritten in place with one ``pwrite`` of at most this many bytes."""
+
+
+class SlotRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Who holds a slot, written into its file. Times are ``CLOCK_MONOTONIC`` (one clock per host)."""
+
+    instance: str
+    pid: int
+    backend: str
+    key: str
+    """The stable session id, or ``spare:<backend>:<pid>``."""
+    session: str | None = None
+    adapter_pid: int | None = None
+    since: float = 0.0
+    """Wall-clock time the slot was taken."""
+    last_active: float = 0.0
+    recent_until: float = 0.0
+    busy: bool = True
+    pinned: bool = False
+    stopping: bool = False
+    memory: int | None = None
+    memory_kind: str | None = None
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(SlotRecord).decode
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSlot:
+    """A slot file some process holds, as read by anyone."""
+
+    scope: str
+    """``all`` or the backend's directory."""
+    index: int
+    record: SlotRecord | None
+    """``None`` while its holder has not written it yet (a start in progress), or if unreadable."""
+
+
+def _backend_dir(backend: str) -> str:
+    return "b-" + hashlib.sha256(backend.encode()).hexdigest()[:16]
+
+
+def _probe(path: Path) -> bool | None:
+    """Whether the file is locked by someone (``None``: there is no such file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock we got
+    return False
+
+
+def _try_lock(path: Path) -> int | None:
+    """An open descriptor holding ``path``'s exclusive lock, or ``None`` if someone holds it.
+
+    Close-on-exec: only the wrapper it is explicitly handed to (``pass_fds``) inherits it.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass(slots=True)
+class Held:
+    """The slot files one adapter process holds (the install's, and its backend's if capped)."""
+
+    fds: list[int]
+    scope_indexes: list[tuple[str, int]]
+    _written: bytes = b""
+
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        """To be inherited by the wrapper, which then holds the slot until its tree is gone."""
+        return tuple(self.fds)
+
+    def publish(self, record: SlotRecord) -> None:
+        """Say who holds the slot (in the install's slot file); unchanged records are not rewritten."""
+        if not self.fds:
+            return
+        data = _encode(record)
+        if data == self._written or len(data) > RECORD_BYTES:
+            return
+        try:
+            # Padded with spaces (JSON whitespace) over a longer old record, then cut:
+            # a reader between the two still reads one whole record.
+            os.pwrite(self.fds[0], data.ljust(len(self._written)), 0)
+            if len(data) < len(self._written):
+                os.ftruncate(self.fds[0], len(data))
+        except OSError as exc:  # a full disk: the record is a hint, the lock is what counts
+            log.warning("could not write a slot record: %s", exc)
+            return
+        self._written = data
+
+    def release(self) -> None:
+        """Let go of the slot; it is free once the wrapper holding it too has exited."""
+        fds, self.fds = self.fds, []
+        if fds and self._written:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fds[0], 0)  # no record: read before the wrapper has exited, it is "ending"
+        for fd in fds:
+            os.close(fd)
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A waiter's place in the install's queue for one backend."""
+
+    path: Path | None
+    fd: int | None
+    name: str
+
+    def leave(self) -> None:
+        if self.fd is None:
+            return
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+        os.close(self.fd)
+        self.fd = None
+
+
+@dataclass(slots=True)
+class InstallSlots:
+    """The slot files of one install (state dir) as this proxy sees them."""
+
+    state_dir: Path
+    instance_id: str
+    _seq: Iterator[int] = field(default_factory=lambda: iter(range(1 << 62)))
+    _made: set[str] = field(default_factory=set)
+
+    @property
+    def root(self) -> Path:
+        return self.state_dir / SLOTS_DIR
+
+    def _scope(self, scope: str) -> Path:
+        path = self.root / scope
+        if scope not in self._made:
+            ensure_private_dir(self.root)  # each level 0700, whatever the umask
+            ensure_private_dir(path)
+            self._made.add(scope)
+        return path
+
+    # --- holding ---------------------------------------------------------------------------------
+
+    def try_take(self, backend: str, *, global_cap: int, backend_cap: int | None) -> Held | None:
+        """A free slot in every scope ``backend`` needs, or ``None`` when one of them is full.
+
+        The backend's slot is taken first, then the install's: every proxy takes them in
+        this order and never waits holding one, so none can block another.
+        """
+        wanted = [(_backend_dir(backend), backend_cap)] if backend_cap is not None else []
+        wanted.append((ALL, global_cap))
+        taken: list[tuple[int, str, int]] = []
+        for scope, cap in wanted:
+            got = self._take_one(scope, cap)
+            if got is None:
+                for fd, _, _ in taken:
+                    os.close(fd)
+                return None
+            taken.append((got[0], scope, got[1]))
+        taken.reverse()  # the install's slot first: its file carries the record
+        return Held([fd for fd, _, _ in taken], [(scope, index) for _, scope, index in taken])
+
+    def _take_one(self, scope: str, cap: int) -> tuple[int, int] | None:
+        directory = self._scope(scope)
+        for index in range(cap):
+            fd = _try_lock(directory / f"{index}.slot")
+            if fd is not None:
+                os.ftruncate(fd, 0)  # a record left by a holder that was killed
+                return fd, index
+        return None
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def holders(self, scope: str = ALL) -> list[HeldSlot]:
+        """Every held slot file of a scope (``all``, or a backend's with ``backend_scope``)."""
+        directory = self.root / scope
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return []
+        held = []
+        for name in names:
+            if not name.endswith(".slot"):
+                continue
+            path = directory / name
+            if not _probe(path):
+                continue
+            held.append(HeldSlot(scope, int(name.removesuffix(".slot")), _read_record(path)))
+        return sorted(held, key=lambda h: h.index)
+
+    @staticmethod
+    def backend_scope(backend: str) -> str:
+        return _backend_dir(backend)
+
+    # --- the queue -------------------------------------------------------------------------------
+
+    def enqueue(self, backend: str, arrived: float) -> Ticket:
+        """A ticket for a waiter that arrived at ``arrived`` (monotonic seconds).
+
+        The file is locked under a temporary name and then renamed, so that no one ever
+        sees a ticket before its lock is held (and removes it as abandoned).
+        """
+        directory = self._scope(QUEUE)
+        name = f"{int(arrived * 1e9):020d}-{_backend_dir(backend)}-{os.getpid()}-{next(self._seq)}"
+        temporary = directory / f".{name}"
+        fd = _try_lock(temporary)
+        if fd is None:  # a name of our own: cannot be held by anyone else
+            raise OSError(errno.EEXIST, f"queue ticket {temporary} is in use")
+        final = directory / f"{name}.ticket"
+        os.rename(temporary, final)
+        return Ticket(final, fd, name)
+
+    def first_in_line(self, ticket: Ticket, backend: str) -> bool:
+        """Whether no live waiter for ``backend`` arrived before this ticket's (gone ones are removed)."""
+        tag = f"-{_backend_dir(backend)}-"
+        directory = self.root / QUEUE
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".ticket") and tag in n)
+        except FileNotFoundError:
+            return True
+        for name in names:
+            stem = name.removesuffix(".ticket")
+            if stem >= ticket.name:
+                return True
+            path = directory / name
+            if _probe(path):
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # its waiter is gone (killed, or it left without tidying up)
+        return True
+
+    def waiting(self, backend: str) -> bool:
+        """Whether any live waiter for ``backend`` is in the queue."""
+        tag = f"-{_backend_dir(backend)}-"
+        directory = self.root / QUEUE
+        try:
+            names = [n for n in os.listdir(directory) if n.endswith(".ticket") and tag in n]
+        except FileNotFoundError:
+            return False
+        return any(_probe(directory / n) for n in names)
+
+
+def _read_record(path: Path) -> SlotRecord | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if not data:
+        return None
+    try:
+        return _decode(data)
+    except msgspec.DecodeError:
+        return None  # caught mid-rewrite: the next read will have it
+
+
+def now() -> float:
+    """The clock records use: monotonic, and the same for every process of the host."""
+    return time.monotonic()
+
+
+Alive = Callable[[str], bool]
+"""Whether the proxy instance of this id is alive."""
