@@ -135,10 +135,10 @@ class ProcFS:
     def parents(self) -> dict[int, int]:
         # Only the stat file, read with bare os calls: this runs every few seconds (the memory
         # budget), and ``info``'s pathlib reads and stat() would triple its cost.
-        parents = {}
+        parents, root = {}, str(self.root)
         for pid in self.pids():
             try:
-                fd = os.open(f"{self.root}/{pid}/stat", os.O_RDONLY)
+                fd = os.open(f"{root}/{pid}/stat", os.O_RDONLY)
                 try:
                     raw = os.read(fd, 1024)
                 finally:
