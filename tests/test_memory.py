@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from acp_proxy.config import validate
 from acp_proxy.ownership.leases import LeaseState, all_leases
 from acp_proxy.ownership.proctable import ProcFS, PsutilTable, TableUnavailable
 from acp_proxy.pool.memory import (
@@ -286,6 +287,18 @@ def test_an_overrun_reads_as_a_sentence_to_log() -> None:
         "is left to suspend"
     )
     assert str(Overrun(None, 300 * MB, 200 * MB)).startswith("all backends use 300 MiB of a 200 MiB max_memory")
+
+
+def test_the_budget_is_taken_from_the_config() -> None:
+    config = validate(
+        {
+            "pool": {"max_memory": "6G"},
+            "backends": {"a": {"command": ["a"], "max_memory": "512M"}, "b": {"command": ["b"]}},
+        }
+    )
+    assert MemoryBudget.of(config) == MemoryBudget(6 * 1024 * MB, {"a": 512 * MB})
+    assert not MemoryBudget.of(config).empty
+    assert MemoryBudget.of(validate({"backends": {"b": {"command": ["b"]}}})).empty
 
 
 # (sentence, pid -> ppid, roots, expected pids per root)
