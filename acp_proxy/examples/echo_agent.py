@@ -10,6 +10,11 @@ asks the client for permission when a prompt contains the word "permission".
 adapters keep theirs on disk, so another process of the agent can load or resume
 it (without it, history lives in memory). Nothing beyond the standard library and the
 proxy's method table; one thread per turn, so a cancel can interrupt a turn.
+
+``--memory MB`` makes it hold MB of resident memory, as a real adapter's heap would be;
+``--child-memory MB`` forks a child that holds MB more for as long as the agent lives, so its
+tree has two processes. Both are in place before it reads its first request (to measure
+memory budgets against).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from typing import Any
 from acp_proxy.protocol.methods import Method
 
 WORD_DELAY = float(os.environ.get("ECHO_AGENT_WORD_DELAY", "0.03"))
+MB = 1024 * 1024
+BALLAST: list[bytearray] = []
+"""Memory held for the process's whole life (``--memory``)."""
 
 
 class EchoAgent:
@@ -187,10 +195,57 @@ class EchoAgent:
             turn.join(timeout=5)
 
 
+def resident(megabytes: int) -> bytearray:
+    """``megabytes`` of memory, every page written so that the kernel really backs it (an untouched
+    allocation costs only address space)."""
+    held = bytearray(megabytes * MB)
+    page = os.sysconf("SC_PAGE_SIZE")
+    held[::page] = b"\x01" * len(range(0, len(held), page))
+    return held
+
+
+def fork_holder(megabytes: int) -> None:
+    """Fork a child holding ``megabytes`` until this process exits; return once the memory is resident.
+
+    The child waits for EOF on a pipe whose write end only this process holds, so it ends with the
+    agent, however the agent ends. It forks before the agent allocates its own memory, so that
+    no page is shared between the two.
+    """
+    ready_read, ready_write = os.pipe()
+    life_read, life_write = os.pipe()
+    if os.fork() == 0:
+        status = 1
+        try:
+            os.close(life_write)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1):  # not the agent's stdio: the proxy must see EOF when the agent ends
+                os.dup2(devnull, fd)
+            held = resident(megabytes)
+            os.write(ready_write, b".")
+            os.read(life_read, 1)
+            del held
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(life_read)
+    os.close(ready_write)
+    os.read(ready_read, 1)
+    os.close(ready_read)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="A small ACP agent that echoes prompts back, word by word.")
     parser.add_argument("--store", help="directory to keep session histories in (default: memory only)")
-    EchoAgent(parser.parse_args().store).run()
+    parser.add_argument("--memory", type=int, default=0, metavar="MB", help="hold MB of resident memory")
+    parser.add_argument(
+        "--child-memory", type=int, default=0, metavar="MB", help="fork a child that holds MB while the agent runs"
+    )
+    args = parser.parse_args()
+    if args.child_memory:
+        fork_holder(args.child_memory)
+    if args.memory:
+        BALLAST.append(resident(args.memory))
+    EchoAgent(args.store).run()
 
 
 if __name__ == "__main__":

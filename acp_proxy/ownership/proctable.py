@@ -1,4 +1,4 @@
-"""What the kernel says about a process: identity facts for ownership checks.
+"""What the kernel says about a process: identity facts for ownership checks, and who is whose child.
 
 Two implementations, chosen once per platform:
 
@@ -53,6 +53,12 @@ class ProcessTable(Protocol):
         ...
 
     def pids(self) -> Iterator[int]: ...
+
+    def parents(self) -> dict[int, int]:
+        """Every live process's parent pid (pid -> ppid), in one pass: the way to find a tree's
+        descendants, including those that left its process group. A process that vanishes or
+        cannot be read meanwhile is left out."""
+        ...
 
     def lease_marker(self, pid: int) -> str | None:
         """The process's ``ACP_PROXY_LEASE=...`` environment entry, if it has a readable one."""
@@ -126,6 +132,22 @@ class ProcFS:
             raise TableUnavailable(f"cannot list {self.root}: {exc.strerror}") from None
         return (int(name) for name in names if name.isdigit())
 
+    def parents(self) -> dict[int, int]:
+        # Only the stat file, read with bare os calls: this runs every few seconds (the memory
+        # budget), and ``info``'s pathlib reads and stat() would triple its cost.
+        parents, root = {}, str(self.root)
+        for pid in self.pids():
+            try:
+                fd = os.open(f"{root}/{pid}/stat", os.O_RDONLY)
+                try:
+                    raw = os.read(fd, 1024)
+                finally:
+                    os.close(fd)
+                parents[pid] = int(raw[raw.rfind(b")") + 2 :].split(maxsplit=2)[1])
+            except (OSError, IndexError, ValueError):
+                continue
+        return parents
+
 
 class PsutilTable:
     """psutil is imported on first use: the Linux path never needs it."""
@@ -169,6 +191,10 @@ class PsutilTable:
 
     def pids(self) -> Iterator[int]:
         return iter(self._psutil.pids())
+
+    def parents(self) -> dict[int, int]:
+        found = self._psutil.process_iter(["ppid"])  # skips the vanished; an unreadable ppid is None
+        return {proc.pid: proc.info["ppid"] for proc in found if proc.info["ppid"] is not None}
 
     def lease_marker(self, pid: int) -> str | None:
         key = MARKER_PREFIX.decode()
