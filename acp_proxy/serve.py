@@ -112,6 +112,7 @@ async def serve_gateway(
         tasks.start_soon(stop_on_signals, gateway)
         tasks.start_soon(pool.suspend_idle)
         tasks.start_soon(pool.publish_slots)
+        tasks.start_soon(pool.keep_memory_budget)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)
         tasks.start_soon(operations.serve)
         await gateway.run(gateway_in)

@@ -308,3 +308,52 @@ async def test_status_shows_who_holds_each_slot_of_the_install(proc_env: dict[st
             await adapter_pid(b, second),
         }
         assert os.getpid() not in {view["holder"]["pid"] for view in report["slots"]}
+
+
+# --- the memory budget ---------------------------------------------------------------------------
+
+
+async def until_state(env: dict[str, str], session: str, state: SessionState, timeout: float = 20) -> None:
+    with anyio.fail_after(timeout):
+        while (record := registry(env).get(session)) is None or record.state is not state:
+            await anyio.sleep(0.05)
+
+
+async def test_over_the_memory_budget_the_least_recently_used_idle_sessions_are_suspended(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Adapters holding 150 MB each, a 400 MB budget for the install: two fit, the oldest idle one goes."""
+    args = install_config(tmp_path, {"max_live": 10, "max_memory": "400M"}, memory=150)
+    async with proxies(proc_env, tmp_path, 3, args) as (a, b, c):
+        first = await a.new_session()
+        second = await b.new_session()
+        assert turn_ok(await a.prompt(first, "stream 1"))
+        assert turn_ok(await b.prompt(second, "stream 1"))  # `first` is the least recently used
+        await anyio.sleep(2.5)  # both measured, and past min_idle
+        third = await c.new_session()
+        await until_state(proc_env, first, SessionState.SUSPENDED)
+        reg = registry(proc_env)
+        assert reg.get(second).state is SessionState.LIVE  # type: ignore[union-attr]
+        assert reg.get(third).state is SessionState.LIVE  # type: ignore[union-attr]
+        with anyio.fail_after(20):
+            while True:  # the figures the proxies measured: the install fits its budget
+                slots = (await cli_json(proc_env, "status", "--json"))["slots"]
+                if len(slots) == 2 and all(view["memoryBytes"] for view in slots):
+                    break
+                await anyio.sleep(0.2)
+        assert sum(view["memoryBytes"] for view in slots) <= 400 * 2**20
+        assert all(view["memoryBytes"] >= 150 * 2**20 for view in slots)
+        assert (await state_of(a, first))["turns"] == 1  # back, with its history
+
+
+async def test_a_busy_session_over_the_memory_budget_is_left_alone(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """A 100 MB budget against 150 MB adapters: the busy one serves on; an idle one is suspended."""
+    args = install_config(tmp_path, {"max_live": 10, "max_memory": "100M"}, memory=150)
+    async with proxies(proc_env, tmp_path, 2, args) as (a, b):
+        first = await a.new_session()
+        pid = await adapter_pid(a, first)
+        turn = await send_prompt(a, first, "sleep 5")
+        second = await b.new_session()
+        await until_state(proc_env, second, SessionState.SUSPENDED)  # idle, over budget: it goes
+        assert pid_alive(pid)
+        assert turn_ok(await a.response_to(turn, timeout=15))  # its process served the whole turn

@@ -156,6 +156,7 @@ class Operations:
             "pool": {
                 "live": len(live),
                 "maxLive": proxy.config.pool.max_live,
+                "maxMemory": proxy.config.pool.max_memory,
                 "spares": sum(1 for a in live if a.gateway_session is None),
             },
             "sessions": len(proxy.intents.table),

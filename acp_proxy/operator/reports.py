@@ -779,7 +779,16 @@ def _print_status(report: dict[str, Any], has_db: bool) -> None:
             f"{_short(entry['title'] or '-', 40)}"
         )
     slots = report["slots"]
-    print(f"install slots: {len(slots)} held")
+    pools = [entry["proxy"].get("pool", {}) for entry in instances_ if entry.get("proxy")]
+    caps = sorted({pool["maxLive"] for pool in pools if "maxLive" in pool})
+    budgets = sorted({pool["maxMemory"] for pool in pools if pool.get("maxMemory")})
+    measured = [view for view in slots if view.get("memoryBytes") is not None]
+    line = f"install slots: {len(slots)} held" + (f" of max_live {'/'.join(map(str, caps))}" if caps else "")
+    if measured:
+        kinds = "/".join(sorted({view["memoryKind"] for view in measured}))
+        line += f"; memory {sum(v['memoryBytes'] for v in measured) / 1e6:.0f} MB ({kinds})"
+        line += f" of max_memory {'/'.join(f'{b / 1e6:.0f} MB' for b in budgets)}" if budgets else ""
+    print(line)
     for view in slots:
         print(_slot_line(view))
     leases = report["leases"]

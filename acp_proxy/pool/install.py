@@ -191,6 +191,7 @@ class InstallSlots:
     instance_id: str
     _seq: Iterator[int] = field(default_factory=lambda: iter(range(1 << 62)))
     _made: set[str] = field(default_factory=set)
+    _lead_fd: int | None = None
 
     @property
     def root(self) -> Path:
@@ -256,6 +257,17 @@ class InstallSlots:
     @staticmethod
     def backend_scope(backend: str) -> str:
         return _backend_dir(backend)
+
+    def lead(self, role: str) -> bool:
+        """Whether this proxy holds the install's ``role`` (taken once free, then kept for life).
+
+        One proxy at a time does install-wide work such as keeping the memory budget; when it
+        dies the kernel drops its lock, and the next proxy to ask takes the role over.
+        """
+        if self._lead_fd is not None:
+            return True
+        self._lead_fd = _try_lock(self._scope(ALL).parent / f"{role}.lock")
+        return self._lead_fd is not None
 
     # --- the queue -------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
 from acp_proxy.pool.install import Held, InstallSlots, SlotRecord, Ticket
+from acp_proxy.pool.memory import BudgetPlan, MemoryBudget, MemorySlot, measure_trees, plan_budget, plan_spawn
 from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire
 from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
@@ -51,6 +52,9 @@ which said it was idle, is rewritten by then)."""
 START_COST_WEIGHT: Final = 0.3
 """Weight of the newest start in the running estimate of a backend's start cost."""
 WARM_KEY: Final = "spare:warm"
+MEMORY_EVERY: Final = 2.0
+"""With a memory budget, how often each proxy measures its trees (and the keeper checks the install)."""
+BUDGET_ROLE: Final = "memory-budget"
 
 Answer = Callable[[Message], Message | None]
 """Called with the adapter's answer to a gateway request before it is forwarded (``PendingCall.on_answer``)."""
@@ -143,6 +147,9 @@ class ProcessPool:
         self._attach = attach
         self.peers = peers
         self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
+        self.budget = MemoryBudget.of(config)
+        self._overruns: set[str | None] = set()
+        """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
         self._start_costs: dict[str, float] = {}
         """Per backend, a running estimate of how long a start takes (slot taken -> session bound)."""
         self.running: set[Adapter] = set()
@@ -247,6 +254,28 @@ class ProcessPool:
                 )
             )
         return slots
+
+    def _memory_slots(self) -> tuple[list[MemorySlot], dict[str, Slot]]:
+        """The install's live trees for the budget (being stopped: already on their way out), and
+        each one's plan slot, to suspend it by."""
+        moment = time.monotonic()
+        memory = {slot_key(a): a.memory for a in self.running}
+        memory.update({h.record.key: h.record.memory for h in self.install.holders() if h.record is not None})
+        slots = [slot for slot in self.install_slots() if not slot.stopping and not slot.key.startswith("starting:")]
+        measured = [
+            MemorySlot(
+                key=slot.key,
+                backend=slot.backend,
+                memory=memory.get(slot.key) or 0,
+                last_active=slot.last_active,
+                busy=slot.busy,
+                pinned=slot.pinned,
+                recent=not slot.spare and slot.recent_until > moment,
+                spare=slot.spare,
+            )
+            for slot in slots
+        ]
+        return measured, {slot.key: slot for slot in slots}
 
     def _own_install_indexes(self) -> set[int]:
         held = [a.slot for a in self.running if a.slot is not None]
@@ -354,14 +383,14 @@ class ProcessPool:
         with anyio.move_on_after(timeout):
             await changed.wait()
 
-    async def _evict_anywhere(self, slot: Slot) -> bool:
+    async def _evict_anywhere(self, slot: Slot, why: str = "least recently used of the install") -> bool:
         """Suspend what the plan chose, in this proxy or (through its control socket) in another."""
         if slot.instance is None:
-            return self.evict(slot)
+            return self.evict(slot, why)
         if self.peers is None:
             return False
-        log.info("pool: asking proxy %s to suspend %s (least recently used of the install)", slot.instance, slot.key)
-        return await self.peers.evict(slot.instance, slot.key, "least recently used of the install")
+        log.info("pool: asking proxy %s to suspend %s (%s)", slot.instance, slot.key, why)
+        return await self.peers.evict(slot.instance, slot.key, why)
 
     def _until_a_session_quiets(self) -> float:
         """Seconds until the first session busy only with background work counts as idle again
@@ -418,6 +447,58 @@ class ProcessPool:
             return self.evict(slot, why)
         return False
 
+    # --- the memory budget -----------------------------------------------------------------------
+
+    async def keep_memory_budget(self) -> None:
+        """With ``max_memory`` set: measure this proxy's trees every few seconds (for its slot records),
+        and, if this proxy keeps the install's budget, suspend idle sessions until the install fits.
+
+        One proxy of the install keeps the budget at a time (``InstallSlots.lead``): two keepers
+        reading the same records would suspend twice what is needed. A budget is not a kill
+        switch: busy sessions are never suspended; an overrun nothing can relieve is logged once.
+        """
+        if self.budget.empty:
+            return
+        while not self.stopping.begun:
+            await self._measure()
+            if self.install.lead(BUDGET_ROLE):
+                measured, by_key = self._memory_slots()
+                await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
+            await anyio.sleep(MEMORY_EVERY)
+
+    async def _measure(self) -> None:
+        adapters = [a for a in self.running if not a.gone]
+        roots = {a.supervised.process.pid: a for a in adapters}
+        trees = await anyio.to_thread.run_sync(measure_trees, list(roots))  # /proc reads block
+        for root, tree in trees.items():
+            adapter = roots[root]
+            adapter.memory, adapter.memory_kind = tree.total, tree.method
+        self.changed.notify()  # the slot records carry the figures
+
+    async def _make_room_in_memory(self, backend: BackendConfig) -> None:
+        """Before a start: suspend idle sessions if the new tree would not fit the budget.
+
+        Its size is guessed as the largest live tree of its backend in the install (nothing
+        while none has been measured): a spawn never waits for the budget, it only evicts.
+        """
+        if self.budget.empty:
+            return
+        measured, by_key = self._memory_slots()
+        sizes = [slot.memory for slot in measured if slot.backend == backend.name and slot.memory]
+        plan = plan_spawn(measured, backend.name, max(sizes, default=None), self.budget)
+        await self._carry_out(plan, by_key, f"room in the memory budget for a {backend.name} start")
+
+    async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> None:
+        for chosen in plan.suspend:
+            slot = by_key[chosen.key]
+            log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
+            await self._evict_anywhere(slot, why)
+        exceeded = {overrun.backend for overrun in plan.overrun}
+        for overrun in plan.overrun:
+            if overrun.backend not in self._overruns:
+                log.warning("memory budget: %s; serving on", overrun)
+        self._overruns = exceeded
+
     async def suspend_idle(self) -> None:
         """The idle TTL sweeper: suspend sessions (and stop spares) idle longer than ``idle_ttl``."""
         ttl = self.config.pool.idle_ttl
@@ -447,6 +528,12 @@ class ProcessPool:
             self._taking.append(held)
         else:
             held = await self._acquire_slot(backend)
+            try:
+                await self._make_room_in_memory(backend)
+            except BaseException:
+                self._release_reservation(backend, held)
+                held.release()
+                raise
         started = time.monotonic()
         try:
             if self.stopping.refusing:
