@@ -352,12 +352,16 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
         "instances",
         "sessions",
         "liveSessions",
+        "slots",
         "leases",
         "processes",
         "tasks",
         "runningTasks",
     }
     assert [s["sessionId"] for s in report["liveSessions"]] == [session]
+    [slot] = report["slots"]
+    assert slot["sessionId"] == session
+    assert slot["busy"] is True  # its turn is running
     [instance] = report["instances"]
     assert instance["alive"] is True
     assert instance["pid"] == gw.pid

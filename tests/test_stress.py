@@ -222,7 +222,9 @@ async def test_proxies_of_two_installs_under_rounds_of_sigkills(proc_env: dict[s
     rng = random.Random(seed)
     store = str(tmp_path / "store")
     fake = {"store": store, "caps": RESUME_AND_LOAD}
-    config_a = write_config(tmp_path, pool={"max_live": SESSIONS_PER_PROXY}, backends={"fake": fake})
+    # Install A's cap holds across its proxies: room for every session of every proxy of A, so that
+    # what a proxy's death leaves behind is its whole set of trees, as when each had its own cap.
+    config_a = write_config(tmp_path, pool={"max_live": A_PROXIES * SESSIONS_PER_PROXY}, backends={"fake": fake})
     config_b = write_config(tmp_path, pool={"max_live": 2 * SESSIONS_PER_PROXY}, backends={"fake": fake})
     env_a = proc_env
     env_b = {**proc_env, "ACP_PROXY_STATE_DIR": str(tmp_path / "state-b")}

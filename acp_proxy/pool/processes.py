@@ -229,7 +229,11 @@ class ProcessPool:
         until the tree is gone); one not described yet is a start in progress.
         """
         moment = time.monotonic()
-        slots = self.slots()
+        refused = refused or {}
+        slots = [
+            dataclasses.replace(slot, busy=True) if refused.get(slot.key, 0.0) > moment else slot
+            for slot in self.slots()
+        ]
         for held in self.install.holders():
             record = held.record
             if record is not None and record.instance == self.owner.instance_id:
@@ -245,7 +249,7 @@ class ProcessPool:
                     key=record.key,
                     backend=record.backend,
                     last_active=record.last_active,
-                    busy=record.busy or (refused or {}).get(record.key, 0.0) > moment,
+                    busy=record.busy or refused.get(record.key, 0.0) > moment,
                     spare=record.session is None,
                     pinned=record.pinned,
                     recent_until=record.recent_until,
@@ -348,7 +352,10 @@ class ProcessPool:
                                     # teardown's own graces, not by acquire_timeout (that is for busy sessions).
                                     await self._wait_for_change(changed, pause)
                                     continue
+                                # Not idle after all (its record was stale, or its session is mid-change):
+                                # the next candidate is planned for; this one not again for a while.
                                 refused[decision.evict.key] = time.monotonic() + REFUSED_FOR
+                                await anyio.lowlevel.checkpoint()
                                 continue
                         else:
                             if decision.until is not None:
