@@ -86,6 +86,60 @@ ACQUIRE = [
         {},
         "wait",
     ),
+    (
+        "a session active moments ago is passed over for one idle longer, even a more recently used one",
+        [Slot("just-ended", "a", last_active=1, recent_until=5), slot("idle", last_active=3)],
+        "a",
+        2,
+        4,
+        {},
+        "idle",
+    ),
+    (
+        "only sessions active moments ago are idle: wait for them",
+        [Slot("just-ended", "a", last_active=1, recent_until=5), slot("busy", busy=True)],
+        "a",
+        2,
+        4,
+        {},
+        "wait",
+    ),
+    (
+        "a spare goes even if it was started moments ago",
+        [Slot("spare:a", "a", last_active=1, spare=True, recent_until=5), slot("busy", busy=True)],
+        "a",
+        2,
+        4,
+        {},
+        "spare:a",
+    ),
+    (
+        "a slot being stopped is coming free: wait for it rather than suspend another",
+        [Slot("going", "a", last_active=1, stopping=True), slot("idle", last_active=0)],
+        "a",
+        2,
+        4,
+        {},
+        "wait",
+    ),
+    (
+        "another backend's slot being stopped does not free the full backend: suspend its own",
+        [Slot("going", "b", last_active=1, stopping=True), slot("idle", last_active=0)],
+        "a",
+        1,
+        4,
+        {},
+        "idle",
+    ),
+    (
+        "a session of another proxy is a candidate like any other",
+        [Slot("theirs", "a", last_active=1, instance="other"), slot("ours", last_active=3)],
+        "a",
+        2,
+        4,
+        {},
+        "theirs",
+    ),
 ]
 
 
@@ -106,6 +160,20 @@ def test_plan_acquire(
         assert isinstance(decision, Admit)
         assert decision.evict is not None
         assert decision.evict.key == expected
+
+
+def test_waiting_for_a_recent_session_says_until_when() -> None:
+    decision = plan_acquire(
+        [Slot("a1", "a", 0, recent_until=7.5), Slot("a2", "a", 0, recent_until=6.0)],
+        "a",
+        backend_cap=2,
+        global_cap=4,
+        now=5.0,
+    )
+    assert decision == Wait("every idle session of backend 'a' (2) was active moments ago", until=6.0)
+    later = plan_acquire([Slot("a1", "a", 0, recent_until=7.5)], "a", backend_cap=1, global_cap=4, now=7.5)
+    assert isinstance(later, Admit)
+    assert later.evict is not None
 
 
 def test_idle_ttl_picks_only_idle_slots_past_the_ttl_spares_first() -> None:
