@@ -234,10 +234,12 @@ async def test_tasks_show_follow_prints_until_the_task_ends(proc_env: dict[str, 
         argv = [sys.executable, "-m", "acp_proxy", "tasks", "show", running["taskId"], "--follow", "--json"]
         async with await anyio.open_process(argv, env=proc_env) as follower:
             assert follower.stdout is not None
-            await anyio.sleep(0.5)
+            output = b""
+            with anyio.fail_after(30):
+                while b"\n" not in output:  # it has shown the running task: now the turn may end
+                    output += await follower.stdout.receive()
             await gw.notify("session/cancel", {"sessionId": session})
             await gw.response_to(request_id)
-            output = b""
             with anyio.fail_after(10):
                 async for chunk in follower.stdout:
                     output += chunk
