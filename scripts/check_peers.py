@@ -51,6 +51,21 @@ run is a failure, after a direct run a note.
   only its own prompt. NOTE lines say whether the adapter itself advertises
   delete and still loads a session the proxy deleted, and what it answered
   to session/fork; those are the adapter's business, not failures.
+* install-acpx-*: the install's one pool across proxies. acpx runs a queue
+  owner, hence a proxy, per named session; three named sessions over one state
+  dir whose config says ``max_live = 1`` (and a generous acquire_timeout).
+  sessions new x3, prompts one/two/three/one, then set-mode two/three/one one at
+  a time and all three at once: each step needs its session's adapter, so
+  another proxy must suspend its session first, and the step must bring the
+  session back on a new process. Meanwhile a thread samples /proc every 50 ms
+  for the check's adapter trees (processes carrying a lease marker) and fails
+  the check if two were ever alive at once, and another runs ``acp-proxy status
+  --json`` about every second (at most one slot held). Then the queue owners
+  are stopped (SIGTERM, as stopping acpx does), nothing may be left, and a fresh
+  proxy's session/load must replay each session's prompts, whole and apart.
+  acpx drops its agent's stderr, so the proxies' logs are appended to
+  WORKDIR/logs/<check>-proxies.stderr (the agent command is ``sh -c 'exec
+  acp-proxy ... 2>>LOG'``).
 
 Prints one PASS/FAIL line per check (NOTE lines add what the peers did) and
 exits 1 if any check failed. Logs and transcripts are kept in WORKDIR/logs.
@@ -59,6 +74,7 @@ exits 1 if any check failed. Logs and transcripts are kept in WORKDIR/logs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -67,9 +83,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +139,17 @@ CLIENT_INITIALIZE = {
 FIRST_WORDS = "remember the word PELICAN"
 SECOND_WORDS = "which word did I ask you to remember?"
 OTHER_WORDS = "remember the word OTTER"
+THIRD_WORDS = "remember the word HERON"
 PROMPT_TIMEOUT = 180.0  # codex-acp retries an unreachable model for about 30s
+# The install-* checks: acpx named sessions, each its own queue owner and so its own proxy,
+# over one state dir whose pool has one process slot. The queue owners must outlive the
+# check's steps (a codex-acp turn takes half a minute offline); they are stopped at the end.
+INSTALL_SESSIONS = ("one", "two", "three")
+INSTALL_TTL = 600
+INSTALL_POOL = 'acquire_timeout = "3m"  # three proxies may queue for the slot at once\n'
+TREE_SAMPLE_EVERY = 0.05
+SLOT_SAMPLE_EVERY = 1.0
+LEASE_VAR = b"ACP_PROXY_LEASE="
 PROXY_REASONS = frozenset(
     {
         "spawn_failed",
@@ -1043,8 +1071,8 @@ class Checker:
 
     # -- 4. sessions: the pool with one process slot ----------------------------------
 
-    def session_setup(self, name: str, adapter: str) -> tuple[list[str], dict[str, str], str]:
-        """The proxy command (a config with max_live = 1), its environment and marker.
+    def session_setup(self, name: str, adapter: str, pool: str = "") -> tuple[list[str], dict[str, str], str]:
+        """The proxy command (a config with max_live = 1, and ``pool``'s lines), its environment and marker.
 
         Each check gets a fresh HOME (the adapters keep their sessions there) and
         state dir, so no check sees another's sessions or credentials.
@@ -1054,7 +1082,7 @@ class Checker:
         (base / "home" / ".claude").mkdir(parents=True)
         config = base / "proxy.toml"
         config.write_text(
-            f"[pool]\nmax_live = 1\n\n[backends.{adapter}]\ncommand = [{json.dumps(str(self.bin / adapter))}]\n"
+            f"[pool]\nmax_live = 1\n{pool}\n[backends.{adapter}]\ncommand = [{json.dumps(str(self.bin / adapter))}]\n"
         )
         env, marker = self.runs.env(
             name,
@@ -1397,6 +1425,228 @@ class Checker:
             f"a session/load of deleted S1 straight on {adapter} {kept}"
         )
 
+    # -- 6. one pool for the install: acpx sessions, each through a proxy of its own ---
+
+    def install_acpx(self, name: str, adapter: str) -> str:
+        """acpx named sessions, each served by its own proxy (acpx's queue owners), one state dir, ``max_live = 1``.
+
+        Every step needs its session's adapter, which only another proxy's eviction makes
+        room for; /proc is sampled throughout, and ``acp-proxy status --json``.
+        """
+        command, env, marker = self.session_setup(name, adapter, pool=INSTALL_POOL)
+        log = self.logs / f"{name}.stderr"
+        proxies_log = self.logs / f"{name}-proxies.stderr"
+        audit_log = self.logs / f"{name}-audit.stderr"
+        for path in (log, proxies_log, audit_log):
+            path.unlink(missing_ok=True)
+        # acpx drops its agent's stderr (and its queue owner's): each proxy appends its log here.
+        agent = ["/bin/sh", "-c", 'exec "$@" 2>>"$0"', str(proxies_log), *command]
+        acpx = AcpxSteps(self, agent, env, log, proxies_log)
+        problems: list[str] = []
+        status_env = {k: v for k, v in env.items() if k != MARKER_VAR}  # not one of the check's processes
+        begun = time.monotonic()
+        with TreeWatch(marker) as trees, SlotWatch([*command, "status", "--json"], status_env, self.ws) as slots:
+            try:
+                ids = self.install_steps(acpx, problems)
+            except BaseException:
+                stop_queue_owners(marker)
+                self.runs.leftovers(marker, wait=20)
+                raise
+            finally:
+                (self.logs / f"{name}.stdout").write_text(json.dumps(acpx.outputs, indent=1))
+            owners = stop_queue_owners(marker)
+            # The gateways are gone: each proxy suspends its session and exits, its tree reaped.
+            self.check_leftovers(name, "proxy", marker, wait=30)
+            stopped = time.monotonic()
+            replays, last_slot = self.install_audit(command, env, audit_log, ids, slots, problems)
+            self.check_leftovers(name, "proxy", marker, wait=5)
+        elapsed = watched = time.monotonic() - begun
+
+        if trees.error or trees.samples < 10:
+            raise CheckFailed(f"the /proc sampler failed ({trees.error or f'{trees.samples} samples'})")
+        if trees.peak > 1:
+            problems.append(f"{trees.peak} adapter trees alive at once: {'; '.join(trees.overlaps)}")
+        if slots.peak > 1:
+            problems.append(f"acp-proxy status --json showed {slots.peak} slots held: {'; '.join(slots.crowded)}")
+        if slots.samples == 0:
+            problems.append(f"acp-proxy status --json never answered: {'; '.join(slots.failures)}")
+        if trees.peak_proxies < len(ids):
+            problems.append(
+                f"at most {trees.peak_proxies} proxies ran at once: acpx did not keep one per session alive"
+            )
+        if len(owners) < len(ids):
+            problems.append(f"{len(owners)} acpx queue owners were running at the end, not {len(ids)}")
+        words = {"one": [FIRST_WORDS, SECOND_WORDS], "two": [OTHER_WORDS], "three": [THIRD_WORDS]}
+        for session, wanted in words.items():
+            got = checked_words(replays.get(session) or [])
+            if got != wanted:
+                problems.append(f"session/load of {session} replayed {got}, expected {wanted}")
+        if last_slot != ids["three"]:
+            problems.append(f"after loading three, status --json showed the slot held by {last_slot!r}")
+        text = proxies_log.read_text(errors="replace")
+        across = len(re.findall(r"session \S+ suspended \([^)]*for another proxy\)", text))
+        asked = text.count("pool: asking proxy")
+        within = len(re.findall(r"session \S+ suspended \((?![^)]*for another proxy)", text))
+        afresh = {s: len(re.findall(rf"session {re.escape(sid)} started afresh", text)) for s, sid in ids.items()}
+        if any(count > 1 for count in afresh.values()):
+            problems.append(f"sessions started afresh more than once (history lost after a turn): {afresh}")
+        audit_text = audit_log.read_text(errors="replace")
+        audit_evictions = len(re.findall(r"session \S+ suspended \(", audit_text))
+        holders = sorted(session for session, sid in ids.items() if sid in slots.holders)
+        self.report.note(
+            name,
+            f"{len(acpx.steps)} acpx commands in {stopped - begun:.0f}s: "
+            + ", ".join(f"{label} {seconds:.1f}s" for label, seconds in acpx.steps),
+        )
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        period = watched / trees.samples * 1000
+        return (
+            f"3 acpx sessions, up to {trees.peak_proxies} proxies at once on one state dir, max_live = 1: "
+            f"peak live adapter trees {trees.peak} ({trees.samples} /proc samples, one per {period:.0f} ms, "
+            f"slowest {trees.slowest * 1000:.0f} ms; {len(trees.seen)} trees in all, {trees.handovers} passes "
+            f"caught a handover); status --json slots at most {slots.peak} ({slots.samples} samples; held for "
+            f"{', '.join(holders)}); {across} evictions across proxies ({asked} asked), {within} within a proxy, "
+            f"{audit_evictions} in the audit proxy; every step brought its session back on a new process, and "
+            "session/load through a fresh proxy replayed each conversation whole and apart; nothing left running; "
+            f"{elapsed:.0f}s"
+        )
+
+    def install_steps(self, acpx: AcpxSteps, problems: list[str]) -> dict[str, str]:
+        """sessions new, interleaved prompts, then set-mode one at a time and all at once; the acpx ids."""
+        ids: dict[str, str] = {}
+        for session in INSTALL_SESSIONS:
+            rc, _ = acpx.run(f"new {session}", "sessions", "new", "--name", session)
+            if rc != 0:
+                raise CheckFailed(f"acpx sessions new --name {session} exited {rc} (see {acpx.log})")
+            ids[session] = self.acpx_session_id(acpx.agent, session, acpx.env, acpx.log)
+        acpx.ids = ids
+        options = ("--format", "json", "--approve-all", "--ttl", str(INSTALL_TTL), "--timeout", f"{PROMPT_TIMEOUT:.0f}")
+        # Each prompt reaches the queue owner of its session (started by the first), whose proxy
+        # must take the install's one slot from the proxy of the session before it.
+        for session, words in (
+            ("one", FIRST_WORDS),
+            ("two", OTHER_WORDS),
+            ("three", THIRD_WORDS),
+            ("one", SECOND_WORDS),
+        ):
+            rc, messages = acpx.run(f"prompt {session}", *options, "prompt", "-s", session, words, restores=session)
+            if not any(isinstance(m, dict) and m.get("method") == "session/prompt" for m in messages):
+                raise CheckFailed(f"acpx prompt -s {session} exited {rc} before session/prompt (see {acpx.log})")
+        current, modes = session_modes([m for out in acpx.outputs for m in out["messages"]])
+        other = next((mode for mode in modes if mode != current), None)
+        if current is None or other is None:
+            raise CheckFailed(f"no mode to set: the sessions offered {modes} (current {current})")
+        # set-mode through the running queue owners: the proxy must bring the session back first.
+        for session in ("two", "three", "one"):
+            rc, _ = acpx.run(f"set-mode {session}", "set-mode", "-s", session, other, restores=session)
+            if rc != 0:
+                problems.append(f"acpx set-mode -s {session} {other} exited {rc} (see {acpx.log})")
+        # All three at once: three proxies queue for the one slot, first come, first served.
+        with ThreadPoolExecutor(len(INSTALL_SESSIONS)) as pool:
+            futures = {
+                session: pool.submit(acpx.run, f"set-mode {session} (together)", "set-mode", "-s", session, current)
+                for session in INSTALL_SESSIONS
+            }
+            results = {session: future.result() for session, future in futures.items()}
+        for session, (rc, _) in results.items():
+            if rc != 0:
+                problems.append(f"acpx set-mode -s {session} {current} (together) exited {rc} (see {acpx.log})")
+        problems += acpx.missed
+        seen = [m for out in acpx.outputs for m in out["messages"]]
+        problems += [f"acpx saw {leak}" for leak in foreign_session_ids(seen, set(ids.values()))]
+        after = {session: self.acpx_session_id(acpx.agent, session, acpx.env, acpx.log) for session in ids}
+        if after != ids:
+            problems.append(f"acpx's records moved from {ids} to {after}")
+        return ids
+
+    def install_audit(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        log: Path,
+        ids: dict[str, str],
+        slots: SlotWatch,
+        problems: list[str],
+    ) -> tuple[dict[str, list[str]], str | None]:
+        """A fresh proxy on the state dir: every session listed and loaded, its prompts replayed."""
+        gateway, _ = self.session_gateway(command, env, log)
+        replays: dict[str, list[str]] = {}
+        try:
+            probe = SessionProbe(gateway, self.ws, problems)
+            listed = probe.states()
+            missing = [session for session, sid in ids.items() if sid not in listed]
+            if missing:
+                problems.append(f"after the queue owners stopped, session/list lacked {missing}: {listed}")
+            for session, sid in ids.items():
+                replays[session] = probe.restore("session/load", sid, session) or []
+            held = slots.sample()
+            last = next((str(view.get("sessionId")) for view in held), None)
+            self.end_gateway(gateway, "the audit")
+        finally:
+            end(gateway)
+        return replays, last
+
+
+class AcpxSteps:
+    """The acpx commands of an install-* check, each through the proxy; what each printed, and how long it took."""
+
+    def __init__(self, checker: Checker, agent: list[str], env: dict[str, str], log: Path, proxies_log: Path) -> None:
+        self.checker = checker
+        self.agent = agent
+        self.env = env
+        self.log = log
+        self.proxies_log = proxies_log
+        self.ids: dict[str, str] = {}
+        self.outputs: list[dict[str, Any]] = []
+        self.steps: list[tuple[str, float]] = []
+        self.missed: list[str] = []
+        """Steps that should have brought their session back on a new process and did not."""
+
+    def run(self, label: str, *args: str, restores: str | None = None) -> tuple[int, list[Any]]:
+        """acpx ``args``; with ``restores`` (a session's name), that session must have come back meanwhile."""
+        before = self.restores(restores)
+        begun = time.monotonic()
+        rc, out = self.checker.acpx(self.agent, *args, env=self.env, log=self.log, timeout=PROMPT_TIMEOUT + 60)
+        self.steps.append((label, time.monotonic() - begun))
+        messages = json_lines(out)
+        self.outputs.append({"step": label, "exit": rc, "messages": messages})
+        reasons = [proxy_error(m) for m in messages if proxy_error(m)]
+        if reasons:
+            raise CheckFailed(f"acpx {label} got the proxy's error {reasons[0]} (see {self.log}, {self.proxies_log})")
+        if restores is not None and self.restores(restores) <= before:
+            self.missed.append(f"acpx {label}: {restores} did not come back on a new process")
+        return rc, messages
+
+    def restores(self, session: str | None) -> int:
+        """How often the proxies brought ``session`` back on a new process so far."""
+        if session is None or session not in self.ids or not self.proxies_log.exists():
+            return 0
+        pattern = rf"session {re.escape(self.ids[session])} (?:resumed|started afresh) on pid"
+        return len(re.findall(pattern, self.proxies_log.read_text(errors="replace")))
+
+
+def stop_queue_owners(marker: str) -> list[int]:
+    """SIGTERM acpx's queue owners of a run (as stopping acpx would); their pids."""
+    owners = [m for m in markers.find(MARKER_VAR, marker).values() if "__queue-owner" in m.argv]
+    for owner in owners:
+        if markers.alive(owner.pid, owner.ticks):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(owner.pid, signal.SIGTERM)
+    return [owner.pid for owner in owners]
+
+
+def session_modes(messages: list[Any]) -> tuple[str | None, list[str]]:
+    """The current mode and the modes offered, from the last result that listed them."""
+    current, modes = None, []
+    for message in messages:
+        result = message.get("result") if isinstance(message, dict) else None
+        offered = result.get("modes") if isinstance(result, dict) else None
+        if isinstance(offered, dict) and offered.get("availableModes"):
+            current = offered.get("currentModeId")
+            modes = [str(mode.get("id")) for mode in offered["availableModes"] if isinstance(mode, dict)]
+    return current, modes
+
 
 class SessionProbe:
     """Requests to one proxy whose wrong answers are collected in ``problems``, so one check reports them all.
@@ -1468,6 +1718,163 @@ class SessionProbe:
             if not found or time.monotonic() >= deadline:
                 return [str(marked) for marked in found.values()]
             time.sleep(0.1)
+
+
+class TreeWatch:
+    """Samples /proc in a thread: how many adapter trees of one check are alive at once.
+
+    A tree is every live process carrying the check's marker and one lease's marker
+    (``ACP_PROXY_LEASE``, set in the wrapper's environment and inherited by the
+    adapter and all its descendants), so a tree counts from its wrapper's exec until
+    its last process has ended. One pass over /proc is not one instant: when a pass
+    finds more than one tree it looks at each again, and only trees that still had a
+    process alive then count, which proves they were all alive at once (every process
+    was seen alive in the first pass, and again after the last process of that pass
+    was read). Also counted: the check's proxies alive at once.
+    """
+
+    def __init__(self, marker: str, every: float = TREE_SAMPLE_EVERY) -> None:
+        self.variable = f"{MARKER_VAR}={marker}".encode()
+        self.every = every
+        self.samples = 0
+        self.peak = 0
+        self.overlaps: list[str] = []
+        """What was alive each time more than one tree was (at most a few kept)."""
+        self.seen: set[str] = set()
+        """Every lease marker seen: one per adapter process started."""
+        self.peak_proxies = 0
+        self.handovers = 0
+        """Passes that found two trees, one of which had ended by the second look (a slot handed over)."""
+        self.slowest = 0.0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tree-watch", daemon=True)
+
+    def __enter__(self) -> TreeWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                begun = time.monotonic()
+                self.sample()
+                self.slowest = max(self.slowest, time.monotonic() - begun)
+                self._stop.wait(self.every)
+        except Exception as exc:  # reported by the check, which must not pass without its sampler
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def sample(self) -> None:
+        trees: dict[str, list[markers.Marked]] = {}
+        proxies = 0
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/environ", "rb") as fh:
+                    data = fh.read()
+            except OSError:
+                continue
+            if self.variable not in data:
+                continue
+            entries = data.split(b"\0")
+            if self.variable not in entries:
+                continue
+            lease = next((e[len(LEASE_VAR) :].decode() for e in entries if e.startswith(LEASE_VAR)), None)
+            marked = live_process(int(name))
+            if marked is None:  # gone meanwhile, or a zombie
+                continue
+            if lease is not None:
+                trees.setdefault(lease, []).append(marked)
+            elif is_proxy(marked.argv):
+                proxies += 1
+        self.samples += 1
+        self.seen.update(trees)
+        self.peak_proxies = max(self.peak_proxies, proxies)
+        if len(trees) > 1:
+            trees = {
+                lease: found for lease, found in trees.items() if any(markers.alive(m.pid, m.ticks) for m in found)
+            }
+            self.handovers += len(trees) <= 1
+        self.peak = max(self.peak, len(trees))
+        if len(trees) > 1 and len(self.overlaps) < 5:
+            self.overlaps.append(
+                " | ".join(
+                    f"lease {lease.split('.')[1]}: " + ", ".join(str(m) for m in found)
+                    for lease, found in trees.items()
+                )
+            )
+
+
+def live_process(pid: int) -> markers.Marked | None:
+    """``pid`` with its start time and command line; None if it is gone or a zombie."""
+    ticks = markers.start_ticks(pid)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read().rstrip(b"\0")
+    except OSError:
+        return None
+    if ticks is None:
+        return None
+    return markers.Marked(pid, "", tuple(arg.decode(errors="replace") for arg in raw.split(b"\0")), ticks)
+
+
+def is_proxy(argv: tuple[str, ...]) -> bool:
+    """A serving acp-proxy (not one of its operator commands, such as ``status``)."""
+    return any(Path(arg).name == "acp-proxy" for arg in argv[:2]) and not {"status", "sessions", "leases"} & set(argv)
+
+
+class SlotWatch:
+    """``acp-proxy status --json`` in a thread, about every second: the install's held slots."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: Path, every: float = SLOT_SAMPLE_EVERY) -> None:
+        self.command = command
+        self.env = env
+        self.cwd = cwd
+        self.every = every
+        self.samples = 0
+        self.peak = 0
+        self.crowded: list[str] = []
+        """The slot lists of samples with more than one slot held (at most a few kept)."""
+        self.holders: set[str] = set()
+        """Every session seen holding a slot."""
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slot-watch", daemon=True)
+
+    def __enter__(self) -> SlotWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.every)
+
+    def sample(self) -> list[dict[str, Any]]:
+        try:
+            done = subprocess.run(
+                self.command, capture_output=True, env=self.env, cwd=self.cwd, timeout=30, check=False
+            )
+            slots = json.loads(done.stdout)["slots"]
+        except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError) as exc:
+            if len(self.failures) < 5:
+                self.failures.append(f"{type(exc).__name__}: {exc}")
+            return []
+        self.samples += 1
+        self.peak = max(self.peak, len(slots))
+        self.holders.update(str(view["sessionId"]) for view in slots if view.get("sessionId"))
+        if len(slots) > 1 and len(self.crowded) < 5:
+            self.crowded.append(short(slots, 600))
+        return list(slots)
 
 
 def outline(messages: list[Any]) -> str:
@@ -1553,7 +1960,7 @@ def user_texts(updates: list[dict[str, Any]], session_id: str) -> list[str]:
 
 def checked_words(texts: list[str]) -> list[str]:
     """The prompts the checks sent, among the user messages a load replayed (adapters add their own)."""
-    return [text for text in texts if text in (FIRST_WORDS, SECOND_WORDS, OTHER_WORDS)]
+    return [text for text in texts if text in (FIRST_WORDS, SECOND_WORDS, OTHER_WORDS, THIRD_WORDS)]
 
 
 def in_order(wanted: list[str], texts: list[str]) -> bool:
@@ -1674,6 +2081,8 @@ def main() -> int:
         "sessions-acpx-claude-agent-acp": lambda name: checker.sessions_acpx(name, "claude-agent-acp"),
         "spec-codex-acp": lambda name: checker.spec_raw(name, "codex-acp"),
         "spec-claude-agent-acp": lambda name: checker.spec_raw(name, "claude-agent-acp"),
+        "install-acpx-codex-acp": lambda name: checker.install_acpx(name, "codex-acp"),
+        "install-acpx-claude-agent-acp": lambda name: checker.install_acpx(name, "claude-agent-acp"),
     }
     unknown = set(args.only or ()) - checks.keys()
     if unknown:
