@@ -162,6 +162,50 @@ def test_plan_acquire(
         assert decision.evict.key == expected
 
 
+# (sentence, live slots, waiters ahead, expected eviction key | "admit" | "wait"); backend cap 2, global 4
+AHEAD = [
+    ("first in line with room: start", [slot("s1")], 0, "admit"),
+    ("not first in line: never starts, even with room (the room is the first waiter's)", [], 1, "wait"),
+    (
+        "a free slot goes to the waiter ahead: the second suspends a session for its own",
+        [slot("idle", last_active=1)],
+        1,
+        "idle",
+    ),
+    (
+        "one slot being freed, for the waiter ahead: the second frees another, side by side",
+        [Slot("going", "a", 0, stopping=True), slot("idle", last_active=1)],
+        1,
+        "idle",
+    ),
+    (
+        "as many slots being freed as waiters up to this one: it waits for its own",
+        [Slot("going", "a", 0, stopping=True), Slot("going-too", "a", 0, stopping=True)],
+        1,
+        "wait",
+    ),
+    (
+        "more waiters ahead than sessions to suspend: wait",
+        [Slot("going", "a", 0, stopping=True), slot("busy", busy=True)],
+        2,
+        "wait",
+    ),
+]
+
+
+@pytest.mark.parametrize(("live", "ahead", "expected"), [row[1:] for row in AHEAD], ids=[row[0] for row in AHEAD])
+def test_plan_acquire_with_waiters_ahead(live: list[Slot], ahead: int, expected: str) -> None:
+    decision = plan_acquire(live, "a", backend_cap=2, global_cap=4, ahead=ahead)
+    if expected == "wait":
+        assert isinstance(decision, Wait)
+    elif expected == "admit":
+        assert decision == Admit()
+    else:
+        assert isinstance(decision, Admit)
+        assert decision.evict is not None
+        assert decision.evict.key == expected
+
+
 def test_waiting_for_a_recent_session_says_until_when() -> None:
     decision = plan_acquire(
         [Slot("a1", "a", 0, recent_until=7.5), Slot("a2", "a", 0, recent_until=6.0)],

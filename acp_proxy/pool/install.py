@@ -287,24 +287,29 @@ class InstallSlots:
         os.rename(temporary, final)
         return Ticket(final, fd, name)
 
-    def first_in_line(self, ticket: Ticket, backend: str) -> bool:
-        """Whether no live waiter for ``backend`` arrived before this ticket's (gone ones are removed)."""
+    def ahead_of(self, ticket: Ticket, backend: str) -> int:
+        """How many live waiters for ``backend`` arrived before this ticket's (gone ones are removed)."""
         tag = f"-{_backend_dir(backend)}-"
         directory = self.root / QUEUE
         try:
             names = sorted(n for n in os.listdir(directory) if n.endswith(".ticket") and tag in n)
         except FileNotFoundError:
-            return True
+            return 0
+        ahead = 0
         for name in names:
-            stem = name.removesuffix(".ticket")
-            if stem >= ticket.name:
-                return True
+            if name.removesuffix(".ticket") >= ticket.name:
+                break
             path = directory / name
             if _probe(path):
-                return False
+                ahead += 1
+                continue
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()  # its waiter is gone (killed, or it left without tidying up)
-        return True
+        return ahead
+
+    def first_in_line(self, ticket: Ticket, backend: str) -> bool:
+        """Whether no live waiter for ``backend`` arrived before this ticket's."""
+        return self.ahead_of(ticket, backend) == 0
 
     def waiting(self, backend: str) -> bool:
         """Whether any live waiter for ``backend`` is in the queue."""

@@ -76,28 +76,34 @@ def plan_acquire(
     global_cap: int,
     reserved: Mapping[str, int] | None = None,
     now: float = 0.0,
+    ahead: int = 0,
 ) -> Decision:
     """Decide how a new process for ``backend`` gets a slot.
 
     ``reserved`` counts slots promised to starts in progress (per backend), which
     are not in ``live`` yet but must not be promised twice. ``now`` is the clock
-    ``recent_until`` is on.
+    ``recent_until`` is on. ``ahead`` counts the waiters before this one: free slots
+    and slots being freed go to them first, in order, so this one suspends a session
+    for a slot of its own only when there are no more of those than waiters ahead
+    (several slots are then freed side by side, never more than there are waiters).
+    Only the first in line (``ahead == 0``) is admitted to start.
     """
     pending = reserved or {}
     in_backend = sum(1 for slot in live if slot.backend == backend) + pending.get(backend, 0)
     total = len(live) + sum(pending.values())
-    backend_full = in_backend >= backend_cap
-    global_full = total >= global_cap
-    if not backend_full and not global_full:
+    if ahead == 0 and in_backend < backend_cap and total < global_cap:
         return Admit()
-    scope = [slot for slot in live if slot.backend == backend] if backend_full else list(live)
-    if any(slot.stopping for slot in scope):
-        return Wait("a slot is being freed")
-    idle = [slot for slot in scope if not slot.busy and not slot.pinned]
+    backend_room = max(0, backend_cap - in_backend) + sum(1 for s in live if s.backend == backend and s.stopping)
+    global_room = max(0, global_cap - total) + sum(1 for s in live if s.stopping)
+    if backend_room > ahead and global_room > ahead:
+        return Wait("a slot is being freed" if ahead == 0 else f"a slot is being freed for each of {ahead} ahead")
+    backend_short = backend_room <= ahead
+    scope = [slot for slot in live if slot.backend == backend] if backend_short else list(live)
+    idle = [slot for slot in scope if not slot.busy and not slot.pinned and not slot.stopping]
     ready = [slot for slot in idle if slot.spare or slot.recent_until <= now]
     if ready:
         return Admit(evict=min(ready, key=_eviction_order))
-    which = f"backend {backend!r} ({backend_cap})" if backend_full else f"all backends ({global_cap})"
+    which = f"backend {backend!r} ({backend_cap})" if backend_short else f"all backends ({global_cap})"
     if idle:
         return Wait(f"every idle session of {which} was active moments ago", until=min(s.recent_until for s in idle))
     return Wait(f"every live session of {which} is busy")

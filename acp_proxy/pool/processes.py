@@ -117,6 +117,15 @@ def launch_warm(config: Config, owner: Owner, backend: BackendConfig) -> WarmSta
     return warm
 
 
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    """A request waiting for a process slot."""
+
+    arrived: float
+    moved: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    """Set when the line moves up to it (while it is too far back to do anything)."""
+
+
 def slot_key(adapter: Adapter) -> str:
     return adapter.gateway_session or f"spare:{adapter.backend.name}:{adapter.pid}"
 
@@ -160,8 +169,10 @@ class ProcessPool:
         self._taking: list[Held] = []
         """Install slots taken for starts that are not running yet."""
         self._evicting: set[Adapter] = set()
-        self._slot_queues: dict[str, collections.deque[object]] = {}
+        self._slot_queues: dict[str, collections.deque[_Waiter]] = {}
         """Per backend, who waits for a process slot, oldest first."""
+        self._install_ahead: dict[str, int] = {}
+        """Per backend, how many waiters of other proxies stand before this proxy's first."""
         self.client_init: Raw | UnsetType = UNSET
         """The gateway's ``initialize`` params: every later process is initialized with them."""
         self.auth_params: Raw | UnsetType = UNSET
@@ -309,15 +320,18 @@ class ProcessPool:
         Waits at most ``acquire_timeout``; then ``pool_exhausted``. The caller must call
         ``_release_reservation`` once the process runs (or failed), and owns the slot.
         Waiters for one backend are served first come, first served, across the install:
-        only the oldest plans, so a slot freed for it is not taken by a later arrival, and
-        none waits out its timeout behind newer ones. Within this proxy the oldest waiter
-        stands in the install's queue under its own arrival time.
+        only the first in line starts, so a slot freed for it is not taken by a later
+        arrival, and none waits out its timeout behind newer ones. The next ones in line
+        may each have a session suspended for the slot they will need (side by side, never
+        more than there are waiters); the rest sleep until the line moves up to them.
+        Within this proxy the first waiter stands in the install's queue under its own
+        arrival time.
         """
-        arrived = time.monotonic()
         deadline = anyio.current_time() + self.config.pool.acquire_timeout
         queue = self._slot_queues.setdefault(backend.name, collections.deque())
-        ticket = object()
-        queue.append(ticket)
+        waiter = _Waiter(time.monotonic())
+        queue.append(waiter)
+        depth = max(1, min(self.backend_cap(backend), self.config.pool.max_live))
         place: Ticket | None = None
         refused: dict[str, float] = {}
         waiting_logged = False
@@ -325,46 +339,55 @@ class ProcessPool:
             while True:
                 if self.stopping.refusing:
                     raise ProxyError.proxy_shutdown()
+                position = queue.index(waiter)
+                if position >= depth:  # nothing it could do yet: asleep until the line moves
+                    waiter.moved = anyio.Event()
+                    remaining = deadline - anyio.current_time()
+                    if remaining <= 0:
+                        break
+                    await self._wait_for_change(waiter.moved, remaining)
+                    continue
                 changed = self.changed.next()
                 pause = INSTALL_POLL
-                if queue[0] is ticket:
-                    first = (
-                        self.install.first_in_line(place, backend.name)
-                        if place is not None
-                        else not self.install.waiting(backend.name)
+                if position == 0:
+                    if place is None and self.install.waiting(backend.name):
+                        place = self.install.enqueue(backend.name, waiter.arrived)
+                    self._install_ahead[backend.name] = (
+                        self.install.ahead_of(place, backend.name) if place is not None else 0
                     )
-                    if first:
-                        held = self._take_install_slot(backend)
-                        if held is not None:
-                            return held
-                        decision = plan_acquire(
-                            self.install_slots(refused),
-                            backend.name,
-                            backend_cap=self.backend_cap(backend),
-                            global_cap=self.config.pool.max_live,
-                            reserved=self._reserved,
-                            now=time.monotonic(),
-                        )
-                        if isinstance(decision, Admit):
-                            if decision.evict is not None:
-                                if await self._evict_anywhere(decision.evict):
-                                    # The slot is ours once its tree is gone: a wait bounded by the
-                                    # teardown's own graces, not by acquire_timeout (that is for busy sessions).
-                                    await self._wait_for_change(changed, pause)
-                                    continue
-                                # Not idle after all (its record was stale, or its session is mid-change):
-                                # the next candidate is planned for; this one not again for a while.
-                                refused[decision.evict.key] = time.monotonic() + REFUSED_FOR
-                                await anyio.lowlevel.checkpoint()
-                                continue
-                        else:
-                            if decision.until is not None:
-                                pause = min(pause, max(0.0, decision.until - time.monotonic()) + 0.005)
-                            if not waiting_logged:
-                                log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
-                                waiting_logged = True
-                    if place is None:
-                        place = self.install.enqueue(backend.name, arrived)
+                ahead = position + self._install_ahead.get(backend.name, 0)
+                held = self._take_install_slot(backend) if ahead == 0 else None
+                if held is not None:
+                    return held
+                decision = plan_acquire(
+                    self.install_slots(refused),
+                    backend.name,
+                    backend_cap=self.backend_cap(backend),
+                    global_cap=self.config.pool.max_live,
+                    reserved=self._reserved,
+                    now=time.monotonic(),
+                    ahead=ahead,
+                )
+                if isinstance(decision, Admit):
+                    if decision.evict is not None:
+                        if await self._evict_anywhere(decision.evict):
+                            # The slot comes free once its tree is gone: a wait bounded by the
+                            # teardown's own graces, not by acquire_timeout (that is for busy sessions).
+                            await self._wait_for_change(changed, pause)
+                            continue
+                        # Not idle after all (its record was stale, or its session is mid-change):
+                        # the next candidate is planned for; this one not again for a while.
+                        refused[decision.evict.key] = time.monotonic() + REFUSED_FOR
+                        await anyio.lowlevel.checkpoint()
+                        continue
+                else:
+                    if decision.until is not None:
+                        pause = min(pause, max(0.0, decision.until - time.monotonic()) + 0.005)
+                    if not waiting_logged and position == 0:
+                        log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
+                        waiting_logged = True
+                if position == 0 and place is None:
+                    place = self.install.enqueue(backend.name, waiter.arrived)
                 remaining = deadline - anyio.current_time()
                 if remaining <= 0:
                     break
@@ -372,9 +395,13 @@ class ProcessPool:
         finally:
             if place is not None:
                 place.leave()
-            queue.remove(ticket)
+            position = queue.index(waiter)
+            queue.remove(waiter)
+            if position < depth <= len(queue):
+                queue[depth - 1].moved.set()  # the line moved up to it
             if not queue:
                 del self._slot_queues[backend.name]
+                self._install_ahead.pop(backend.name, None)
             self.changed.notify()  # the next in line plans now
         raise ProxyError.pool_exhausted(backend.name, self.backend_cap(backend))
 
