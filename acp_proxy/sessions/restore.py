@@ -88,7 +88,7 @@ class Restorer:
         """
         if session.stopping is not None:  # its previous process must be gone before another starts
             await session.stopping.wait()
-        record = self.registry.get(session.session_id) or session.record
+        record = await self.registry.current(session.session_id) or session.record
         session.record = record
         backend = self.config.backends.get(record.backend)
         if backend is None:
@@ -96,7 +96,7 @@ class Restorer:
         started = time.monotonic()
         # A resume that does not take leaves the session as it was: suspended, or closed.
         was = SessionState.CLOSED if record.state is SessionState.CLOSED else SessionState.SUSPENDED
-        if not self.registry.mark_resuming(record.session_id):
+        if not await self.registry.mark_resuming(record.session_id):
             raise ProxyError.session_in_use(record.session_id)
         try:
             adapter = await self.pool.take(backend, session_key=record.session_id)
@@ -124,7 +124,7 @@ class Restorer:
                 await self.pool.stop(adapter)
             raise
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
-        session.record = self.registry.get(record.session_id) or record
+        session.record = await self.registry.current(record.session_id) or record
         self.table.bind(session, adapter, adapter_session_id)
         log.info(
             "session %s %s on pid %s in %.0f ms",
