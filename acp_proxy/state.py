@@ -67,6 +67,8 @@ QUEUE_LIMIT: Final = 4096
 """Writes queued for the writer thread beyond which the gateway reader waits (``StateDB.room``)."""
 BATCH_LIMIT: Final = 512
 """Writes committed in one transaction at most."""
+WRITER_BUSY_WAIT_MS: Final = 100
+"""How long one attempt of the writer waits for another process's write lock before trying again."""
 CLOSE_TIMEOUT: Final = 5.0
 """How long a proxy that is exiting waits for its queued writes to be applied."""
 DEFERRED_AUTOCHECKPOINT_PAGES: Final = 10_000
@@ -341,6 +343,8 @@ class StateWriter:
         self._closing = False
         self._deadline: float | None = None
         self._conn = connect(path, check_same_thread=False)
+        # Short waits for the lock, repeated by ``_apply``: so that closing is bounded by its deadline.
+        self._conn.execute(f"PRAGMA busy_timeout = {WRITER_BUSY_WAIT_MS}")
         self._thread = threading.Thread(target=self._apply_forever, name="acp-proxy state writer", daemon=True)
         self._thread.start()
         self.batches = 0
@@ -408,9 +412,9 @@ class StateWriter:
             self._queue.clear()
             self._keyed.clear()
             self._changed.notify_all()
-        if self._thread.is_alive():
-            self._conn.interrupt()  # a write waiting on another process's lock gives up now
-            self._thread.join(1.0)
+        if self._thread.is_alive():  # past the deadline, the batch in hand fails at its next attempt
+            self._conn.interrupt()
+            self._thread.join(1.0 + WRITER_BUSY_WAIT_MS / 1000)
         if left:
             log.error(
                 "%d write(s) to the state database %s were not applied before exit (it stayed locked or failing)",

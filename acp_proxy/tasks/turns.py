@@ -141,8 +141,12 @@ class TurnBook:
         self.take_outcomes()
 
     def _written(self, turn: Turn, error: BaseException | None) -> None:
-        """How a write of ``turn`` went; called on the writer thread, so it only leaves a note."""
-        if error is not None or turn.task_id in self._retrying:
+        """How a write of ``turn`` went; called on the writer thread, so it only leaves a note (and logs)."""
+        if error is None and turn.task_id in self._retrying:
+            # Said as soon as it is true: an operator reading the row may read the log next.
+            log.info("task %s: recorded in the state database after all", turn.task_id, extra=turn_ids(turn))
+            self._outcomes.append((turn, None))
+        elif error is not None:
             self._outcomes.append((turn, error))
 
     def take_outcomes(self) -> None:
@@ -153,8 +157,7 @@ class TurnBook:
                 self._failed(turn, error)
             elif turn.task_id in self._retrying:
                 self._retrying.discard(turn.task_id)
-                if self.unwritten.pop(turn.task_id, None) is not None:
-                    log.info("task %s: recorded in the state database after all", turn.task_id, extra=turn_ids(turn))
+                self.unwritten.pop(turn.task_id, None)
 
     def _failed(self, turn: Turn, exc: BaseException) -> None:
         if turn.task_id in self._retrying:
