@@ -498,6 +498,7 @@ class SessionIntents:
         self.table.forget(session)
         log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
         if request is not None:
+            await self.registry.caught_up()  # the gateway is told once the row says so
             await self.gateway.answer(request.id, {})
 
     async def _end_turns(self, session: Session, adapter: Adapter) -> None:
@@ -552,6 +553,7 @@ class SessionIntents:
             await self._delete_on_a_process_of(record)
         self.table.forget(session)
         log.info("session %s deleted", session.session_id, extra=ids(session=session.session_id))
+        await self.registry.caught_up()  # the gateway is told once the tombstone is on record
         await self.gateway.answer(request.id, {})
 
     async def _delete_on_backend(self, adapter: Adapter, adapter_session_id: str) -> None:
