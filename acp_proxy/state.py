@@ -32,7 +32,10 @@ the limit by what the requests already read add. A write that fails is logged an
 reported to whoever queued it; a locked database is waited for, the batch kept in
 order. On shutdown the queue is applied within ``CLOSE_TIMEOUT``; what is left is
 logged. Without a writer (the CLI, tests, start-up) every write is made at once,
-on the caller's thread.
+on the caller's thread; so are, for now, the lease and instance rows
+(``ownership/``), which their callers make synchronously at a spawn, at start and
+at exit. The WAL checkpoint (an fsync) is run from a worker thread on a connection
+of its own (``defer_checkpoints``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ DB_NAME: Final = "state.db"
 BUSY_TIMEOUT_MS: Final = 10_000
 QUEUE_LIMIT: Final = 4096
 """Writes queued for the writer thread beyond which the gateway reader waits (``StateDB.room``)."""
+LINGER: Final = 0.002
+"""How long the writer lets writes gather before a transaction that nobody waits for."""
 BATCH_LIMIT: Final = 512
 """Writes committed in one transaction at most."""
 WRITER_BUSY_WAIT_MS: Final = 100
@@ -340,6 +345,8 @@ class StateWriter:
         self._keyed: dict[Hashable, _Write] = {}
         self._changed = threading.Condition()
         self._applying = 0
+        self._awaited = 0
+        """Queued writes someone waits for: the thread does not linger while there are any."""
         self._closing = False
         self._deadline: float | None = None
         self._conn = connect(path, check_same_thread=False)
@@ -370,6 +377,8 @@ class StateWriter:
             if key is not None:
                 self._keyed[key] = write
             self._queue.append(write)
+            if isinstance(done, _Outcome):
+                self._awaited += 1
             self._changed.notify_all()
 
     def wait(self, statement: Callable[[sqlite3.Connection], T]) -> T:
@@ -436,11 +445,18 @@ class StateWriter:
                 self._changed.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
+                linger = not (self._closing or self._awaited or len(self._queue) >= self.batch_limit)
+            if linger:
+                # Let the writes of the next moments join this transaction: fewer commits, and
+                # fewer times this thread takes the GIL from the event loop. Nobody waits for them.
+                time.sleep(LINGER)
+            with self._changed:
                 batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.batch_limit))]
                 for write in batch:
                     if write.key is not None:
                         self._keyed.pop(write.key, None)
                 self._applying = len(batch)
+                self._awaited -= sum(isinstance(write.done, _Outcome) for write in batch)
                 self._changed.notify_all()  # room again for a reader waiting for it
             try:
                 outcomes = self._apply(batch)
@@ -490,28 +506,38 @@ class StateWriter:
             return outcomes
 
     def _transaction(self, batch: list[_Write]) -> list[tuple[Any, BaseException | None]]:
+        """Each statement is a trip through the GIL that the event loop may wait on, so a batch is
+        run bare first; only if one of its writes fails is it run again, each write in a savepoint."""
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
-        outcomes: list[tuple[Any, BaseException | None]] = []
-        for write in batch:
-            conn.execute("SAVEPOINT one_write")
-            try:
-                result = write.statement(conn)
-            except Exception as exc:
-                if not conn.in_transaction:
-                    raise  # SQLite rolled the whole transaction back (a full disk): the batch fails
-                conn.execute("ROLLBACK TO one_write")
-                conn.execute("RELEASE one_write")
-                if isinstance(exc, sqlite3.Error):
-                    log.error("a write to the state database %s failed: %s", self.path, exc)
-                else:
-                    log.error("a write to the state database %s failed", self.path, exc_info=exc)
-                outcomes.append((None, exc))
-                continue
-            conn.execute("RELEASE one_write")
-            outcomes.append((result, None))
+        try:
+            outcomes: list[tuple[Any, BaseException | None]] = [(write.statement(conn), None) for write in batch]
+        except Exception:
+            if not conn.in_transaction:
+                raise  # SQLite rolled the whole transaction back (a full disk): the batch fails
+            conn.execute("ROLLBACK")
+            conn.execute("BEGIN IMMEDIATE")
+            outcomes = [self._one_write(write) for write in batch]
         conn.execute("COMMIT")
         return outcomes
+
+    def _one_write(self, write: _Write) -> tuple[Any, BaseException | None]:
+        conn = self._conn
+        conn.execute("SAVEPOINT one_write")
+        try:
+            result = write.statement(conn)
+        except Exception as exc:
+            if not conn.in_transaction:
+                raise
+            conn.execute("ROLLBACK TO one_write")
+            conn.execute("RELEASE one_write")
+            if isinstance(exc, sqlite3.Error):
+                log.error("a write to the state database %s failed: %s", self.path, exc)
+            else:
+                log.error("a write to the state database %s failed", self.path, exc_info=exc)
+            return None, exc
+        conn.execute("RELEASE one_write")
+        return result, None
 
 
 def _nothing(conn: sqlite3.Connection) -> None:
