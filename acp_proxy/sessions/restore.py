@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import anyio
 import msgspec
@@ -31,6 +31,9 @@ from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionS
 from acp_proxy.sessions.table import Session, SessionTable
 
 log = logging.getLogger("acp_proxy.lifecycle")
+
+RELEASE_WAIT: Final = 5.0
+"""How long a failed restore waits for its released claim to be written before it answers."""
 
 
 class GatewayPort(Protocol):
@@ -101,7 +104,7 @@ class Restorer:
         try:
             adapter = await self.pool.take(backend, session_key=record.session_id)
         except BaseException:
-            self.registry.release_claim(record.session_id, was)
+            await self._release_claim(record.session_id, was)
             raise
         adapter.gateway_session = record.session_id
         adapter.adapter_session = record.adapter_session_id
@@ -120,7 +123,7 @@ class Restorer:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 adapter.gateway_session = adapter.adapter_session = None
-                self.registry.release_claim(record.session_id, was)
+                await self._release_claim(record.session_id, was)
                 await self.pool.stop(adapter)
             raise
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
@@ -139,6 +142,12 @@ class Restorer:
         if result.get("sessionId") == adapter_session_id:
             result["sessionId"] = record.session_id
         return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result)))
+
+    async def _release_claim(self, session_id: str, was: SessionState) -> None:
+        """The claim given back, on record before whoever asked is told the restore failed (bounded)."""
+        self.registry.release_claim(session_id, was)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_WAIT):
+            await self.registry.caught_up()
 
     async def _restore(
         self, adapter: Adapter, backend: BackendConfig, record: SessionRecord, gateway_asked: str | None
