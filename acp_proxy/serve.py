@@ -64,6 +64,7 @@ async def serve_gateway(
         session_info=registry.record_title,
     )
     turns.maintain()
+    owner.db.start_writer()  # from here on the database is written off the event loop
     async with anyio.create_task_group() as tasks:
         background = Background(tasks, owner.db.path)
         gateway: GatewayConnection | None = None

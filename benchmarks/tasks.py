@@ -11,7 +11,14 @@ streamed ``session/update`` lines to ``Turn.observe``.
    ``TURN_UPDATES`` ``session/update`` lines of 180 B, then
    ``{"stopReason": "end_turn"}``. Timed: from sending the prompt to reading its
    answer. Direct (the client runs the agent) against the proxy, which records a
-   task per turn in a fresh state dir, so its figure includes the bookkeeping.
+   task per turn in a fresh state dir, so its figure includes the bookkeeping;
+   and against a *bare relay* on the same event loop (``benchmarks/line_relay.py``:
+   one process that starts the agent as a plain child and forwards lines both ways
+   with the proxy's own fd streams, ``LineReader`` batches and msgspec envelope
+   decode, and nothing else: no wrapper, no id remapping, no sessions, no tasks, no
+   database, no logging). *Over bare* is the proxy's p50 (p99) minus the bare
+   relay's on the same backend, measured in the same run: what the proxy's session
+   and task bookkeeping, id mapping and logging add to a turn.
    The connections are open side by side and take turns in blocks of
    ``TURN_BLOCK`` turns, after ``TURN_WARMUP`` untimed turns each. Every turn's
    lines are checked; at the end the proxy's database must hold one ``done`` task
@@ -70,7 +77,9 @@ from benchmarks.stream_agent import update_line
 from tests.kit.gateway import SyncGateway
 
 STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
+LINE_RELAY = ROOT / "benchmarks" / "line_relay.py"
 DIRECT = "direct"
+BARE = "bare-"
 
 TURN_UPDATES = 10
 TURN_WARMUP = 100
@@ -111,6 +120,14 @@ def proxy_argv(backend: str) -> list[str]:
     return [sys.executable, "-m", "acp_proxy", "--async-backend", backend, "--", *agent_argv()]
 
 
+def bare_argv(backend: str) -> list[str]:
+    return [sys.executable, str(LINE_RELAY), "--async-backend", backend, "--", *agent_argv()]
+
+
+def turn_label(mode: str) -> str:
+    return f"bare relay ({mode.removeprefix(BARE)})" if mode.startswith(BARE) else mode_label(mode)
+
+
 def text_block(session_id: str = "bench-1", lines: int = TURN_UPDATES) -> bytes:
     """``lines`` ``agent_message_chunk`` updates, exactly as ``stream_agent.py`` streams them."""
     return b"".join(update_line(session_id, i) for i in range(lines))
@@ -129,10 +146,12 @@ class TurnCase:
 
     def __init__(self, mode: str, env: dict[str, str], workdir: Path) -> None:
         self.mode = mode
-        self.label = mode_label(mode)
+        self.label = turn_label(mode)
         self.state: Path | None = None
         if mode == DIRECT:
             self.argv, self.env = agent_argv(), env
+        elif mode.startswith(BARE):
+            self.argv, self.env = bare_argv(mode.removeprefix(BARE)), {**env, "PYTHONPATH": str(ROOT)}
         else:
             backend = mode.removeprefix("proxy-")
             self.state = workdir / f"state-turns-{backend}"
@@ -240,7 +259,8 @@ class TurnCase:
 
 
 def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    cases = [TurnCase(mode, env, workdir) for mode in [DIRECT, *(proxy_mode(b) for b in args.backends)]]
+    modes = [DIRECT, *(BARE + b for b in args.backends), *(proxy_mode(b) for b in args.backends)]
+    cases = [TurnCase(mode, env, workdir) for mode in modes]
     samples: dict[str, list[float]] = {case.mode: [] for case in cases}
     broken: set[str] = set()
     finished: set[str] = set()
@@ -297,12 +317,16 @@ def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argp
                 "middle_cpu_us_per_turn": case.cpu_s / len(values) * 1e6 if case.cpu_known else None,
             }
         )
-    direct = next((row for row in rows if row["mode"] == DIRECT), None)
+    by_mode = {row["mode"]: row for row in rows}
+    direct = by_mode.get(DIRECT)
     for row in rows:
-        is_proxy = row["mode"] != DIRECT
-        row["added_p50_us"] = row["p50_us"] - direct["p50_us"] if direct and is_proxy else None
-        row["added_p99_us"] = row["p99_us"] - direct["p99_us"] if direct and is_proxy else None
-        row["vs_direct_p50"] = row["p50_us"] / direct["p50_us"] if direct and is_proxy else None
+        relayed = row["mode"] != DIRECT
+        row["added_p50_us"] = row["p50_us"] - direct["p50_us"] if direct and relayed else None
+        row["added_p99_us"] = row["p99_us"] - direct["p99_us"] if direct and relayed else None
+        row["vs_direct_p50"] = row["p50_us"] / direct["p50_us"] if direct and relayed else None
+        bare = by_mode.get(BARE + row["mode"].removeprefix("proxy-")) if row["mode"].startswith("proxy-") else None
+        row["over_bare_p50_us"] = row["p50_us"] - bare["p50_us"] if bare else None
+        row["over_bare_p99_us"] = row["p99_us"] - bare["p99_us"] if bare else None
     return rows
 
 
@@ -513,23 +537,28 @@ def render(results: dict[str, Any]) -> list[str]:
             "the figure includes the bookkeeping: the row is created with the session's last activity in one "
             "transaction, and written finished once the answer is sent. "
             "The proxy runs at its default log level (info), which logs one line per turn. "
-            "The relays take turns in blocks of "
-            f"{results['turn_block']} turns. Middle CPU: the proxy process's (for direct: the agent's).",
+            "The bare relay (`benchmarks/line_relay.py`) forwards the same lines with the proxy's own "
+            "streams, line batches and envelope decode, and keeps nothing: *over bare* is what the proxy "
+            "adds to it on the same loop. The relays take turns in blocks of "
+            f"{results['turn_block']} turns. Middle CPU: the relay process's (for direct: the agent's).",
             "",
         ]
         rows = []
         for row in results["turn_overhead"]:
-            is_proxy = row["mode"] != DIRECT
+            relayed = row["mode"] != DIRECT
+            over_bare = row.get("over_bare_p50_us") is not None
             rows.append(
                 [
-                    mode_label(row["mode"]),
+                    turn_label(row["mode"]),
                     fmt(row["p50_us"], 1),
                     fmt(row["p90_us"], 1),
                     fmt(row["p99_us"], 1),
                     fmt(row["mean_us"], 1),
-                    fmt(row["added_p50_us"], 1) if is_proxy else "",
-                    fmt(row["added_p99_us"], 1) if is_proxy else "",
-                    fmt(row["vs_direct_p50"], 2, "x") if is_proxy else "",
+                    fmt(row["added_p50_us"], 1) if relayed else "",
+                    fmt(row["added_p99_us"], 1) if relayed else "",
+                    fmt(row["vs_direct_p50"], 2, "x") if relayed else "",
+                    fmt(row["over_bare_p50_us"], 1) if over_bare else "",
+                    fmt(row["over_bare_p99_us"], 1) if over_bare else "",
                     fmt(row["middle_cpu_us_per_turn"], 0),
                 ]
             )
@@ -542,6 +571,8 @@ def render(results: dict[str, Any]) -> list[str]:
             "added p50 us",
             "added p99 us",
             "vs direct (p50)",
+            "over bare p50 us",
+            "over bare p99 us",
             "middle CPU us/turn",
         ]
         out += table(header, rows)
@@ -571,12 +602,12 @@ def render(results: dict[str, Any]) -> list[str]:
             out += [""]
         live = next((row for row in results.get("lifecycle", []) if row["case"] == "live"), None)
         for row in results.get("turn_overhead", []):
-            if live and row["added_p50_us"]:
+            if live and row["added_p50_us"] and row["mode"].startswith("proxy-"):
                 share = live["us_per_turn"] / row["added_p50_us"] * 100
                 out += [
-                    f"* {mode_label(row['mode'])}: the bookkeeping of a turn to a live session "
-                    f"({fmt(live['us_per_turn'], 1)} us) is {share:.0f}% of the added p50 per turn "
-                    f"({fmt(row['added_p50_us'], 1)} us)."
+                    f"* {mode_label(row['mode'])}: the bookkeeping of a turn to a live session, made inline "
+                    f"({fmt(live['us_per_turn'], 1)} us; the proxy makes it on its state writer thread), is "
+                    f"{share:.0f}% of the added p50 per turn ({fmt(row['added_p50_us'], 1)} us)."
                 ]
         if live and results.get("turn_overhead"):
             out += [""]

@@ -104,14 +104,15 @@ def test_sessions_of_a_dead_proxy_become_suspended_those_of_a_live_one_stay(tmp_
         live_proxy.wait()
 
 
-def test_shutdown_suspends_only_this_instances_sessions(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_shutdown_suspends_only_this_instances_sessions(tmp_path: Path) -> None:
     db = StateDB(tmp_path)
     mine, other = SessionRegistry(db, "me"), SessionRegistry(db, "other")
     mine.create(record("a"))
     mine.create(record("b"))
     other.create(record("c"))
     mine.mark_closed("b")
-    assert mine.suspend_all_of_this_instance() == 1
+    assert await mine.suspend_all_of_this_instance() == 1
     assert mine.counts() == {"suspended": 1, "closed": 1, "live": 1}
 
 
@@ -129,7 +130,8 @@ def test_paging_is_stable_lists_closed_sessions_and_skips_deleted_ones(tmp_path:
     assert [r.session_id for r in registry.page(cwd="/a")] == ["s1", "s5"]
 
 
-def test_a_tombstone_forgets_what_restored_it_and_is_pruned_after_the_retention(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_tombstone_forgets_what_restored_it_and_is_pruned_after_the_retention(tmp_path: Path) -> None:
     registry = SessionRegistry(StateDB(tmp_path), "me")
     registry.create(record("gone"))
     registry.create(record("kept"))
@@ -139,7 +141,7 @@ def test_a_tombstone_forgets_what_restored_it_and_is_pruned_after_the_retention(
     assert tomb is not None
     assert tomb.state is SessionState.DELETED
     assert (tomb.mcp_servers, tomb.settings, tomb.title) == ("[]", (), None)
-    assert not registry.mark_resuming("gone"), "a deleted session is never restored"
+    assert not await registry.mark_resuming("gone"), "a deleted session is never restored"
     assert registry.prune_deleted(3600) == 0, "younger than the retention: kept, so a load is told it was deleted"
     assert registry.prune_deleted(-1) == 1
     assert registry.get("gone") is None
@@ -163,11 +165,12 @@ def test_titles_are_recorded_as_announced_and_null_clears(tmp_path: Path) -> Non
     assert got.title is None
 
 
-def test_a_closed_session_can_be_claimed_for_the_gateways_own_resume(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_closed_session_can_be_claimed_for_the_gateways_own_resume(tmp_path: Path) -> None:
     registry = SessionRegistry(StateDB(tmp_path), "me")
     registry.create(record("s"))
     registry.mark_closed("s")
-    assert registry.mark_resuming("s")
+    assert await registry.mark_resuming("s")
     registry.release_claim("s", SessionState.CLOSED)
     got = registry.get("s")
     assert got is not None

@@ -192,6 +192,7 @@ class Operations:
         if turn is None and ended is not None and ended.status in TERMINAL:  # ended; its row is being written
             raise ControlError("task_finished", f"task {task_id} has already ended ({ended.status.value})")
         if turn is None:
+            await self.proxy.owner.db.caught_up()  # the row as this proxy last wrote it
             record = get_task(self.proxy.owner.db, task_id)
             if record is not None and record.status in TERMINAL:
                 raise ControlError("task_finished", f"task {task_id} has already ended ({record.status.value})")

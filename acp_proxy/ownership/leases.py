@@ -204,9 +204,13 @@ def prune_ended(db: StateDB, retention: float, *, at: float | None = None) -> in
     still has to look at.
     """
     cutoff = (time.time() if at is None else at) - retention
-    with db.transaction() as conn:
-        cursor = conn.execute("DELETE FROM leases WHERE state IN ('closed', 'lost') AND updated_at < ?", (cutoff,))
-    return cursor.rowcount
+
+    def delete(conn: sqlite3.Connection) -> int:
+        return conn.execute(
+            "DELETE FROM leases WHERE state IN ('closed', 'lost') AND updated_at < ?", (cutoff,)
+        ).rowcount
+
+    return db.call(delete)  # on the state writer's thread when there is one
 
 
 def all_leases(db: StateDB, *, limit: int = 200) -> list[Lease]:

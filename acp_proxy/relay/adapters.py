@@ -45,6 +45,8 @@ from acp_proxy.tasks.turns import TurnBook
 log = logging.getLogger("acp_proxy.proxy")
 
 _LOGGED_LINE_BYTES: Final = 200
+SESSION_OPENING: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK})
+"""Answers whose bookkeeping records a session: sent once its row is written."""
 
 
 def preview(line: bytes) -> str:
@@ -137,6 +139,8 @@ class AdapterRelay:
         self._upstream: dict[int, tuple[Adapter, RequestId, str]] = {}
         """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
         self._next_upstream_id = 0
+        self._opened_session = False
+        """The batch being translated answered a request that opened a session."""
 
     # --- the gateway's side of agent->client requests -----------------------------------------
 
@@ -203,10 +207,15 @@ class AdapterRelay:
                     await self.writer.send(batch.block)
                     continue
                 out: list[bytes] = []
+                self._opened_session = False
                 for line, decoded in decoded_lines(batch):
                     data = self._translate(adapter, line, decoded)
                     if data is not None:
                         out.append(data)
+                if self._opened_session:
+                    # The session's row is on record before the gateway can use its id (a crash
+                    # right after the answer must not lose the mapping a resume needs).
+                    await self.intents.registry.caught_up()
                 if out:
                     await self.writer.send(b"".join(out))
                 if self.turns.settled_unwritten:
@@ -309,6 +318,7 @@ class AdapterRelay:
                 msg.result = rewritten
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
+            self._opened_session |= call.method in SESSION_OPENING
             try:
                 msg = call.on_answer(msg) or msg
             except sqlite3.Error as exc:  # the state database failed: the answer is still relayed

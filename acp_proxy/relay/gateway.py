@@ -122,9 +122,10 @@ class GatewayConnection:
             self.turns.write_settled()
             if self.turns.unwritten:
                 self.turns.retry_unwritten()  # a last try; what still fails is swept "lost" by the next start
-            suspended = self.registry.suspend_all_of_this_instance()
+            suspended = await self.registry.suspend_all_of_this_instance()
             if suspended:
                 log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
+            await self.registry.db.drain_writer()  # every queued write applied (or logged) before exit
 
     async def _until_answered(self) -> None:
         """Until every request the gateway sent to an adapter is answered (or its adapter is gone)."""
@@ -134,7 +135,11 @@ class GatewayConnection:
     # --- reading ------------------------------------------------------------------------------
 
     async def _read(self, reader: LineReader) -> None:
+        db = self.registry.db
         while True:
+            # Backpressure: while the state writer is behind (a database locked for long), no
+            # new request is read, so its queue stays bounded and no task row is dropped.
+            await db.room()
             try:
                 batch = await reader.receive_batch()
             except anyio.EndOfStream:

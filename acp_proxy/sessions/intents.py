@@ -224,6 +224,7 @@ class SessionIntents:
 
     async def new(self, msg: Message) -> None:
         """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
+        await self.registry.caught_up()  # the answer's stable id is decided from the rows, in a callback
         adapter = await self._prepared_for(msg)
         if adapter is None:
             return
@@ -263,7 +264,7 @@ class SessionIntents:
 
     def _stable_for(self, issued: str) -> str:
         """The stable id of a session the adapter just opened under ``issued`` (``stable_id``, from the rows)."""
-        taken = self.registry.get(issued)
+        taken = self.registry.get(issued)  # up to date: the request waited for the queued writes
         live_elsewhere = (
             taken is not None
             and taken.state in (SessionState.LIVE, SessionState.RESUMING)
@@ -286,7 +287,7 @@ class SessionIntents:
 
     async def forward(self, msg: Message, session_id: str) -> None:
         """A request for a session: to its process now, or queued behind what the session waits for."""
-        session = self.table.find(session_id)
+        session = await self.table.find(session_id)
         if session is None:
             await self._fail_unknown(msg.id, session_id)
             return
@@ -388,7 +389,7 @@ class SessionIntents:
         Runs from the session's queue, so nothing else of the session runs meanwhile.
         """
         if session.live_adapter is None:
-            record = self.registry.get(session.session_id)
+            record = await self.registry.current(session.session_id)
             if record is not None and record.state is SessionState.CLOSED:
                 # Held in memory since a load of it failed: only the gateway's load or resume reopens it.
                 raise ProxyError.session_closed(session.session_id)
@@ -403,7 +404,7 @@ class SessionIntents:
         if held is not None and held.closed:  # being closed here: its row says so only once it is reaped
             await self.gateway.fail(request_id, ProxyError.session_closed(session_id))
             return
-        await self.gateway.fail(request_id, unknown_session_error(session_id, self.registry.get(session_id)))
+        await self.gateway.fail(request_id, unknown_session_error(session_id, await self.registry.current(session_id)))
 
     # --- cancel -------------------------------------------------------------------------------
 
@@ -461,14 +462,14 @@ class SessionIntents:
         the session is gone (``None``: an operator's close); closing a closed session is ``{}``
         too. The session being closed, or ``None`` if there is none to close.
         """
-        session = self.table.find(session_id)
+        session = await self.table.find(session_id)
         if session is not None and session.closed and not session.deleted:
             if request is not None:  # being closed already: answered once that is done
                 self.table.enqueue(session, lambda: self.gateway.answer(request.id, {}))
             return None
         if session is None or session.closed:
             if request is not None:
-                record = self.registry.get(session_id)
+                record = await self.registry.current(session_id)
                 if record is not None and record.state is SessionState.CLOSED:
                     await self.gateway.answer(request.id, {})
                 else:
@@ -497,6 +498,7 @@ class SessionIntents:
         self.table.forget(session)
         log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
         if request is not None:
+            await self.registry.caught_up()  # the gateway is told once the row says so
             await self.gateway.answer(request.id, {})
 
     async def _end_turns(self, session: Session, adapter: Adapter) -> None:
@@ -523,9 +525,9 @@ class SessionIntents:
         advertises one) goes to the live process, else to a short-lived one, within
         ``resume_timeout``; if that fails it is logged and the delete stands.
         """
-        session = self.table.find(session_id, reopen=True)
+        session = await self.table.find(session_id, reopen=True)
         if session is None:
-            record = self.registry.get(session_id)
+            record = await self.registry.current(session_id)
             if record is None or record.state is SessionState.DELETED:
                 await self.gateway.answer(msg.id, {})
             else:
@@ -539,7 +541,7 @@ class SessionIntents:
 
     async def _reap_deleted(self, session: Session, request: Message) -> None:
         adapter, session.adapter = session.live_adapter, None
-        record = self.registry.get(session.session_id) or session.record
+        record = await self.registry.current(session.session_id) or session.record
         self.registry.mark_deleted(session.session_id)  # first: no list shows it from now on
         if adapter is not None:
             await self._end_turns(session, adapter)
@@ -551,6 +553,7 @@ class SessionIntents:
             await self._delete_on_a_process_of(record)
         self.table.forget(session)
         log.info("session %s deleted", session.session_id, extra=ids(session=session.session_id))
+        await self.registry.caught_up()  # the gateway is told once the tombstone is on record
         await self.gateway.answer(request.id, {})
 
     async def _delete_on_backend(self, adapter: Adapter, adapter_session_id: str) -> None:
@@ -598,7 +601,7 @@ class SessionIntents:
         """``session/fork``: made on the parent's process (only it is sure to hold all of the parent),
         which then serves the fork; the parent is suspended, and comes back on a process of its
         own when next used, as any suspended session. In the parent's queue, after its turn."""
-        parent = self.table.find(session_id)
+        parent = await self.table.find(session_id)
         if parent is None:
             await self._fail_unknown(msg.id, session_id)
             return
@@ -621,6 +624,7 @@ class SessionIntents:
         if adapter is None or parent.closed:
             await self._fail_unknown(msg.id, parent.session_id)
             return
+        await self.registry.caught_up()  # the fork's row is made from the parent's, in a callback
         answered = anyio.Event()
 
         def forked(answer: Message) -> Message | None:
@@ -654,7 +658,7 @@ class SessionIntents:
 
     def _take_over_for_fork(self, parent: Session, adapter: Adapter, fork_id: str, params: Raw | UnsetType) -> str:
         """The fork's row (parent recorded, ownership inherited unless given) and its process: the parent's."""
-        record = self.registry.get(parent.session_id) or parent.record
+        record = self.registry.get(parent.session_id) or parent.record  # up to date: see ``_fork_when_ready``
         given = jsonrpc.decode_object(params) or {}
         meta = proxy_meta(params)
         inherited = record.ownership
@@ -781,9 +785,9 @@ class SessionIntents:
 
     async def resume(self, msg: Message, session_id: str) -> None:
         """The gateway's ``session/load`` or ``session/resume``: restore the session (in its queue's order)."""
-        session = self.table.find(session_id, reopen=True)
+        session = await self.table.find(session_id, reopen=True)
         if session is None:
-            if self.registry.get(session_id) is not None:
+            if await self.registry.current(session_id) is not None:
                 await self._fail_unknown(msg.id, session_id)  # deleted, or live in another proxy
             else:
                 self.background.start(lambda: self._adopt(msg, session_id))
@@ -820,6 +824,7 @@ class SessionIntents:
 
     async def _adopt(self, msg: Message, session_id: str) -> None:
         """A load/resume of a session the registry does not know (or closed): the adapter may have it."""
+        await self.registry.caught_up()  # as for ``new``
         adapter = await self._prepared_for(msg)
         if adapter is None:
             return
@@ -864,6 +869,7 @@ class SessionIntents:
             await self.gateway.fail(msg.id, ProxyError.invalid_params(str(exc)))
             return
         cwd = params.get("cwd") if isinstance(params.get("cwd"), str) else None
+        await self.registry.caught_up()  # the list shows what this proxy has just written
         records = self.registry.page(cwd=cwd, limit=None)
         if requester is not None:
             visible = {row.session_id for row in visible_rows([visibility_row(r) for r in records], requester)}

@@ -12,6 +12,12 @@ process, still listed, restored only by the gateway's own load or resume) ·
 ``deleted`` (a tombstone: never listed, never restored, pruned after the task
 retention). Rows survive the proxy: a session left ``live`` by a proxy that died
 is ``suspended`` to the next one (its process tree was reaped with its lease).
+
+Writes go through the state database's writer (``StateDB.write``, in order with
+the task rows): the ones nobody waits for are queued; the compare-and-set claims
+are awaited (``mark_resuming``, ``claim_orphaned``). A serving proxy reads its own
+sessions with ``current`` (and ``caught_up`` before a listing), which first waits
+for its queued writes to be applied.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import functools
 import json
-from collections.abc import Iterable, Sequence
+import sqlite3
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -115,6 +123,11 @@ class SessionRecord:
         )
 
 
+def _execute(sql: str, values: tuple[object, ...], conn: sqlite3.Connection) -> int:
+    """One statement; how many rows it changed."""
+    return conn.execute(sql, values).rowcount
+
+
 def setting_key(method: str, params: dict[str, Any]) -> tuple[str, str]:
     """Which earlier setting a new one replaces: one mode, one model, one value per config option."""
     if method == Method.SET_CONFIG_OPTION:
@@ -152,7 +165,7 @@ def decode_cursor(text: str) -> Cursor:
 
 
 class SessionRegistry:
-    """Session rows in the state database; every write is one short transaction."""
+    """Session rows in the state database; every write is one short statement, made by the state writer."""
 
     def __init__(self, db: StateDB, instance_id: str) -> None:
         self.db = db
@@ -163,8 +176,9 @@ class SessionRegistry:
         at = now()
         record = replace(record, instance_id=self.instance_id, created_at=at, last_active_at=at)
         owner = record.ownership
-        with self.db.transaction() as conn:
-            conn.execute(
+        self.db.write(
+            functools.partial(
+                _execute,
                 """INSERT OR REPLACE INTO sessions (session_id, adapter_session_id, backend, state, instance_id,
                        lease_id, cwd, mcp_servers, additional_directories, settings, auth_method, session_key,
                        owner_session_key, spawned_by, parent_session_key, agent_id, history_resets, created_at,
@@ -195,15 +209,26 @@ class SessionRegistry:
                     record.parent_session_id,
                 ),
             )
+        )
         return record
 
     def get(self, session_id: str) -> SessionRecord | None:
+        """The row as committed (a serving proxy's own queued writes may not be in it yet: see ``current``)."""
         row = self.db.conn.execute("SELECT * FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
         return None if row is None else SessionRecord.from_row(row)
 
+    async def current(self, session_id: str) -> SessionRecord | None:
+        """The row with every write this proxy has made to it so far."""
+        await self.db.caught_up()
+        return self.get(session_id)
+
+    async def caught_up(self) -> None:
+        """Until this proxy's queued writes are applied (before a read that must see them)."""
+        await self.db.caught_up()
+
     def _update(self, session_id: str, assignments: str, values: Iterable[object]) -> None:
-        with self.db.transaction() as conn:
-            conn.execute(f"UPDATE sessions SET {assignments} WHERE session_id = ?", (*values, session_id))
+        sql = f"UPDATE sessions SET {assignments} WHERE session_id = ?"
+        self.db.write(functools.partial(_execute, sql, (*values, session_id)))
 
     def mark_live(self, session_id: str, lease_id: str | None, adapter_session_id: str) -> None:
         self._update(
@@ -212,34 +237,52 @@ class SessionRegistry:
             (self.instance_id, lease_id, adapter_session_id, now()),
         )
 
-    def mark_resuming(self, session_id: str) -> bool:
+    async def mark_resuming(self, session_id: str) -> bool:
         """Claim a suspended (or closed) session for a resume by this proxy; False if another proxy holds it.
 
-        One compare-and-set, so two proxies of an install never resume one session at once.
+        One compare-and-set, so two proxies of an install never resume one session at once;
+        awaited, after this proxy's earlier writes.
         """
-        with self.db.transaction() as conn:
-            cursor = conn.execute(
+        changed = await self.db.run(
+            functools.partial(
+                _execute,
                 """UPDATE sessions SET state = 'resuming', instance_id = ?
                    WHERE session_id = ? AND (state IN ('suspended', 'closed') OR instance_id = ?)
                      AND state != 'deleted'""",
                 (self.instance_id, session_id, self.instance_id),
             )
-        return cursor.rowcount == 1
+        )
+        return changed == 1
 
     def take_over_if_orphaned(self, session_id: str) -> bool:
-        """A session live under another instance that has died since: suspend it (it is resumable)."""
-        row = self.db.conn.execute(
-            "SELECT instance_id FROM sessions WHERE session_id = ? AND state IN ('live', 'resuming')", (session_id,)
-        ).fetchone()
-        if row is None or (row["instance_id"] is not None and instances.instance_alive(self.db, row["instance_id"])):
-            return False
-        with self.db.transaction() as conn:
+        """A session live under another instance that has died since: suspend it (it is resumable).
+
+        Blocks the calling thread until it is written (for the CLI, and for the proxy where it
+        cannot wait: deciding a new session's stable id); a serving proxy otherwise awaits
+        ``claim_orphaned``.
+        """
+        return self.db.call(self._orphan_claim(session_id))
+
+    async def claim_orphaned(self, session_id: str) -> bool:
+        """``take_over_if_orphaned``, awaited off the event loop."""
+        return await self.db.run(self._orphan_claim(session_id))
+
+    def _orphan_claim(self, session_id: str) -> Callable[[sqlite3.Connection], bool]:
+        def claim(conn: sqlite3.Connection) -> bool:
+            row = conn.execute(
+                "SELECT instance_id FROM sessions WHERE session_id = ? AND state IN ('live', 'resuming')",
+                (session_id,),
+            ).fetchone()
+            if row is None or (row[0] is not None and instances.instance_alive(self.db, row[0])):
+                return False
             cursor = conn.execute(
                 """UPDATE sessions SET state = 'suspended', lease_id = NULL
                    WHERE session_id = ? AND state IN ('live', 'resuming') AND instance_id IS ?""",
-                (session_id, row["instance_id"]),
+                (session_id, row[0]),
             )
-        return cursor.rowcount == 1
+            return cursor.rowcount == 1
+
+        return claim
 
     def mark_suspended(self, session_id: str) -> None:
         self._update(session_id, "state = 'suspended', lease_id = NULL", ())
@@ -261,12 +304,9 @@ class SessionRegistry:
         )
 
     def prune_deleted(self, retention: float) -> int:
-        """Forget tombstones older than ``retention`` seconds; how many."""
-        with self.db.transaction() as conn:
-            cursor = conn.execute(
-                "DELETE FROM sessions WHERE state = 'deleted' AND deleted_at < ?", (now() - retention,)
-            )
-        return cursor.rowcount
+        """Forget tombstones older than ``retention`` seconds; how many (blocks the calling thread)."""
+        sql = "DELETE FROM sessions WHERE state = 'deleted' AND deleted_at < ?"
+        return self.db.call(functools.partial(_execute, sql, (now() - retention,)))
 
     def record_title(self, session_id: str, changes: dict[str, str | None]) -> None:
         """What a ``session_info_update`` announced: ``title`` and/or ``updatedAt`` (``None`` clears)."""
@@ -281,13 +321,15 @@ class SessionRegistry:
         For an operator's close with no proxy to ask: one compare-and-set, so a proxy that
         takes the session meanwhile wins and the operator is told to try again.
         """
-        with self.db.transaction() as conn:
-            cursor = conn.execute(
+        changed = self.db.call(
+            functools.partial(
+                _execute,
                 """UPDATE sessions SET state = 'closed', lease_id = NULL, closed_at = ?
                    WHERE session_id = ? AND state = ? AND instance_id IS ?""",
                 (now(), record.session_id, record.state.value, record.instance_id),
             )
-        return cursor.rowcount == 1
+        )
+        return changed == 1
 
     def note_history_reset(self, session_id: str, adapter_session_id: str) -> None:
         self._update(
@@ -300,7 +342,7 @@ class SessionRegistry:
         self._update(session_id, "last_active_at = ?", (now(),))
 
     def record_setting(self, session_id: str, method: str, params: dict[str, Any]) -> None:
-        with self.db.transaction() as conn:
+        def merge(conn: sqlite3.Connection) -> None:
             row = conn.execute("SELECT settings FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
             if row is None:
                 return
@@ -309,15 +351,18 @@ class SessionRegistry:
                 "UPDATE sessions SET settings = ? WHERE session_id = ?", (json.dumps(list(settings)), session_id)
             )
 
-    def suspend_all_of_this_instance(self) -> int:
+        self.db.write(merge)
+
+    async def suspend_all_of_this_instance(self) -> int:
         """On shutdown: every session this proxy holds becomes resumable by the next one."""
-        with self.db.transaction() as conn:
-            cursor = conn.execute(
+        return await self.db.run(
+            functools.partial(
+                _execute,
                 """UPDATE sessions SET state = 'suspended', lease_id = NULL
                    WHERE instance_id = ? AND state IN ('live', 'resuming')""",
                 (self.instance_id,),
             )
-        return cursor.rowcount
+        )
 
     def adopt_orphans(self) -> list[str]:
         """Sessions left ``live``/``resuming`` by proxies that are gone become ``suspended``.

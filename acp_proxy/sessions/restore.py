@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import anyio
 import msgspec
@@ -31,6 +31,9 @@ from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionS
 from acp_proxy.sessions.table import Session, SessionTable
 
 log = logging.getLogger("acp_proxy.lifecycle")
+
+RELEASE_WAIT: Final = 5.0
+"""How long a failed restore waits for its released claim to be written before it answers."""
 
 
 class GatewayPort(Protocol):
@@ -88,7 +91,7 @@ class Restorer:
         """
         if session.stopping is not None:  # its previous process must be gone before another starts
             await session.stopping.wait()
-        record = self.registry.get(session.session_id) or session.record
+        record = await self.registry.current(session.session_id) or session.record
         session.record = record
         backend = self.config.backends.get(record.backend)
         if backend is None:
@@ -96,12 +99,12 @@ class Restorer:
         started = time.monotonic()
         # A resume that does not take leaves the session as it was: suspended, or closed.
         was = SessionState.CLOSED if record.state is SessionState.CLOSED else SessionState.SUSPENDED
-        if not self.registry.mark_resuming(record.session_id):
+        if not await self.registry.mark_resuming(record.session_id):
             raise ProxyError.session_in_use(record.session_id)
         try:
             adapter = await self.pool.take(backend, session_key=record.session_id)
         except BaseException:
-            self.registry.release_claim(record.session_id, was)
+            await self._release_claim(record.session_id, was)
             raise
         adapter.gateway_session = record.session_id
         adapter.adapter_session = record.adapter_session_id
@@ -120,11 +123,11 @@ class Restorer:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 adapter.gateway_session = adapter.adapter_session = None
-                self.registry.release_claim(record.session_id, was)
+                await self._release_claim(record.session_id, was)
                 await self.pool.stop(adapter)
             raise
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
-        session.record = self.registry.get(record.session_id) or record
+        session.record = await self.registry.current(record.session_id) or record
         self.table.bind(session, adapter, adapter_session_id)
         log.info(
             "session %s %s on pid %s in %.0f ms",
@@ -139,6 +142,12 @@ class Restorer:
         if result.get("sessionId") == adapter_session_id:
             result["sessionId"] = record.session_id
         return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result)))
+
+    async def _release_claim(self, session_id: str, was: SessionState) -> None:
+        """The claim given back, on record before whoever asked is told the restore failed (bounded)."""
+        self.registry.release_claim(session_id, was)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_WAIT):
+            await self.registry.caught_up()
 
     async def _restore(
         self, adapter: Adapter, backend: BackendConfig, record: SessionRecord, gateway_asked: str | None

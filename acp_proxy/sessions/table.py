@@ -99,16 +99,16 @@ class SessionTable:
     def values(self) -> list[Session]:
         return list(self.sessions.values())
 
-    def find(self, session_id: str, *, reopen: bool = False) -> Session | None:
+    async def find(self, session_id: str, *, reopen: bool = False) -> Session | None:
         """A session this proxy can serve: in memory, or in the registry (suspended, or left by a dead proxy).
 
         A closed session only with ``reopen`` (the gateway's own load or resume, or a delete);
-        a deleted one never.
+        a deleted one never. One held in memory is found without waiting for anything.
         """
         session = self.sessions.get(session_id)
         if session is not None:
             return session
-        record = self.registry.get(session_id)
+        record = await self.registry.current(session_id)
         if record is None or record.state is SessionState.DELETED:
             return None
         if record.state is SessionState.CLOSED and not reopen:
@@ -117,16 +117,18 @@ class SessionTable:
         if record.state in (SessionState.LIVE, SessionState.RESUMING) and held_elsewhere:
             # Live in another proxy: unless that proxy has died since we started (its tree was
             # reaped by then or will be by the next start), it is not ours to serve.
-            if not self.registry.take_over_if_orphaned(session_id):
+            if not await self.registry.claim_orphaned(session_id):
                 return None
             log.info(
                 "session %s: left live by a proxy that is gone; suspended, resumable",
                 session_id,
                 extra=ids(session=session_id),
             )
-            record = self.registry.get(session_id) or record
-        session = Session(record)
-        self.sessions[session_id] = session
+            record = await self.registry.current(session_id) or record
+        session = self.sessions.get(session_id)  # found by another request while this one waited
+        if session is None:
+            session = Session(record)
+            self.sessions[session_id] = session
         return session
 
     def bind(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:

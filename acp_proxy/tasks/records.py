@@ -17,11 +17,13 @@ tool call.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import os
 import re
+import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -32,7 +34,7 @@ from acp_proxy.ownership import instances
 from acp_proxy.protocol.acp import SESSION_INFO_MARK, session_info_changes
 from acp_proxy.protocol.jsonrpc import REQUEST_CANCELLED
 from acp_proxy.protocol.methods import Method
-from acp_proxy.state import StateDB, now
+from acp_proxy.state import StateDB, Statement, now
 
 
 class TaskStatus(enum.StrEnum):
@@ -407,34 +409,58 @@ def _progress_values(turn: Turn) -> tuple[object, ...]:
     )
 
 
+Told = Callable[[Turn, BaseException | None], None]
+"""Told how a write of a turn went (its error, or ``None``)."""
+
+
 class TaskRegistry:
-    """Task rows in the state database; each write is one short transaction, made at a turn's milestones."""
+    """Task rows in the state database, written at a turn's milestones.
+
+    Each write takes its values from the turn when it is made (on the event loop) and
+    is handed to the state database's writer (``StateDB.write``): the relay never waits
+    for it. A queued progress write of a task is replaced by a newer one. Whoever sets
+    ``on_written`` is told how each write went (with a writer: later, from its thread).
+    """
 
     def __init__(self, db: StateDB, instance_id: str) -> None:
         self.db = db
         self.instance_id = instance_id
+        self.on_written: Told | None = None
+
+    def _write(self, turn: Turn, statement: Statement, *, progress: bool = False) -> object:
+        turn.dirty = False
+        told = self.on_written
+        done = None if told is None else functools.partial(_tell, told, turn)
+        return self.db.write(statement, key=("progress", turn.task_id) if progress else None, done=done)
 
     def create(self, turn: Turn) -> None:
         """The turn's row; the session's last activity is the prompt's, in the same transaction."""
         self.write_whole(turn)
 
     def mark_running(self, turn: Turn) -> None:
-        with self.db.transaction() as conn:
-            conn.execute(
+        values = (turn.started_at, turn.lease_id, *_progress_values(turn), turn.task_id)
+        self._write(
+            turn,
+            functools.partial(
+                _execute,
                 f"""UPDATE tasks SET status = 'running', started_at = ?, lease_id = ?, {_PROGRESS_COLUMNS}
                     WHERE task_id = ? AND status = 'queued'""",
-                (turn.started_at, turn.lease_id, *_progress_values(turn), turn.task_id),
-            )
-        turn.dirty = False
+                values,
+            ),
+        )
 
     def save_progress(self, turn: Turn) -> None:
         turn.digest()
-        with self.db.transaction() as conn:
-            conn.execute(
+        values = (*_progress_values(turn), turn.task_id)
+        self._write(
+            turn,
+            functools.partial(
+                _execute,
                 f"UPDATE tasks SET {_PROGRESS_COLUMNS} WHERE task_id = ? AND status IN ('queued', 'running')",
-                (*_progress_values(turn), turn.task_id),
-            )
-        turn.dirty = False
+                values,
+            ),
+            progress=True,
+        )
 
     def write_whole(self, turn: Turn) -> None:
         """The turn's whole row, created or brought up to date (``create``, or a retry after a failed
@@ -442,61 +468,80 @@ class TaskRegistry:
         terminal statuses are final.
         """
         turn.digest()
-        with self.db.transaction() as conn:
-            conn.execute(
-                "UPDATE sessions SET last_active_at = MAX(last_active_at, ?) WHERE session_id = ?",
-                (turn.created_at, turn.session_id),
-            )
-            conn.execute(
-                """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
-                       stop_reason, error, traceparent, prompt, created_at, started_at, ended_at, first_output_at,
-                       progress_summary, update_count, tool_calls, recent_events, events_dropped, updated_at)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-                   ON CONFLICT (task_id) DO UPDATE SET
-                       lease_id = excluded.lease_id, status = excluded.status, stop_reason = excluded.stop_reason,
-                       error = excluded.error, started_at = excluded.started_at, ended_at = excluded.ended_at,
-                       first_output_at = excluded.first_output_at, progress_summary = excluded.progress_summary,
-                       update_count = excluded.update_count, tool_calls = excluded.tool_calls,
-                       recent_events = excluded.recent_events, events_dropped = excluded.events_dropped,
-                       updated_at = excluded.updated_at
-                   WHERE tasks.status IN ('queued', 'running')""",
-                (
-                    turn.task_id,
-                    turn.session_id,
-                    turn.backend,
-                    self.instance_id,
-                    turn.lease_id,
-                    turn.request_id,
-                    turn.status.value,
-                    turn.stop_reason,
-                    turn.error,
-                    turn.traceparent,
-                    turn.prompt,
-                    turn.created_at,
-                    turn.started_at,
-                    turn.ended_at,
-                    *_progress_values(turn),
-                ),
-            )
-        turn.dirty = False
+        values = (
+            turn.task_id,
+            turn.session_id,
+            turn.backend,
+            self.instance_id,
+            turn.lease_id,
+            turn.request_id,
+            turn.status.value,
+            turn.stop_reason,
+            turn.error,
+            turn.traceparent,
+            turn.prompt,
+            turn.created_at,
+            turn.started_at,
+            turn.ended_at,
+            *_progress_values(turn),
+        )
+        self._write(turn, functools.partial(_upsert, turn.created_at, turn.session_id, values))
 
-    def finish(self, turn: Turn) -> bool:
-        """Record a terminal status; False if the row had already ended (terminal statuses are final)."""
-        with self.db.transaction() as conn:
-            cursor = conn.execute(
+    def finish(self, turn: Turn) -> bool | None:
+        """Record a terminal status; False if the row had already ended (terminal statuses are final).
+
+        ``None`` when the write is queued for the writer thread (its outcome is not known yet).
+        """
+        values = (
+            turn.status.value,
+            turn.stop_reason,
+            turn.error,
+            turn.ended_at,
+            *_progress_values(turn),
+            turn.task_id,
+        )
+        changed = self._write(
+            turn,
+            functools.partial(
+                _execute,
                 f"""UPDATE tasks SET status = ?, stop_reason = ?, error = ?, ended_at = ?, {_PROGRESS_COLUMNS}
                     WHERE task_id = ? AND status IN ('queued', 'running')""",
-                (
-                    turn.status.value,
-                    turn.stop_reason,
-                    turn.error,
-                    turn.ended_at,
-                    *_progress_values(turn),
-                    turn.task_id,
-                ),
-            )
-        turn.dirty = False
-        return cursor.rowcount == 1
+                values,
+            ),
+        )
+        return None if self.db.writer is not None else changed == 1
+
+
+def _tell(
+    told: Callable[[Turn, BaseException | None], None], turn: Turn, result: object, error: BaseException | None
+) -> None:
+    told(turn, error)
+
+
+def _execute(sql: str, values: tuple[object, ...], conn: sqlite3.Connection) -> int:
+    """One statement; how many rows it changed."""
+    return conn.execute(sql, values).rowcount
+
+
+def _upsert(created_at: float, session_id: str, values: tuple[object, ...], conn: sqlite3.Connection) -> int:
+    conn.execute(
+        "UPDATE sessions SET last_active_at = MAX(last_active_at, ?) WHERE session_id = ?", (created_at, session_id)
+    )
+    return conn.execute(
+        """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
+               stop_reason, error, traceparent, prompt, created_at, started_at, ended_at, first_output_at,
+               progress_summary, update_count, tool_calls, recent_events, events_dropped, updated_at)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+           ON CONFLICT (task_id) DO UPDATE SET
+               lease_id = excluded.lease_id, status = excluded.status, stop_reason = excluded.stop_reason,
+               error = excluded.error, started_at = excluded.started_at, ended_at = excluded.ended_at,
+               first_output_at = excluded.first_output_at, progress_summary = excluded.progress_summary,
+               update_count = excluded.update_count, tool_calls = excluded.tool_calls,
+               recent_events = excluded.recent_events, events_dropped = excluded.events_dropped,
+               updated_at = excluded.updated_at
+           WHERE tasks.status IN ('queued', 'running')""",
+        values,
+    ).rowcount
 
 
 # --- reading, for the CLI and the control socket ---------------------------------------------
@@ -584,9 +629,5 @@ def sweep_lost(db: StateDB, own_instance: str | None) -> int:
 def prune(db: StateDB, retention: float, *, at: float | None = None) -> int:
     """Delete terminal tasks that ended more than ``retention`` seconds ago; idempotent."""
     cutoff = (now() if at is None else at) - retention
-    with db.transaction() as conn:
-        cursor = conn.execute(
-            "DELETE FROM tasks WHERE status NOT IN ('queued', 'running') AND ended_at < ?",
-            (cutoff,),
-        )
-    return cursor.rowcount
+    sql = "DELETE FROM tasks WHERE status NOT IN ('queued', 'running') AND ended_at < ?"
+    return db.call(functools.partial(_execute, sql, (cutoff,)))  # after this proxy's queued writes

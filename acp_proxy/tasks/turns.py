@@ -7,8 +7,10 @@ adapter's answer, the proxy's own (a crash, a close, a shutdown, a queued prompt
 cancelled), or the ``turn_timeout`` intent. Progress is written by the watcher,
 at most once a second per turn, never by the relay.
 
-A database that cannot be written (a full disk, a locked file) costs the record,
-never the turn: the error is logged and the prompt is served.
+Every write goes to the state database's writer thread (``StateDB.write``), so
+recording a turn never waits for the database. A database that cannot be written
+(a full disk, a damaged table) costs the record, never the turn: the failure comes
+back from the writer, is logged, and the turn is written whole once it works.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import logging
 import sqlite3
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any, Final
 
@@ -115,6 +118,11 @@ class TurnBook:
         """Tasks of this proxy not yet settled, by task id."""
         self.unwritten: dict[str, Turn] = {}
         """Turns whose last database write failed, to be written whole by the watcher."""
+        self._retrying: set[str] = set()
+        """Unwritten turns whose whole row is being written again."""
+        self._outcomes: deque[tuple[Turn, BaseException | None]] = deque()
+        """How writes went, as the writer thread tells it: failures, and retries that took."""
+        tasks.on_written = self._written
         self.settled_unwritten: list[Turn] = []
         """Turns settled while their answer was being relayed, recorded once it is sent."""
         self.settled = Changes()
@@ -128,26 +136,55 @@ class TurnBook:
             if turn.session_info and self._session_info is not None:
                 self._session_info(turn.session_id, turn.session_info)
                 turn.session_info = {}
-        except sqlite3.Error as exc:
-            if turn.task_id not in self.unwritten:
-                log.error(
-                    "task %s: could not record it in the state database (retried every %gs): %s",
-                    turn.task_id,
-                    FLUSH_INTERVAL,
-                    exc,
-                    extra=turn_ids(turn),
-                )
-            self.unwritten[turn.task_id] = turn
+        except sqlite3.Error as exc:  # made at once (no writer thread), and failed
+            self._failed(turn, exc)
+        self.take_outcomes()
+
+    def _written(self, turn: Turn, error: BaseException | None) -> None:
+        """How a write of ``turn`` went; called on the writer thread, so it only leaves a note (and logs)."""
+        if error is None and turn.task_id in self._retrying:
+            # Said as soon as it is true: an operator reading the row may read the log next.
+            log.info("task %s: recorded in the state database after all", turn.task_id, extra=turn_ids(turn))
+            self._outcomes.append((turn, None))
+        elif error is not None:
+            self._outcomes.append((turn, error))
+
+    def take_outcomes(self) -> None:
+        """Act on what the writer said about earlier writes: failures kept for a retry, retries that took."""
+        while self._outcomes:
+            turn, error = self._outcomes.popleft()
+            if error is not None:
+                self._failed(turn, error)
+            elif turn.task_id in self._retrying:
+                self._retrying.discard(turn.task_id)
+                self.unwritten.pop(turn.task_id, None)
+
+    def _failed(self, turn: Turn, exc: BaseException) -> None:
+        if turn.task_id in self._retrying:
+            self._retrying.discard(turn.task_id)  # still failing: the next round tries again
+        elif turn.task_id not in self.unwritten:
+            log.error(
+                "task %s: could not record it in the state database (retried every %gs): %s",
+                turn.task_id,
+                FLUSH_INTERVAL,
+                exc,
+                extra=turn_ids(turn),
+            )
+        self.unwritten[turn.task_id] = turn
 
     def retry_unwritten(self) -> None:
         """Turns whose last write failed (a locked or full database): write them whole, once it works."""
+        self.take_outcomes()
         for task_id, turn in list(self.unwritten.items()):
+            if task_id in self._retrying:
+                continue  # already on its way
+            self._retrying.add(task_id)
             try:
                 self.tasks.write_whole(turn)
             except sqlite3.Error:
+                self._retrying.discard(task_id)
                 return  # still failing: the next round tries again
-            del self.unwritten[task_id]
-            log.info("task %s: recorded in the state database after all", task_id, extra=turn_ids(turn))
+            self.take_outcomes()
 
     def maintain(self) -> None:
         """At startup: unfinished tasks of proxies that are gone become ``lost``; old finished ones are pruned."""
@@ -309,6 +346,7 @@ class TurnBook:
             if self.settled_unwritten:  # normally written by the relay at once; never left behind
                 self.write_settled()
             self.flush_progress()
+            self.take_outcomes()
             if self.unwritten:
                 self.retry_unwritten()
             if time.monotonic() - checkpointed >= CHECKPOINT_INTERVAL:
@@ -316,7 +354,8 @@ class TurnBook:
                 checkpointed = time.monotonic()
             if time.monotonic() - pruned >= PRUNE_INTERVAL:  # a long-lived proxy prunes too, not only at start
                 pruned = time.monotonic()
-                self._prune()
+                # In a worker thread, waiting for the writer (which makes the deletes, after every queued write).
+                await anyio.to_thread.run_sync(self._prune)
             if self.stopping.begun:
                 continue
             moment = time.monotonic()
