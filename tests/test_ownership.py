@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -412,10 +412,13 @@ async def test_a_failing_database_does_not_stop_a_teardown(
                 await anyio.sleep(0.02)
         tree = list(marked_processes(marker))
 
-        def locked(*args: object, **kwargs: object) -> bool:
-            raise sqlite3.OperationalError("database is locked")
+        def locked(*args: object, **kwargs: object) -> Callable[[sqlite3.Connection], bool]:
+            def write(conn: sqlite3.Connection) -> bool:
+                raise sqlite3.OperationalError("database is locked")
 
-        monkeypatch.setattr(leases, "set_state", locked)
+            return write
+
+        monkeypatch.setattr(leases, "moved_to", locked)  # every lease state change the teardown writes
         await supervised.stop(stdin_grace=0.2, term_grace=1.0)
         assert await survivors(tree) == []
         monkeypatch.undo()

@@ -19,7 +19,8 @@ import json
 import os
 import sqlite3
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Final
 
 from acp_proxy.ownership.verify import Claim
@@ -108,31 +109,57 @@ def create_lease(
     argv: tuple[str, ...],
     session_key: str | None = None,
 ) -> Lease:
-    """Record a lease in state ``starting``; call before spawning anything."""
+    """Record a lease in state ``starting``; call before spawning anything.
+
+    The write is made by the state writer, after whatever is queued, and waited for: call it
+    from a worker thread when the event loop must not wait (``StateDB.call`` blocks its caller).
+    """
     lease_id = os.urandom(6).hex()
-    marker = f"{MARKER_VARIABLE}={db.install_id}.{lease_id}.{os.urandom(6).hex()}"
-    stamp = now()
-    with db.transaction() as conn:
+    lease = Lease(
+        lease_id=lease_id,
+        install_id=db.install_id,
+        instance_id=instance_id,
+        session_key=session_key,
+        backend=backend,
+        marker=f"{MARKER_VARIABLE}={db.install_id}.{lease_id}.{os.urandom(6).hex()}",
+        argv=argv,
+        command_hash=command_hash(argv),
+        boot_id=boot_id,
+        uid=os.getuid(),
+        wrapper_pid=None,
+        wrapper_start_ticks=None,
+        adapter_pid=None,
+        adapter_start_ticks=None,
+        pgid=None,
+        state=LeaseState.STARTING,
+        reason=None,
+        created_at=now(),
+        updated_at=now(),
+    )
+
+    def insert(conn: sqlite3.Connection) -> None:
         conn.execute(
             """INSERT INTO leases (lease_id, install_id, instance_id, session_key, backend, marker, argv,
                    command_hash, boot_id, uid, state, created_at, updated_at)
                VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'starting', ?, ?)""",
             (
-                lease_id,
-                db.install_id,
-                instance_id,
-                session_key,
-                backend,
-                marker,
-                json.dumps(list(argv)),
-                command_hash(argv),
-                boot_id,
-                os.getuid(),
-                stamp,
-                stamp,
+                lease.lease_id,
+                lease.install_id,
+                lease.instance_id,
+                lease.session_key,
+                lease.backend,
+                lease.marker,
+                json.dumps(list(lease.argv)),
+                lease.command_hash,
+                lease.boot_id,
+                lease.uid,
+                lease.created_at,
+                lease.updated_at,
             ),
         )
-    return get_lease(db, lease_id)
+
+    db.call(insert)
+    return lease
 
 
 def get_lease(db: StateDB, lease_id: str) -> Lease:
@@ -140,6 +167,30 @@ def get_lease(db: StateDB, lease_id: str) -> Lease:
     if row is None:
         raise KeyError(lease_id)
     return Lease.from_row(row)
+
+
+def spawned(lease: Lease) -> Callable[[sqlite3.Connection], None]:
+    """The write that records ``lease``'s process identities as far as they are known (the wrapper
+    first, then the adapter): for ``StateDB.call``, ``run`` or ``write``."""
+    identities = (
+        lease.wrapper_pid,
+        lease.wrapper_start_ticks,
+        lease.adapter_pid,
+        lease.adapter_start_ticks,
+        lease.pgid,
+    )
+
+    def update(conn: sqlite3.Connection) -> None:
+        conn.execute(
+            """UPDATE leases SET wrapper_pid = COALESCE(?, wrapper_pid),
+                   wrapper_start_ticks = COALESCE(?, wrapper_start_ticks),
+                   adapter_pid = COALESCE(?, adapter_pid), adapter_start_ticks = COALESCE(?, adapter_start_ticks),
+                   pgid = COALESCE(?, pgid), updated_at = ?
+               WHERE lease_id = ?""",
+            (*identities, now(), lease.lease_id),
+        )
+
+    return update
 
 
 def record_spawn(
@@ -152,15 +203,16 @@ def record_spawn(
     adapter_start_ticks: int | None = None,
     pgid: int | None = None,
 ) -> None:
-    """Fill in process identities as they become known (the wrapper first, then the adapter)."""
-    with db.transaction() as conn:
-        conn.execute(
-            """UPDATE leases SET wrapper_pid = ?, wrapper_start_ticks = ?,
-                   adapter_pid = COALESCE(?, adapter_pid), adapter_start_ticks = COALESCE(?, adapter_start_ticks),
-                   pgid = COALESCE(?, pgid), updated_at = ?
-               WHERE lease_id = ?""",
-            (wrapper_pid, wrapper_start_ticks, adapter_pid, adapter_start_ticks, pgid, now(), lease_id),
-        )
+    """Fill in process identities as they become known; waits for the write (see ``create_lease``)."""
+    lease = replace(
+        get_lease(db, lease_id),
+        wrapper_pid=wrapper_pid,
+        wrapper_start_ticks=wrapper_start_ticks,
+        adapter_pid=adapter_pid,
+        adapter_start_ticks=adapter_start_ticks,
+        pgid=pgid,
+    )
+    db.call(spawned(lease))
 
 
 # Which states a lease may move to ``state`` from: forward only, and a final state is final.
@@ -174,19 +226,29 @@ _ALLOWED_FROM: Final[dict[LeaseState, tuple[LeaseState, ...]]] = {
 }
 
 
-def set_state(db: StateDB, lease_id: str, state: LeaseState, reason: str | None = None) -> bool:
-    """Move a lease to ``state`` if the state machine allows it; False when it does not (nothing written)."""
+def moved_to(lease_id: str, state: LeaseState, reason: str | None = None) -> Callable[[sqlite3.Connection], bool]:
+    """The write that moves a lease to ``state`` if the state machine allows it (True), else nothing (False):
+    for ``StateDB.call``, ``run`` or ``write``."""
     sources = _ALLOWED_FROM[state]
-    if not sources:
-        return False
     marks = ", ".join("?" * len(sources))
-    with db.transaction() as conn:
+
+    def update(conn: sqlite3.Connection) -> bool:
+        if not sources:
+            return False
         cursor = conn.execute(
             f"""UPDATE leases SET state = ?, reason = COALESCE(?, reason), updated_at = ?
                 WHERE lease_id = ? AND state IN ({marks})""",
             (state.value, reason, now(), lease_id, *(source.value for source in sources)),
         )
-    return cursor.rowcount == 1
+        return cursor.rowcount == 1
+
+    return update
+
+
+def set_state(db: StateDB, lease_id: str, state: LeaseState, reason: str | None = None) -> bool:
+    """Move a lease to ``state`` if the state machine allows it; False when it does not (nothing written).
+    Waits for the write (see ``create_lease``)."""
+    return db.call(moved_to(lease_id, state, reason))
 
 
 def leases_of_instance(db: StateDB, instance_id: str, *, active_only: bool = True) -> list[Lease]:

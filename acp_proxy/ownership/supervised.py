@@ -21,6 +21,7 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Final
 
 import anyio
@@ -247,18 +248,17 @@ class SupervisedProcess:
             for fd in (lifeline_w, report_r, stdin_w, stdout_r):
                 os.close(fd)
             reason = getattr(exc, "strerror", None) or str(exc)
-            leases.set_state(db, lease.lease_id, LeaseState.CLOSED, f"spawn failed: {reason}")
+            db.write(leases.moved_to(lease.lease_id, LeaseState.CLOSED, f"spawn failed: {reason}"))
             raise WrapperFailed(reason) from None
         finally:
             for fd in (lifeline_r, report_w, stdin_r, stdout_w):
                 os.close(fd)  # the wrapper has its copies now
         info = owner.table.info(popen.pid)
-        leases.record_spawn(
-            db, lease.lease_id, wrapper_pid=popen.pid, wrapper_start_ticks=info.start_ticks if info else None
-        )
+        lease = replace(lease, wrapper_pid=popen.pid, wrapper_start_ticks=info.start_ticks if info else None)
+        db.call(leases.spawned(lease))  # the wrapper is on record before anyone hears of it
         return cls(
             owner,
-            leases.get_lease(db, lease.lease_id),
+            lease,
             ChildProcess(popen),
             lifeline_w,
             report_r,
@@ -286,18 +286,12 @@ class SupervisedProcess:
         if ticks is None:  # no /proc in the wrapper: ask our own process table
             adapter_info = self.owner.table.info(report.adapter_pid)
             ticks = adapter_info.start_ticks if adapter_info else None
-        db = self.owner.db
-        leases.record_spawn(
-            db,
-            self.lease.lease_id,
-            wrapper_pid=self.process.pid,
-            wrapper_start_ticks=self.lease.wrapper_start_ticks,
-            adapter_pid=report.adapter_pid,
-            adapter_start_ticks=ticks,
-            pgid=report.pgid,
-        )
-        leases.set_state(db, self.lease.lease_id, LeaseState.OPEN)
-        self.lease = leases.get_lease(db, self.lease.lease_id)
+        lease = replace(self.lease, adapter_pid=report.adapter_pid, adapter_start_ticks=ticks, pgid=report.pgid)
+        record, opened = leases.spawned(lease), leases.moved_to(lease.lease_id, LeaseState.OPEN)
+        # Awaited, after whatever this proxy queued, off the event loop: the lease is open (and names
+        # the adapter) before the adapter is used, whoever holds the database's lock meanwhile.
+        await self.owner.db.run(lambda conn: (record(conn), opened(conn)))
+        self.lease = replace(lease, state=LeaseState.OPEN)
 
     async def _read_report(self, fd: int) -> WrapperReport:
         stream = FdReceiveStream(fd, owned=True)
@@ -344,7 +338,8 @@ class SupervisedProcess:
         which re-verifies everything before it signals anything.
         """
         try:
-            leases.set_state(self.owner.db, self.lease.lease_id, state, reason)
+            # Queued: nobody waits for it, and the order of this proxy's writes is kept.
+            self.owner.db.write(leases.moved_to(self.lease.lease_id, state, reason))
         except sqlite3.Error as exc:
             log.error("lease %s: could not record %s (%s); teardown goes on", self.lease.lease_id, state, exc)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -575,17 +576,7 @@ class ProcessPool:
                 raise ProxyError.proxy_shutdown()
             deadline = anyio.current_time() + self.start_timeout(backend)
             try:
-                supervised = (
-                    warm.process
-                    if warm is not None
-                    else Adapter.launch(
-                        backend,
-                        owner=self.owner,
-                        shutdown=self.config.shutdown,
-                        session_key=session_key,
-                        hold=held.descriptors,
-                    )
-                )
+                supervised = warm.process if warm is not None else await self._launch(backend, session_key, held)
                 adapter = await Adapter.attach(backend, supervised, self.config.max_line_bytes)
             except Exception as exc:
                 # Whatever went wrong (a missing binary, an unusable state database), the
@@ -617,6 +608,21 @@ class ProcessPool:
                     await self.stop(adapter)
                 raise
         return adapter
+
+    async def _launch(self, backend: BackendConfig, session_key: str | None, held: Held) -> SupervisedProcess:
+        launch = functools.partial(
+            Adapter.launch,
+            backend,
+            owner=self.owner,
+            shutdown=self.config.shutdown,
+            session_key=session_key,
+            hold=held.descriptors,
+        )
+        if self.owner.db.writer is None:  # the lease is written on this thread's own connection
+            return launch()
+        # The lease is written, and waited for, before the spawn: from a worker thread, so that a
+        # database another process holds locked delays this start, not the relay.
+        return await anyio.to_thread.run_sync(launch)
 
     async def take(self, backend: BackendConfig, session_key: str | None = None) -> Adapter:
         """A prepared adapter for a new or restored session: the spare, else a new one.
