@@ -17,7 +17,8 @@ import anyio
 import pytest
 
 from acp_proxy.state import StateDB, StateWriter
-from tests.support import Gateway
+from tests.kit.gateway import is_answer_to, request_message
+from tests.support import Gateway, write_config
 
 pytestmark = pytest.mark.anyio
 
@@ -247,5 +248,43 @@ async def test_a_turn_streams_and_is_answered_while_another_process_holds_the_wr
         with anyio.fail_after(15):
             while task_rows(db_path) != [("stream 1", "done"), (turn, "done")]:
                 await anyio.sleep(0.05)
+        assert await gw.close() == 0
+    assert b"Traceback" not in gw.stderr
+
+
+async def test_a_start_waits_for_its_lease_while_another_session_streams_on(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A new session's process needs its lease written first: while another process holds the lock,
+    that start waits, and a turn of another session streams and is answered meanwhile."""
+    db_path = Path(proc_env["ACP_PROXY_STATE_DIR"]) / "state.db"
+    config = write_config(tmp_path, pool={"max_live": 4})
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
+        gw.take_updates(session)
+        holder = await anyio.open_process(
+            [sys.executable, "-c", HOLDER, str(db_path), str(HOLD_SECONDS)], env=proc_env, stderr=None
+        )
+        async with holder:
+            assert holder.stdout is not None
+            said = b""
+            while not said.endswith(b"\n"):
+                said += await holder.stdout.receive()
+            assert said == b"holding\n"
+            opening = gw.new_id()
+            await gw.send(request_message(opening, "session/new", {"cwd": str(tmp_path), "mcpServers": []}))
+            turn = "stream 3; sleep 0.2; stream 3"
+            answer = await gw.prompt(session, turn, timeout=HOLD_SECONDS * 3)
+            still_holding = holder.returncode is None
+            opened_during_the_hold = any(is_answer_to(opening)(msg) for msg in gw.stashed())
+            assert answer["result"]["stopReason"] == "end_turn"
+            assert len(gw.take_updates(session)) == 6
+            assert still_holding, "the turn was answered while the other process still held the write lock"
+            assert not opened_during_the_hold, "no process was started before its lease could be written"
+            await holder.wait()
+        opened = await gw.response_to(opening, timeout=HOLD_SECONDS * 3)
+        assert "result" in opened, opened
         assert await gw.close() == 0
     assert b"Traceback" not in gw.stderr
