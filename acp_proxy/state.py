@@ -32,9 +32,9 @@ the limit by what the requests already read add. A write that fails is logged an
 reported to whoever queued it; a locked database is waited for, the batch kept in
 order. On shutdown the queue is applied within ``CLOSE_TIMEOUT``; what is left is
 logged. Without a writer (the CLI, tests, start-up) every write is made at once,
-on the caller's thread; so are, for now, the lease and instance rows
-(``ownership/``), which their callers make synchronously at a spawn, at start and
-at exit. The WAL checkpoint (an fsync) is run from a worker thread on a connection
+on the caller's thread. A lease, which must be on record before its process is
+spawned, is waited for (``StateDB.call``) from the worker thread that spawns. The
+instance rows are written at start and exit, when nothing is relayed. The WAL checkpoint (an fsync) is run from a worker thread on a connection
 of its own (``defer_checkpoints``).
 """
 
