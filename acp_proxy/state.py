@@ -34,8 +34,9 @@ order. On shutdown the queue is applied within ``CLOSE_TIMEOUT``; what is left i
 logged. Without a writer (the CLI, tests, start-up) every write is made at once,
 on the caller's thread. A lease, which must be on record before its process is
 spawned, is waited for (``StateDB.call``) from the worker thread that spawns. The
-instance rows are written at start and exit, when nothing is relayed. The WAL checkpoint (an fsync) is run from a worker thread on a connection
-of its own (``defer_checkpoints``).
+instance rows are written at start and exit, when nothing is relayed. The WAL
+checkpoint (an fsync) is run from a worker thread on a connection of its own
+(``defer_checkpoints``).
 """
 
 from __future__ import annotations

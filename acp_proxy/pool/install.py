@@ -34,7 +34,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -237,8 +237,9 @@ class InstallSlots:
 
     # --- reading ---------------------------------------------------------------------------------
 
-    def holders(self, scope: str = ALL) -> list[HeldSlot]:
-        """Every held slot file of a scope (``all``, or a backend's with ``backend_scope``)."""
+    def holders(self, scope: str = ALL, *, skip: Collection[int] = ()) -> list[HeldSlot]:
+        """Every held slot file of a scope (``all``, or a backend's with ``backend_scope``), but
+        those numbered in ``skip`` (the caller's own, which it knows better than their files)."""
         directory = self.root / scope
         try:
             names = os.listdir(directory)
@@ -248,10 +249,13 @@ class InstallSlots:
         for name in names:
             if not name.endswith(".slot"):
                 continue
+            index = int(name.removesuffix(".slot"))
+            if index in skip:
+                continue
             path = directory / name
             if not _probe(path):
                 continue
-            held.append(HeldSlot(scope, int(name.removesuffix(".slot")), _read_record(path)))
+            held.append(HeldSlot(scope, index, _read_record(path)))
         return sorted(held, key=lambda h: h.index)
 
     @staticmethod

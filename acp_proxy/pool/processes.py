@@ -47,6 +47,10 @@ DRAIN_TIMEOUT: Final = 1.0
 INSTALL_POLL: Final = 0.02
 """How often a waiter for a slot looks at the install's slot files (other proxies free
 slots without telling us; within this proxy, waiters are woken at once)."""
+SNAPSHOT_FOR: Final = 0.01
+"""How long one reading of the other proxies' slot files serves every plan made meanwhile."""
+ALIVE_FOR: Final = 1.0
+"""How long a proxy found alive (or gone) is taken to be so before its lock is looked at again."""
 REFUSED_FOR: Final = 0.25
 """A session whose proxy refused to suspend it is not asked again for this long (its record,
 which said it was idle, is rewritten by then)."""
@@ -172,6 +176,9 @@ class ProcessPool:
         self._evicting: set[Adapter] = set()
         self._slot_queues: dict[str, collections.deque[_Waiter]] = {}
         """Per backend, who waits for a process slot, oldest first."""
+        self._others: tuple[float, list[Slot]] | None = None
+        """The other proxies' slots as last read, and when."""
+        self._instances_alive: dict[str, tuple[float, bool]] = {}
         self._install_ahead: dict[str, int] = {}
         """Per backend, how many waiters of other proxies stand before this proxy's first."""
         self.client_init: Raw | UnsetType = UNSET
@@ -237,46 +244,60 @@ class ProcessPool:
     def install_slots(self, refused: dict[str, float] | None = None) -> list[Slot]:
         """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files.
 
-        A slot whose holder is a proxy that is gone is being freed (its wrapper holds it
-        until the tree is gone); one not described yet is a start in progress.
+        ``refused``: sessions whose proxy refused to suspend them moments ago count as busy.
         """
         moment = time.monotonic()
         refused = refused or {}
-        slots = [
+        return [
             dataclasses.replace(slot, busy=True) if refused.get(slot.key, 0.0) > moment else slot
-            for slot in self.slots()
+            for slot in [*self.slots(), *self._others_slots(moment)]
         ]
-        for held in self.install.holders():
+
+    def _others_slots(self, moment: float) -> list[Slot]:
+        """The slots of the install this proxy does not hold, from their files (re-read at most every
+        ``SNAPSHOT_FOR``: every waiter at the front of the line plans over the same reading).
+
+        A slot whose holder is a proxy that is gone is being freed (its wrapper holds it until the
+        tree is gone); one not described yet is a start in progress.
+        """
+        if self._others is not None and moment - self._others[0] < SNAPSHOT_FOR:
+            return self._others[1]
+        others = []
+        for held in self.install.holders(skip=self._own_install_indexes()):
             record = held.record
-            if record is not None and record.instance == self.owner.instance_id:
-                continue  # ours: counted above, fresher
             if record is None:
-                if held.index in self._own_install_indexes():
-                    continue
-                slots.append(Slot(key=f"starting:{held.index}", backend="", last_active=moment, busy=True))
+                others.append(Slot(key=f"starting:{held.index}", backend="", last_active=moment, busy=True))
                 continue
-            alive = self.peers.alive(record.instance) if self.peers is not None else True
-            slots.append(
+            others.append(
                 Slot(
                     key=record.key,
                     backend=record.backend,
                     last_active=record.last_active,
-                    busy=record.busy or refused.get(record.key, 0.0) > moment,
+                    busy=record.busy,
                     spare=record.session is None,
                     pinned=record.pinned,
                     recent_until=record.recent_until,
-                    stopping=record.stopping or not alive,
+                    stopping=record.stopping or not self._alive(record.instance, moment),
                     instance=record.instance,
                 )
             )
-        return slots
+        self._others = (moment, others)
+        return others
+
+    def _alive(self, instance_id: str, moment: float) -> bool:
+        known = self._instances_alive.get(instance_id)
+        if known is None or moment - known[0] >= ALIVE_FOR:
+            known = (moment, self.peers.alive(instance_id) if self.peers is not None else True)
+            self._instances_alive[instance_id] = known
+        return known[1]
 
     def _memory_slots(self) -> tuple[list[MemorySlot], dict[str, Slot]]:
         """The install's live trees for the budget (being stopped: already on their way out), and
         each one's plan slot, to suspend it by."""
         moment = time.monotonic()
         memory = {slot_key(a): a.memory for a in self.running}
-        memory.update({h.record.key: h.record.memory for h in self.install.holders() if h.record is not None})
+        others = self.install.holders(skip=self._own_install_indexes())
+        memory.update({h.record.key: h.record.memory for h in others if h.record is not None})
         slots = [slot for slot in self.install_slots() if not slot.stopping and not slot.key.startswith("starting:")]
         measured = [
             MemorySlot(
@@ -425,6 +446,7 @@ class ProcessPool:
         if self.peers is None:
             return False
         log.info("pool: asking proxy %s to suspend %s (%s)", slot.instance, slot.key, why)
+        self._others = None  # its record is about to change: the next plan reads it again
         return await self.peers.evict(slot.instance, slot.key, why)
 
     def _until_a_session_quiets(self) -> float:
