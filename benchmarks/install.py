@@ -103,6 +103,7 @@ from benchmarks.load import (
     eviction_figures,
     lifetime_figures,
     log_figures,
+    pool_settings,
     read_acquires,
     stats,
     summarize,
@@ -128,12 +129,12 @@ def mode_label(mode: str) -> str:
 class Fleet:
     """``SESSIONS`` proxies of one install, each with a client connection of its own for one session."""
 
-    def __init__(self, backend: str, env: dict[str, str], workdir: Path) -> None:
+    def __init__(self, backend: str, env: dict[str, str], workdir: Path, pool: str = "") -> None:
         self.who = mode_label(proxy_mode(backend))
         state = workdir / f"state-{backend}"
         config = workdir / f"install-{backend}.toml"
         config.write_text(
-            f"[pool]\nmax_live = {MAX_LIVE}\n[backends.{BACKEND}]\ncommand = {json.dumps(agent_argv())}\n",
+            f"[pool]\nmax_live = {MAX_LIVE}\n{pool}[backends.{BACKEND}]\ncommand = {json.dumps(agent_argv())}\n",
         )
         self.acquire_files = [workdir / f"acquires-{backend}-{i}.txt" for i in range(SESSIONS)]
         env = {**env, "ACP_PROXY_STATE_DIR": str(state)}
@@ -198,11 +199,11 @@ def spread(values: list[float]) -> dict[str, float | None]:
     }
 
 
-def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any]:
+def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int, pool: str = "") -> dict[str, Any]:
     mode = proxy_mode(backend)
     who = mode_label(mode)
     lifetimes = workdir / f"lifetimes-{mode}.txt"
-    fleet = Fleet(backend, {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)}, workdir)
+    fleet = Fleet(backend, {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)}, workdir, pool)
     cpu_at_turns: list[list[float | None]] = []
     try:
         with TreeSampler(os.getpid(), depth=3, count_root=False) as sampler:
@@ -317,13 +318,15 @@ def measure_install(report: Report, args: argparse.Namespace) -> dict[str, Any]:
         "bursts": bursts,
         "burst_turns": BURST_TURNS,
         "think_max_s": THINK_MAX,
+        "pool_settings": pool_settings(args),
         "rows": [],
     }
     with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-install-") as name:
         workdir = Path(name)
         runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [(DIRECT_POOL, lambda: direct_run(env, workdir, bursts))]
         for backend in args.backends:
-            runs.append((proxy_mode(backend), functools.partial(proxy_run, backend, env, workdir, bursts)))
+            proxied = functools.partial(proxy_run, backend, env, workdir, bursts, pool_settings(args))
+            runs.append((proxy_mode(backend), proxied))
         for mode, run in runs:
             who = mode_label(mode)
             progress(f"install: {who}, {SESSIONS} sessions x {bursts * BURST_TURNS} turns ...")
@@ -368,6 +371,8 @@ def render(results: dict[str, Any]) -> list[str]:
         "turns and its VmHWM, p50 / max over the proxies.",
         "",
     ]
+    if results.get("pool_settings"):
+        out += [f"The proxies ran with these `[pool]` settings too: `{results['pool_settings'].strip()}`.", ""]
     table_rows = []
     for row in rows:
         is_proxy = row["mode"].startswith("proxy-")

@@ -713,7 +713,13 @@ def summarize(
     }
 
 
-def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any]:
+def pool_settings(args: argparse.Namespace) -> str:
+    """The ``[pool]`` lines a run's options add to the proxies' config (``--min-idle``)."""
+    min_idle = getattr(args, "min_idle", None)
+    return "" if min_idle is None else f"min_idle = {min_idle}\n"
+
+
+def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int, pool: str = "") -> dict[str, Any]:
     mode = proxy_mode(backend)
     who = mode_label(mode)
     lifetimes = workdir / f"lifetimes-{mode}.txt"
@@ -721,7 +727,7 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> 
     state = workdir / f"state-{backend}"
     config = workdir / f"load-{backend}.toml"
     config.write_text(
-        f"[pool]\nmax_live = {MAX_LIVE}\n[backends.{BACKEND}]\ncommand = {json.dumps(agent_argv())}\n",
+        f"[pool]\nmax_live = {MAX_LIVE}\n{pool}[backends.{BACKEND}]\ncommand = {json.dumps(agent_argv())}\n",
     )
     acquires = workdir / f"acquires-{backend}.txt"
     argv = [sys.executable, str(LOAD_PROXY), str(acquires), "--async-backend", backend, "--config", str(config)]
@@ -847,6 +853,7 @@ def measure_load(report: Report, args: argparse.Namespace) -> dict[str, Any]:
         "burst_turns": BURST_TURNS,
         "think_max_s": THINK_MAX,
         "seed": SEED,
+        "pool_settings": pool_settings(args),
         "rows": [],
     }
     with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-load-") as name:
@@ -855,7 +862,8 @@ def measure_load(report: Report, args: argparse.Namespace) -> dict[str, Any]:
             (DIRECT_POOL, lambda: direct_run(DIRECT_POOL, env, workdir, bursts))
         ]
         for backend in args.backends:
-            runs.append((proxy_mode(backend), functools.partial(proxy_run, backend, env, workdir, bursts)))
+            proxied = functools.partial(proxy_run, backend, env, workdir, bursts, pool_settings(args))
+            runs.append((proxy_mode(backend), proxied))
         runs.append((DIRECT_ALL, lambda: direct_run(DIRECT_ALL, env, workdir, bursts)))
         for mode, run in runs:
             progress(f"load: {mode_label(mode)}, {SESSIONS} sessions x {bursts * BURST_TURNS} turns ...")
@@ -903,6 +911,8 @@ def render(results: dict[str, Any]) -> list[str]:
         "(direct: the agents).",
         "",
     ]
+    if results.get("pool_settings"):
+        out += [f"The proxies ran with these `[pool]` settings too: `{results['pool_settings'].strip()}`.", ""]
     table_rows = []
     for row in rows:
         is_proxy = row["mode"].startswith("proxy-")

@@ -841,6 +841,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--task-ops", type=int, help="tasks: turns recorded in-process, task writes per kind (10,000; --quick: 2,000)"
     )
     parser.add_argument(
+        "--min-idle",
+        type=float,
+        help="load, install: [pool] min_idle for the proxies, seconds (default: the proxy's own, 2 s)",
+    )
+    parser.add_argument(
         "--only",
         default=",".join(MEASUREMENTS),
         help=f"what to measure, comma-separated (default: {','.join(MEASUREMENTS)})",
@@ -876,6 +881,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--resumes, --rss-runs and --registry-ops must be at least 1")
     if min(args.turns, args.task_ops) < 1:
         parser.error("--turns and --task-ops must be at least 1")
+    if args.min_idle is not None and args.min_idle < 0:
+        parser.error("--min-idle must not be negative")
     if args.replay < 0:
         parser.error("--replay must not be negative")
     if min(args.stdin_grace, args.term_grace) < 0:
@@ -906,6 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             "registry_ops": args.registry_ops,
             "turns": args.turns,
             "task_ops": args.task_ops,
+            "min_idle": args.min_idle,
             "only": sorted(args.only),
         },
         machine=machine_info(),
