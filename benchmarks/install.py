@@ -280,6 +280,7 @@ def direct_run(env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any
                 with lock:  # the waits of the turn phase start after the last opening's
                     window_waits.setdefault("waits", len(client.pool.waits))
                     window_waits.setdefault("evictions", len(client.pool.eviction_waits))
+                    window_waits.setdefault("starts", len(client.pool.start_costs))
                 return client.prompt(session_id)
 
             driven = drive(SESSIONS, open_session, prompt, bursts, f"install: {who}", THINK_MAX)
@@ -301,6 +302,7 @@ def direct_run(env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any
             "samples": sampler.samples,
             "tree_peak_rss_mb": sampler.peak_rss / (1 << 20),
             "eviction_ms": stats(sorted(w * 1000 for w in evictions)),
+            "start_cost_ms": stats(sorted(w * 1000 for w in client.pool.start_costs[window_waits.get("starts", 0) :])),
         },
         sessions=SESSIONS,
     )
@@ -431,6 +433,8 @@ def render(results: dict[str, Any]) -> list[str]:
         )
         requests = row["requests"]
         line += f"; {requests['sent']:,} requests, {requests['lost']} lost, {requests['duplicated']} answered twice"
+        if "log_lines" not in row and row.get("start_cost_ms"):
+            line += f"; a start (spawn, `initialize`, restore) took p50 {fmt(row['start_cost_ms']['p50'], 0)} ms"
         if "log_lines" in row:
             line += (
                 f"; slot waits in the turn phase: {row['acquires']} ({row['acquires_suspending_peer']} by a peer's "

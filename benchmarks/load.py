@@ -332,6 +332,9 @@ class DirectPool:
         self.waits: list[float] = []
         self.eviction_waits: list[float] = []
         """The waits in which this pool stopped an agent to make room (from the request to the slot had)."""
+        self.start_costs: list[float] = []
+        """Each start, from the slot had to the session opened or restored on the new agent (as the proxy's
+        pool learns its start cost)."""
 
     def _count(self) -> None:
         self.peak = max(self.peak, len(self.live) + self.starting + self.stopping)
@@ -363,6 +366,7 @@ class DirectPool:
 
     def _spawn(self, session_id: str | None) -> tuple[Agent, str]:
         """Outside the lock: a new agent, initialized, with the session restored (or a new one)."""
+        start = time.perf_counter()
         agent = Agent(self.env, self.tally)
         try:
             agent.call("initialize", INITIALIZE_PARAMS)
@@ -378,6 +382,7 @@ class DirectPool:
                 self.cond.notify_all()
             raise
         with self.cond:
+            self.start_costs.append(time.perf_counter() - start)
             self.starting -= 1
             self.live[session_id] = agent
             self.busy.add(session_id)
@@ -813,6 +818,7 @@ def direct_run(mode: str, env: dict[str, str], workdir: Path, bursts: int) -> di
             "peak_adapters_sampled": sampler.peak_adapters,
             "peak_adapters_counted": client.pool.peak,
             "eviction_wait_ms": stats(sorted(w * 1000 for w in client.pool.eviction_waits)),
+            "start_cost_ms": stats(sorted(w * 1000 for w in client.pool.start_costs)),
             **lifetime_figures(lifetimes),
             "samples": sampler.samples,
             "proxy_peak_rss_mb": None,
@@ -969,6 +975,8 @@ def render(results: dict[str, Any]) -> list[str]:
             line += f", live p50 {row['added_live_ms_p50']:+.1f} ms"
         requests = row["requests"]
         line += f"; {requests['sent']:,} requests, {requests['lost']} lost, {requests['duplicated']} answered twice"
+        if row["mode"] == DIRECT_POOL and row.get("start_cost_ms"):
+            line += f"; a start (spawn, `initialize`, restore) took p50 {fmt(row['start_cost_ms']['p50'], 0)} ms"
         if "log_lines" in row:
             line += (
                 f"; the proxy logged {row['log_lines']:,} lines ({row['pool_full_log_lines']:,} 'pool full'), "
