@@ -441,6 +441,8 @@ def render(results: dict[str, Any]) -> list[str]:
                 f"suspension, {row['acquires_suspending_own']} by its own, {row['evictions_refused']} asks refused, "
                 f"{row['acquires_failed']} failed); the proxies used {row['proxies_cpu_s']:.1f} s of CPU in the turn "
                 f"phase (each p50 {fmt(row['proxy_cpu_s']['p50'], 2)} s, max {fmt(row['proxy_cpu_s']['max'], 2)} s); "
+                f"waiters for a slot woke {row['waiter_wakeups']['woken']:,} times on a change and "
+                f"{row['waiter_wakeups']['timed_out']:,} on a timeout (the whole run); "
                 f"start cost learned p50 {fmt(row['start_cost_ms']['p50'], 0)} ms, protection granted p50 "
                 f"{fmt(row['protection_ms']['p50'], 0)} ms; a restore inside the proxy took p50 "
                 f"{fmt(row['logged_resume_ms']['p50'], 0)} ms (n={row['logged_resume_ms']['n']}); "

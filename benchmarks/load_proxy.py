@@ -25,7 +25,10 @@ in every process of the host).
 Beside it, ``ACQUIRES_FILE.windows`` gets ``start <seconds>`` for every start the pool
 learns its backend's start cost from (slot held -> session bound), and ``protect
 <seconds>`` for every protection it grants a session just active
-(``ProcessPool.protection``: ``[pool] min_idle``, at most the start cost).
+(``ProcessPool.protection``: ``[pool] min_idle``, at most the start cost). At exit it
+adds ``wakeups <woken> <timed out>``: how often a waiter for a slot woke up
+(``ProcessPool._wait_for_change``), because something changed or because its pause
+(the install poll, or a protection ending) ran out.
 
 The writes are a few microseconds per process start or turn, on the event loop;
 nothing else changes. The pool module is imported before the proxy's start-up
@@ -34,6 +37,7 @@ instead of after it, which only moves the import (cold start is not measured her
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import functools
 import os
@@ -100,7 +104,17 @@ def time_acquires(path: str) -> None:
             os.write(windows, f"start {time.monotonic() - started:.6f}\n".encode())
         note_bound(self, adapter)
 
+    wait_for_change = ProcessPool._wait_for_change
+    wakeups = {"woken": 0, "timed_out": 0}
+
+    async def counted_wait(changed: Any, timeout: float) -> None:
+        await wait_for_change(changed, timeout)
+        wakeups["woken" if changed.is_set() else "timed_out"] += 1
+
+    atexit.register(lambda: os.write(windows, f"wakeups {wakeups['woken']} {wakeups['timed_out']}\n".encode()))
+
     ProcessPool._acquire_slot = timed  # type: ignore[method-assign]
+    ProcessPool._wait_for_change = staticmethod(counted_wait)  # type: ignore[method-assign]
     ProcessPool.protection = timed_protection  # type: ignore[method-assign]
     ProcessPool.note_bound = timed_note_bound  # type: ignore[method-assign]
     ProcessPool._evict_anywhere = timed_evict  # type: ignore[method-assign,assignment]
