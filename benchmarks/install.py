@@ -217,9 +217,10 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int, poo
                 on_turns=lambda: cpu_at_turns.append(fleet.cpu_seconds()),
             )
             sampler.sample()
+        began = cpu_at_turns[0] if cpu_at_turns else [None] * SESSIONS
         cpu_turns = [
             after - before
-            for before, after in zip(cpu_at_turns[0], fleet.cpu_seconds(), strict=True)
+            for before, after in zip(began, fleet.cpu_seconds(), strict=True)
             if before is not None and after is not None
         ]
         memory = fleet.memory()
