@@ -582,18 +582,22 @@ def eviction_figures(acquires: list[Acquire], *, peer: bool) -> dict[str, Any]:
 def window_figures(acquire_files: list[Path]) -> dict[str, Any]:
     """From ``load_proxy.py``'s ``.windows`` files: the start costs the pools learned, the protections granted (ms)."""
     found: dict[str, list[float]] = {"start": [], "protect": []}
-    woken = timed_out = 0
+    woken = timed_out = plans = 0
+    planning = 0.0
     for path in (Path(f"{acquires}.windows") for acquires in acquire_files):
         for line in path.read_text().splitlines() if path.exists() else []:
             kind, *values = line.split()
             if kind == "wakeups":
                 woken, timed_out = woken + int(values[0]), timed_out + int(values[1])
+            elif kind == "plans":
+                plans, planning = plans + int(values[0]), planning + float(values[1])
             else:
                 found[kind].append(float(values[0]) * 1000)
     return {
         "start_cost_ms": stats(sorted(found["start"])),
         "protection_ms": stats(sorted(found["protect"])),
         "waiter_wakeups": {"woken": woken, "timed_out": timed_out},
+        "install_reads": {"count": plans, "seconds": planning},
     }
 
 
@@ -996,7 +1000,8 @@ def render(results: dict[str, Any]) -> list[str]:
                 f"{' / '.join(fmt(row[part]['p50'], 1) for part in ('plan_ms', 'ask_ms', 'free_ms'))} ms; "
                 f"the proxy used {fmt(row['proxy_cpu_s'], 1)} s of CPU in the turn phase; waiters for a slot woke "
                 f"{row['waiter_wakeups']['woken']:,} times on a change and {row['waiter_wakeups']['timed_out']:,} "
-                "times on a timeout (the whole run); "
+                "times on a timeout (the whole run) and read the install's slots "
+                f"{row['install_reads']['count']:,} times ({row['install_reads']['seconds']:.1f} s); "
                 f"start cost learned p50 {fmt(row['start_cost_ms']['p50'], 0)} ms (p99 "
                 f"{fmt(row['start_cost_ms']['p99'], 0)}), protection granted p50 "
                 f"{fmt(row['protection_ms']['p50'], 0)} ms (p99 {fmt(row['protection_ms']['p99'], 0)})"

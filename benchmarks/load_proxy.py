@@ -28,7 +28,9 @@ learns its backend's start cost from (slot held -> session bound), and ``protect
 (``ProcessPool.protection``: ``[pool] min_idle``, at most the start cost). At exit it
 adds ``wakeups <woken> <timed out>``: how often a waiter for a slot woke up
 (``ProcessPool._wait_for_change``), because something changed or because its pause
-(the install poll, or a protection ending) ran out.
+(the install poll, or a protection ending) ran out, and ``plans <count> <seconds>``: how
+often a waiter read the install's slots to plan (``ProcessPool.install_slots``) and the
+time that took in all.
 
 The writes are a few microseconds per process start or turn, on the event loop;
 nothing else changes. The pool module is imported before the proxy's start-up
@@ -111,7 +113,24 @@ def time_acquires(path: str) -> None:
         await wait_for_change(changed, timeout)
         wakeups["woken" if changed.is_set() else "timed_out"] += 1
 
-    atexit.register(lambda: os.write(windows, f"wakeups {wakeups['woken']} {wakeups['timed_out']}\n".encode()))
+    install_slots = ProcessPool.install_slots
+    plans = {"count": 0, "seconds": 0.0}
+
+    @functools.wraps(install_slots)
+    def timed_install_slots(self: ProcessPool, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return install_slots(self, *args)
+        finally:
+            plans["count"] += 1
+            plans["seconds"] += time.perf_counter() - start
+
+    def write_totals() -> None:
+        os.write(windows, f"wakeups {wakeups['woken']} {wakeups['timed_out']}\n".encode())
+        os.write(windows, f"plans {plans['count']} {plans['seconds']:.6f}\n".encode())
+
+    atexit.register(write_totals)
+    ProcessPool.install_slots = timed_install_slots  # type: ignore[method-assign,assignment]
 
     ProcessPool._acquire_slot = timed  # type: ignore[method-assign]
     ProcessPool._wait_for_change = staticmethod(counted_wait)  # type: ignore[method-assign]
