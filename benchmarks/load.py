@@ -49,10 +49,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import itertools
 import json
 import os
 import random
+import re
 import secrets
 import signal
 import statistics
@@ -75,6 +77,7 @@ from benchmarks.common import (
     Report,
     attempt,
     child_environment,
+    cpu_seconds,
     fmt,
     leftovers,
     percentile,
@@ -183,7 +186,10 @@ class ProxyClient:
     """One gateway connection to a proxy, shared by every session's thread (the kit's client, reading in a thread).
 
     An observer keeps the tally (ids sent, answers per id), each session's streamed
-    updates and anything else the proxy says (which it must not).
+    updates and anything else the proxy says (which it must not), and hands each answer
+    to the thread waiting for it. (The kit's own ``answer`` looks up its request after
+    sending it: with a reader thread, an answer that arrives before the sending thread
+    asks for it is taken for one to a request nobody waits for.)
     """
 
     def __init__(self, argv: list[str], env: dict[str, str], who: str) -> None:
@@ -191,6 +197,10 @@ class ProxyClient:
         self.tally = Tally()
         self._updates: collections.Counter[str] = collections.Counter()
         self.unexpected: list[str] = []
+        self._ids = itertools.count(1)
+        self._answered = threading.Condition()
+        self._answers: dict[Any, dict[str, Any] | None] = {}
+        """Requests sent and not yet taken by their caller: ``None`` until answered."""
         self.conn = SyncGateway.launch(argv, env=env, cwd=ROOT, name=who, keep=False, reader_thread=True)
         self.process = self.conn.process
         self.conn.observers.append(self._observe)
@@ -202,6 +212,10 @@ class ProxyClient:
         elif "method" not in msg and "id" in msg:
             with self.tally.lock:
                 self.tally.answers[msg["id"]] += 1
+            with self._answered:
+                if msg["id"] in self._answers:
+                    self._answers[msg["id"]] = msg
+                    self._answered.notify_all()
         elif msg.get("method") == "session/update" and "id" not in msg:
             self._updates[str((msg.get("params") or {}).get("sessionId"))] += 1
         else:
@@ -209,12 +223,26 @@ class ProxyClient:
 
     def call(self, method: str, params: object, timeout: float = TURN_TIMEOUT) -> dict[str, Any] | None:
         """The answer to a request, or None if none came within ``timeout``."""
+        request_id = next(self._ids)
+        deadline = time.monotonic() + timeout
+        with self._answered:
+            self._answers[request_id] = None
         try:
-            return self.conn.request(method, params, timeout=timeout)
-        except TimeoutError:
-            return None
+            self.conn.send_request(method, params, request_id=request_id)
+            with self._answered:
+                while (answer := self._answers[request_id]) is None:
+                    if self.conn.output_closed:
+                        raise BenchError(f"{self.who}: its output closed before answering {method}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return None
+                    self._answered.wait(min(remaining, 1.0))
+                return answer
         except Closed as exc:
             raise BenchError(str(exc)) from None
+        finally:
+            with self._answered:
+                self._answers.pop(request_id, None)
 
     def new_session(self) -> str:
         answer = self.call("session/new", SESSION_PARAMS)
@@ -222,6 +250,12 @@ class ProxyClient:
         if not isinstance(session_id, str):
             raise BenchError(f"{self.who}: session/new answered {str(answer)[:300]}")
         return session_id
+
+    def open_session(self, _index: int) -> str:
+        return self.new_session()
+
+    def prompt_session(self, _index: int, session_id: str) -> Turn:
+        return self.prompt(session_id)
 
     def prompt(self, session_id: str) -> Turn:
         self._updates[session_id] = 0
@@ -296,6 +330,11 @@ class DirectPool:
         self.stopping = 0
         self.peak = 0
         self.waits: list[float] = []
+        self.eviction_waits: list[float] = []
+        """The waits in which this pool stopped an agent to make room (from the request to the slot had)."""
+        self.start_costs: list[float] = []
+        """Each start, from the slot had to the session opened or restored on the new agent (as the proxy's
+        pool learns its start cost)."""
 
     def _count(self) -> None:
         self.peak = max(self.peak, len(self.live) + self.starting + self.stopping)
@@ -303,12 +342,14 @@ class DirectPool:
     def _slot(self) -> None:
         """Reserve room for one more agent (the caller holds ``cond``), stopping the LRU idle one if needed."""
         start = time.perf_counter()
+        stopped = False
         while len(self.live) + self.starting + self.stopping >= self.cap:
             idle = next((s for s in self.live if s not in self.busy), None)
             if idle is None:
                 self.cond.wait()
                 continue
             agent = self.live.pop(idle)
+            stopped = True
             self.stopping += 1
             self.cond.release()
             try:
@@ -320,9 +361,12 @@ class DirectPool:
         self.starting += 1
         self._count()
         self.waits.append(time.perf_counter() - start)
+        if stopped:
+            self.eviction_waits.append(self.waits[-1])
 
     def _spawn(self, session_id: str | None) -> tuple[Agent, str]:
         """Outside the lock: a new agent, initialized, with the session restored (or a new one)."""
+        start = time.perf_counter()
         agent = Agent(self.env, self.tally)
         try:
             agent.call("initialize", INITIALIZE_PARAMS)
@@ -338,6 +382,7 @@ class DirectPool:
                 self.cond.notify_all()
             raise
         with self.cond:
+            self.start_costs.append(time.perf_counter() - start)
             self.starting -= 1
             self.live[session_id] = agent
             self.busy.add(session_id)
@@ -376,6 +421,12 @@ class DirectClient:
         _, session_id = self.pool.acquire(None)
         self.pool.release(session_id)
         return session_id
+
+    def open_session(self, _index: int) -> str:
+        return self.new_session()
+
+    def prompt_session(self, _index: int, session_id: str) -> Turn:
+        return self.prompt(session_id)
 
     def prompt(self, session_id: str) -> Turn:
         start = time.perf_counter()
@@ -462,20 +513,150 @@ def peak_lifetimes(path: Path) -> tuple[int, int]:
 # --- one run ---------------------------------------------------------------------------------
 
 
-def drive(client: Any, bursts: int, who: str) -> dict[str, Any]:
-    """All sessions at once: create, then bursts of turns; what each turn and each creation took."""
+@dataclass(frozen=True)
+class Eviction:
+    """One suspension an acquire asked for (``load_proxy.py``): times in seconds since the acquire began."""
+
+    peer: bool
+    """Asked of another proxy of the install (through its control socket), not done in this one."""
+    asked: float
+    answered: float
+    ok: bool
+    """The session was suspended (else its holder refused: it was no longer idle)."""
+
+
+@dataclass(frozen=True)
+class Acquire:
+    """One wait for a process slot in a proxy, from ``load_proxy.py``'s record."""
+
+    seconds: float
+    ok: bool
+    evictions: tuple[Eviction, ...] = ()
+    began: float = 0.0
+    """``CLOCK_MONOTONIC`` when it began (the same clock in every process of the host)."""
+
+    @property
+    def suspended(self) -> Eviction | None:
+        """The suspension that freed the slot this acquire got (the last one granted), if any."""
+        return next((e for e in reversed(self.evictions) if e.ok), None)
+
+
+def parse_acquire(line: str) -> Acquire:
+    """``<seconds> <ok|failed> <-|where,asked,answered,ok;...> <began>`` (see ``load_proxy.py``)."""
+    seconds, outcome, asked_for, began = line.split()
+    evictions = []
+    for part in asked_for.split(";") if asked_for != "-" else []:
+        where, asked, answered, ok = part.split(",")
+        evictions.append(Eviction(where == "peer", float(asked), float(answered), ok == "1"))
+    return Acquire(float(seconds), outcome == "ok", tuple(evictions), float(began))
+
+
+def read_acquires(path: Path) -> list[Acquire]:
+    return [parse_acquire(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def acquire_figures(acquires: list[Acquire]) -> dict[str, Any]:
+    """How the proxy's waits for a slot went: how many suspended something (here, in a peer), how many were refused."""
+    return {
+        "acquires": len(acquires),
+        "acquires_failed": sum(1 for a in acquires if not a.ok),
+        "acquires_suspending_own": sum(1 for a in acquires if a.suspended is not None and not a.suspended.peer),
+        "acquires_suspending_peer": sum(1 for a in acquires if a.suspended is not None and a.suspended.peer),
+        "evictions_refused": sum(1 for a in acquires for e in a.evictions if not e.ok),
+    }
+
+
+def eviction_figures(acquires: list[Acquire], *, peer: bool) -> dict[str, Any]:
+    """The slot waits that got their slot by a suspension (another proxy's if ``peer``, else their own proxy's),
+    in ms: in all, and split into *plan* (up to the granted ask), *ask* (the ask itself) and *free* (from
+    the yes to the slot held: the suspended session's tree ending)."""
+    evicting = [(a, e) for a in acquires if a.ok and (e := a.suspended) is not None and e.peer == peer]
+    return {
+        "eviction_ms": stats(sorted(a.seconds * 1000 for a, _ in evicting)),
+        "plan_ms": stats(sorted(e.asked * 1000 for _, e in evicting)),
+        "ask_ms": stats(sorted((e.answered - e.asked) * 1000 for _, e in evicting)),
+        "free_ms": stats(sorted((a.seconds - e.answered) * 1000 for a, e in evicting)),
+    }
+
+
+def window_figures(acquire_files: list[Path]) -> dict[str, Any]:
+    """From ``load_proxy.py``'s ``.windows`` files: the start costs the pools learned, the protections granted (ms)."""
+    found: dict[str, list[float]] = {"start": [], "protect": []}
+    woken = timed_out = plans = 0
+    planning = 0.0
+    for path in (Path(f"{acquires}.windows") for acquires in acquire_files):
+        for line in path.read_text().splitlines() if path.exists() else []:
+            kind, *values = line.split()
+            if kind == "wakeups":
+                woken, timed_out = woken + int(values[0]), timed_out + int(values[1])
+            elif kind == "plans":
+                plans, planning = plans + int(values[0]), planning + float(values[1])
+            else:
+                found[kind].append(float(values[0]) * 1000)
+    return {
+        "start_cost_ms": stats(sorted(found["start"])),
+        "protection_ms": stats(sorted(found["protect"])),
+        "waiter_wakeups": {"woken": woken, "timed_out": timed_out},
+        "install_reads": {"count": plans, "seconds": planning},
+    }
+
+
+RESUMED_LINE = re.compile(r"session \S+ resumed on pid \d+ in (\d+) ms")
+SUSPENDED_LINE = re.compile(r"session \S+ suspended \((.*?)\): stopping pid")
+
+
+def log_figures(logged: str) -> dict[str, Any]:
+    """From a proxy's log: how long each restore took inside the proxy, and why sessions were suspended."""
+    resumes = sorted(float(ms) for ms in RESUMED_LINE.findall(logged))
+    reasons = collections.Counter(re.sub(r"[\d.]+s", "Ns", why) for why in SUSPENDED_LINE.findall(logged))
+    return {
+        "log_lines": logged.count("\n"),
+        "pool_full_log_lines": logged.count(" pool full for backend "),
+        "logged_resume_ms": stats(resumes),
+        "suspended_by_reason": dict(reasons),
+    }
+
+
+def stats(values: list[float]) -> dict[str, float | None]:
+    """n, p50, p99, max and mean of already sorted values."""
+    if not values:
+        return {"n": 0, "p50": None, "p99": None, "max": None, "mean": None}
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p99": percentile(values, 99),
+        "max": values[-1],
+        "mean": statistics.fmean(values),
+    }
+
+
+def drive(
+    sessions: int,
+    open_session: Callable[[int], str],
+    prompt: Callable[[int, str], Turn],
+    bursts: int,
+    who: str,
+    think_max: float = THINK_MAX,
+    on_turns: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """All sessions at once: open, then bursts of turns; what each turn and each opening took.
+
+    ``open_session(i)`` opens session ``i`` (its id), ``prompt(i, id)`` runs one turn of it;
+    each session has a thread of its own. ``on_turns`` is called once every session is open,
+    before the first turn.
+    """
     created: list[float] = []
     turns: list[Turn] = []
     failures: list[str] = []
     lock = threading.Lock()
-    barrier = threading.Barrier(SESSIONS + 1)
+    barrier = threading.Barrier(sessions + 1, action=on_turns)
 
     def session(index: int) -> None:
         rng = random.Random(SEED * 1000 + index)
         session_id = None
         try:
             start = time.perf_counter()
-            session_id = client.new_session()
+            session_id = open_session(index)
             with lock:
                 created.append(time.perf_counter() - start)
         except BenchError as exc:
@@ -486,30 +667,40 @@ def drive(client: Any, bursts: int, who: str) -> dict[str, Any]:
         if session_id is None:
             return
         for _ in range(bursts):
-            time.sleep(rng.uniform(0, THINK_MAX))
+            time.sleep(rng.uniform(0, think_max))
             for _ in range(BURST_TURNS):
                 try:
-                    turn = client.prompt(session_id)
+                    turn = prompt(index, session_id)
                 except BenchError as exc:
                     turn = Turn(0.0, error=str(exc))
                 with lock:
                     turns.append(turn)
 
-    threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(SESSIONS)]
+    threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(sessions)]
     start = time.perf_counter()
     for thread in threads:
         thread.start()
     barrier.wait()
     creation_s = time.perf_counter() - start
-    progress(f"load: {who}: {len(created)} sessions created in {creation_s:.1f} s; turns ...")
+    progress(f"{who}: {len(created)} sessions opened in {creation_s:.1f} s; turns ...")
+    turns_began = time.monotonic()
     turns_start = time.perf_counter()
     for thread in threads:
         thread.join()
     turns_s = time.perf_counter() - turns_start
-    return {"created": created, "creation_s": creation_s, "turns": turns, "turns_s": turns_s, "failures": failures}
+    return {
+        "created": created,
+        "creation_s": creation_s,
+        "turns": turns,
+        "turns_s": turns_s,
+        "turns_window": (turns_began, time.monotonic()),
+        "failures": failures,
+    }
 
 
-def summarize(mode: str, driven: dict[str, Any], waits: list[float], extra: dict[str, Any]) -> dict[str, Any]:
+def summarize(
+    mode: str, driven: dict[str, Any], waits: list[float], extra: dict[str, Any], sessions: int = SESSIONS
+) -> dict[str, Any]:
     turns: list[Turn] = driven["turns"]
     ok = [t for t in turns if t.error is None]
     resumed = sorted(t.seconds * 1000 for t in ok if t.resumed)
@@ -518,20 +709,9 @@ def summarize(mode: str, driven: dict[str, Any], waits: list[float], extra: dict
     waits_ms = sorted(w * 1000 for w in waits)
     errors = collections.Counter(t.error for t in turns if t.error is not None)
 
-    def stats(values: list[float]) -> dict[str, float | None]:
-        if not values:
-            return {"n": 0, "p50": None, "p99": None, "max": None, "mean": None}
-        return {
-            "n": len(values),
-            "p50": percentile(values, 50),
-            "p99": percentile(values, 99),
-            "max": values[-1],
-            "mean": statistics.fmean(values),
-        }
-
     return {
         "mode": mode,
-        "sessions": SESSIONS,
+        "sessions": sessions,
         "turns": len(turns),
         "turns_ok": len(ok),
         "updates": len(ok) * UPDATES,
@@ -550,7 +730,13 @@ def summarize(mode: str, driven: dict[str, Any], waits: list[float], extra: dict
     }
 
 
-def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any]:
+def pool_settings(args: argparse.Namespace) -> str:
+    """The ``[pool]`` lines a run's options add to the proxies' config (``--min-idle``)."""
+    min_idle = getattr(args, "min_idle", None)
+    return "" if min_idle is None else f"min_idle = {min_idle}\n"
+
+
+def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int, pool: str = "") -> dict[str, Any]:
     mode = proxy_mode(backend)
     who = mode_label(mode)
     lifetimes = workdir / f"lifetimes-{mode}.txt"
@@ -558,7 +744,7 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> 
     state = workdir / f"state-{backend}"
     config = workdir / f"load-{backend}.toml"
     config.write_text(
-        f"[pool]\nmax_live = {MAX_LIVE}\n[backends.{BACKEND}]\ncommand = {json.dumps(agent_argv())}\n",
+        f"[pool]\nmax_live = {MAX_LIVE}\n{pool}[backends.{BACKEND}]\ncommand = {json.dumps(agent_argv())}\n",
     )
     acquires = workdir / f"acquires-{backend}.txt"
     argv = [sys.executable, str(LOAD_PROXY), str(acquires), "--async-backend", backend, "--config", str(config)]
@@ -567,9 +753,18 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> 
         answer = client.call("initialize", INITIALIZE_PARAMS, timeout=30)
         if answer is None or "result" not in answer:
             raise BenchError(f"{who}: initialize answered {str(answer)[:300]}")
+        cpu_at_turns: list[float | None] = []
         with TreeSampler(client.process.pid, depth=2, count_root=True) as sampler:
-            driven = drive(client, bursts, who)
+            driven = drive(
+                SESSIONS,
+                client.open_session,
+                client.prompt_session,
+                bursts,
+                f"load: {who}",
+                on_turns=lambda: cpu_at_turns.append(cpu_seconds(client.process.pid)),
+            )
             sampler.sample()
+        cpu_after = cpu_seconds(client.process.pid)
         proxy_hwm = proc_status_kb(client.process.pid, "VmHWM")
         status = client.close()
     except BaseException:
@@ -578,15 +773,13 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> 
     finally:
         client.conn.close(0)  # after a kill: reaps it and keeps its log
         logged = client.stderr_text()
-    lines = acquires.read_text().split() if acquires.exists() else []
-    waits = [float(v) for v, outcome in zip(lines[::2], lines[1::2], strict=True) if outcome == "ok"]
-    failed_acquires = sum(1 for outcome in lines[1::2] if outcome != "ok")
+    recorded = read_acquires(acquires)
     if status != 0:
         raise BenchError(f"{who}: the proxy exited with status {status}: {logged[-500:]}")
     row = summarize(
         mode,
         driven,
-        waits,
+        [a.seconds for a in recorded if a.ok],
         {
             "requests": client.tally.lost(),
             "unexpected_lines": len(client.unexpected),
@@ -594,13 +787,21 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int) -> 
             **lifetime_figures(lifetimes),
             "samples": sampler.samples,
             "proxy_peak_rss_mb": None if proxy_hwm is None else proxy_hwm / 1024,
+            "proxy_cpu_s": cpu_spent(cpu_at_turns, cpu_after),
             "tree_peak_rss_mb": sampler.peak_rss / (1 << 20),
-            "acquires_failed": failed_acquires,
-            "log_lines": logged.count("\n"),
-            "pool_full_log_lines": logged.count(" pool full for backend "),
+            **acquire_figures(recorded),
+            **eviction_figures(recorded, peer=False),
+            **window_figures([acquires]),
+            **log_figures(logged),
         },
     )
     return row
+
+
+def cpu_spent(before: list[float | None], after: float | None) -> float | None:
+    """CPU seconds between the reading taken when the turns began (if any) and ``after``."""
+    first = before[0] if before else None
+    return None if first is None or after is None else after - first
 
 
 def lifetime_figures(path: Path) -> dict[str, int]:
@@ -615,7 +816,7 @@ def direct_run(mode: str, env: dict[str, str], workdir: Path, bursts: int) -> di
     client = DirectClient(MAX_LIVE if mode == DIRECT_POOL else SESSIONS, env)
     try:
         with TreeSampler(os.getpid(), depth=1, count_root=False) as sampler:
-            driven = drive(client, bursts, who)
+            driven = drive(SESSIONS, client.open_session, client.prompt_session, bursts, f"load: {who}")
             sampler.sample()
     finally:
         client.pool.close()
@@ -628,6 +829,8 @@ def direct_run(mode: str, env: dict[str, str], workdir: Path, bursts: int) -> di
             "unexpected_lines": 0,
             "peak_adapters_sampled": sampler.peak_adapters,
             "peak_adapters_counted": client.pool.peak,
+            "eviction_wait_ms": stats(sorted(w * 1000 for w in client.pool.eviction_waits)),
+            "start_cost_ms": stats(sorted(w * 1000 for w in client.pool.start_costs)),
             **lifetime_figures(lifetimes),
             "samples": sampler.samples,
             "proxy_peak_rss_mb": None,
@@ -636,9 +839,9 @@ def direct_run(mode: str, env: dict[str, str], workdir: Path, bursts: int) -> di
     )
 
 
-def check_row(report: Report, row: dict[str, Any]) -> None:
+def check_row(report: Report, row: dict[str, Any], *, who: str | None = None, cap: int | None = None) -> None:
     """What makes a run fail: lost or duplicated answers, a short stream, more processes than the cap."""
-    who = f"load {mode_label(row['mode'])}"
+    who = who or f"load {mode_label(row['mode'])}"
     requests = row["requests"]
     if requests["lost"] or requests["duplicated"] or requests["stray"] or row["unexpected_lines"]:
         report.errors.append(f"{who}: requests {requests}, unexpected lines {row['unexpected_lines']}")
@@ -647,7 +850,8 @@ def check_row(report: Report, row: dict[str, Any]) -> None:
         report.errors.append(f"{who}: turns with a short stream: {short}")
     if row["session_new_failures"]:
         report.errors.append(f"{who}: session/new failed: {row['session_new_failures'][:3]}")
-    cap = MAX_LIVE if row["mode"] != DIRECT_ALL else SESSIONS
+    if cap is None:
+        cap = MAX_LIVE if row["mode"] != DIRECT_ALL else SESSIONS
     peak = max(row["peak_adapters_sampled"], row["peak_adapters_exact"])
     row["over_cap"] = peak > cap
     if row["over_cap"]:
@@ -667,6 +871,7 @@ def measure_load(report: Report, args: argparse.Namespace) -> dict[str, Any]:
         "burst_turns": BURST_TURNS,
         "think_max_s": THINK_MAX,
         "seed": SEED,
+        "pool_settings": pool_settings(args),
         "rows": [],
     }
     with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-load-") as name:
@@ -675,7 +880,8 @@ def measure_load(report: Report, args: argparse.Namespace) -> dict[str, Any]:
             (DIRECT_POOL, lambda: direct_run(DIRECT_POOL, env, workdir, bursts))
         ]
         for backend in args.backends:
-            runs.append((proxy_mode(backend), lambda b=backend: proxy_run(b, env, workdir, bursts)))
+            proxied = functools.partial(proxy_run, backend, env, workdir, bursts, pool_settings(args))
+            runs.append((proxy_mode(backend), proxied))
         runs.append((DIRECT_ALL, lambda: direct_run(DIRECT_ALL, env, workdir, bursts)))
         for mode, run in runs:
             progress(f"load: {mode_label(mode)}, {SESSIONS} sessions x {bursts * BURST_TURNS} turns ...")
@@ -723,6 +929,8 @@ def render(results: dict[str, Any]) -> list[str]:
         "(direct: the agents).",
         "",
     ]
+    if results.get("pool_settings"):
+        out += [f"The proxies ran with these `[pool]` settings too: `{results['pool_settings'].strip()}`.", ""]
     table_rows = []
     for row in rows:
         is_proxy = row["mode"].startswith("proxy-")
@@ -779,10 +987,24 @@ def render(results: dict[str, Any]) -> list[str]:
             line += f", live p50 {row['added_live_ms_p50']:+.1f} ms"
         requests = row["requests"]
         line += f"; {requests['sent']:,} requests, {requests['lost']} lost, {requests['duplicated']} answered twice"
+        if row["mode"] == DIRECT_POOL and row.get("start_cost_ms"):
+            line += f"; a start (spawn, `initialize`, restore) took p50 {fmt(row['start_cost_ms']['p50'], 0)} ms"
         if "log_lines" in row:
             line += (
                 f"; the proxy logged {row['log_lines']:,} lines ({row['pool_full_log_lines']:,} 'pool full'), "
-                f"{row['acquires_failed']} slot waits failed"
+                f"{row['acquires_failed']} slot waits failed; {row['acquires_suspending_own']} slot waits "
+                f"suspended a session ({row['evictions_refused']} refusals); a restore inside the proxy took "
+                f"p50 {fmt(row['logged_resume_ms']['p50'], 0)} ms (n={row['logged_resume_ms']['n']}); "
+                f"suspended: {row['suspended_by_reason'] or 'none'}; a slot wait that suspended a session took "
+                f"p50 {fmt(row['eviction_ms']['p50'], 0)} ms, of which plan / ask / free p50 "
+                f"{' / '.join(fmt(row[part]['p50'], 1) for part in ('plan_ms', 'ask_ms', 'free_ms'))} ms; "
+                f"the proxy used {fmt(row['proxy_cpu_s'], 1)} s of CPU in the turn phase; waiters for a slot woke "
+                f"{row['waiter_wakeups']['woken']:,} times on a change and {row['waiter_wakeups']['timed_out']:,} "
+                "times on a timeout (the whole run) and read the install's slots "
+                f"{row['install_reads']['count']:,} times ({row['install_reads']['seconds']:.1f} s); "
+                f"start cost learned p50 {fmt(row['start_cost_ms']['p50'], 0)} ms (p99 "
+                f"{fmt(row['start_cost_ms']['p99'], 0)}), protection granted p50 "
+                f"{fmt(row['protection_ms']['p50'], 0)} ms (p99 {fmt(row['protection_ms']['p99'], 0)})"
             )
         out.append(line + ".")
     left = results.get("left_running", [])

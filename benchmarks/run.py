@@ -9,6 +9,8 @@
     scripts/bench --only sessions  the session figures alone (resume, memory, registry)
     scripts/bench --only tasks     the task figures alone (per-turn overhead, bookkeeping, writes)
     scripts/bench --only load      200 concurrent sessions over max_live = 8 (--quick: 1 burst each)
+    scripts/bench --only install   20 proxies of one session each over one install's max_live = 4, against a
+                                   client-side pool of the same work (--quick: 3 bursts each instead of 10)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
 One synchronous client (the kit's ``SyncGateway``, reading raw bytes where a row
@@ -29,7 +31,11 @@ see ``benchmarks/ownership.py``); and what sessions cost (resuming a suspended
 session, the proxy's memory with 1,000 registered sessions, registry operations:
 see ``benchmarks/sessions.py``); and what recording every prompt turn as a task
 costs (short turns' time, the bookkeeping alone, task writes: see
-``benchmarks/tasks.py``). The figures are reported, never
+``benchmarks/tasks.py``); and the pool under load, in one proxy (200 sessions over
+``max_live = 8``: ``benchmarks/load.py``) and across the proxies of one install (20
+proxies of one session each over ``max_live = 4``, as acpx runs them: throughput,
+resumes, cross-proxy eviction latency, peak live adapters, memory per proxy:
+``benchmarks/install.py``). The figures are reported, never
 asserted: a missed target is printed, it does not fail the run. A run fails only
 when a relay loses, reorders or corrupts messages, or a process hangs.
 
@@ -61,7 +67,7 @@ from typing import Any
 import msgspec
 import psutil
 
-from benchmarks import load, ownership, sessions, tasks
+from benchmarks import install, load, ownership, sessions, tasks
 from benchmarks.common import (
     ROOT,
     BenchError,
@@ -93,7 +99,7 @@ TARGET_LATENCY_ADDED_US = 100.0
 TARGET_COLD_START_ADDED_MS = 80.0
 TARGET_RSS_MB = 35.0
 
-MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership", "sessions", "tasks", "load")
+MEASUREMENTS = ("throughput", "latency", "cold-start", "ownership", "sessions", "tasks", "load", "install")
 
 DIRECT = "direct"
 CAT = "cat"
@@ -106,11 +112,13 @@ CLIENT_LABELS = {
 
 @dataclass
 class BenchReport(Report):
-    """The report, with the session, task and load figures (``benchmarks/sessions.py``, ``tasks.py``, ``load.py``)."""
+    """The report, with the session, task, load and install figures (``benchmarks/sessions.py``, ``tasks.py``,
+    ``load.py``, ``install.py``)."""
 
     sessions: dict[str, Any] = field(default_factory=dict)
     tasks: dict[str, Any] = field(default_factory=dict)
     load: dict[str, Any] = field(default_factory=dict)
+    install: dict[str, Any] = field(default_factory=dict)
 
 
 def mode_label(mode: str) -> str:
@@ -722,6 +730,7 @@ def render(report: BenchReport) -> str:
     out += sessions.render(report.sessions)
     out += tasks.render(report.tasks)
     out += load.render(report.load)
+    out += install.render(report.install)
     if report.targets:
         out += ["## Targets", ""]
         rows = [
@@ -789,7 +798,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings, "
         "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes, "
-        "1 burst of turns per load session",
+        "1 burst of turns per load session, 3 per install session",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
@@ -832,6 +841,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--task-ops", type=int, help="tasks: turns recorded in-process, task writes per kind (10,000; --quick: 2,000)"
     )
     parser.add_argument(
+        "--min-idle",
+        type=float,
+        help="load, install: [pool] min_idle for the proxies, seconds (default: the proxy's own, 2 s)",
+    )
+    parser.add_argument(
         "--only",
         default=",".join(MEASUREMENTS),
         help=f"what to measure, comma-separated (default: {','.join(MEASUREMENTS)})",
@@ -867,6 +881,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--resumes, --rss-runs and --registry-ops must be at least 1")
     if min(args.turns, args.task_ops) < 1:
         parser.error("--turns and --task-ops must be at least 1")
+    if args.min_idle is not None and args.min_idle < 0:
+        parser.error("--min-idle must not be negative")
     if args.replay < 0:
         parser.error("--replay must not be negative")
     if min(args.stdin_grace, args.term_grace) < 0:
@@ -897,6 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             "registry_ops": args.registry_ops,
             "turns": args.turns,
             "task_ops": args.task_ops,
+            "min_idle": args.min_idle,
             "only": sorted(args.only),
         },
         machine=machine_info(),
@@ -916,6 +933,8 @@ def main(argv: list[str] | None = None) -> int:
         report.tasks = tasks.measure_tasks(report, args)
     if "load" in args.only:
         report.load = load.measure_load(report, args)
+    if "install" in args.only:
+        report.install = install.measure_install(report, args)
     evaluate_targets(report, args.backends)
     report.options["elapsed_s"] = time.perf_counter() - started
     print(render(report), flush=True)
