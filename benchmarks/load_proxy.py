@@ -25,7 +25,8 @@ in every process of the host).
 Beside it, ``ACQUIRES_FILE.windows`` gets ``start <seconds>`` for every start the pool
 learns its backend's start cost from (slot held -> session bound), and ``protect
 <seconds>`` for every protection it grants a session just active
-(``ProcessPool.protection``: ``[pool] min_idle``, at most the start cost). At exit it
+(``ProcessPool.protection``: ``[pool] min_idle``, at most the start cost and twice the
+session's gateway turnaround). At exit it
 adds ``wakeups <woken> <timed out>``: how often a waiter for a slot woke up
 (``ProcessPool._wait_for_change``), because something changed or because its pause
 (the install poll, or a protection ending) ran out, and ``plans <count> <seconds>``: how
@@ -94,8 +95,8 @@ def time_acquires(path: str) -> None:
     note_bound = ProcessPool.note_bound
 
     @functools.wraps(protection)
-    def timed_protection(self: ProcessPool, backend: Any) -> float:
-        seconds = protection(self, backend)
+    def timed_protection(self: ProcessPool, backend: Any, session: str | None = None) -> float:
+        seconds = protection(self, backend, session)
         os.write(windows, f"protect {seconds:.6f}\n".encode())
         return seconds
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from acp_proxy.pool.plan import Admit, Slot, Wait, expired, falls_back_to_new, plan_acquire, restore_method
+from acp_proxy.pool.plan import (
+    Admit,
+    Slot,
+    Wait,
+    expired,
+    falls_back_to_new,
+    plan_acquire,
+    protection,
+    restore_method,
+)
 
 
 def slot(key: str, backend: str = "a", last_active: float = 0.0, **flags: bool) -> Slot:
@@ -204,6 +213,26 @@ def test_plan_acquire_with_waiters_ahead(live: list[Slot], ahead: int, expected:
         assert isinstance(decision, Admit)
         assert decision.evict is not None
         assert decision.evict.key == expected
+
+
+# (sentence, min_idle, start cost, turnaround, protection)
+PROTECTION = [
+    ("nothing learnt yet: min_idle", 2.0, None, None, 2.0),
+    ("a start cheaper than min_idle: no longer than a start", 2.0, 0.25, None, 0.25),
+    ("a gateway that comes back in 20 ms: twice that, but at least 50 ms", 2.0, 0.25, 0.02, 0.05),
+    ("a gateway that comes back in 80 ms: twice that", 2.0, 0.25, 0.08, 0.16),
+    ("a slow gateway: still no longer than a start", 2.0, 0.25, 5.0, 0.25),
+    ("min_idle = 0: no protection at all", 0.0, 0.25, 0.02, 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("min_idle", "start_cost", "turnaround", "expected"),
+    [row[1:] for row in PROTECTION],
+    ids=[row[0] for row in PROTECTION],
+)
+def test_protection(min_idle: float, start_cost: float | None, turnaround: float | None, expected: float) -> None:
+    assert protection(min_idle, start_cost, turnaround) == pytest.approx(expected)
 
 
 def test_waiting_for_a_recent_session_says_until_when() -> None:

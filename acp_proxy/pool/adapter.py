@@ -128,6 +128,9 @@ class Adapter:
         self.memory: int | None = None
         """Its tree's memory when last measured (bytes), and how (``pss`` or ``rss``)."""
         self.memory_kind: str | None = None
+        self.turn_ended_at: float | None = None
+        self.turnaround: float | None = None
+        """How long the gateway took to send this turn's prompt after the previous turn ended."""
         self.pool_changed: Changes | None = None
         """Told when a turn starts here, so that the install's record of this slot says busy at once."""
 
@@ -278,11 +281,13 @@ class Adapter:
         call_id = self.register(msg.method, msg.id, msg.params)
         call = self.pending[call_id]
         call.on_answer = on_answer
+        self.last_active = time.monotonic()
         if turn is not None:
             call.turn = self.turn = turn
+            if self.turn_ended_at is not None:
+                self.turnaround, self.turn_ended_at = self.last_active - self.turn_ended_at, None
             if self.pool_changed is not None:
                 self.pool_changed.notify()
-        self.last_active = time.monotonic()
         out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))
         with suppress(AdapterGone):
             await self.send(jsonrpc.encode(out))

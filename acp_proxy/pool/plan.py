@@ -109,6 +109,25 @@ def plan_acquire(
     return Wait(f"every live session of {which} is busy")
 
 
+PROTECTION_FLOOR: Final = 0.05
+TURNAROUND_MARGIN: Final = 2.0
+
+
+def protection(min_idle: float, start_cost: float | None, turnaround: float | None) -> float:
+    """How long a session active moments ago is not taken (``recent_until`` minus now).
+
+    At most ``min_idle``, and no longer than a start of its backend takes (``start_cost``,
+    ``None`` while unknown): taking it would cost it a start (a restore) when the gateway's
+    next request comes, so a waiter that waits for it instead never waits longer than that.
+    Once its gateway has been seen coming back after a turn (``turnaround``: the longest recent
+    gap between a turn's end and its next prompt), no longer than twice that, and at least
+    ``PROTECTION_FLOOR``: a session whose gateway sends its next prompt within milliseconds does
+    not keep a slot idle for a start's length after its last turn.
+    """
+    cap = min_idle if start_cost is None else min(min_idle, start_cost)
+    return cap if turnaround is None else min(cap, max(PROTECTION_FLOOR, TURNAROUND_MARGIN * turnaround))
+
+
 def expired(live: Sequence[Slot], now: float, idle_ttl: float) -> list[Slot]:
     """Idle slots not used for ``idle_ttl`` seconds, oldest first."""
     stale = [slot for slot in live if not slot.busy and not slot.pinned and now - slot.last_active >= idle_ttl]

@@ -34,7 +34,7 @@ from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
 from acp_proxy.pool.install import Held, InstallSlots, SlotRecord, Ticket
 from acp_proxy.pool.memory import BudgetPlan, MemoryBudget, MemorySlot, measure_trees, plan_budget, plan_spawn
-from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire
+from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire, protection
 from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
@@ -54,6 +54,9 @@ ALIVE_FOR: Final = 1.0
 REFUSED_FOR: Final = 0.25
 """A session whose proxy refused to suspend it is not asked again for this long (its record,
 which said it was idle, is rewritten by then)."""
+TURNAROUND_DECAY: Final = 0.8
+"""Per turn, how much of the longest turnaround seen so far is still believed."""
+TURNAROUNDS_KEPT: Final = 10_000
 START_COST_WEIGHT: Final = 0.3
 """Weight of the newest start in the running estimate of a backend's start cost."""
 WARM_KEY: Final = "spare:warm"
@@ -165,6 +168,9 @@ class ProcessPool:
         self._overruns: set[str | None] = set()
         """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
         self._start_costs: dict[str, float] = {}
+        self._turnarounds: dict[str, float] = {}
+        """Per session, the longest recent gap between a turn's end and the gateway's next prompt
+        (least recently active first)."""
         """Per backend, a running estimate of how long a start takes (slot taken -> session bound)."""
         self.running: set[Adapter] = set()
         """Every adapter process started and not yet stopped."""
@@ -736,13 +742,11 @@ class ProcessPool:
 
     # --- what the install sees -------------------------------------------------------------------
 
-    def protection(self, backend: BackendConfig) -> float:
-        """How long a session just active is not taken: ``min_idle``, and no longer than a start of its backend.
-
-        Taking it would cost it a start (a restore) when the gateway's next request
-        comes; a waiter that waits for it instead never waits longer than that.
-        """
-        return min(self.config.pool.min_idle, self._start_costs.get(backend.name, math.inf))
+    def protection(self, backend: BackendConfig, session: str | None = None) -> float:
+        """How long a session just active is not taken (``plan.protection``: ``min_idle``, a start's
+        cost, twice its gateway's turnaround)."""
+        turnaround = self._turnarounds.get(session) if session is not None else None
+        return protection(self.config.pool.min_idle, self._start_costs.get(backend.name), turnaround)
 
     def note_bound(self, adapter: Adapter) -> None:
         """A session now runs on ``adapter`` (opened or restored): learn the start cost, mark it recent."""
@@ -753,10 +757,20 @@ class ProcessPool:
             old = self._start_costs.get(adapter.backend.name)
             name = adapter.backend.name
             self._start_costs[name] = cost if old is None else old + START_COST_WEIGHT * (cost - old)
-        adapter.recent_until = moment + self.protection(adapter.backend)
+        adapter.recent_until = moment + self.protection(adapter.backend, adapter.gateway_session)
 
     def note_turn_ended(self, adapter: Adapter) -> None:
-        adapter.recent_until = time.monotonic() + self.protection(adapter.backend)
+        """A turn has ended: learn how fast the gateway came back after the one before, mark it recent."""
+        moment = time.monotonic()
+        session = adapter.gateway_session
+        if session is not None and adapter.turnaround is not None:
+            known = self._turnarounds.pop(session, 0.0)
+            self._turnarounds[session] = max(adapter.turnaround, known * TURNAROUND_DECAY)
+            if len(self._turnarounds) > TURNAROUNDS_KEPT:
+                del self._turnarounds[next(iter(self._turnarounds))]  # the least recently active session's
+        adapter.turnaround = None
+        adapter.turn_ended_at = moment
+        adapter.recent_until = moment + self.protection(adapter.backend, session)
 
     def record_of(self, adapter: Adapter) -> SlotRecord:
         return SlotRecord(
