@@ -65,7 +65,7 @@ def test_holders_say_who_holds_each_slot(tmp_path: Path) -> None:
     held.publish(record("a", "s-1", busy=False, last_active=5.0))
     [described] = reader.holders()
     assert described.record == record("a", "s-1", busy=False, last_active=5.0)
-    held.publish(record("a", "s-1", busy=True))  # shorter: the file is cut to it
+    held.publish(record("a", "s-1", busy=True))  # shorter: the rest of the longer one is blanked
     [rewritten] = reader.holders()
     assert rewritten.record is not None
     assert rewritten.record.busy is True

@@ -131,6 +131,7 @@ class Held:
     fds: list[int]
     scope_indexes: list[tuple[str, int]]
     _written: bytes = b""
+    _length: int = 0
 
     @property
     def descriptors(self) -> tuple[int, ...]:
@@ -145,15 +146,14 @@ class Held:
         if data == self._written or len(data) > RECORD_BYTES:
             return
         try:
-            # Padded with spaces (JSON whitespace) over a longer old record, then cut:
-            # a reader between the two still reads one whole record.
-            os.pwrite(self.fds[0], data.ljust(len(self._written)), 0)
-            if len(data) < len(self._written):
-                os.ftruncate(self.fds[0], len(data))
+            # Padded with spaces (JSON whitespace) to the longest record written, never cut (an
+            # ftruncate costs more than the write): one pwrite, read whole or caught mid-way.
+            os.pwrite(self.fds[0], data.ljust(self._length), 0)
         except OSError as exc:  # a full disk: the record is a hint, the lock is what counts
             log.warning("could not write a slot record: %s", exc)
             return
         self._written = data
+        self._length = max(self._length, len(data))
 
     def release(self) -> None:
         """Let go of the slot; it is free once the wrapper holding it too has exited."""

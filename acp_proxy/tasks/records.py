@@ -388,7 +388,10 @@ class TaskRecord:
 
 
 def _events_json(events: Iterable[Event]) -> str:
-    return json.dumps([e.to_json() for e in events], separators=(",", ":"))
+    return _encode_json([e.to_json() for e in events]).decode()  # written twice a turn: msgspec, not json
+
+
+_encode_json: Final = msgspec.json.Encoder().encode
 
 
 _PROGRESS_COLUMNS: Final = (
