@@ -131,8 +131,8 @@ class Adapter:
         self.turn_ended_at: float | None = None
         self.turnaround: float | None = None
         """How long the gateway took to send this turn's prompt after the previous turn ended."""
-        self.pool_changed: Changes | None = None
-        """Told when a turn starts here, so that the install's record of this slot says busy at once."""
+        self.on_turn_start: Callable[[Adapter], None] | None = None
+        """Called when a turn starts here, so that the install's record of this slot says busy at once."""
 
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""
@@ -286,8 +286,8 @@ class Adapter:
             call.turn = self.turn = turn
             if self.turn_ended_at is not None:
                 self.turnaround, self.turn_ended_at = self.last_active - self.turn_ended_at, None
-            if self.pool_changed is not None:
-                self.pool_changed.notify()
+            if self.on_turn_start is not None:
+                self.on_turn_start(self)
         out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))
         with suppress(AdapterGone):
             await self.send(jsonrpc.encode(out))

@@ -620,7 +620,7 @@ class ProcessPool:
             adapter.last_active = time.monotonic()
             adapter.started_at = started
             adapter.slot = held
-            adapter.pool_changed = self.changed
+            adapter.on_turn_start = self._publish
             adapter.claimed = prepare
             adapter.start_deadline = deadline
             self.running.add(adapter)
@@ -789,6 +789,10 @@ class ProcessPool:
             memory=adapter.memory,
             memory_kind=adapter.memory_kind,
         )
+
+    def _publish(self, adapter: Adapter) -> None:
+        if adapter.slot is not None:
+            adapter.slot.publish(self.record_of(adapter))
 
     async def publish_slots(self) -> None:
         """Keep this proxy's slot records current: who holds each, for which session, how idle."""
