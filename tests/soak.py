@@ -1054,11 +1054,28 @@ def _holds_a_slot(state_dir: Path, pid: int) -> bool:
 
 
 def _pool_log(workdir: Path) -> collections.Counter[str]:
-    """What the proxies' logs say the install's pool did."""
+    """What the proxies' logs say the install's pool did, and whose tracebacks they hold.
+
+    A log holds its adapters' stderr too: an adapter stopped in the middle of a turn may
+    print a traceback (or part of one) on its way out.
+    """
     found: collections.Counter[str] = collections.Counter()
     for path in workdir.glob("proxy-*.log"):
+        traceback: list[str] | None = None
         with path.open(errors="replace") as lines:
-            for line in lines:
+            for line in [*lines, "\n"]:
+                if traceback is not None:
+                    if line.startswith(" "):
+                        traceback.append(line)
+                        continue
+                    frames = "".join(traceback)
+                    whose = "adapter"
+                    if "/acp_proxy/" in frames:
+                        whose = "proxy"
+                    elif "adapter_wrapper" in frames:
+                        whose = "wrapper"
+                    found[f"{whose} tracebacks in the logs"] += 1
+                    traceback = None
                 if ", for another proxy)" in line:
                     found["suspended for another proxy" if " suspended (" in line else "spare stopped for another"] += 1
                 elif "pool: asking proxy" in line:
@@ -1067,8 +1084,8 @@ def _pool_log(workdir: Path) -> collections.Counter[str]:
                     found["suspended for its own proxy"] += 1
                 elif "pool full for backend" in line:
                     found["waits for a slot"] += 1
-                elif "Traceback" in line:
-                    found["tracebacks in the logs"] += 1
+                elif line.startswith("Traceback"):
+                    traceback = []
     return found
 
 
@@ -1159,7 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(report) | {"total_ops": report.total_ops}, indent=2))
     else:
         print(report.summary())
-    end_run(workdir, keep=args.keep or bool(report.violations))
+    suspect = bool(report.violations) or report.pool["proxy tracebacks in the logs"] > 0
+    end_run(workdir, keep=args.keep or suspect)
     return 1 if report.violations else 0
 
 
