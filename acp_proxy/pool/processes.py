@@ -226,10 +226,18 @@ class ProcessPool:
         """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files.
 
         A slot whose holder is a proxy that is gone is being freed (its wrapper holds it
-        until the tree is gone); one not described yet is a start in progress.
+        until the tree is gone); one not described yet is a start in progress. A session
+        that refused to be suspended moments ago (``refused``) counts as busy, ours as well
+        as another proxy's: planning again at once would choose it again, and a refusal of
+        ours costs no wait, so the waiter would spin without ever yielding to the task that
+        makes the session idle.
         """
         moment = time.monotonic()
-        slots = self.slots()
+        refused = refused or {}
+        slots = [
+            dataclasses.replace(slot, busy=True) if refused.get(slot.key, 0.0) > moment else slot
+            for slot in self.slots()
+        ]
         for held in self.install.holders():
             record = held.record
             if record is not None and record.instance == self.owner.instance_id:
@@ -245,7 +253,7 @@ class ProcessPool:
                     key=record.key,
                     backend=record.backend,
                     last_active=record.last_active,
-                    busy=record.busy or (refused or {}).get(record.key, 0.0) > moment,
+                    busy=record.busy or refused.get(record.key, 0.0) > moment,
                     spare=record.session is None,
                     pinned=record.pinned,
                     recent_until=record.recent_until,
