@@ -1,16 +1,31 @@
-"""Chaos soak: a seeded random gateway against a real proxy, with faults, then every invariant checked.
+"""Chaos soak: a seeded random gateway against real proxies of one install, with faults, then every invariant checked.
 
-Several workers drive one proxy at a time, each with sessions of its own over three
-backends of the fake adapter (``alpha``: resume and load, modes; ``beta``: load only,
-modes, chatty; ``gamma``: ignores SIGTERM and stdin EOF, turns time out after 2 s).
-Operations: session/new, prompt (streaming, spawning a tree, escaping with setsid and a
-double fork), cancel, close, load (of open and of closed sessions: close is not delete),
-delete, list, set_mode, a prompt to a closed or deleted session, and a ``state`` prompt
-that asks the adapter what it knows. Faults: an adapter crash mid-turn, an adapter hang
+Several proxies share one state dir, hence one pool, as they do when acpx or openab start
+one agent process per session: a multiplexing proxy driven by several workers, and a few
+acpx-style proxies with one or two sessions each, all under one ``[pool] max_live`` (below
+the number of sessions) and a cap of one process for the ``beta`` backend. Each proxy is
+restarted on the same state dir after each of its ends, as its gateway would relaunch it.
+Every worker has sessions of its own over three backends of the fake adapter (``alpha``:
+resume and load, modes; ``beta``: load only, modes, chatty; ``gamma``: ignores SIGTERM
+and stdin EOF, turns time out after 2 s). Operations: session/new, prompt (streaming,
+spawning a tree, escaping with setsid and a double fork), a burst of concurrent prompts
+on every session a worker has open, cancel, close, load (of open and of closed sessions:
+close is not delete), delete, list, set_mode, a prompt to a closed or deleted session, and
+a ``state`` prompt that asks the adapter what it knows. Sessions of different proxies
+take each other's slots: the least recently used idle one of the install is suspended
+through its proxy's control socket. Faults: an adapter crash mid-turn, an adapter hang
 (the turn timeout ends it), the stubborn backend's teardown, grandchild escapes, and
-each proxy's end, drawn per epoch: a clean gateway EOF, a gateway EOF in the middle of
-turns, or SIGKILL of the proxy, after which the next proxy starts on the same state
-dir. Decoy processes that look like the proxy's own run throughout.
+each proxy's end, drawn per lifetime: a clean gateway EOF, a gateway EOF in the middle of
+turns, SIGKILL of the proxy (holding slots, as it usually is), or SIGKILL while it waits
+for a slot in the install's queue. Decoy processes that look like the proxies' own run
+throughout.
+
+The install's cap is checked from ``/proc``, never from what the proxies count: after
+every operation and every 20 ms in between, the live adapter processes of the run (and
+their whole trees, which hold their slots until they are gone, a killed proxy's orphans
+included) must number at most ``max_live``. A count over the cap is read again before it
+is reported, so that a process that ended while ``/proc`` was read is not counted with
+its successor.
 
 Checked after the run: no process with the run's marker survives, every decoy is alive
 (nothing outside the leases was signalled), every request got exactly one answer
@@ -23,8 +38,8 @@ within what the gateway saw, its mode is the last one set), ``session/list`` agr
 checks turns and mode along the way too.
 
 The sequence of operations and faults follows from the seed; the interleaving of the
-workers depends on timing, as it would in production. ``scripts/soak --ops N`` runs it
-from the shell; ``tests/test_soak.py`` runs a bounded version.
+workers and proxies depends on timing, as it would in production. ``scripts/soak --ops N``
+runs it from the shell; ``tests/test_soak.py`` runs a bounded version.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,12 +66,14 @@ import anyio
 import anyio.abc
 import psutil
 
+from acp_proxy.pool.install import ALL, QUEUE, SLOTS_DIR, InstallSlots
 from tests.conformance import ConformanceError, Conversation
 from tests.kit import markers
 from tests.kit.gateway import Closed, Gateway
 from tests.support import MARKER_VARIABLE, end_run, fake_command, marked_processes, scratch_run
 
-ANSWER_TIMEOUT = 60.0
+ANSWER_TIMEOUT = 150.0
+"""A request may wait acquire_timeout (45 s) for a slot, then a start and a turn, behind another of its session."""
 SESSION_NOT_FOUND = -32002
 MODES = ("default", "plan")
 BACKENDS: dict[str, dict[str, Any]] = {
@@ -64,10 +82,12 @@ BACKENDS: dict[str, dict[str, Any]] = {
     "gamma": {"caps": {"loadSession": True}, "ignore_sigterm": True, "ignore_eof": True},
 }
 BACKEND_WEIGHTS = {"alpha": 4, "beta": 4, "gamma": 2}
+CAPPED_BACKEND = "beta"  # has a max_live of its own: one process of it in the whole install
 HANGING_BACKEND = "gamma"  # the one with a turn timeout
 STUBBORN_BACKEND = "gamma"  # ignores SIGTERM and stdin EOF
 OP_WEIGHTS = {
     "prompt": 20,
+    "burst": 3,
     "state": 10,
     "cancel": 7,
     "tree": 4,
@@ -83,7 +103,12 @@ OP_WEIGHTS = {
     "delete": 1,
     "new": 6,
 }
-ENDINGS = {"clean": 2, "eof_mid_turn": 2, "sigkill": 3}
+ENDINGS = {"clean": 2, "eof_mid_turn": 2, "sigkill": 3, "sigkill_waiting": 1}
+ONE_SESSION_ENDINGS = {"clean": 3, "eof_mid_turn": 1, "sigkill": 2, "sigkill_waiting": 2}
+"""acpx-style proxies: a gateway that starts one proxy per session ends it often, cleanly or not."""
+SAMPLE_EVERY = 0.02
+"""How often the cap is read from /proc between operations."""
+LEASE_VARIABLE = "ACP_PROXY_LEASE"
 TERMINAL_TASKS = ("done", "failed", "cancelled", "timed_out", "lost")
 
 
@@ -96,9 +121,12 @@ class Options:
     seed: int
     ops: int
     workers: int = 3
+    """Workers of the multiplexing proxy."""
     sessions_per_worker: int = 3
-    max_live: int = 3
+    max_live: int = 2
     async_backend: str = "asyncio"
+    proxies: int = 3
+    """acpx-style proxies beside the multiplexing one, with one or two sessions each."""
 
 
 @dataclasses.dataclass
@@ -130,6 +158,17 @@ class Report:
     tasks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     leases: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     decoys: int = 0
+    max_live: int = 0
+    proxies: int = 0
+    lifetimes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Proxy lifetimes per proxy of the install."""
+    peak_adapters: int = 0
+    """The most live adapter processes read from /proc at one moment."""
+    peak_trees: int = 0
+    """The most adapter trees (wrapper, adapter, descendants) alive at one moment."""
+    cap_reads: int = 0
+    pool: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """What the proxies' logs say the install's pool did."""
     seconds: float = 0.0
     violations: list[str] = dataclasses.field(default_factory=list)
 
@@ -147,6 +186,11 @@ class Report:
         lines = [
             f"soak: seed {self.seed}, {self.async_backend}, {self.total_ops} ops in {self.epochs} proxy lifetimes, "
             f"{self.seconds:.1f} s",
+            f"  install     {self.proxies} proxies on one state dir, max_live {self.max_live}; "
+            f"lifetimes {counts(collections.Counter(self.lifetimes))}",
+            f"  cap         peak {self.peak_adapters} live adapters, {self.peak_trees} adapter trees "
+            f"({self.cap_reads} reads of /proc)",
+            f"  pool        {counts(self.pool)}",
             f"  ops         {counts(self.ops)}",
             f"  faults      {counts(self.faults)}",
             f"  requests    {self.sent} sent, {self.answered_once} answered exactly once, "
@@ -276,7 +320,9 @@ class Link:
                 "clientInfo": {"name": "soak-gateway", "version": "1"},
             },
         )
-        if "result" not in response:
+        if _error_reason(response) == "pool_exhausted":
+            self.report.pool["pool_exhausted answers"] += 1
+        elif "result" not in response:
             self.report.violation(f"initialize failed: {response}")
 
 
@@ -299,12 +345,23 @@ def _error_reason(response: dict[str, Any]) -> str | None:
 class Worker:
     """Runs seeded random operations on sessions only it uses (one operation at a time)."""
 
-    def __init__(self, index: int, options: Options, report: Report, sessions: list[Tracked]) -> None:
+    def __init__(
+        self,
+        index: int,
+        options: Options,
+        report: Report,
+        sessions: list[Tracked],
+        *,
+        sessions_per_worker: int | None = None,
+        cap: InstallCap | None = None,
+    ) -> None:
         self.peers: list[Worker] = [self]  # every worker of the run, for session/list checks
         self.rng = random.Random(f"{options.seed}-worker-{index}")
         self.options = options
         self.report = report
         self.sessions = sessions  # this worker's, closed ones included
+        self.sessions_per_worker = sessions_per_worker or options.sessions_per_worker
+        self.cap = cap
         self.unknown_news = 0  # session/new sent, proxy gone before the answer
 
     def open_sessions(self) -> list[Tracked]:
@@ -321,7 +378,9 @@ class Worker:
             op = self.rng.choices(list(OP_WEIGHTS), weights=list(OP_WEIGHTS.values()))[0]
             live = self.open_sessions()
             if op == "new" or not live:
-                op = "prompt" if len(live) >= self.options.sessions_per_worker else "new"
+                op = "prompt" if len(live) >= self.sessions_per_worker else "new"
+            if op == "burst" and len(live) < 2:
+                op = "prompt"
             if op == "closed_probe" and not any(s.closed is True for s in self.sessions):
                 op = "state"
             if op == "reopen" and not self.reopenable():
@@ -341,6 +400,8 @@ class Worker:
                 return
             finally:
                 link.ops_done += 1
+                if self.cap is not None:
+                    self.cap.check(f"after {op}")
             self.report.ops[op] += 1
 
     async def perform(self, link: Link, op: str, session: Tracked | None) -> None:
@@ -359,6 +420,8 @@ class Worker:
         assert session is not None
         if op == "prompt":
             await self.turn(link, session, f"stream {self.rng.randint(1, 30)}")
+        elif op == "burst":
+            await self.burst(link)
         elif op == "tree":
             await self.turn(link, session, "spawn_tree; stream 2")
         elif op == "escape":
@@ -386,6 +449,9 @@ class Worker:
     def unexpected(self, link: Link, what: str, response: dict[str, Any]) -> None:
         if link.closing and _error_reason(response) == "proxy_shutdown":
             return  # in flight when the gateway closed its end: answered, outcome unknown
+        if _error_reason(response) == "pool_exhausted":
+            self.report.pool["pool_exhausted answers"] += 1  # waited acquire_timeout for a slot: §5 allows it
+            return
         self.report.violation(f"{what}: unexpected answer {json.dumps(response)[:300]}")
 
     async def new(self, link: Link) -> None:
@@ -427,6 +493,23 @@ class Worker:
             s.lo += 1
         else:
             self.unexpected(link, f"a turn on {s.session_id}", response)
+
+    async def burst(self, link: Link) -> None:
+        """A turn on every open session at once: more sessions want a process than the install has slots."""
+        gone = False
+
+        async def one(s: Tracked, text: str) -> None:
+            nonlocal gone
+            try:
+                await self.turn(link, s, text)
+            except ProxyGone:
+                gone = True
+
+        async with anyio.create_task_group() as tasks:
+            for s in self.open_sessions():
+                tasks.start_soon(one, s, f"stream {self.rng.randint(1, 10)}")
+        if gone:
+            raise ProxyGone
 
     async def state(self, link: Link, s: Tracked) -> dict[str, Any] | None:
         """Ask the adapter what it knows of the session; check it against what the gateway saw."""
@@ -503,12 +586,18 @@ class Worker:
         s.closing = s.closing or reopening
         try:
             response = await link.request("session/load", {"sessionId": s.session_id, "cwd": "/tmp", "mcpServers": []})
+        except ProxyGone:
+            if reopening:
+                s.closed = None  # the proxy may have reopened it before it ended: either way from now on
+            raise
         finally:
             s.closing = s.closing and not reopening
         if (s.deleted or s.maybe_deleted) and _error_reason(response) == "session_deleted":
             s.closed, s.deleted = True, True
             return
         if "result" not in response:
+            if reopening:
+                s.closed = None  # not reopened, or reopened as the gateway left: either way from now on
             self.unexpected(link, f"session/load of {s.session_id}", response)
             return
         s.closed, s.maybe_deleted = False, False  # open again, if it was closed (or a close was in flight)
@@ -611,8 +700,12 @@ class Decoys:
     def __init__(self) -> None:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.identity: dict[int, float] = {}
+        self.forged: set[bytes] = set()
+        """Lease markers the decoys carry: no adapter tree of the install's."""
 
     def start(self, argv: list[str], env: dict[str, str]) -> None:
+        if LEASE_VARIABLE in env:
+            self.forged.add(env[LEASE_VARIABLE].encode())
         process = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         self.processes.append(process)
         self.identity[process.pid] = psutil.Process(process.pid).create_time()
@@ -643,6 +736,110 @@ def _sleeper() -> list[str]:
     return [sys.executable, "-c", "import time; time.sleep(3600)"]
 
 
+# --- the install's cap, read from /proc ------------------------------------------------------------
+
+
+class InstallCap:
+    """Counts the run's live adapter processes and trees from ``/proc``: what the cap is about, not
+    what the proxies believe.
+
+    A tree is every process carrying one lease marker (its wrapper, its adapter, their
+    descendants): it holds its slot until the last of them is gone, even when the proxy that
+    started it was killed, so it counts until then. ``/proc`` is read one process at a time, so
+    a tree that ended during a read could be counted with the one that took its slot; a count
+    over the cap is therefore read again, and only the trees alive in both reads (hence alive
+    together at the moment between them) are held against the cap.
+    """
+
+    def __init__(self, marker: str, max_live: int, report: Report, decoys: Decoys) -> None:
+        self.needle = f"{MARKER_VARIABLE}={marker}".encode()
+        self.max_live = max_live
+        self.report = report
+        self.decoys = decoys
+        self.available = os.path.isdir("/proc/self")
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="soak-cap", daemon=True)
+        self.over = 0
+        """Reads over the cap (each a violation; only the first few are described)."""
+
+    def read(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
+        """Live adapter processes and adapter trees, each as {lease marker: a pid of it}."""
+        adapters: dict[bytes, int] = {}
+        trees: dict[bytes, int] = {}
+        prefix = LEASE_VARIABLE.encode() + b"="
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    environ = f.read()
+                if self.needle not in environ:
+                    continue
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:  # gone, or a zombie's
+                continue
+            entries = environ.split(b"\0")
+            lease = next((e[len(prefix) :] for e in entries if e.startswith(prefix)), None)
+            if self.needle not in entries or lease is None or lease in self.decoys.forged:
+                continue
+            pid = int(name)
+            trees.setdefault(lease, pid)
+            wrapper = any(arg.endswith(b"adapter_wrapper.py") for arg in argv)
+            if not wrapper and any(arg.endswith(b"fake_adapter.py") for arg in argv):
+                adapters.setdefault(lease, pid)
+        return adapters, trees
+
+    def check(self, when: str) -> None:
+        if not self.available:
+            return
+        with self._lock:
+            adapters, trees = self.read()
+            if len(trees) > self.max_live:
+                again_adapters, again_trees = self.read()
+                adapters = {lease: pid for lease, pid in adapters.items() if lease in again_adapters}
+                trees = {lease: pid for lease, pid in trees.items() if lease in again_trees}
+            self.report.cap_reads += 1
+            self.report.peak_adapters = max(self.report.peak_adapters, len(adapters))
+            self.report.peak_trees = max(self.report.peak_trees, len(trees))
+            if len(trees) <= self.max_live:
+                return
+            self.over += 1
+            if self.over <= 5:
+                self.report.violation(
+                    f"{when}: {len(trees)} adapter trees alive at once ({len(adapters)} adapters), "
+                    f"max_live {self.max_live}: {self.describe(trees)}"
+                )
+
+    def describe(self, trees: dict[bytes, int]) -> str:
+        described = []
+        for lease, pid in trees.items():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")[:80]
+            except OSError:
+                command = "(gone)"
+            described.append(f"{lease.decode(errors='replace')} pid {pid} {command}")
+        return "; ".join(described)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_EVERY):
+            self.check("between operations")
+
+    def __enter__(self) -> InstallCap:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.over > 5:
+            self.report.violation(f"{self.over - 5} more reads over the cap")
+
+
 # --- the run ---------------------------------------------------------------------------------------
 
 
@@ -663,37 +860,68 @@ def write_config(workdir: Path, max_live: int) -> Path:
         lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(store=str(store), **options))}"]
         if name == HANGING_BACKEND:
             lines.append('turn_timeout = "2s"')
+        if name == CAPPED_BACKEND:
+            lines.append("max_live = 1")
     path = workdir / "config.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
+@dataclasses.dataclass
+class Station:
+    """One agent command a gateway runs: a proxy, started again on the same state dir after each of its ends."""
+
+    name: str
+    workers: list[Worker]
+    rng: random.Random
+    lifetime_ops: tuple[int, int]
+    """How many operations a lifetime of this proxy is drawn to last."""
+    endings: dict[str, int]
+    lifetimes: int = 0
+
+
+def _stations(options: Options, report: Report, cap: InstallCap) -> list[Station]:
+    """The multiplexing proxy (its workers share it) and the one-session proxies, each with its own seed."""
+    stations = [
+        Station(
+            "multiplexing",
+            [Worker(i, options, report, [], cap=cap) for i in range(options.workers)],
+            random.Random(f"{options.seed}-epochs"),
+            (30, 90),
+            ENDINGS,
+        )
+    ]
+    for n in range(options.proxies):
+        worker = Worker(options.workers + n, options, report, [], sessions_per_worker=1 + n % 2, cap=cap)
+        rng = random.Random(f"{options.seed}-proxy-{n}")
+        stations.append(Station(f"one-session-{n + 1}", [worker], rng, (8, 30), ONE_SESSION_ENDINGS))
+    return stations
+
+
 async def run(options: Options, workdir: Path, env: dict[str, str]) -> Report:
     """One soak run in ``workdir`` (state dir from ``env``); the report lists every violation."""
-    report = Report(seed=options.seed, async_backend=options.async_backend)
+    report = Report(
+        seed=options.seed, async_backend=options.async_backend, max_live=options.max_live, proxies=1 + options.proxies
+    )
     started = time.monotonic()
-    rng = random.Random(f"{options.seed}-epochs")
     config = write_config(workdir, options.max_live)
     state_dir = Path(env["ACP_PROXY_STATE_DIR"])
-    workers = [Worker(i, options, report, []) for i in range(options.workers)]
+    decoys = Decoys()
+    cap = InstallCap(env[MARKER_VARIABLE], options.max_live, report, decoys)
+    stations = _stations(options, report, cap)
+    workers = [worker for station in stations for worker in station.workers]
     for worker in workers:
         worker.peers = workers
-    decoys = Decoys()
     # A process that looks exactly like an adapter of the proxy's (same argv, same test marker), started
     # outside it: command lines and inherited variables prove nothing.
     decoys.start(fake_command(store=str(workdir / "store"), **BACKENDS["alpha"]), env)
     try:
-        while report.total_ops < options.ops:
+        with cap:
+            async with anyio.create_task_group() as tasks:
+                for station in stations:
+                    tasks.start_soon(_serve, station, options, workdir, env, config, report, decoys)
             report.epochs += 1
-            budget = min(options.ops - report.total_ops, rng.randint(30, 90))
-            ending = rng.choices(list(ENDINGS), weights=list(ENDINGS.values()))[0]
-            at = rng.randint(budget // 3, budget)
-            if not await _epoch(workdir, env, config, report, workers, budget, ending, at):
-                break
-            if report.epochs == 1:
-                _start_lease_decoys(decoys, state_dir, env)
-        report.epochs += 1
-        await _final_epoch(workdir, env, config, report, workers)
+            await _final_epoch(workdir, env, config, report, workers)
     finally:
         deadline = time.monotonic() + 10
         ignored = set(decoys.identity)
@@ -706,9 +934,35 @@ async def run(options: Options, workdir: Path, env: dict[str, str]) -> Report:
         report.decoys = len(decoys.processes)
         decoys.stop()
         markers.kill(survivors)
+    report.pool.update(_pool_log(workdir))
     _check_database(state_dir, report)
     report.seconds = time.monotonic() - started
     return report
+
+
+async def _serve(
+    station: Station,
+    options: Options,
+    workdir: Path,
+    env: dict[str, str],
+    config: Path,
+    report: Report,
+    decoys: Decoys,
+) -> None:
+    """One proxy of the install, lifetime after lifetime, until the run has done its operations."""
+    state_dir = Path(env["ACP_PROXY_STATE_DIR"])
+    while report.total_ops < options.ops:
+        report.epochs += 1
+        station.lifetimes += 1
+        report.lifetimes[station.name] = station.lifetimes
+        budget = min(options.ops - report.total_ops, station.rng.randint(*station.lifetime_ops))
+        ending = station.rng.choices(list(station.endings), weights=list(station.endings.values()))[0]
+        at = station.rng.randint(budget // 3, budget)
+        log = workdir / f"proxy-{station.name}-{station.lifetimes}.log"
+        if not await _epoch(env, config, report, station.workers, budget, ending, at, log):
+            return
+        if station.lifetimes == 1 and station.name == "multiplexing":
+            _start_lease_decoys(decoys, state_dir, env)
 
 
 def _start_lease_decoys(decoys: Decoys, state_dir: Path, env: dict[str, str]) -> None:
@@ -720,11 +974,10 @@ def _start_lease_decoys(decoys: Decoys, state_dir: Path, env: dict[str, str]) ->
     if recent is not None:  # a real lease id with a made-up random part
         forged.append(f"{install}.{recent[0]}.{uuid.uuid4().hex}")
     for value in forged:
-        decoys.start(_sleeper(), {**env, "ACP_PROXY_LEASE": value})
+        decoys.start(_sleeper(), {**env, LEASE_VARIABLE: value})
 
 
 async def _epoch(
-    workdir: Path,
     env: dict[str, str],
     config: Path,
     report: Report,
@@ -732,24 +985,25 @@ async def _epoch(
     budget: int,
     ending: str,
     at: int,
+    log: Path,
 ) -> bool:
     """One proxy lifetime: the workers' operations, then its end as drawn; False if it never served."""
-    log = workdir / f"proxy-{report.epochs}.log"
+    state_dir = Path(env["ACP_PROXY_STATE_DIR"])
     async with Link.start(env, config, report, log) as link:
         try:
             await link.initialize()
         except ProxyGone:
-            report.violation(f"proxy {report.epochs} ended before answering initialize; see {log}")
+            report.violation(f"a proxy ended before answering initialize; see {log}")
             return False
         share = -(-budget // len(workers))
+        worked = anyio.Event()
         async with anyio.create_task_group() as tasks:
-            for worker in workers:
-                tasks.start_soon(worker.run, link, share)
             if ending != "clean":
-                tasks.start_soon(_end_abruptly, link, report, ending, at)
-        if ending == "sigkill" and link.process.returncode is None and not link.closing:
-            link.kill()  # the workers finished before the fault was due: it still happens
-            report.faults["proxy SIGKILL"] += 1
+                tasks.start_soon(_end_abruptly, link, report, ending, at, worked, state_dir)
+            async with anyio.create_task_group() as work:
+                for worker in workers:
+                    work.start_soon(worker.run, link, share)
+            worked.set()  # the workers finished before the end was due: it still happens
         await link.close_input()
         with anyio.move_on_after(45):
             await link.gone.wait()
@@ -757,30 +1011,94 @@ async def _epoch(
         code = link.process.returncode
         killed = code == -signal.SIGKILL
         if not killed and code != 0:
-            report.violation(f"proxy {report.epochs} exited with status {code}; see {log}")
+            report.violation(f"a proxy exited with status {code}; see {log}")
         unanswered = link.unanswered()
         report.answered_once += link.answered_once()
         if killed:
             report.abandoned += len(unanswered)
         elif unanswered:
-            report.violation(f"proxy {report.epochs} never answered: {unanswered[:10]}")
+            report.violation(f"a proxy never answered: {unanswered[:10]}; see {log}")
         for session_id in link.history_resets:
-            report.violation(f"{session_id} lost its history (historyReset) in proxy {report.epochs}")
+            report.violation(f"{session_id} lost its history (historyReset); see {log}")
     return True
 
 
-async def _end_abruptly(link: Link, report: Report, ending: str, at: int) -> None:
-    while link.ops_done < at and not link.gone.is_set():
+async def _end_abruptly(link: Link, report: Report, ending: str, at: int, worked: anyio.Event, state_dir: Path) -> None:
+    while link.ops_done < at and not link.gone.is_set() and not worked.is_set():
         await anyio.sleep(0.01)
+    if link.closing or link.gone.is_set():
+        return
     if ending == "eof_mid_turn":
         with anyio.move_on_after(3):
-            while link.prompts_in_flight == 0:
+            while link.prompts_in_flight == 0 and not worked.is_set():
                 await anyio.sleep(0.005)
         report.faults["gateway EOF mid-turn" if link.prompts_in_flight else "gateway EOF"] += 1
         await link.close_input()
-    elif ending == "sigkill" and not link.closing:
-        report.faults["proxy SIGKILL"] += 1
-        link.kill()
+        return
+    pid = link.process.pid
+    if ending == "sigkill_waiting":
+        with anyio.move_on_after(5):
+            while not _waiting_for_a_slot(state_dir, pid) and not worked.is_set() and not link.closing:
+                await anyio.sleep(0.005)
+        if link.closing or link.gone.is_set():
+            return
+        if _waiting_for_a_slot(state_dir, pid):
+            report.faults["proxy SIGKILL while waiting for a slot"] += 1
+    if _holds_a_slot(state_dir, pid):
+        report.faults["proxy SIGKILL holding a slot"] += 1
+    report.faults["proxy SIGKILL"] += 1
+    link.kill()
+
+
+def _waiting_for_a_slot(state_dir: Path, pid: int) -> bool:
+    """Whether the proxy ``pid`` stands in the install's queue (its tickets are named with its pid)."""
+    try:
+        names = os.listdir(state_dir / SLOTS_DIR / QUEUE)
+    except FileNotFoundError:
+        return False
+    return any(n.endswith(".ticket") and n.removesuffix(".ticket").rsplit("-", 2)[1] == str(pid) for n in names)
+
+
+def _holds_a_slot(state_dir: Path, pid: int) -> bool:
+    """Whether a slot record of the install names the proxy ``pid`` as its holder."""
+    held = InstallSlots(state_dir, "soak").holders(ALL)
+    return any(h.record is not None and h.record.pid == pid for h in held)
+
+
+def _pool_log(workdir: Path) -> collections.Counter[str]:
+    """What the proxies' logs say the install's pool did, and whose tracebacks they hold.
+
+    A log holds its adapters' stderr too: an adapter stopped in the middle of a turn may
+    print a traceback (or part of one) on its way out.
+    """
+    found: collections.Counter[str] = collections.Counter()
+    for path in workdir.glob("proxy-*.log"):
+        traceback: list[str] | None = None
+        with path.open(errors="replace") as lines:
+            for line in [*lines, "\n"]:
+                if traceback is not None:
+                    if line.startswith(" "):
+                        traceback.append(line)
+                        continue
+                    frames = "".join(traceback)
+                    whose = "adapter"
+                    if "/acp_proxy/" in frames:
+                        whose = "proxy"
+                    elif "adapter_wrapper" in frames:
+                        whose = "wrapper"
+                    found[f"{whose} tracebacks in the logs"] += 1
+                    traceback = None
+                if ", for another proxy)" in line:
+                    found["suspended for another proxy" if " suspended (" in line else "spare stopped for another"] += 1
+                elif "pool: asking proxy" in line:
+                    found["asked another proxy to suspend"] += 1
+                elif " suspended (least recently used" in line:
+                    found["suspended for its own proxy"] += 1
+                elif "pool full for backend" in line:
+                    found["waits for a slot"] += 1
+                elif line.startswith("Traceback"):
+                    traceback = []
+    return found
 
 
 async def _final_epoch(workdir: Path, env: dict[str, str], config: Path, report: Report, workers: list[Worker]) -> None:
@@ -843,16 +1161,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=2000, help="gateway operations in all (default 2000)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: time-based, printed)")
-    parser.add_argument("--workers", type=int, default=4, help="concurrent gateway workers (default 4)")
-    parser.add_argument("--max-live", type=int, default=3, help="[pool] max_live of the proxy (default 3)")
+    parser.add_argument("--workers", type=int, default=3, help="workers of the multiplexing proxy (default 3)")
+    parser.add_argument(
+        "--proxies", type=int, default=3, help="one-session proxies beside it, on the same install (default 3)"
+    )
+    parser.add_argument("--max-live", type=int, default=2, help="[pool] max_live of the install (default 2)")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio", help="the proxy's anyio backend")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (state, logs) for inspection")
     args = parser.parse_args(argv)
-    if args.ops < 1 or args.workers < 1 or args.max_live < 1:
-        parser.error("--ops, --workers and --max-live must be positive")
+    if args.ops < 1 or args.workers < 1 or args.max_live < 1 or args.proxies < 0:
+        parser.error("--ops, --workers and --max-live must be positive, --proxies not negative")
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
-    options = Options(seed=seed, ops=args.ops, workers=args.workers, max_live=args.max_live, async_backend=args.backend)
+    options = Options(
+        seed=seed,
+        ops=args.ops,
+        workers=args.workers,
+        max_live=args.max_live,
+        async_backend=args.backend,
+        proxies=args.proxies,
+    )
     workdir, env = scratch_run("acp-proxy-soak-")
     print(f"soak: seed {seed}, {args.ops} ops, work dir {workdir}", file=sys.stderr, flush=True)
     report = anyio.run(run, options, workdir, env, backend=args.backend)
@@ -860,7 +1188,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(report) | {"total_ops": report.total_ops}, indent=2))
     else:
         print(report.summary())
-    end_run(workdir, keep=args.keep or bool(report.violations))
+    suspect = bool(report.violations) or report.pool["proxy tracebacks in the logs"] > 0
+    end_run(workdir, keep=args.keep or suspect)
     return 1 if report.violations else 0
 
 
