@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -165,6 +166,13 @@ def test_instance_lock_proves_liveness(tmp_path: Path) -> None:
     other.send_signal(signal.SIGKILL)
     other.wait()
     assert not instances.instance_alive(db, other_id)
+    # Another proxy probing the dead instance at this very moment does not make it look alive.
+    probe = os.open(instances.lock_path(db, other_id), os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        assert not instances.instance_alive(db, other_id)
+    finally:
+        os.close(probe)
     assert set(instances.other_instances(db, mine.instance_id)) == {other_id}
     instances.end_instance(db, mine)
 

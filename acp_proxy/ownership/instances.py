@@ -69,9 +69,24 @@ def end_instance(db: StateDB, instance: Instance, reason: str = "exited") -> Non
 
 
 def instance_alive(db: StateDB, instance_id: str) -> bool:
-    """True if the instance's lock is held (by a live proxy)."""
-    with lock_if_dead(db, instance_id) as dead:
-        return not dead
+    """True if the instance's lock is held (by a live proxy).
+
+    Probed with a shared lock: a live proxy's exclusive lock refuses it, but two proxies
+    probing the same dead instance at once do not (an exclusive probe would make one of them
+    read the other's probe as a live proxy). A reaper holding a dead instance's lock (see
+    ``lock_if_dead``) still reads as alive for the moment it reaps.
+    """
+    try:
+        fd = os.open(lock_path(db, instance_id), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False  # no lock file: nobody can be holding it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock we got
+    return False
 
 
 @contextmanager
