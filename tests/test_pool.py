@@ -161,6 +161,11 @@ def test_plan_acquire(
     live: list[Slot], backend: str, backend_cap: int, global_cap: int, reserved: dict[str, int], expected: str
 ) -> None:
     decision = plan_acquire(live, backend, backend_cap=backend_cap, global_cap=global_cap, reserved=reserved)
+    assert_decision(decision, expected)
+
+
+def assert_decision(decision: Admit | Wait, expected: str) -> None:
+    """``expected``: "wait", "admit" (start, suspending nothing), or the key of the slot to suspend."""
     if expected == "wait":
         assert isinstance(decision, Wait)
     elif expected == "admit":
@@ -204,15 +209,7 @@ AHEAD = [
 
 @pytest.mark.parametrize(("live", "ahead", "expected"), [row[1:] for row in AHEAD], ids=[row[0] for row in AHEAD])
 def test_plan_acquire_with_waiters_ahead(live: list[Slot], ahead: int, expected: str) -> None:
-    decision = plan_acquire(live, "a", backend_cap=2, global_cap=4, ahead=ahead)
-    if expected == "wait":
-        assert isinstance(decision, Wait)
-    elif expected == "admit":
-        assert decision == Admit()
-    else:
-        assert isinstance(decision, Admit)
-        assert decision.evict is not None
-        assert decision.evict.key == expected
+    assert_decision(plan_acquire(live, "a", backend_cap=2, global_cap=4, ahead=ahead), expected)
 
 
 # (sentence, min_idle, start cost, turnaround, protection)

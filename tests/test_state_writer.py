@@ -6,14 +6,16 @@ database's write lock from another process while a turn streams through a real p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import pytest
 
 from acp_proxy.state import StateDB, StateWriter
@@ -209,6 +211,21 @@ conn.execute("ROLLBACK")
 """
 
 
+@contextlib.asynccontextmanager
+async def holding_the_write_lock(db_path: Path, env: dict[str, str]) -> AsyncIterator[anyio.abc.Process]:
+    """Another process holding the database's write lock (``BEGIN IMMEDIATE``) for ``HOLD_SECONDS``."""
+    holder = await anyio.open_process(
+        [sys.executable, "-c", HOLDER, str(db_path), str(HOLD_SECONDS)], env=env, stderr=None
+    )
+    async with holder:
+        assert holder.stdout is not None
+        said = b""
+        while not said.endswith(b"\n"):
+            said += await holder.stdout.receive()
+        assert said == b"holding\n"
+        yield holder
+
+
 def task_rows(db_path: Path) -> list[tuple[str, str]]:
     conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     try:
@@ -226,15 +243,7 @@ async def test_a_turn_streams_and_is_answered_while_another_process_holds_the_wr
         session = await gw.new_session()
         assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
         gw.take_updates(session)
-        holder = await anyio.open_process(
-            [sys.executable, "-c", HOLDER, str(db_path), str(HOLD_SECONDS)], env=proc_env, stderr=None
-        )
-        async with holder:
-            assert holder.stdout is not None
-            said = b""
-            while not said.endswith(b"\n"):
-                said += await holder.stdout.receive()
-            assert said == b"holding\n"
+        async with holding_the_write_lock(db_path, proc_env) as holder:
             turn = "stream 3; sleep 0.2; stream 3; sleep 0.2; stream 3"
             answer = await gw.prompt(session, turn, timeout=HOLD_SECONDS * 3)
             still_holding = holder.returncode is None
@@ -264,15 +273,7 @@ async def test_a_start_waits_for_its_lease_while_another_session_streams_on(
         session = await gw.new_session()
         assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
         gw.take_updates(session)
-        holder = await anyio.open_process(
-            [sys.executable, "-c", HOLDER, str(db_path), str(HOLD_SECONDS)], env=proc_env, stderr=None
-        )
-        async with holder:
-            assert holder.stdout is not None
-            said = b""
-            while not said.endswith(b"\n"):
-                said += await holder.stdout.receive()
-            assert said == b"holding\n"
+        async with holding_the_write_lock(db_path, proc_env) as holder:
             opening = gw.new_id()
             await gw.send(request_message(opening, "session/new", {"cwd": str(tmp_path), "mcpServers": []}))
             turn = "stream 3; sleep 0.2; stream 3"

@@ -76,10 +76,19 @@ def instance_alive(db: StateDB, instance_id: str) -> bool:
     read the other's probe as a live proxy). A reaper holding a dead instance's lock (see
     ``lock_if_dead``) still reads as alive for the moment it reaps.
     """
+    return locked(lock_path(db, instance_id)) is True  # no lock file: nobody can be holding it
+
+
+def locked(path: Path) -> bool | None:
+    """Whether someone holds ``path``'s ``flock`` exclusively (``None``: there is no such file).
+
+    A shared probe: it never makes another prober (or taker) see the file as locked by it
+    for longer than the probe, and two probes never disturb each other.
+    """
     try:
-        fd = os.open(lock_path(db, instance_id), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        return False  # no lock file: nobody can be holding it
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -41,6 +41,7 @@ from typing import Final
 
 import msgspec
 
+from acp_proxy.ownership.instances import locked
 from acp_proxy.state import ensure_private_dir
 
 log = logging.getLogger("acp_proxy.pool")
@@ -90,21 +91,6 @@ class HeldSlot:
 
 def _backend_dir(backend: str) -> str:
     return "b-" + hashlib.sha256(backend.encode()).hexdigest()[:16]
-
-
-def _probe(path: Path) -> bool | None:
-    """Whether the file is locked by someone (``None``: there is no such file)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops a lock we got
-    return False
 
 
 def _try_lock(path: Path) -> int | None:
@@ -253,7 +239,7 @@ class InstallSlots:
             if index in skip:
                 continue
             path = directory / name
-            if not _probe(path):
+            if not locked(path):
                 continue
             held.append(HeldSlot(scope, index, _read_record(path)))
         return sorted(held, key=lambda h: h.index)
@@ -304,7 +290,7 @@ class InstallSlots:
             if name.removesuffix(".ticket") >= ticket.name:
                 break
             path = directory / name
-            if _probe(path):
+            if locked(path):
                 ahead += 1
                 continue
             with contextlib.suppress(FileNotFoundError):
@@ -323,7 +309,7 @@ class InstallSlots:
             names = [n for n in os.listdir(directory) if n.endswith(".ticket") and tag in n]
         except FileNotFoundError:
             return False
-        return any(_probe(directory / n) for n in names)
+        return any(locked(directory / n) for n in names)
 
 
 def _read_record(path: Path) -> SlotRecord | None:
