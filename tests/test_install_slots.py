@@ -96,12 +96,12 @@ def test_the_queue_is_first_come_first_served_per_backend(tmp_path: Path) -> Non
     early = a.enqueue("fake", 10.0)
     late = b.enqueue("fake", 20.0)
     other = b.enqueue("other", 30.0)
-    assert a.first_in_line(early, "fake")
-    assert not b.first_in_line(late, "fake")
-    assert b.first_in_line(other, "other")  # another backend's line
+    assert a.ahead_of(early, "fake") == 0
+    assert b.ahead_of(late, "fake") == 1
+    assert b.ahead_of(other, "other") == 0  # another backend's line
     assert b.waiting("fake")
     early.leave()
-    assert b.first_in_line(late, "fake")
+    assert b.ahead_of(late, "fake") == 0
     late.leave()
     assert not a.waiting("fake")
 
@@ -113,7 +113,7 @@ def test_a_waiter_that_died_is_removed_from_the_queue(tmp_path: Path) -> None:
     os.close(dead.fd)  # as the kernel does for a killed process: the file stays, its lock is gone
     dead.fd = None
     waiting = b.enqueue("fake", 2.0)
-    assert b.first_in_line(waiting, "fake")
+    assert b.ahead_of(waiting, "fake") == 0
     assert dead.path is not None
     assert not dead.path.exists()
 

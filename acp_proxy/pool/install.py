@@ -33,8 +33,7 @@ import fcntl
 import hashlib
 import logging
 import os
-import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -224,7 +223,7 @@ class InstallSlots:
     # --- reading ---------------------------------------------------------------------------------
 
     def holders(self, scope: str = ALL, *, skip: Collection[int] = ()) -> list[HeldSlot]:
-        """Every held slot file of a scope (``all``, or a backend's with ``backend_scope``), but
+        """Every held slot file of a scope (``all``, or a backend's directory), but
         those numbered in ``skip`` (the caller's own, which it knows better than their files)."""
         directory = self.root / scope
         try:
@@ -243,10 +242,6 @@ class InstallSlots:
                 continue
             held.append(HeldSlot(scope, index, _read_record(path)))
         return sorted(held, key=lambda h: h.index)
-
-    @staticmethod
-    def backend_scope(backend: str) -> str:
-        return _backend_dir(backend)
 
     def lead(self, role: str) -> bool:
         """Whether this proxy holds the install's ``role`` (taken once free, then kept for life).
@@ -279,17 +274,10 @@ class InstallSlots:
 
     def ahead_of(self, ticket: Ticket, backend: str) -> int:
         """How many live waiters for ``backend`` arrived before this ticket's (gone ones are removed)."""
-        tag = f"-{_backend_dir(backend)}-"
-        directory = self.root / QUEUE
-        try:
-            names = sorted(n for n in os.listdir(directory) if n.endswith(".ticket") and tag in n)
-        except FileNotFoundError:
-            return 0
         ahead = 0
-        for name in names:
-            if name.removesuffix(".ticket") >= ticket.name:
+        for path in self._tickets(backend):
+            if path.name.removesuffix(".ticket") >= ticket.name:
                 break
-            path = directory / name
             if locked(path):
                 ahead += 1
                 continue
@@ -297,19 +285,19 @@ class InstallSlots:
                 path.unlink()  # its waiter is gone (killed, or it left without tidying up)
         return ahead
 
-    def first_in_line(self, ticket: Ticket, backend: str) -> bool:
-        """Whether no live waiter for ``backend`` arrived before this ticket's."""
-        return self.ahead_of(ticket, backend) == 0
-
     def waiting(self, backend: str) -> bool:
         """Whether any live waiter for ``backend`` is in the queue."""
+        return any(locked(path) for path in self._tickets(backend))
+
+    def _tickets(self, backend: str) -> list[Path]:
+        """The queue's tickets for ``backend``, oldest first."""
         tag = f"-{_backend_dir(backend)}-"
         directory = self.root / QUEUE
         try:
-            names = [n for n in os.listdir(directory) if n.endswith(".ticket") and tag in n]
+            names = os.listdir(directory)
         except FileNotFoundError:
-            return False
-        return any(locked(directory / n) for n in names)
+            return []
+        return [directory / name for name in sorted(names) if name.endswith(".ticket") and tag in name]
 
 
 def _read_record(path: Path) -> SlotRecord | None:
@@ -323,12 +311,3 @@ def _read_record(path: Path) -> SlotRecord | None:
         return _decode(data)
     except msgspec.DecodeError:
         return None  # caught mid-rewrite: the next read will have it
-
-
-def now() -> float:
-    """The clock records use: monotonic, and the same for every process of the host."""
-    return time.monotonic()
-
-
-Alive = Callable[[str], bool]
-"""Whether the proxy instance of this id is alive."""

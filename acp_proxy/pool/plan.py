@@ -43,6 +43,8 @@ class Slot:
     """Being stopped: it still counts, and its slot is coming free."""
     instance: str | None = None
     """The proxy that holds it, if not this one."""
+    memory: int | None = None
+    """Its tree's memory when last measured (bytes); the memory budget's, not this plan's."""
 
 
 @dataclass(frozen=True, slots=True)

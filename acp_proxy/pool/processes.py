@@ -241,6 +241,7 @@ class ProcessPool:
                     pinned=adapter.backend.resume == "never" and adapter.gateway_session is not None,
                     recent_until=adapter.recent_until,
                     stopping=stopping,
+                    memory=adapter.memory,
                 )
             )
         if self._warm is not None:  # launched with the proxy, not taken yet: the first spare to go
@@ -285,6 +286,7 @@ class ProcessPool:
                     recent_until=record.recent_until,
                     stopping=record.stopping or not self._alive(record.instance, moment),
                     instance=record.instance,
+                    memory=record.memory,
                 )
             )
         self._others = (moment, others)
@@ -301,15 +303,12 @@ class ProcessPool:
         """The install's live trees for the budget (being stopped: already on their way out), and
         each one's plan slot, to suspend it by."""
         moment = time.monotonic()
-        memory = {slot_key(a): a.memory for a in self.running}
-        others = self.install.holders(skip=self._own_install_indexes())
-        memory.update({h.record.key: h.record.memory for h in others if h.record is not None})
         slots = [slot for slot in self.install_slots() if not slot.stopping and not slot.key.startswith("starting:")]
         measured = [
             MemorySlot(
                 key=slot.key,
                 backend=slot.backend,
-                memory=memory.get(slot.key) or 0,
+                memory=slot.memory or 0,
                 last_active=slot.last_active,
                 busy=slot.busy,
                 pinned=slot.pinned,
@@ -799,8 +798,7 @@ class ProcessPool:
         while True:
             changed = self.changed.next()
             for adapter in list(self.running):
-                if adapter.slot is not None:
-                    adapter.slot.publish(self.record_of(adapter))
+                self._publish(adapter)
             if self._warm is not None:
                 self._warm.slot.publish(self._warm.record(self.owner.instance_id, self.default_backend.name))
             await changed.wait()
