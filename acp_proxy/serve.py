@@ -20,6 +20,7 @@ import anyio
 from acp_proxy.concurrency import Background, Stopping
 from acp_proxy.config import Config
 from acp_proxy.early_signals import EARLY_SIGNALS
+from acp_proxy.journal import SuspendReason
 from acp_proxy.operator.operations import InstallPeers, Operations, ServedProxy
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.adapter import Adapter
@@ -75,9 +76,9 @@ async def serve_gateway(
             assert gateway is not None
             gateway.stop(reason)
 
-        def suspend(session_id: str, why: str) -> bool:
+        def suspend(session_id: str, why: str, reason: SuspendReason) -> bool:
             assert intents is not None
-            return intents.suspend(session_id, why)
+            return intents.suspend(session_id, why, reason)
 
         def attach(adapter: Adapter) -> None:
             assert relay is not None

@@ -222,6 +222,29 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX sessions_by_instance ON sessions (instance_id, state);
     CREATE INDEX sessions_by_deleted ON sessions (deleted_at) WHERE state = 'deleted';
     """,
+    # 5: the install's journal (recent events, counters since the install was created: acp_proxy.journal),
+    # and a task's own notification policy (NULL: the config's [tasks] notify).
+    """
+    CREATE TABLE events (
+        event_id INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        instance_id TEXT,
+        kind TEXT NOT NULL,
+        backend TEXT NOT NULL DEFAULT '',
+        label TEXT NOT NULL DEFAULT '',
+        session_id TEXT,
+        detail TEXT NOT NULL DEFAULT ''
+    );
+    CREATE TABLE counters (
+        name TEXT NOT NULL,
+        backend TEXT NOT NULL DEFAULT '',
+        label TEXT NOT NULL DEFAULT '',
+        count INTEGER NOT NULL DEFAULT 0,
+        seconds REAL NOT NULL DEFAULT 0,
+        PRIMARY KEY (name, backend, label)
+    ) WITHOUT ROWID;
+    ALTER TABLE tasks ADD COLUMN notify TEXT;
+    """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

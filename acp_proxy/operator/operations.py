@@ -31,6 +31,7 @@ import anyio
 from acp_proxy import __version__
 from acp_proxy.concurrency import Stopping
 from acp_proxy.config import Config
+from acp_proxy.journal import SuspendReason
 from acp_proxy.logs import ids
 from acp_proxy.operator.control import (
     ControlError,
@@ -211,7 +212,7 @@ class Operations:
         adapter = session.live_adapter
         if adapter is None:
             return {"sessionId": session.session_id, "suspended": True, "already": True}
-        if not self.proxy.intents.suspend(session.session_id, "an operator asked"):
+        if not self.proxy.intents.suspend(session.session_id, "an operator asked", SuspendReason.OPERATOR):
             why = (
                 "its agent is still working in the background (quiet_after)"
                 if adapter.working_in_background and not adapter.turn_in_flight
@@ -239,7 +240,9 @@ class Operations:
         """Another proxy of the install needs a slot and chose this one of ours (the pool's own checks decide)."""
         key = _text_arg(args, "key")
         why = args.get("why") if isinstance(args.get("why"), str) else "another proxy needs a slot"
-        return {"key": key, "evicted": self.proxy.pool.evict_for_peer(key, f"{why}, for another proxy")}
+        # The asker's reason is kept only where it says more than "for another proxy" (its memory budget).
+        reason = SuspendReason.MEMORY if args.get("reason") == SuspendReason.MEMORY.value else SuspendReason.PEER
+        return {"key": key, "evicted": self.proxy.pool.evict_for_peer(key, f"{why}, for another proxy", reason)}
 
     def _stop_budget(self) -> float:
         shutdown = self.proxy.config.shutdown
@@ -255,9 +258,10 @@ class InstallPeers:
     def alive(self, instance_id: str) -> bool:
         return instances.instance_alive(self.db, instance_id)
 
-    async def evict(self, instance_id: str, key: str, why: str) -> bool:
+    async def evict(self, instance_id: str, key: str, why: str, reason: SuspendReason) -> bool:
         path = socket_path(self.db.state_dir, instance_id)
-        ask = functools.partial(request, path, "evict_slot", {"key": key, "why": why}, timeout=PEER_TIMEOUT)
+        args = {"key": key, "why": why, "reason": reason.value}
+        ask = functools.partial(request, path, "evict_slot", args, timeout=PEER_TIMEOUT)
         try:
             result = await anyio.to_thread.run_sync(ask, abandon_on_cancel=True)
         except (ControlUnavailable, ControlError, TimeoutError, OSError) as exc:

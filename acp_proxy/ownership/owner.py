@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from acp_proxy.journal import Journal
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.proctable import ProcessTable
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
@@ -76,6 +77,10 @@ class Owner:
     instance: instances.Instance
     table: ProcessTable
     reaped: list[ReapAction] = field(default_factory=list)
+    journal: Journal = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.journal = Journal(self.db, self.instance.instance_id)
 
     @classmethod
     def start(cls, state_dir: Path, *, grace: float) -> Owner:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from acp_proxy.journal import Journal, Kind
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.leases import Lease, LeaseState, leases_of_instance, set_state
 from acp_proxy.ownership.proctable import ProcessTable, TableUnavailable
@@ -251,4 +252,18 @@ def reap_dead_instances(
                 actions.append(reap_lease(db, lease, grace=grace, table=table, dry_run=dry_run, index=index))
             if not dry_run:
                 instances.mark_reaped(db, instance_id)
+    if not dry_run:
+        _journal_reaping(Journal(db, own_instance_id), actions, "startup" if own_instance_id else "operator")
     return actions
+
+
+def _journal_reaping(journal: Journal, actions: list[ReapAction], when: str) -> None:
+    """Trees a dead proxy left, now verifiably gone (``closed``), and leases that could not be settled."""
+    for action in actions:
+        detail = f"lease {action.lease_id} of dead proxy {action.instance_id}: {action.reason}"
+        if action.signalled:
+            detail += f"; killed {len(action.signalled)}"
+        if action.after == LeaseState.UNVERIFIABLE.value:
+            journal.record(Kind.UNVERIFIABLE, backend=action.backend, label=when, detail=detail)
+        elif action.after == LeaseState.CLOSED.value:
+            journal.record(Kind.TREE_REAPED, backend=action.backend, label=when, detail=detail, shown=True)

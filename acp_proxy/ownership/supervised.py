@@ -28,6 +28,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from acp_proxy.journal import Kind
 from acp_proxy.ownership import leases
 from acp_proxy.ownership.leases import Lease, LeaseState
 from acp_proxy.ownership.owner import Owner, WrapperMissing, wrapper_path
@@ -354,14 +355,25 @@ class SupervisedProcess:
                 await self.wait_exit(KILL_WAIT)
         os.close(self._lifeline)
         swept = await anyio.to_thread.run_sync(sweep, lease, self.owner.table)
+        journal = self.owner.journal
         if swept.signalled:
             log.warning("lease %s: killed %d leftover process(es) by marker", lease.lease_id, len(swept.signalled))
+            journal.record(
+                Kind.LEFTOVERS_KILLED,
+                backend=lease.backend,
+                session_id=lease.session_key,
+                count=len(swept.signalled),
+                detail=f"lease {lease.lease_id}: {len(swept.signalled)} process(es) outlived the adapter",
+            )
         if swept.unverifiable or swept.remaining:
             reason = swept.unverifiable or f"processes carrying the marker survived: {swept.remaining}"
             log.error("lease %s left unverifiable: %s", lease.lease_id, reason)
             self._record(LeaseState.UNVERIFIABLE, reason)
+            detail = f"lease {lease.lease_id}: {reason}"
+            journal.record(Kind.UNVERIFIABLE, backend=lease.backend, label="stop", detail=detail)
         else:
             self._record(LeaseState.CLOSED)
+            journal.record(Kind.TREE_REAPED, backend=lease.backend, label="stop")
         forget_tombstone(db, lease.lease_id)
         if self._report is not None or not self.lease.adapter_pid:  # never became ready: nobody else will
             await self.close_stdout()

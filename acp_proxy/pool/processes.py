@@ -28,6 +28,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Changes, Stopping
 from acp_proxy.config import BackendConfig, Config
+from acp_proxy.journal import Kind, SuspendReason
 from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
@@ -67,7 +68,7 @@ BUDGET_ROLE: Final = "memory-budget"
 Answer = Callable[[Message], Message | None]
 """Called with the adapter's answer to a gateway request before it is forwarded (``PendingCall.on_answer``)."""
 
-Suspend = Callable[[str, str], bool]
+Suspend = Callable[[str, str, SuspendReason], bool]
 """Suspend the session of this id if it is idle (the reason for the log); False if it is not.
 Synchronous, so that the plan's choice and the suspension happen in one step."""
 
@@ -77,7 +78,7 @@ class Peers(Protocol):
 
     def alive(self, instance_id: str) -> bool: ...
 
-    async def evict(self, instance_id: str, key: str, why: str) -> bool:
+    async def evict(self, instance_id: str, key: str, why: str, reason: SuspendReason) -> bool:
         """Ask that proxy to suspend its session (or stop its spare) ``key`` if idle; False if it refused."""
         ...
 
@@ -164,6 +165,7 @@ class ProcessPool:
         self._attach = attach
         self.peers = peers
         self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
+        self.journal = owner.journal
         self.budget = MemoryBudget.of(config)
         self._overruns: set[str | None] = set()
         """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
@@ -361,7 +363,8 @@ class ProcessPool:
         depth = max(1, min(self.backend_cap(backend), self.config.pool.max_live))
         place: Ticket | None = None
         refused: dict[str, float] = {}
-        waiting_logged = False
+        waiting_logged = waited = False
+        outcome = "abandoned"
         try:
             while True:
                 if self.stopping.refusing:
@@ -372,6 +375,7 @@ class ProcessPool:
                     remaining = deadline - anyio.current_time()
                     if remaining <= 0:
                         break
+                    waited = True
                     await self._wait_for_change(waiter.moved, remaining)
                     continue
                 changed = self.changed.next()
@@ -385,6 +389,7 @@ class ProcessPool:
                 ahead = position + self._install_ahead.get(backend.name, 0)
                 held = self._take_install_slot(backend) if ahead == 0 else None
                 if held is not None:
+                    outcome = "admitted"
                     return held
                 decision = plan_acquire(
                     self.install_slots(refused),
@@ -397,6 +402,7 @@ class ProcessPool:
                 )
                 if isinstance(decision, Admit):
                     if decision.evict is not None:
+                        waited = True
                         if await self._evict_anywhere(decision.evict):
                             # The slot comes free once its tree is gone: a wait bounded by the
                             # teardown's own graces, not by acquire_timeout (that is for busy sessions).
@@ -418,8 +424,13 @@ class ProcessPool:
                 remaining = deadline - anyio.current_time()
                 if remaining <= 0:
                     break
+                waited = True
                 await self._wait_for_change(changed, min(remaining, pause, self._until_a_session_quiets()))
+            outcome = "exhausted"
         finally:
+            if waited:
+                seconds = time.monotonic() - waiter.arrived
+                self.journal.record(Kind.POOL_WAIT, backend=backend.name, label=outcome, seconds=seconds)
             if place is not None:
                 place.leave()
             position = queue.index(waiter)
@@ -444,15 +455,19 @@ class ProcessPool:
         with anyio.move_on_after(timeout):
             await changed.wait()
 
-    async def _evict_anywhere(self, slot: Slot, why: str = "least recently used of the install") -> bool:
+    async def _evict_anywhere(
+        self, slot: Slot, why: str = "least recently used of the install", reason: SuspendReason = SuspendReason.POOL
+    ) -> bool:
         """Suspend what the plan chose, in this proxy or (through its control socket) in another."""
         if slot.instance is None:
-            return self.evict(slot, why)
+            return self.evict(slot, why, reason)
         if self.peers is None:
             return False
         log.info("pool: asking proxy %s to suspend %s (%s)", slot.instance, slot.key, why)
         self._others = None  # its record is about to change: the next plan reads it again
-        return await self.peers.evict(slot.instance, slot.key, why)
+        evicted = await self.peers.evict(slot.instance, slot.key, why, reason)
+        self.journal.record(Kind.EVICT_ASKED, backend=slot.backend, label="yes" if evicted else "no")
+        return evicted
 
     def _until_a_session_quiets(self) -> float:
         """Seconds until the first session busy only with background work counts as idle again
@@ -466,7 +481,7 @@ class ProcessPool:
         self._taking.remove(held)
         self.changed.notify()
 
-    def evict(self, slot: Slot, why: str = "least recently used") -> bool:
+    def evict(self, slot: Slot, why: str = "least recently used", reason: SuspendReason = SuspendReason.POOL) -> bool:
         """Suspend what the plan chose (a spare is simply stopped); False if it is no longer idle.
 
         The bookkeeping happens at once, before anything waits, so the slot is free for
@@ -486,10 +501,10 @@ class ProcessPool:
                 log.info("pool: stopping a spare %s adapter (%s)", adapter.backend.name, why)
                 self.stop_in_background(adapter)
                 return True
-            return self._suspend(adapter.gateway_session, why)
+            return self._suspend(adapter.gateway_session, why, reason)
         return False
 
-    def evict_for_peer(self, key: str, why: str) -> bool:
+    def evict_for_peer(self, key: str, why: str, reason: SuspendReason = SuspendReason.PEER) -> bool:
         """Another proxy's plan chose ``key``: suspend it if it is idle here too (False: refused).
 
         The other proxy read a record that may be a moment stale; this proxy's own state
@@ -506,7 +521,7 @@ class ProcessPool:
             if slot.busy or slot.pinned or (not slot.spare and slot.recent_until > moment):
                 self.changed.notify()  # the record that said otherwise is rewritten
                 return False
-            return self.evict(slot, why)
+            return self.evict(slot, why, reason)
         return False
 
     # --- the memory budget -----------------------------------------------------------------------
@@ -554,7 +569,7 @@ class ProcessPool:
         for chosen in plan.suspend:
             slot = by_key[chosen.key]
             log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
-            await self._evict_anywhere(slot, why)
+            await self._evict_anywhere(slot, why, SuspendReason.MEMORY)
         exceeded = {overrun.backend for overrun in plan.overrun}
         for overrun in plan.overrun:
             if overrun.backend not in self._overruns:
@@ -570,7 +585,7 @@ class ProcessPool:
             if self.stopping.begun:
                 return
             for slot in expired(self.slots(), time.monotonic(), ttl):
-                self.evict(slot, f"idle for {ttl:g}s")
+                self.evict(slot, f"idle for {ttl:g}s", SuspendReason.IDLE_TTL)
 
     # --- starting ------------------------------------------------------------------------------
 
@@ -612,6 +627,7 @@ class ProcessPool:
                 if not isinstance(exc, SpawnError):
                     log.exception("starting backend %r failed", backend.name)
                     exc = SpawnError(f"cannot start backend {backend.name!r}: {exc}")
+                self.journal.record(Kind.SPAWN_FAILED, backend=backend.name, session_id=session_key, detail=str(exc))
                 raise ProxyError.spawn_failed(backend.name, str(exc)) from None
             except BaseException:
                 held.release()  # a launched wrapper keeps it until its tree is gone
@@ -623,6 +639,7 @@ class ProcessPool:
             adapter.claimed = prepare
             adapter.start_deadline = deadline
             self.running.add(adapter)
+            self.journal.record(Kind.ADAPTER_STARTED, backend=backend.name, label="warm" if warm else "started")
         finally:
             self._release_reservation(backend, held)
         self._attach(adapter)
@@ -699,6 +716,12 @@ class ProcessPool:
             extra=ids(lease=adapter.supervised.lease.lease_id, backend=adapter.backend.name, pid=adapter.pid),
         )
         self.stop_in_background(adapter)
+        self.journal.record(
+            Kind.START_TIMEOUT,
+            backend=adapter.backend.name,
+            label=str(msg.method),
+            detail=f"pid {adapter.pid} did not answer {msg.method} within {timeout:g}s",
+        )
         raise ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
 
     async def _prepare(self, adapter: Adapter) -> None:
@@ -719,7 +742,14 @@ class ProcessPool:
                 method = Method.AUTHENTICATE
                 await self.call(adapter, method, self.auth_params)
         if scope.cancelled_caught:
-            raise ProxyError.start_timeout(method, adapter.backend.name, self.start_timeout(adapter.backend))
+            timeout = self.start_timeout(adapter.backend)
+            self.journal.record(
+                Kind.START_TIMEOUT,
+                backend=adapter.backend.name,
+                label=method,
+                detail=f"pid {adapter.pid} did not answer {method} within {timeout:g}s",
+            )
+            raise ProxyError.start_timeout(method, adapter.backend.name, timeout)
 
     async def call(self, adapter: Adapter, method: str, params: object) -> Message:
         """A request of the proxy's own, bounded by ``resume_timeout``; an error answer raises ``restore_failed``."""

@@ -21,6 +21,7 @@ import anyio
 import anyio.abc
 from msgspec import UNSET
 
+from acp_proxy import journal
 from acp_proxy.concurrency import Background, Stopping, state_failed
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone
@@ -125,6 +126,12 @@ class GatewayConnection:
             suspended = await self.registry.suspend_all_of_this_instance()
             if suspended:
                 log.info("suspended %d session(s); the next proxy resumes them on demand", suspended)
+                self.pool.journal.record(
+                    journal.Kind.SUSPENDED,
+                    label=journal.SuspendReason.SHUTDOWN,
+                    count=suspended,
+                    detail=f"{suspended} session(s) suspended at shutdown ({self.stopping.reason or 'gateway left'})",
+                )
             await self.registry.db.drain_writer()  # every queued write applied (or logged) before exit
 
     async def _until_answered(self) -> None:

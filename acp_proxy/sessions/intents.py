@@ -31,6 +31,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Stopping
 from acp_proxy.config import BackendConfig, Config
+from acp_proxy.journal import Kind, SuspendReason
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter, AdapterGone
 from acp_proxy.pool.processes import ProcessPool
@@ -497,6 +498,8 @@ class SessionIntents:
         self.registry.mark_closed(session.session_id)
         self.table.forget(session)
         log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
+        by = "gateway" if request is not None else "operator"
+        self.pool.journal.record(Kind.CLOSED, backend=session.record.backend, label=by, session_id=session.session_id)
         if request is not None:
             await self.registry.caught_up()  # the gateway is told once the row says so
             await self.gateway.answer(request.id, {})
@@ -553,6 +556,7 @@ class SessionIntents:
             await self._delete_on_a_process_of(record)
         self.table.forget(session)
         log.info("session %s deleted", session.session_id, extra=ids(session=session.session_id))
+        self.pool.journal.record(Kind.DELETED, backend=record.backend, session_id=session.session_id)
         await self.registry.caught_up()  # the gateway is told once the tombstone is on record
         await self.gateway.answer(request.id, {})
 
@@ -710,7 +714,9 @@ class SessionIntents:
 
     # --- suspend ------------------------------------------------------------------------------
 
-    def suspend(self, session_id: str, why: str, *, even_if_busy: bool = False) -> bool:
+    def suspend(
+        self, session_id: str, why: str, reason: SuspendReason = SuspendReason.OTHER, *, even_if_busy: bool = False
+    ) -> bool:
         """Suspend a session: it keeps its mapping and is resumable; its process is stopped in the background.
 
         Only an idle session (nothing in flight, nothing queued), unless ``even_if_busy``
@@ -733,6 +739,9 @@ class SessionIntents:
             adapter.pid,
             extra=ids(session=session_id, lease=adapter.supervised.lease.lease_id),
         )
+        self.pool.journal.record(
+            Kind.SUSPENDED, backend=session.record.backend, label=reason, session_id=session_id, detail=why
+        )
         session.stopping = self.pool.stop_in_background(adapter)
         return True
 
@@ -743,12 +752,16 @@ class SessionIntents:
             return
         session.adapter = None
         if not self.stopping.begun and not session.closed:
-            log.warning(
-                "session %s: its process ended (%s); suspended, resumable",
-                session.session_id,
-                describe_exit(returncode),
-            )
+            how = describe_exit(returncode)
+            log.warning("session %s: its process ended (%s); suspended, resumable", session.session_id, how)
             self.registry.mark_suspended(session.session_id)
+            self.pool.journal.record(
+                Kind.CRASHED,
+                backend=session.record.backend,
+                label="killed" if returncode is not None and returncode < 0 else "exited",
+                session_id=session.session_id,
+                detail=how,
+            )
 
     async def expire_turn(self, turn: Turn) -> None:
         """A turn ran past ``turn_timeout``: ``session/cancel``; if the adapter ignores that for
@@ -779,7 +792,7 @@ class SessionIntents:
                 self.config.shutdown.close_timeout,
                 extra=turn_ids(turn),
             )
-            self.suspend(session.session_id, "turn_timeout", even_if_busy=True)
+            self.suspend(session.session_id, "turn_timeout", SuspendReason.TURN_TIMEOUT, even_if_busy=True)
 
     # --- resume -------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.config import BackendConfig, Config
+from acp_proxy.journal import Kind
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.plan import falls_back_to_new, restore_method
@@ -109,7 +110,7 @@ class Restorer:
         adapter.gateway_session = record.session_id
         adapter.adapter_session = record.adapter_session_id
         try:
-            answer, adapter_session_id = await self._restore(adapter, backend, record, gateway_asked)
+            answer, adapter_session_id, method = await self._restore(adapter, backend, record, gateway_asked)
             result = jsonrpc.decode_object(answer.result) or {}
             for method, params in record.settings:
                 setting_params = msgspec.json.decode(params)
@@ -129,13 +130,22 @@ class Restorer:
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
         session.record = await self.registry.current(record.session_id) or record
         self.table.bind(session, adapter, adapter_session_id)
+        took = time.monotonic() - started
         log.info(
             "session %s %s on pid %s in %.0f ms",
             record.session_id,
             "resumed" if adapter_session_id == record.adapter_session_id else "started afresh",
             adapter.pid,
-            (time.monotonic() - started) * 1000,
+            took * 1000,
             extra=ids(session=record.session_id, lease=adapter.supervised.lease.lease_id, backend=backend.name),
+        )
+        self.pool.journal.record(
+            Kind.RESUMED,
+            backend=backend.name,
+            label=method,
+            session_id=record.session_id,
+            seconds=took,
+            detail=f"{method} on pid {adapter.pid} in {took * 1000:.0f} ms",
         )
         # What the gateway is answered (when it asked for the load or resume itself): its own id,
         # and the settings as they are now, after re-applying them.
@@ -151,8 +161,9 @@ class Restorer:
 
     async def _restore(
         self, adapter: Adapter, backend: BackendConfig, record: SessionRecord, gateway_asked: str | None
-    ) -> tuple[Message, str]:
-        """Run the restoring request (and the fallback); the answer and the adapter's id for the session."""
+    ) -> tuple[Message, str, str]:
+        """Run the restoring request (and the fallback); the answer, the adapter's id for the session, and
+        the method that restored it."""
         caps = adapter.capabilities
         method = restore_method(backend.resume, can_resume=caps.resume, can_load=caps.load, gateway_asked=gateway_asked)
         if method is None:
@@ -166,7 +177,7 @@ class Restorer:
             finally:
                 adapter.swallow_updates = False
             if answer.error is UNSET:
-                return answer, record.adapter_session_id
+                return answer, record.adapter_session_id, method
             code = answer.error.code
             if not falls_back_to_new(method, code):
                 raise ProxyError.restore_failed(method, backend.name, code, answer.error.message)
@@ -176,6 +187,13 @@ class Restorer:
                 method,
                 code,
                 extra=ids(session=record.session_id, backend=backend.name),
+            )
+            self.pool.journal.record(
+                Kind.FALLBACK,
+                backend=backend.name,
+                label=method,
+                session_id=record.session_id,
+                detail=f"{method} failed ({code}: {answer.error.message}); history reset",
             )
         fresh = await self.pool.call(adapter, Method.NEW, params)
         new_id = session_of(fresh.result)
@@ -187,4 +205,4 @@ class Restorer:
         await self.gateway.send(jsonrpc.notification(Method.UPDATE, history_reset_update(record.session_id)))
         result = jsonrpc.decode_object(fresh.result) or {}
         result.pop("sessionId", None)
-        return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result))), new_id
+        return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result))), new_id, Method.NEW

@@ -30,6 +30,7 @@ from typing import Any, Final
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
+from acp_proxy.journal import Kind, count_in
 from acp_proxy.ownership import instances
 from acp_proxy.protocol.acp import SESSION_INFO_MARK, session_info_changes
 from acp_proxy.protocol.jsonrpc import REQUEST_CANCELLED
@@ -503,15 +504,7 @@ class TaskRegistry:
             *_progress_values(turn),
             turn.task_id,
         )
-        changed = self._write(
-            turn,
-            functools.partial(
-                _execute,
-                f"""UPDATE tasks SET status = ?, stop_reason = ?, error = ?, ended_at = ?, {_PROGRESS_COLUMNS}
-                    WHERE task_id = ? AND status IN ('queued', 'running')""",
-                values,
-            ),
-        )
+        changed = self._write(turn, functools.partial(_finish, values, turn.backend, turn.status.value))
         return None if self.db.writer is not None else changed == 1
 
 
@@ -519,6 +512,19 @@ def _tell(
     told: Callable[[Turn, BaseException | None], None], turn: Turn, result: object, error: BaseException | None
 ) -> None:
     told(turn, error)
+
+
+def _finish(values: tuple[object, ...], backend: str, status: str, conn: sqlite3.Connection) -> int:
+    """A terminal status, counted (``turn_ended``) in the same transaction if the row took it."""
+    changed = _execute(
+        f"""UPDATE tasks SET status = ?, stop_reason = ?, error = ?, ended_at = ?, {_PROGRESS_COLUMNS}
+            WHERE task_id = ? AND status IN ('queued', 'running')""",
+        values,
+        conn,
+    )
+    if changed:
+        count_in(conn, Kind.TURN_ENDED, backend=backend, label=status)
+    return changed
 
 
 def _execute(sql: str, values: tuple[object, ...], conn: sqlite3.Connection) -> int:
@@ -619,6 +625,12 @@ def sweep_lost(db: StateDB, own_instance: str | None) -> int:
     at = now()
     for instance_id in dead:
         with db.transaction() as conn:
+            for backend, count in conn.execute(
+                """SELECT backend, COUNT(*) FROM tasks WHERE instance_id = ? AND status IN ('queued', 'running')
+                   GROUP BY backend""",
+                (instance_id,),
+            ).fetchall():
+                count_in(conn, Kind.TURN_ENDED, backend=backend, label=TaskStatus.LOST.value, count=count)
             cursor = conn.execute(
                 """UPDATE tasks SET status = 'lost', ended_at = ?, updated_at = ?,
                        error = 'the acp-proxy process serving it ended without recording an outcome'
