@@ -10,6 +10,7 @@ so one of them is always suspended.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -27,7 +28,12 @@ if not sys.stdout.isatty() or os.environ.get("NO_COLOR"):
     BOLD = DIM = GREEN = RED = CYAN = RESET = ""
 
 
+PACE = 0.0
+"""Seconds to pause before each step (``--pace``), to watch the run with ``acp-proxy top``."""
+
+
 def step(title: str) -> None:
+    time.sleep(PACE)
     print(f"\n{BOLD}{title}{RESET}")
 
 
@@ -128,15 +134,44 @@ def write_config(state: str) -> str:
     return path
 
 
+def options() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/demo", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="keep the demo's config, state and histories in DIR (default: a temporary directory, removed after)",
+    )
+    parser.add_argument(
+        "--pace",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="pause before each step and stream slower, to watch the run in another terminal with acp-proxy top",
+    )
+    return parser.parse_args()
+
+
 def main() -> int:
+    global PACE
+    args = options()
+    PACE = max(0.0, args.pace)
     print(f"{BOLD}acp-proxy demo{RESET}: this script plays the gateway; the agent is the example echo agent.")
     print(f"{DIM}  $ acp-proxy --config demo.toml      # [pool] max_live = 1, backend: the echo agent{RESET}")
-    state = tempfile.mkdtemp(prefix="acp-proxy-demo-")
+    keep = args.state_dir is not None
+    if keep:
+        state = os.path.abspath(args.state_dir)
+        os.makedirs(state, mode=0o700, exist_ok=True)
+    else:
+        state = tempfile.mkdtemp(prefix="acp-proxy-demo-")
     env = {
         **os.environ,
         "ACP_PROXY_LOG_LEVEL": os.environ.get("ACP_PROXY_LOG_LEVEL", "error"),
         "ACP_PROXY_STATE_DIR": os.path.join(state, "state"),
     }
+    if PACE:
+        env["ECHO_AGENT_WORD_DELAY"] = str(min(0.5, PACE / 8))  # a turn streams for a second or more
+    if keep or PACE:
+        print(f"{DIM}  watch it: ACP_PROXY_STATE_DIR={env['ACP_PROXY_STATE_DIR']} .venv/bin/acp-proxy top{RESET}")
     narrator = Narrator()
     gw = SyncGateway.launch(
         [sys.executable, "-m", "acp_proxy", "--config", write_config(state)],
@@ -290,7 +325,10 @@ def main() -> int:
         f"{len(tasks)} prompt turns, each with its outcome: the cancelled one too",
         f"outcomes: {outcomes}",
     )
-    shutil.rmtree(state, ignore_errors=True)
+    if keep:
+        print(f"{DIM}  kept in {state}: ACP_PROXY_STATE_DIR={env['ACP_PROXY_STATE_DIR']} acp-proxy status{RESET}")
+    else:
+        shutil.rmtree(state, ignore_errors=True)
     print()
     return 1 if failures or status != 0 else 0
 

@@ -8,6 +8,7 @@
     acp-proxy tasks list [--status S] [--session ID]|show ID [--follow]|cancel ID [--json]
     acp-proxy leases [--json] [--all]                leases and the process trees they own
     acp-proxy reap [--dry-run] [--json]              reap what dead proxies left running
+    acp-proxy metrics [--textfile PATH]              the install's metrics, Prometheus text format
 
 Everything after the first ``--`` is the adapter's argv, taken literally.
 Exit status 2 means bad input (usage, config, an unknown id); the message says what
@@ -77,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_json(status)
     _add_sessions_parser(commands)
     _add_tasks_parser(commands)
+    _add_metrics_parser(commands)
     return parser
 
 
@@ -128,6 +130,16 @@ def _add_tasks_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         _add_json(parser)
     for parser in (show, cancel):
         parser.add_argument("id", metavar="ID", help="task id (or a unique prefix of 4+ characters)")
+
+
+def _add_metrics_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    metrics = commands.add_parser("metrics", help="the install's metrics in the Prometheus text format")
+    _add_config_option(metrics)
+    metrics.add_argument(
+        "--textfile",
+        metavar="PATH",
+        help="write them atomically to PATH (node_exporter's textfile collector: a name ending in .prom)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -334,7 +346,14 @@ def _operator_state_dir(args: argparse.Namespace) -> Path:
     return configuration.state_dir(_operator_config(args))
 
 
-OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks}
+def _metrics(args: argparse.Namespace) -> int:
+    from acp_proxy.operator.metrics import metrics_command
+
+    config = _operator_config(args)
+    return metrics_command(configuration.state_dir(config), config, textfile=args.textfile)
+
+
+OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks, "metrics": _metrics}
 
 
 def _database_path(args: argparse.Namespace) -> Path | None:

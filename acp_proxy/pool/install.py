@@ -289,6 +289,10 @@ class InstallSlots:
         """Whether any live waiter for ``backend`` is in the queue."""
         return any(locked(path) for path in self._tickets(backend))
 
+    def waiters(self, backend: str) -> int:
+        """How many live waiters for ``backend`` are in the queue (each proxy's first in line stands in it)."""
+        return sum(1 for path in self._tickets(backend) if locked(path))
+
     def _tickets(self, backend: str) -> list[Path]:
         """The queue's tickets for ``backend``, oldest first."""
         tag = f"-{_backend_dir(backend)}-"

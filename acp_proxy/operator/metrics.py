@@ -1,0 +1,308 @@
+"""``acp-proxy metrics``: the install's figures in the Prometheus text format.
+
+Two kinds of figures, read when the command runs:
+
+* gauges, what the install is now: running proxies, sessions by state, live adapter
+  trees and their memory, active turns, waiters for a slot, leases by state (an
+  ``unverifiable`` one needs an operator), the caps. From the state database, the
+  install's slot files and the running proxies' control sockets.
+* counters since the install was created, added up over every proxy that ever ran
+  on it (``acp_proxy.journal``): turns by status, resumes by method, fallbacks,
+  suspensions (evictions) by reason, failed and timed-out starts, trees reaped at a
+  stop, at startup and by ``acp-proxy reap``, pool waits and their time. Kept in the
+  database, they never go backwards when a proxy exits, so ``rate()`` works on them
+  for an install of short-lived proxies (one per session, as acpx runs them).
+
+The families are built from a gathered ``InstallFigures`` by a pure function and
+written by the Prometheus client library (its exposition format and its atomic
+``write_to_textfile``, for node_exporter's textfile collector). Nothing here is
+imported by the relay.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter as Tally
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest, write_to_textfile
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from acp_proxy import __version__, journal
+from acp_proxy.config import Config
+from acp_proxy.operator import control
+from acp_proxy.operator.commands import open_existing, owned_tree
+from acp_proxy.operator.reports import STATUS_TIMEOUT, Liveness, OperatorError
+from acp_proxy.ownership.leases import ACTIVE_STATES, Lease
+from acp_proxy.pool.install import InstallSlots
+from acp_proxy.sessions.registry import SessionState
+from acp_proxy.state import StateDB
+from acp_proxy.tasks.records import ACTIVE, TaskStatus, effective_status
+
+PREFIX: Final = "acp_proxy"
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """How a journal counter is exported: its family, its help, and what its label means."""
+
+    metric: str
+    doc: str
+    label: str | None
+    """The name of the journal label's Prometheus label (``None``: a kind without one)."""
+    seconds: str | None = None
+    """The family of its summed seconds, if it has one."""
+
+
+COUNTED: Final[Mapping[journal.Kind, Counted]] = {
+    journal.Kind.TURN_ENDED: Counted("turns", "Prompt turns ended, by terminal status", "status"),
+    journal.Kind.RESUMED: Counted("resumes", "Sessions brought back on a new process, by method", "method"),
+    journal.Kind.FALLBACK: Counted(
+        "resume_fallbacks",
+        "Restores that fell back to session/new (history reset), by the failed method",
+        "method",
+    ),
+    journal.Kind.SUSPENDED: Counted("evictions", "Sessions suspended (tree reaped, session kept), by reason", "reason"),
+    journal.Kind.CRASHED: Counted("adapter_exits", "Adapter processes that ended on their own, by how", "how"),
+    journal.Kind.CLOSED: Counted("sessions_closed", "Sessions closed, by who asked", "by"),
+    journal.Kind.DELETED: Counted("sessions_deleted", "Sessions deleted", None),
+    journal.Kind.ADAPTER_STARTED: Counted("adapters_started", "Adapter processes started", "how"),
+    journal.Kind.SPAWN_FAILED: Counted("spawn_failures", "Adapter starts that failed to spawn", None),
+    journal.Kind.START_TIMEOUT: Counted(
+        "start_timeouts", "Adapter starts that did not answer within start_timeout, by request", "request"
+    ),
+    journal.Kind.TREE_REAPED: Counted(
+        "trees_reaped",
+        "Adapter process trees reaped: at a stop, or left by a dead proxy (at startup, or by acp-proxy reap)",
+        "when",
+    ),
+    journal.Kind.LEFTOVERS_KILLED: Counted(
+        "leftover_processes_killed", "Processes that outlived their adapter, killed by their lease marker", None
+    ),
+    journal.Kind.UNVERIFIABLE: Counted(
+        "unverifiable_leases", "Leases whose processes could not be proven gone, by when", "when"
+    ),
+    journal.Kind.POOL_WAIT: Counted(
+        "pool_waits", "Starts that waited for a slot, by outcome", "outcome", seconds="pool_wait_seconds"
+    ),
+    journal.Kind.EVICT_ASKED: Counted(
+        "peer_evictions_asked", "Other proxies asked to suspend a session for a slot, by answer", "answer"
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InstallFigures:
+    """What ``families`` exports, gathered once."""
+
+    proxies: int = 0
+    sessions: Mapping[str, int] = field(default_factory=dict)
+    """by state"""
+    live_adapters: Mapping[str, int] = field(default_factory=dict)
+    """install slots held, by backend"""
+    memory: Mapping[str, int] = field(default_factory=dict)
+    """the live trees' memory as the budget measures it (PSS, else RSS), by backend; only where measured"""
+    rss: Mapping[str, int] = field(default_factory=dict)
+    """the owned processes' resident memory, by backend"""
+    active_turns: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    """(backend, running|queued)"""
+    waiting: Mapping[str, int] = field(default_factory=dict)
+    """starts waiting for a slot now, by backend"""
+    leases: Mapping[str, int] = field(default_factory=dict)
+    """by state"""
+    max_live: int | None = None
+    max_memory: int | None = None
+    counters: tuple[journal.Counter, ...] = ()
+
+
+def families(figures: InstallFigures) -> list[Metric]:
+    """The metric families of an install's figures (pure)."""
+    out: list[Metric] = []
+
+    def gauge(name: str, help_: str, value: float) -> None:
+        out.append(GaugeMetricFamily(f"{PREFIX}_{name}", help_, value=value))
+
+    def gauges(name: str, help_: str, labels: list[str], values: Mapping[tuple[str, ...], float]) -> None:
+        family = GaugeMetricFamily(f"{PREFIX}_{name}", help_, labels=labels)
+        for key, value in sorted(values.items()):
+            family.add_metric(list(key), value)
+        out.append(family)
+
+    info = GaugeMetricFamily(f"{PREFIX}_build_info", "The acp-proxy that wrote these figures", labels=["version"])
+    info.add_metric([__version__], 1)
+    out.append(info)
+    gauge("proxies", "Running proxies of the install", figures.proxies)
+    gauges(
+        "sessions",
+        "Sessions by state",
+        ["state"],
+        {(state.value,): figures.sessions.get(state.value, 0) for state in SessionState},
+    )
+    gauges("live_adapters", "Live adapter trees (install slots held)", ["backend"], _keyed(figures.live_adapters))
+    gauges(
+        "adapter_memory_bytes",
+        "Memory of the live adapter trees as the memory budget measures it (PSS, else RSS); only with max_memory set",
+        ["backend"],
+        _keyed(figures.memory),
+    )
+    gauges("adapter_rss_bytes", "Resident memory of the processes the install owns", ["backend"], _keyed(figures.rss))
+    turns: dict[tuple[str, ...], float] = {key: float(value) for key, value in figures.active_turns.items()}
+    gauges("turns_active", "Prompt turns running or queued", ["backend", "status"], turns)
+    gauges("pool_waiting", "Starts waiting for a slot now", ["backend"], _keyed(figures.waiting))
+    gauges("leases", "Leases by state (unverifiable ones need an operator)", ["state"], _keyed(figures.leases))
+    if figures.max_live is not None:
+        gauge("pool_max_live", "The install's cap on live adapter trees", figures.max_live)
+    if figures.max_memory is not None:
+        gauge("pool_max_memory_bytes", "The install's memory budget for adapter trees", figures.max_memory)
+    out += counter_families(figures.counters)
+    return out
+
+
+def counter_families(counters: Iterable[journal.Counter]) -> list[Metric]:
+    """One counter family per ``COUNTED`` kind (present even before anything was counted)."""
+    built: dict[journal.Kind, tuple[CounterMetricFamily, CounterMetricFamily | None]] = {}
+    for kind, counted in COUNTED.items():
+        labels = ["backend"] if counted.label is None else ["backend", counted.label]
+        family = CounterMetricFamily(f"{PREFIX}_{counted.metric}", counted.doc, labels=labels)
+        seconds = None
+        if counted.seconds is not None:
+            seconds = CounterMetricFamily(
+                f"{PREFIX}_{counted.seconds}", f"{counted.doc}: seconds waited", labels=labels
+            )
+        built[kind] = (family, seconds)
+    for counter in counters:
+        try:
+            kind = journal.Kind(counter.name)
+        except ValueError:
+            continue  # counted by a newer acp-proxy
+        if kind not in built:
+            continue
+        family, seconds = built[kind]
+        values = [counter.backend] if COUNTED[kind].label is None else [counter.backend, counter.label]
+        family.add_metric(values, counter.count)
+        if seconds is not None:
+            seconds.add_metric(values, counter.seconds)
+    return [metric for pair in built.values() for metric in pair if metric is not None]
+
+
+def _keyed(values: Mapping[str, int]) -> dict[tuple[str, ...], float]:
+    return {(key,): value for key, value in values.items()}
+
+
+# --- gathering ---------------------------------------------------------------------------------------
+
+
+def gather(state_dir: Path, config: Config | None) -> InstallFigures:
+    """The install's figures now; an install with no state database yet has none but the caps."""
+    max_live = config.pool.max_live if config is not None else None
+    max_memory = config.pool.max_memory if config is not None else None
+    db = open_existing(state_dir)
+    if db is None:
+        return InstallFigures(max_live=max_live, max_memory=max_memory)
+    try:
+        return _gather(db, state_dir, config, max_live, max_memory)
+    finally:
+        db.close()
+
+
+def _gather(
+    db: StateDB, state_dir: Path, config: Config | None, max_live: int | None, max_memory: int | None
+) -> InstallFigures:
+    alive = Liveness(db)
+    running = [
+        row[0] for row in db.conn.execute("SELECT instance_id FROM instances WHERE ended_at IS NULL") if alive(row[0])
+    ]
+    if config is None:  # the caps the running proxies enforce
+        for pool in _pools(state_dir, running):
+            max_live = max(max_live or 0, pool.get("maxLive") or 0) or max_live
+            max_memory = max(max_memory or 0, pool.get("maxMemory") or 0) or max_memory
+    live: Tally[str] = Tally()
+    memory: Tally[str] = Tally()
+    install = InstallSlots(state_dir, "reader")
+    for held in install.holders():
+        if held.record is None:
+            continue
+        live[held.record.backend] += 1
+        if held.record.memory is not None:
+            memory[held.record.backend] += held.record.memory
+    rss: Tally[str] = Tally()
+    active = [state.value for state in ACTIVE_STATES]
+    rows = db.conn.execute(f"SELECT * FROM leases WHERE state IN ({', '.join('?' * len(active))})", active)
+    for row in rows.fetchall():
+        lease = Lease.from_row(row)
+        rss[lease.backend] += sum(proc["rssBytes"] for proc in owned_tree(lease))
+    turns: Tally[tuple[str, str]] = Tally()
+    statuses = [status.value for status in ACTIVE]
+    for backend, status, instance_id in db.conn.execute(
+        f"SELECT backend, status, instance_id FROM tasks WHERE status IN ({', '.join('?' * len(statuses))})", statuses
+    ):
+        effective = effective_status(TaskStatus(status), alive(instance_id))
+        if effective in ACTIVE:
+            turns[(backend, effective.value)] += 1
+    backends = set(config.backends) if config is not None else set()
+    backends |= {row[0] for row in db.conn.execute("SELECT DISTINCT backend FROM sessions")}
+    waiting = {backend: count for backend in sorted(backends) if (count := install.waiters(backend))}
+    return InstallFigures(
+        proxies=len(running),
+        sessions=dict(db.conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state").fetchall()),
+        live_adapters=dict(live),
+        memory=dict(memory),
+        rss=dict(rss),
+        active_turns=dict(turns),
+        waiting=waiting,
+        leases=dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall()),
+        max_live=max_live,
+        max_memory=max_memory,
+        counters=tuple(journal.counters(db.conn)),
+    )
+
+
+def _pools(state_dir: Path, instance_ids: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The pool part of each running proxy's own status (one that does not answer is left out)."""
+    for instance_id in instance_ids:
+        path = control.socket_path(state_dir, instance_id)
+        try:
+            answer = control.request(path, "status", {}, timeout=STATUS_TIMEOUT)
+        except (control.ControlUnavailable, control.ControlError, TimeoutError, OSError):
+            continue
+        pool = answer.get("pool")
+        if isinstance(pool, dict):
+            yield pool
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+
+class _Figures(Collector):
+    def __init__(self, figures: InstallFigures) -> None:
+        self.figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(families(self.figures))
+
+
+def exposition(figures: InstallFigures) -> bytes:
+    """The figures in the Prometheus text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Figures(figures))
+    return generate_latest(registry)
+
+
+def metrics_command(state_dir: Path, config: Config | None, *, textfile: str | None) -> int:
+    """Print the install's metrics, or write them atomically to ``textfile`` (node_exporter's textfile collector)."""
+    figures = gather(state_dir, config)
+    if textfile is None:
+        sys.stdout.buffer.write(exposition(figures))
+        sys.stdout.flush()
+        return 0
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Figures(figures))
+    try:
+        write_to_textfile(textfile, registry)  # a temporary file beside it, renamed over it
+    except OSError as exc:
+        raise OperatorError(f"--textfile: cannot write {textfile}: {exc.strerror or exc}") from None
+    return 0
