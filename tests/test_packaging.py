@@ -7,7 +7,9 @@ put first on the path of the processes under test, ahead of this checkout.
 
 from __future__ import annotations
 
+import email
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import acp_proxy
 from acp_proxy.ownership.owner import WRAPPER_NAME
 from tests.support import Gateway
 
@@ -63,6 +66,48 @@ def test_the_wheel_ships_the_wrapper_inside_the_package(wheel: Path) -> None:
     # Nothing at the top level but the package and its metadata: no generic `wrappers` package.
     assert {name.split("/")[0] for name in names} == {"acp_proxy", wheel.name.split("-py3")[0] + ".dist-info"}
     assert not [name for name in names if "__pycache__" in name or name.endswith(".pyc")]
+
+
+def test_the_wheel_ships_the_example_agent_and_nothing_of_the_checkout(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    assert "acp_proxy/examples/echo_agent.py" in names
+    assert "acp_proxy/py.typed" in names
+    assert f"{wheel.name.split('-py3')[0]}.dist-info/licenses/LICENSE" in names
+    shipped_from_checkout = [n for n in names if n.split("/")[0] in ("tests", "scripts", "benchmarks", "docs")]
+    assert shipped_from_checkout == []
+    assert not [n for n in names if "/tests/" in n or n.endswith("conftest.py")]
+
+
+def test_the_wheel_metadata_is_complete_and_its_version_is_the_packages(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = email.message_from_bytes(archive.read(name))
+    assert metadata["Name"] == "acp-proxy"
+    assert metadata["Version"] == acp_proxy.__version__
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata["License-File"] == "LICENSE"
+    assert metadata["Requires-Python"] == ">=3.11"
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata.get_payload().startswith("# acp-proxy"), "the README is the long description"
+    classifiers = metadata.get_all("Classifier") or []
+    assert {"Environment :: Console", "Typing :: Typed", "Framework :: Trio"} <= set(classifiers)
+    assert metadata.get_all("Project-URL")
+    required = {re.split(r"[<>=;\s]", r)[0] for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r}
+    assert required == {"anyio", "trio", "psutil", "msgspec", "prometheus-client"}
+
+
+def test_an_installed_package_says_its_version(installed: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "acp_proxy", "--version"],
+        env=installed_env(dict(os.environ), installed),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert done.stdout.strip() == f"acp-proxy {acp_proxy.__version__}"
 
 
 def test_an_installed_package_finds_the_wrapper_it_ships(installed: Path, tmp_path: Path) -> None:
