@@ -180,7 +180,7 @@ def check_config(path: Path, origin: str, *, uid: int) -> ConfigCheck:
         fix = "create it, or name an existing file (acp-proxy -- CMD needs no config)"
         return ConfigCheck([problem("config", f"{source} (from {origin}) does not exist", fix)], None, True)
     except OSError as exc:
-        fix = f"make it a file you can read: chmod 600 {source}"
+        fix = "name the config file, not a directory" if isinstance(exc, IsADirectoryError) else f"chmod 600 {source}"
         return ConfigCheck([problem("config", f"cannot read {source}: {exc.strerror}", fix)], None, True)
     findings = [ok("config", f"{source} (from {origin})")]
     findings += config_file_safety(st, source, uid=uid)
@@ -189,7 +189,7 @@ def check_config(path: Path, origin: str, *, uid: int) -> ConfigCheck:
     try:
         doc = tomllib.loads(data.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        findings.append(problem("config", f"not valid TOML: {exc}", f"correct the syntax of {source} there"))
+        findings.append(problem("config", f"not valid TOML: {exc}", f"correct {source} at the line and column given"))
         return ConfigCheck(findings, None, True)
     try:
         config = configuration.validate(doc, source)
