@@ -571,18 +571,26 @@ def _nothing(conn: sqlite3.Connection) -> None:
 class StateDB:
     """A connection to the state database, with the install's identity."""
 
-    def __init__(self, state_dir: Path, *, create: bool = True) -> None:
+    def __init__(self, state_dir: Path, *, create: bool = True, read_only: bool = False) -> None:
+        """Open (``create``: and make) the install's database and bring its schema up to date.
+
+        ``read_only``: open an existing database as it is, for inspection (``acp-proxy doctor``):
+        never created, migrated or written, whatever its schema version, which the caller reads.
+        """
         self.state_dir = state_dir
         self.path = state_dir / DB_NAME
         self._checkpointer: sqlite3.Connection | None = None
         self.writer: StateWriter | None = None
         """The thread that makes this proxy's writes, once ``start_writer`` is called; else they are made inline."""
-        if create:
+        if create and not read_only:
             ensure_private_dir(state_dir)
         elif not self.path.exists():
             raise StateError(f"no state database at {self.path}")
         else:
             check_private_dir(state_dir)
+        if read_only:
+            self._open_read_only()
+            return
         old_umask = os.umask(0o077)
         try:
             self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
@@ -610,6 +618,22 @@ class StateDB:
         except sqlite3.DatabaseError as exc:
             self.conn.close()
             raise StateError(explain_failure(self.path, exc)) from None
+
+    def _open_read_only(self) -> None:
+        # SQLite may leave an empty -wal and a -shm file beside the database (mode as the database's):
+        # a reader of a WAL database needs them, and the next proxy uses them as its own.
+        uri = f"{self.path.as_uri()}?mode=ro"
+        try:
+            self.conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StateError(explain_failure(self.path, exc)) from None
+        self.conn.row_factory = sqlite3.Row
+        try:
+            row = self.conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()
+        except sqlite3.Error as exc:
+            self.conn.close()
+            raise StateError(explain_failure(self.path, exc)) from None
+        self.install_id = str(row[0]) if row else ""
 
     def close(self) -> None:
         self.stop_writer()

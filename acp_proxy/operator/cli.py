@@ -3,6 +3,7 @@
     acp-proxy [--config PATH] [--backend NAME]      serve with a TOML config
     acp-proxy [options] -- CMD ARG...                 serve one ad-hoc backend, no config needed
     acp-proxy config check [--config PATH]           validate a config, exit 2 on error
+    acp-proxy doctor [--config PATH] [--json]        check a config and this host, each finding with its fix
     acp-proxy status [--json]                        proxies, sessions, leases, processes, turns
     acp-proxy sessions list|show ID|suspend ID|close ID [--json]
     acp-proxy tasks list [--status S] [--session ID]|show ID [--follow]|cancel ID [--json]
@@ -13,7 +14,7 @@
 Everything after the first ``--`` is the adapter's argv, taken literally.
 Exit status 2 means bad input (usage, config, an unknown id); the message says what
 to fix. Exit status 1 from an acting command means the proxy it needed could not be
-reached or did not act.
+reached or did not act; from ``doctor``, that it found a problem with the host or the state.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="proxies, sessions, leases, live processes and turns")
     _add_config_option(status)
     _add_json(status)
+    _add_doctor_parser(commands)
     _add_sessions_parser(commands)
     _add_tasks_parser(commands)
     _add_metrics_parser(commands)
@@ -84,6 +86,24 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_doctor_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    doctor = commands.add_parser(
+        "doctor",
+        help="check a config and this host: commands, variables, state dir, database, leftovers, ownership",
+        description="Check a config and this host as acp-proxy needs them; print each finding with its fix.",
+        epilog="Exit status: 0 no problem (warnings allowed), 1 a problem with the host, environment or state, "
+        "2 bad usage or a config that is missing or does not parse or validate.",
+    )
+    _add_config_option(doctor)
+    _add_json(doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from acp_proxy.operator.doctor import doctor_command
+
+    return doctor_command(getattr(args, "config", None), as_json=args.json)
 
 
 def _add_sessions_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -376,6 +396,8 @@ def main(argv: Sequence[str] | None, serve: Serve) -> int:
     try:
         if args.command == "config":
             return _config_check(args)
+        if args.command == "doctor":
+            return _doctor(args)
         if args.command == "leases":
             return _leases(args)
         if args.command == "reap":
