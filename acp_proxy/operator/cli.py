@@ -8,6 +8,7 @@
     acp-proxy tasks list [--status S] [--session ID]|show ID [--follow]|cancel ID [--json]
     acp-proxy leases [--json] [--all]                leases and the process trees they own
     acp-proxy reap [--dry-run] [--json]              reap what dead proxies left running
+    acp-proxy top [--interval S] [--once] [--json]   a live view of the install; keys act on it
 
 Everything after the first ``--`` is the adapter's argv, taken literally.
 Exit status 2 means bad input (usage, config, an unknown id); the message says what
@@ -77,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_json(status)
     _add_sessions_parser(commands)
     _add_tasks_parser(commands)
+    _add_top_parser(commands)
     return parser
 
 
@@ -128,6 +130,24 @@ def _add_tasks_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
         _add_json(parser)
     for parser in (show, cancel):
         parser.add_argument("id", metavar="ID", help="task id (or a unique prefix of 4+ characters)")
+
+
+def _add_top_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    top = commands.add_parser("top", help="a live view of proxies, sessions, turns, the pool and recent events")
+    _add_config_option(top)
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one snapshot as a table and exit")
+    _add_json(top)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -330,11 +350,25 @@ def _tasks(args: argparse.Namespace) -> int:
     return reports.tasks_cancel(state, args.id, wait=not args.no_wait, as_json=args.json)
 
 
+def _top(args: argparse.Namespace) -> int:
+    from acp_proxy.operator import top
+
+    config = _operator_config(args)
+    return top.run(
+        configuration.state_dir(config),
+        interval=args.interval,
+        max_live=config.pool.max_live if config else None,
+        max_memory=config.pool.max_memory if config else None,
+        once=args.once,
+        as_json=args.json,
+    )
+
+
 def _operator_state_dir(args: argparse.Namespace) -> Path:
     return configuration.state_dir(_operator_config(args))
 
 
-OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks}
+OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks, "top": _top}
 
 
 def _database_path(args: argparse.Namespace) -> Path | None:
