@@ -27,27 +27,22 @@ import anyio
 import pytest
 import sniffio
 from rich.console import Console
+from rich.text import Text
 
-from acp_proxy.operator.top import (
+from acp_proxy.operator.top.snapshot import (
     EventRow,
-    Focus,
     Gatherer,
-    Pending,
     PoolUsage,
     ProxyRow,
     SessionRow,
     Snapshot,
     TurnRow,
-    ViewState,
-    allot,
-    decode_keys,
     last_line,
-    on_key,
-    render,
-    short_id,
     snapshot_json,
 )
-from acp_proxy.operator.top import _Panel as Panel
+from acp_proxy.operator.top.terminal import _screen, _Wakeup, decode_keys
+from acp_proxy.operator.top.view import Focus, Pending, ViewState, allot, on_key, render, short_id
+from acp_proxy.operator.top.view import _Panel as Panel
 from acp_proxy.sessions.registry import SessionState
 from tests.support import (
     RESUME_AND_LOAD,
@@ -479,6 +474,34 @@ def drive_ctrl_c(env: dict[str, str], config: Path) -> None:
         term.press(b"\x03")
         term.pump(term.exited, timeout=15)
         assert_left_cleanly(term)
+
+
+def test_a_view_that_fails_still_leaves_the_terminal_as_it_found_it() -> None:
+    master, slave = os.openpty()
+    wakeup = _Wakeup()
+    try:
+        modes = termios.tcgetattr(slave)
+        taken: list[list[Any]] = []
+
+        def draw_then_fail(console: Console) -> None:
+            with _screen(slave, console, wakeup) as live:
+                live.update(Text("drawn"), refresh=True)
+                taken.append(termios.tcgetattr(slave))
+                raise RuntimeError("a bug in the view")
+
+        with open(slave, "w", encoding="utf-8", closefd=False) as tty_file, pytest.raises(RuntimeError):
+            draw_then_fail(Console(file=tty_file, force_terminal=True, width=80, height=24))
+        assert taken[0] != modes, "the view ran in cbreak mode"
+        output = b""
+        while select.select([master], [], [], 0.5)[0]:
+            output += os.read(master, 65536)
+        assert b"drawn" in output
+        assert output.endswith(CURSOR_SHOWN + ALT_SCREEN_OFF)
+        assert termios.tcgetattr(slave) == modes
+    finally:
+        wakeup.close()
+        os.close(master)
+        os.close(slave)
 
 
 @pytest.mark.anyio
