@@ -10,6 +10,7 @@
     acp-proxy leases [--json] [--all]                leases and the process trees they own
     acp-proxy reap [--dry-run] [--json]              reap what dead proxies left running
     acp-proxy metrics [--textfile PATH]              the install's metrics, Prometheus text format
+    acp-proxy top [--interval S] [--once] [--json]   a live view of the install; keys act on it
 
 Everything after the first ``--`` is the adapter's argv, taken literally.
 Exit status 2 means bad input (usage, config, an unknown id); the message says what
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_sessions_parser(commands)
     _add_tasks_parser(commands)
     _add_metrics_parser(commands)
+    _add_top_parser(commands)
     return parser
 
 
@@ -160,6 +162,24 @@ def _add_metrics_parser(commands: argparse._SubParsersAction[argparse.ArgumentPa
         metavar="PATH",
         help="write them atomically to PATH (node_exporter's textfile collector: a name ending in .prom)",
     )
+
+
+def _add_top_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    top = commands.add_parser("top", help="a live view of proxies, sessions, turns, the pool and recent events")
+    _add_config_option(top)
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one snapshot as a table and exit")
+    _add_json(top)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -362,6 +382,20 @@ def _tasks(args: argparse.Namespace) -> int:
     return reports.tasks_cancel(state, args.id, wait=not args.no_wait, as_json=args.json)
 
 
+def _top(args: argparse.Namespace) -> int:
+    from acp_proxy.operator import top
+
+    config = _operator_config(args)
+    return top.run(
+        configuration.state_dir(config),
+        interval=args.interval,
+        max_live=config.pool.max_live if config else None,
+        max_memory=config.pool.max_memory if config else None,
+        once=args.once,
+        as_json=args.json,
+    )
+
+
 def _operator_state_dir(args: argparse.Namespace) -> Path:
     return configuration.state_dir(_operator_config(args))
 
@@ -373,7 +407,7 @@ def _metrics(args: argparse.Namespace) -> int:
     return metrics_command(configuration.state_dir(config), config, textfile=args.textfile)
 
 
-OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks, "metrics": _metrics}
+OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks, "metrics": _metrics, "top": _top}
 
 
 def _database_path(args: argparse.Namespace) -> Path | None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
+import sniffio
 
 from acp_proxy import __version__
 from acp_proxy.concurrency import Stopping
@@ -150,6 +151,7 @@ class Operations:
             "instance": proxy.owner.instance_id,
             "pid": os.getpid(),
             "version": __version__,
+            "asyncBackend": sniffio.current_async_library(),
             "startedAt": proxy.started_at,
             "uptimeSeconds": round(time.time() - proxy.started_at, 3),
             "shuttingDown": proxy.stopping.begun,

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -62,6 +63,15 @@ class OperatorError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_USAGE) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+@dataclass(frozen=True, slots=True)
+class Acted:
+    """What an acting command did: the JSON document, the sentence for people, the exit status."""
+
+    document: dict[str, Any]
+    message: str
+    exit_code: int
 
 
 def parse_statuses(values: Sequence[str]) -> list[TaskStatus]:
@@ -322,6 +332,11 @@ def _print_task(view: dict[str, Any]) -> None:
 
 
 def tasks_cancel(state_dir: Path, task_id: str, *, wait: bool, as_json: bool) -> int:
+    return _report(cancel_turn(state_dir, task_id, wait=wait), as_json)
+
+
+def cancel_turn(state_dir: Path, task_id: str, *, wait: bool) -> Acted:
+    """Cancel a running or queued turn through the proxy running it; what happened (``OperatorError``: a bad id)."""
     with opened(state_dir) as db:
         record = resolve_task(db, state_dir, task_id)
         assert db is not None
@@ -329,12 +344,11 @@ def tasks_cancel(state_dir: Path, task_id: str, *, wait: bool, as_json: bool) ->
     outcome: dict[str, Any] = {"taskId": record.task_id, "sessionId": record.session_id, "instance": record.instance_id}
     if record.status in TERMINAL:
         outcome |= {"cancelled": False, "status": record.status.value, "reason": "already ended"}
-        return _report(outcome, as_json, f"task {record.task_id} has already ended: {record.status.value}", 0)
+        return Acted(outcome, f"task {record.task_id} has already ended: {record.status.value}", 0)
     if view["status"] == TaskStatus.LOST.value:
         outcome |= {"cancelled": False, "status": "lost", "reason": "proxy gone"}
-        return _report(
+        return Acted(
             outcome,
-            as_json,
             f"task {record.task_id} cannot be cancelled: the proxy serving it (instance {record.instance_id}) "
             "is gone, and the turn with it; it is recorded lost",
             EXIT_UNREACHABLE,
@@ -346,10 +360,10 @@ def tasks_cancel(state_dir: Path, task_id: str, *, wait: bool, as_json: bool) ->
             latest = get_task(db, record.task_id) if db is not None else None
         status = latest.status.value if latest is not None else "ended"
         outcome |= {"cancelled": False, "status": status, "reason": "already ended"}
-        return _report(outcome, as_json, f"task {record.task_id} has already ended: {status}", 0)
+        return Acted(outcome, f"task {record.task_id} has already ended: {status}", 0)
     except OperatorError as exc:
         outcome |= {"cancelled": False, "status": view["status"], "reason": str(exc)}
-        return _report(outcome, as_json, str(exc), exc.exit_code)
+        return Acted(outcome, str(exc), exc.exit_code)
     status = result.get("status", "?")
     ended = status in {s.value for s in TERMINAL}
     outcome |= {"cancelled": True, "status": status}
@@ -365,24 +379,26 @@ def tasks_cancel(state_dir: Path, task_id: str, *, wait: bool, as_json: bool) ->
             f"task {record.task_id}: session/cancel sent, but the agent has not ended the turn yet (still {status}); "
             f"acp-proxy sessions close {record.session_id} ends it for good"
         )
-    return _report(outcome, as_json, message, 0 if ended or not wait else EXIT_UNREACHABLE)
+    return Acted(outcome, message, 0 if ended or not wait else EXIT_UNREACHABLE)
 
 
-def _report(document: dict[str, Any], as_json: bool, message: str, code: int) -> int:
+def _report(acted: Acted, as_json: bool) -> int:
     if as_json:
-        _print_json(document)
+        _print_json(acted.document)
     else:
-        print(message, file=sys.stdout if code == 0 else sys.stderr)
-    return code
+        print(acted.message, file=sys.stdout if acted.exit_code == 0 else sys.stderr)
+    return acted.exit_code
 
 
-def _ask(state_dir: Path, instance_id: str | None, command: str, args: dict[str, Any]) -> dict[str, Any]:
+def _ask(
+    state_dir: Path, instance_id: str | None, command: str, args: dict[str, Any], *, timeout: float | None = None
+) -> dict[str, Any]:
     """A command to the proxy instance ``instance_id``; ``OperatorError`` (exit 1 or 2) saying why not."""
     if instance_id is None:
         raise OperatorError("no proxy holds it", EXIT_UNREACHABLE)
     path = control.socket_path(state_dir, instance_id)
     try:
-        return control.request(path, command, args, timeout=control_timeout(command))
+        return control.request(path, command, args, timeout=timeout or control_timeout(command))
     except control.ControlUnavailable as exc:
         raise OperatorError(f"the proxy (instance {instance_id}) cannot be reached: {exc}", EXIT_UNREACHABLE) from None
     except TimeoutError as exc:
@@ -570,7 +586,12 @@ def _lease_or_none(db: StateDB, lease_id: str | None) -> Lease | None:
 
 
 def sessions_act(state_dir: Path, session_id: str, *, action: str, as_json: bool) -> int:
-    """``suspend`` or ``close`` a session, through the proxy holding it (or the database if none does)."""
+    return _report(act_on_session(state_dir, session_id, action=action), as_json)
+
+
+def act_on_session(state_dir: Path, session_id: str, *, action: str) -> Acted:
+    """``suspend`` or ``close`` a session, through the proxy holding it (or the database if none does);
+    what happened (``OperatorError``: a bad id)."""
     with opened(state_dir) as db:
         session_id = resolve_session(db, state_dir, session_id)
         assert db is not None
@@ -582,7 +603,7 @@ def sessions_act(state_dir: Path, session_id: str, *, action: str, as_json: bool
         outcome: dict[str, Any] = {"sessionId": session_id, "action": action, "instance": holder}
         if record.state is SessionState.CLOSED:
             outcome |= {"done": False, "state": "closed", "reason": "already closed"}
-            return _report(outcome, as_json, f"session {session_id} is already closed", 0)
+            return Acted(outcome, f"session {session_id} is already closed", 0)
         if holder_alive:
             command = "close_session" if action == "close" else "suspend_session"
             try:
@@ -590,7 +611,7 @@ def sessions_act(state_dir: Path, session_id: str, *, action: str, as_json: bool
             except OperatorError as exc:
                 if not (exc.exit_code == EXIT_USAGE and record.state is SessionState.SUSPENDED):
                     outcome |= {"done": False, "state": record.state.value, "reason": str(exc)}
-                    return _report(outcome, as_json, str(exc), exc.exit_code)
+                    return Acted(outcome, str(exc), exc.exit_code)
                 # The proxy named in the row is alive but no longer holds it: the row is all there is.
             else:
                 done = bool(result.get("closed" if action == "close" else "suspended"))
@@ -602,24 +623,22 @@ def sessions_act(state_dir: Path, session_id: str, *, action: str, as_json: bool
                     message = f"session {session_id} {'closed' if action == 'close' else 'suspended'}"
                 else:
                     message = f"session {session_id}: the proxy is still stopping its process"
-                return _report(outcome, as_json, message, 0 if done else EXIT_UNREACHABLE)
+                return Acted(outcome, message, 0 if done else EXIT_UNREACHABLE)
         # No live proxy holds it: its process tree (if any) went with its proxy's lease.
         if action == "suspend":
             if record.state in (SessionState.LIVE, SessionState.RESUMING) and not registry.take_over_if_orphaned(
                 session_id
             ):
                 outcome |= {"done": False, "state": record.state.value, "reason": "changed meanwhile"}
-                return _report(
-                    outcome, as_json, f"session {session_id} changed meanwhile (a proxy took it); try again", 1
-                )
+                return Acted(outcome, f"session {session_id} changed meanwhile (a proxy took it); try again", 1)
             outcome |= {"done": True, "state": "suspended", "via": "database"}
-            return _report(outcome, as_json, f"session {session_id} is suspended (no proxy holds it)", 0)
+            return Acted(outcome, f"session {session_id} is suspended (no proxy holds it)", 0)
         if not registry.close_if_unchanged(record):
             outcome |= {"done": False, "state": record.state.value, "reason": "changed meanwhile"}
-            return _report(outcome, as_json, f"session {session_id} changed meanwhile (a proxy took it); try again", 1)
+            return Acted(outcome, f"session {session_id} changed meanwhile (a proxy took it); try again", 1)
         outcome |= {"done": True, "state": "closed", "via": "database"}
         note = "" if holder_alive else "; the gone proxy's processes are reaped by the next start or acp-proxy reap"
-        return _report(outcome, as_json, f"session {session_id} closed (no proxy held it{note})", 0)
+        return Acted(outcome, f"session {session_id} closed (no proxy held it{note})", 0)
 
 
 # --- status --------------------------------------------------------------------------------

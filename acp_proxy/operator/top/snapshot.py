@@ -1,0 +1,341 @@
+"""The snapshot ``acp-proxy top`` shows, as plain data, and how it is gathered.
+
+``Gatherer.gather`` reads one ``Snapshot`` from the state database, the install's slot
+records and each running proxy's control socket (all asked at once, each with a short
+timeout: a proxy that does not answer is shown so, it never holds the view up). Trees no
+slot record has measured are measured here, at most every ``MEASURE_EVERY`` seconds.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from acp_proxy.journal import recent_events
+from acp_proxy.operator import control, reports
+from acp_proxy.operator.commands import open_existing
+from acp_proxy.ownership.leases import ACTIVE_STATES, Lease
+from acp_proxy.ownership.verify import Verdict, check_claim, process_table
+from acp_proxy.pool.install import InstallSlots, SlotRecord
+from acp_proxy.pool.memory import measure_trees
+from acp_proxy.sessions.registry import SessionState
+from acp_proxy.state import StateDB
+from acp_proxy.tasks.records import ACTIVE, TaskStatus, list_tasks
+
+PROXY_TIMEOUT: Final = 1.0
+"""How long each proxy has to answer ``status`` before it is shown as not answering."""
+MEASURE_EVERY: Final = 5.0
+"""Trees no slot record has measured are measured here at most this often (a walk of the process table)."""
+EVENTS_READ: Final = 50
+SESSIONS_READ: Final = 200
+CLOSED_SHOWN_FOR: Final = 3600.0
+"""A closed session stays listed while its last activity is this recent (the operator sees a close land)."""
+
+
+# --- the snapshot: plain data ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyRow:
+    instance: str
+    pid: int
+    started_at: float
+    alive: bool
+    answered: bool = False
+    problem: str | None = None
+    """Why it has no answer: gone, or what asking it said."""
+    async_backend: str | None = None
+    live: int | None = None
+    max_live: int | None = None
+    max_memory: int | None = None
+    sessions: int | None = None
+    turns: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRow:
+    session_id: str
+    backend: str
+    state: str
+    title: str | None = None
+    instance: str | None = None
+    proxy_alive: bool = True
+    idle_seconds: float | None = None
+    busy: bool = False
+    memory: int | None = None
+    memory_kind: str | None = None
+    """``pss`` or ``rss``: how the figure was read."""
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRow:
+    task_id: str
+    session_id: str
+    backend: str
+    status: str
+    updates: int
+    tool_calls: int
+    elapsed_seconds: float | None
+    last_text: str
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    event_id: int
+    at: float
+    kind: str
+    label: str = ""
+    session_id: str | None = None
+    backend: str = ""
+    detail: str = ""
+    instance: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    live: int = 0
+    max_live: int | None = None
+    memory_used: int | None = None
+    max_memory: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The install at one moment, as ``top`` shows it."""
+
+    state_dir: str
+    taken_at: float
+    database: bool
+    """Whether any proxy has used the state dir yet."""
+    pool: PoolUsage = field(default_factory=PoolUsage)
+    proxies: tuple[ProxyRow, ...] = ()
+    sessions: tuple[SessionRow, ...] = ()
+    turns: tuple[TurnRow, ...] = ()
+    events: tuple[EventRow, ...] = ()
+    problem: str | None = None
+    """The last gathering failed (this is the one before it): why."""
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def snapshot_json(snapshot: Snapshot) -> dict[str, Any]:
+    """The snapshot as one JSON document, keys in the camelCase of the other ``--json`` outputs."""
+
+    def convert(value: object) -> object:
+        if isinstance(value, dict):
+            return {_camel(key): convert(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [convert(item) for item in value]
+        return value
+
+    document = convert(dataclasses.asdict(snapshot))
+    assert isinstance(document, dict)
+    return document
+
+
+# --- gathering (I/O) -------------------------------------------------------------------------
+
+
+class Gatherer:
+    """Reads snapshots of one install. Not thread-safe: one thread gathers (the database connection is its own)."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        max_live: int | None = None,
+        max_memory: int | None = None,
+        proxy_timeout: float = PROXY_TIMEOUT,
+    ) -> None:
+        self.state_dir = state_dir
+        self.max_live = max_live
+        self.max_memory = max_memory
+        self.proxy_timeout = proxy_timeout
+        self._db: StateDB | None = None
+        self._askers = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="acp-proxy top ask")
+        self._measured: dict[str, tuple[int, str]] = {}
+        self._measured_at = -math.inf
+
+    def close(self) -> None:
+        self._askers.shutdown(wait=False, cancel_futures=True)
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def gather(self) -> Snapshot:
+        moment = time.time()
+        if self._db is None:
+            self._db = open_existing(self.state_dir)
+        db = self._db
+        if db is None:
+            return Snapshot(str(self.state_dir), moment, False, PoolUsage(0, self.max_live, None, self.max_memory))
+        alive = reports.Liveness(db)
+        proxies = self._proxies(db, alive)
+        slot_records = [held.record for held in InstallSlots(self.state_dir, "reader").holders()]
+        held = len(slot_records)
+        by_session = {record.session: record for record in slot_records if record is not None and record.session}
+        sessions = self._sessions(db, alive, by_session, moment)
+        answered = [p for p in proxies if p.answered]
+        max_live = self.max_live or max((p.max_live for p in answered if p.max_live), default=None)
+        max_memory = self.max_memory or max((p.max_memory for p in answered if p.max_memory), default=None)
+        spares = [r.memory for r in slot_records if r is not None and not r.session and r.memory is not None]
+        measured = [s.memory for s in sessions if s.state == "live" and s.memory is not None] + spares
+        pool = PoolUsage(held, max_live, sum(measured) if measured else None, max_memory)
+        events = tuple(
+            EventRow(e.event_id, e.at, e.kind, e.label, e.session_id, e.backend, e.detail, e.instance_id)
+            for e in recent_events(db.conn, EVENTS_READ)
+        )
+        return Snapshot(
+            str(self.state_dir), moment, True, pool, proxies, sessions, self._turns(db, alive, moment), events
+        )
+
+    def _proxies(self, db: StateDB, alive: reports.Liveness) -> tuple[ProxyRow, ...]:
+        rows = db.conn.execute(
+            "SELECT instance_id, pid, started_at FROM instances WHERE ended_at IS NULL ORDER BY started_at"
+        ).fetchall()
+        asked = {
+            instance_id: self._askers.submit(_ask_status, self.state_dir, instance_id, self.proxy_timeout)
+            for instance_id, _, _ in rows
+            if alive(instance_id)
+        }
+        proxies = []
+        for instance_id, pid, started_at in rows:
+            if instance_id not in asked:
+                proxies.append(ProxyRow(instance_id, pid, started_at, False, problem="gone, not yet reaped"))
+                continue
+            answer = asked[instance_id].result()
+            if isinstance(answer, str):
+                proxies.append(ProxyRow(instance_id, pid, started_at, True, problem=answer))
+                continue
+            pool = answer.get("pool", {})
+            proxies.append(
+                ProxyRow(
+                    instance_id,
+                    pid,
+                    started_at,
+                    True,
+                    answered=True,
+                    async_backend=answer.get("asyncBackend"),
+                    live=pool.get("live"),
+                    max_live=pool.get("maxLive"),
+                    max_memory=pool.get("maxMemory"),
+                    sessions=answer.get("sessions"),
+                    turns=len(answer.get("turns", [])),
+                )
+            )
+        return tuple(proxies)
+
+    def _sessions(
+        self, db: StateDB, alive: reports.Liveness, by_session: dict[str, SlotRecord], moment: float
+    ) -> tuple[SessionRow, ...]:
+        rows = db.conn.execute(
+            """SELECT session_id, backend, state, title, instance_id, lease_id, last_active_at FROM sessions
+               WHERE state IN ('live', 'resuming', 'suspended') OR (state = 'closed' AND last_active_at >= ?)
+               ORDER BY last_active_at DESC LIMIT ?""",
+            (moment - CLOSED_SHOWN_FOR, SESSIONS_READ),
+        ).fetchall()
+        unmeasured = {
+            lease_id: session_id
+            for session_id, _, state, _, instance_id, lease_id, _ in rows
+            if state == SessionState.LIVE and lease_id and alive(instance_id)
+            if by_session.get(session_id) is None or by_session[session_id].memory is None
+        }
+        self._measure(db, list(unmeasured))
+        now_monotonic = time.monotonic()
+        sessions = []
+        for session_id, backend, state, title, instance_id, lease_id, last_active_at in rows:
+            record = by_session.get(session_id)
+            live = state in (SessionState.LIVE, SessionState.RESUMING)
+            idle = max(0.0, moment - last_active_at) if last_active_at else None
+            memory, kind = None, None
+            if live and record is not None:
+                idle = max(0.0, now_monotonic - record.last_active)
+                memory, kind = record.memory, record.memory_kind
+            if state == SessionState.LIVE and memory is None and lease_id in self._measured:
+                memory, kind = self._measured[lease_id]
+            sessions.append(
+                SessionRow(
+                    session_id,
+                    backend,
+                    state,
+                    title,
+                    instance_id,
+                    alive(instance_id) if live else True,
+                    idle,
+                    bool(record is not None and live and record.busy),
+                    memory,
+                    kind,
+                )
+            )
+        order = {SessionState.LIVE: 0, SessionState.RESUMING: 0, SessionState.SUSPENDED: 1}
+        return tuple(sorted(sessions, key=lambda s: order.get(SessionState(s.state), 2)))
+
+    def _measure(self, db: StateDB, lease_ids: Sequence[str]) -> None:
+        """Measure the trees of ``lease_ids`` (the wrapper proved the lease's own first), every few seconds."""
+        if not lease_ids or time.monotonic() - self._measured_at < MEASURE_EVERY:
+            return
+        self._measured_at = time.monotonic()
+        table = process_table()
+        roots: dict[int, str] = {}
+        states = [state.value for state in ACTIVE_STATES]
+        for lease_id in lease_ids:
+            row = db.conn.execute(
+                f"SELECT * FROM leases WHERE lease_id = ? AND state IN ({', '.join('?' * len(states))})",
+                (lease_id, *states),
+            ).fetchone()
+            claim = Lease.from_row(row).wrapper_claim() if row is not None else None
+            if claim is not None and check_claim(claim, table).verdict is Verdict.OURS:
+                roots[claim.pid] = lease_id
+        measured = measure_trees(roots, table=table)
+        self._measured = {roots[pid]: (tree.total, tree.method) for pid, tree in measured.items() if tree.processes}
+
+    def _turns(self, db: StateDB, alive: reports.Liveness, moment: float) -> tuple[TurnRow, ...]:
+        turns = []
+        for record in list_tasks(db, statuses=sorted(ACTIVE), limit=None):
+            if not alive(record.instance_id):
+                continue  # lost with its proxy
+            started = record.started_at
+            turns.append(
+                TurnRow(
+                    record.task_id,
+                    record.session_id,
+                    record.backend,
+                    record.status.value,
+                    record.update_count,
+                    record.tool_calls,
+                    None if started is None or record.status is not TaskStatus.RUNNING else max(0.0, moment - started),
+                    last_line(record.summary),
+                )
+            )
+        return tuple(sorted(turns, key=lambda t: (t.status != TaskStatus.RUNNING, -(t.elapsed_seconds or 0.0))))
+
+
+def _ask_status(state_dir: Path, instance_id: str, timeout: float) -> dict[str, Any] | str:
+    """A proxy's answer to ``status``, or why there is none (a few words, for its row)."""
+    try:
+        return control.request(control.socket_path(state_dir, instance_id), "status", timeout=timeout)
+    except control.ControlUnavailable:
+        return "no answer: its control socket is gone"
+    except TimeoutError:
+        return f"no answer within {timeout:g}s"
+    except control.ControlError as exc:
+        return f"refused: {exc.message}"
+    except OSError as exc:
+        return f"no answer: {exc.strerror or exc}"
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of the agent's text, its whitespace collapsed."""
+    for line in reversed(text.splitlines()):
+        if line.strip():
+            return " ".join(line.split())
+    return ""

@@ -1,0 +1,523 @@
+"""``acp-proxy top``: what it draws (golden files), what keys do, what it gathers from a real install,
+and the real command in a pseudo-terminal (keys act; the terminal is left as it was found).
+
+Goldens live in tests/data/top/; after an intended change to the layout, regenerate them with
+``UPDATE_TOP_SNAPSHOTS=1 pytest tests/test_top.py -k golden`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import json
+import os
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import sniffio
+from rich.console import Console
+from rich.text import Text
+
+from acp_proxy.operator.top.snapshot import (
+    EventRow,
+    Gatherer,
+    PoolUsage,
+    ProxyRow,
+    SessionRow,
+    Snapshot,
+    TurnRow,
+    last_line,
+    snapshot_json,
+)
+from acp_proxy.operator.top.terminal import _screen, _Wakeup, decode_keys
+from acp_proxy.operator.top.view import Focus, Pending, ViewState, allot, on_key, render, short_id
+from acp_proxy.operator.top.view import _Panel as Panel
+from acp_proxy.sessions.registry import SessionState
+from tests.support import (
+    RESUME_AND_LOAD,
+    Gateway,
+    cli,
+    cli_json,
+    registry,
+    send_prompt,
+    wait_for_task,
+    write_config,
+)
+
+GOLDEN = Path(__file__).parent / "data" / "top"
+UPDATE = bool(os.environ.get("UPDATE_TOP_SNAPSHOTS"))
+T0 = 1_700_000_000.0
+GIB = 1024**3
+MIB = 1024**2
+
+
+# --- snapshots built by hand -----------------------------------------------------------------
+
+
+def busy_install() -> Snapshot:
+    """3 proxies (one not answering), 12 sessions (long ids, titles), 2 running turns, a memory budget, 8 events."""
+    proxies = (
+        ProxyRow("a1b2c3d4e5f0", 41000, T0 - 65, True, True, None, "asyncio", 3, 8, 6 * GIB, 5, 1),
+        ProxyRow("a1b2c3d4e5f1", 41007, T0 - 3700, True, True, None, "trio", 2, 8, 6 * GIB, 4, 1),
+        ProxyRow("a1b2c3d4e5f2", 41020, T0 - 7300, True, False, "no answer within 1s"),
+    )
+    states = ("live", "live", "suspended", "resuming", "closed", "suspended")
+    backends = ("claude", "codex", "gemini")
+    sessions = tuple(
+        SessionRow(
+            f"0199a7c2-3f4e-7b1a-9c2d-{i:012x}" if i % 3 else f"fake-{i:02d}",
+            backends[i % 3],
+            states[i % 6],
+            title=None if i % 4 == 0 else f"Refactor the payment module and add tests for edge case {i}",
+            instance=f"a1b2c3d4e5f{i % 3}",
+            proxy_alive=i != 9,
+            idle_seconds=i * 37.0,
+            busy=i == 1,
+            memory=(i + 1) * 150 * MIB if states[i % 6] == "live" else None,
+            memory_kind="pss",
+        )
+        for i in range(12)
+    )
+    turns = (
+        TurnRow(
+            "9bac59b75e4a",
+            sessions[1].session_id,
+            "codex",
+            "running",
+            148,
+            12,
+            754.2,
+            "Now I am going to run the whole test suite again to verify that the refactoring of the payment "
+            "module did not break anything else in the checkout flow",
+        ),
+        TurnRow("0d47acf9227b", sessions[0].session_id, "claude", "running", 3, 0, 4.0, "Reading the module"),
+    )
+    kinds = [
+        ("suspended", "idle_ttl", ""),
+        ("resumed", "session/resume", ""),
+        ("crashed", "exit 1", ""),
+        ("spawn_failed", "", "FileNotFoundError: codex-acp"),
+        ("tree_reaped", "startup", "3 processes of a dead proxy"),
+        ("closed", "", ""),
+        ("suspended", "operator", ""),
+        ("suspended", "memory", "the install used 6.2G of its 6.0G max_memory"),
+    ]
+    events = tuple(
+        EventRow(100 - i, T0 - i * 61, kind, label, sessions[i].session_id, backends[i % 3], detail, "a1b2c3d4e5f0")
+        for i, (kind, label, detail) in enumerate(kinds)
+    )
+    pool = PoolUsage(live=7, max_live=8, memory_used=5 * GIB + 300 * MIB, max_memory=6 * GIB)
+    return Snapshot("/home/operator/.local/state/acp-proxy", T0, True, pool, proxies, sessions, turns, events)
+
+
+def empty_install() -> Snapshot:
+    proxy = ProxyRow("c0ffee000001", 5150, T0 - 12, True, True, None, "asyncio", 0, 4, None, 0, 0)
+    return Snapshot("/tmp/state", T0, True, PoolUsage(0, 4), (proxy,))
+
+
+BUSY = busy_install()
+CASES: dict[str, tuple[Snapshot, ViewState]] = {
+    "no-state": (Snapshot("/tmp/never-used", T0, False, PoolUsage(0, 4)), ViewState()),
+    "empty": (empty_install(), ViewState()),
+    "busy": (BUSY, ViewState(session=BUSY.sessions[9].session_id)),
+    "confirm": (BUSY, ViewState(session=BUSY.sessions[2].session_id, pending=Pending("suspend", "0199a7c2-3f4e-7b1a"))),
+    "message": (
+        BUSY,
+        ViewState(
+            focus=Focus.TURNS,
+            turn="0d47acf9227b",
+            message="the proxy (instance a1b2c3d4e5f0) refused: session fake-00 is busy (a turn or request is "
+            "in flight); cancel it or wait",
+            failed=True,
+        ),
+    ),
+}
+
+
+def rendered(snapshot: Snapshot, view: ViewState, width: int, height: int) -> str:
+    console = Console(
+        width=width, height=height, record=True, color_system=None, force_terminal=False, file=io.StringIO()
+    )
+    console.print(render(snapshot, view, width, height))
+    return console.export_text()
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_golden_render(case: str, size: tuple[int, int]) -> None:
+    width, height = size
+    snapshot, view = CASES[case]
+    text = rendered(snapshot, view, width, height)
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines), [line for line in lines if len(line) > width]
+    assert len(lines) <= height
+    normalized = "\n".join(line.rstrip() for line in lines) + "\n"
+    golden = GOLDEN / f"{case}-{width}x{height}.txt"
+    if UPDATE:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(normalized)
+    assert golden.exists(), f"no golden {golden.name}: run with UPDATE_TOP_SNAPSHOTS=1"
+    assert normalized == golden.read_text()
+
+
+@pytest.mark.parametrize("height", [3, 8, 12, 16, 24])
+@pytest.mark.parametrize("width", [40, 80])
+def test_small_terminals_are_never_overflowed(width: int, height: int) -> None:
+    for snapshot, view in CASES.values():
+        lines = rendered(snapshot, view, width, height).splitlines()
+        assert len(lines) <= height
+        assert all(len(line) <= width for line in lines)
+
+
+def test_the_busy_view_at_80x24_keeps_the_selected_session_the_turns_and_the_key_help() -> None:
+    snapshot, view = CASES["busy"]
+    text = rendered(snapshot, view, 80, 24)
+    assert "> fake-09" in text, "the selected row is scrolled into view"
+    assert [part for part in ("9bac59b75e4a", "0d47acf9227b", "live 7/8", "memory 5.3G/6.0G") if part not in text] == []
+    assert text.splitlines()[-1].startswith("↑↓/jk select")
+
+
+# --- keys ------------------------------------------------------------------------------------
+
+S0, S1 = BUSY.sessions[0].session_id, BUSY.sessions[1].session_id
+
+
+@pytest.mark.parametrize(
+    ("view", "key", "expected", "act", "quits"),
+    [
+        # moving: the first row is selected until another is
+        (ViewState(), "down", ViewState(session=S1), None, False),
+        (ViewState(), "j", ViewState(session=S1), None, False),
+        (ViewState(session=S1), "k", ViewState(session=S0), None, False),
+        (ViewState(), "up", ViewState(session=S0), None, False),
+        (ViewState(focus=Focus.TURNS), "down", ViewState(focus=Focus.TURNS, turn="0d47acf9227b"), None, False),
+        (ViewState(), "tab", ViewState(focus=Focus.TURNS), None, False),
+        # an act is asked for, then confirmed or not
+        (ViewState(), "s", ViewState(pending=Pending("suspend", S0)), None, False),
+        (ViewState(session=S1), "c", ViewState(session=S1, pending=Pending("close", S1)), None, False),
+        (ViewState(), "x", ViewState(pending=Pending("cancel", "9bac59b75e4a")), None, False),
+        (
+            ViewState(pending=Pending("close", S0)),
+            "y",
+            ViewState(working=Pending("close", S0)),
+            Pending("close", S0),
+            False,
+        ),
+        (ViewState(pending=Pending("close", S0)), "n", ViewState(message="not done"), None, False),
+        (ViewState(pending=Pending("close", S0)), "q", ViewState(message="not done"), None, False),
+        (ViewState(pending=Pending("close", S0)), "down", ViewState(pending=Pending("close", S0)), None, False),
+        # one act at a time
+        (
+            ViewState(working=Pending("close", S0)),
+            "s",
+            ViewState(working=Pending("close", S0), message=f"wait: still doing close session {S0}", failed=True),
+            None,
+            False,
+        ),
+        (ViewState(), "q", ViewState(), None, True),
+        (ViewState(), "?", ViewState(), None, False),
+    ],
+)
+def test_keys(view: ViewState, key: str, expected: ViewState, act: Pending | None, quits: bool) -> None:
+    step = on_key(view, BUSY, key)
+    assert (step.view, step.act, step.quit) == (expected, act, quits)
+
+
+def test_acting_on_an_empty_list_says_so() -> None:
+    empty = empty_install()
+    assert on_key(ViewState(), empty, "s").view.message == "no session selected"
+    assert on_key(ViewState(), empty, "x").view.message == "no running turn to cancel"
+    assert on_key(ViewState(), empty, "down").view == ViewState()
+
+
+@pytest.mark.parametrize(
+    ("data", "keys", "rest"),
+    [
+        (b"jk", ["j", "k"], b""),
+        (b"\x1b[A\x1b[B\x1bOA\x1bOB", ["up", "down", "up", "down"], b""),
+        (b"\t\x1b[Z", ["tab", "backtab"], b""),
+        (b"s\x1b", ["s", "esc"], b""),
+        (b"\x1b[1;5C" + b"q", ["q"], b""),  # an unknown sequence is skipped whole
+        (b"y\x1b[", ["y"], b"\x1b["),  # cut short: kept for the next read
+        ("é".encode(), [], b""),
+    ],
+)
+def test_decode_keys(data: bytes, keys: list[str], rest: bytes) -> None:
+    assert decode_keys(data) == (keys, rest)
+
+
+def test_the_layout_gives_rows_to_turns_proxies_sessions_then_events() -> None:
+    panels = [Panel("sessions", 12, 4), Panel("turns", 2, 2), Panel("proxies", 3, 1), Panel("events", 8, 3)]
+    assert allot(22, panels, ("turns", "proxies", "sessions", "events")) == {
+        "sessions": 6,
+        "turns": 2,
+        "proxies": 3,
+        "events": 3,
+    }
+    assert allot(12, panels, ("turns", "proxies", "sessions", "events")) == {"sessions": 6, "turns": 2}
+    assert allot(100, panels, ("turns",)) == {"sessions": 4, "turns": 2, "proxies": 1, "events": 3}
+
+
+def test_ids_are_cut_in_the_middle_and_text_to_its_last_line() -> None:
+    assert short_id("0199a7c2-3f4e-7b1a-9c2d-00000000000b", 14) == "0199a7…000000b"
+    assert short_id("fake-01", 14) == "fake-01"
+    assert last_line("first\n  second   line \n\n") == "second line"
+    assert last_line("") == ""
+
+
+def test_the_json_snapshot_uses_camel_case() -> None:
+    document = snapshot_json(BUSY)
+    assert document["pool"] == {"live": 7, "maxLive": 8, "memoryUsed": 5 * GIB + 300 * MIB, "maxMemory": 6 * GIB}
+    assert document["sessions"][0]["idleSeconds"] == 0.0
+    assert document["turns"][0]["lastText"].startswith("Now I am going")
+    json.dumps(document)
+
+
+# --- the relay never loads rich ---------------------------------------------------------------
+
+
+def test_the_proxy_does_not_import_rich() -> None:
+    code = (
+        "import acp_proxy.main, acp_proxy.serve, acp_proxy.operator.cli, acp_proxy.operator.operations, sys; "
+        "assert 'rich' not in sys.modules, 'rich was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- against a real install --------------------------------------------------------------------
+
+
+def start(env: dict[str, str], tmp_path: Path, **options: Any) -> Any:
+    options.setdefault("store", str(tmp_path / "store"))
+    options.setdefault("caps", RESUME_AND_LOAD)
+    config = write_config(tmp_path, pool={"max_live": 4})
+    return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], **options), config
+
+
+def gather_once(state_dir: Path, **options: Any) -> Snapshot:
+    """One snapshot, gathered and closed in the same thread (the database connection is that thread's)."""
+    gatherer = Gatherer(state_dir, **options)
+    try:
+        return gatherer.gather()
+    finally:
+        gatherer.close()
+
+
+@pytest.mark.anyio
+async def test_a_snapshot_of_a_real_install(proc_env: dict[str, str], tmp_path: Path) -> None:
+    state_dir = Path(proc_env["ACP_PROXY_STATE_DIR"])
+    proxy, _ = start(proc_env, tmp_path)
+    async with proxy as gw:
+        await gw.initialize()
+        working, idle = await gw.new_session(), await gw.new_session()
+        await gw.prompt(idle, "title Fix the flaky test")
+        code, _, err = await cli(proc_env, "sessions", "suspend", idle)
+        assert code == 0, err
+        request_id = await send_prompt(gw, working, "stream 3; wait_cancel")
+        running = await wait_for_task(proc_env, "running")
+        snapshot = await anyio.to_thread.run_sync(gather_once, state_dir)
+        code, table, _ = await cli(proc_env, "top")
+        document = await cli_json(proc_env, "top")
+        await gw.notify("session/cancel", {"sessionId": working})
+        assert (await gw.response_to(request_id))["result"]["stopReason"] == "cancelled"
+
+    [proxy_row] = snapshot.proxies
+    assert (proxy_row.pid, proxy_row.answered, proxy_row.async_backend) == (
+        gw.pid,
+        True,
+        sniffio.current_async_library(),
+    )
+    assert proxy_row.live == 1
+    sessions = {s.session_id: s for s in snapshot.sessions}
+    assert (sessions[working].state, sessions[working].busy) == ("live", True)
+    assert (sessions[working].memory or 0) > 0, "measured here: no budget is set"
+    assert (sessions[idle].state, sessions[idle].title, sessions[idle].memory) == (
+        "suspended",
+        "Fix the flaky test",
+        None,
+    )
+    [turn] = snapshot.turns
+    assert (turn.task_id, turn.session_id, turn.status) == (running["taskId"], working, "running")
+    assert turn.elapsed_seconds is not None
+    suspended = [e for e in snapshot.events if e.kind == "suspended"]
+    assert [(e.session_id, e.label) for e in suspended] == [(idle, "operator")]
+    assert (snapshot.pool.live, snapshot.pool.max_live, snapshot.pool.max_memory) == (1, 4, None)
+
+    assert code == 0
+    assert [part for part in ("PROXY", working, running["taskId"], "operator") if part not in table] == []
+    assert document["turns"][0]["taskId"] == running["taskId"]
+    assert {s["sessionId"]: s["state"] for s in document["sessions"]} == {working: "live", idle: "suspended"}
+
+
+@pytest.mark.anyio
+async def test_top_on_a_state_dir_no_proxy_has_used(proc_env: dict[str, str], tmp_path: Path) -> None:
+    code, out, _ = await cli(proc_env, "top")
+    assert (code, out.splitlines()[-1]) == (0, f"no proxy has used {proc_env['ACP_PROXY_STATE_DIR']} yet")
+    document = await cli_json(proc_env, "top")
+    assert (document["database"], document["sessions"]) == (False, [])
+    code, _, err = await cli(proc_env, "top", "--interval", "0")
+    assert code == 2
+    assert "positive" in err
+
+
+# --- in a pseudo-terminal ----------------------------------------------------------------------
+
+ALT_SCREEN_OFF = b"\x1b[?1049l"
+CURSOR_SHOWN = b"\x1b[?25h"
+TAKE_TERMINAL = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.executable, [sys.executable, '-m', 'acp_proxy', *sys.argv[1:]])"
+)
+"""Run by the child in a new session: the pty becomes its controlling terminal (so Ctrl-C is SIGINT), then top."""
+
+
+class Terminal:
+    """A pseudo-terminal of 80x24 with ``acp-proxy top`` in it; every read bounded by a deadline."""
+
+    def __init__(self, env: dict[str, str], *args: str) -> None:
+        self.master, self.slave = os.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        self.modes = termios.tcgetattr(self.slave)
+        self.output = bytearray()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", TAKE_TERMINAL, "top", *args],
+            stdin=self.slave,
+            stdout=self.slave,
+            stderr=self.slave,
+            env={**env, "TERM": "xterm-256color"},
+            start_new_session=True,
+        )
+
+    def pump(self, done: Callable[[], bool], timeout: float = 30.0) -> None:
+        """Read what top draws (it must never block on a full pty) until ``done()``; fail after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                tail = bytes(self.output[-2000:]).decode(errors="replace")
+                raise AssertionError(f"timed out; the terminal showed, last: {tail!r}")
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.1))
+            if ready:
+                with contextlib.suppress(OSError):
+                    self.output += os.read(self.master, 65536)
+
+    def shows(self, text: str) -> Callable[[], bool]:
+        start = len(self.output)
+        return lambda: text.encode() in self.output[start:]
+
+    def press(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def exited(self) -> bool:
+        return self.process.poll() is not None
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        os.close(self.master)
+        os.close(self.slave)
+
+
+@contextlib.contextmanager
+def terminal(env: dict[str, str], *args: str) -> Iterator[Terminal]:
+    term = Terminal(env, *args)
+    try:
+        yield term
+    finally:
+        term.close()
+
+
+def session_state(env: dict[str, str], session: str) -> SessionState | None:
+    registry_ = registry(env)
+    try:
+        record = registry_.get(session)
+        return None if record is None else record.state
+    finally:
+        registry_.db.close()
+
+
+def assert_left_cleanly(term: Terminal) -> None:
+    assert term.process.returncode == 0, bytes(term.output[-1000:])
+    tail = bytes(term.output[-64:])
+    assert tail.endswith(CURSOR_SHOWN + ALT_SCREEN_OFF), "the alternate screen is left, the cursor shown"
+    assert termios.tcgetattr(term.slave) == term.modes, "the tty's modes are restored"
+
+
+def drive_suspend_then_quit(env: dict[str, str], config: Path, session: str) -> None:
+    with terminal(env, "--config", str(config)) as term:
+        term.pump(term.shows(short_id(session, 14)))  # drawn, with the session (the only one: selected)
+        term.press(b"s")
+        term.pump(term.shows("(y/n)"))
+        term.press(b"y")
+        term.pump(lambda: session_state(env, session) is SessionState.SUSPENDED)
+        term.pump(term.shows("suspended"))
+        term.press(b"q")
+        term.pump(term.exited, timeout=15)
+        assert_left_cleanly(term)
+
+
+def drive_ctrl_c(env: dict[str, str], config: Path) -> None:
+    with terminal(env, "--config", str(config)) as term:
+        term.pump(term.shows("SESSIONS"))
+        term.press(b"\x03")
+        term.pump(term.exited, timeout=15)
+        assert_left_cleanly(term)
+
+
+def test_a_view_that_fails_still_leaves_the_terminal_as_it_found_it() -> None:
+    master, slave = os.openpty()
+    wakeup = _Wakeup()
+    try:
+        modes = termios.tcgetattr(slave)
+        taken: list[list[Any]] = []
+
+        def draw_then_fail(console: Console) -> None:
+            with _screen(slave, console, wakeup) as live:
+                live.update(Text("drawn"), refresh=True)
+                taken.append(termios.tcgetattr(slave))
+                raise RuntimeError("a bug in the view")
+
+        with open(slave, "w", encoding="utf-8", closefd=False) as tty_file, pytest.raises(RuntimeError):
+            draw_then_fail(Console(file=tty_file, force_terminal=True, width=80, height=24))
+        assert taken[0] != modes, "the view ran in cbreak mode"
+        output = b""
+        while select.select([master], [], [], 0.5)[0]:
+            output += os.read(master, 65536)
+        assert b"drawn" in output
+        assert output.endswith(CURSOR_SHOWN + ALT_SCREEN_OFF)
+        assert termios.tcgetattr(slave) == modes
+    finally:
+        wakeup.close()
+        os.close(master)
+        os.close(slave)
+
+
+@pytest.mark.anyio
+async def test_top_in_a_terminal_acts_on_keys_and_restores_the_terminal(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    proxy, config = start(proc_env, tmp_path)
+    async with proxy as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        await anyio.to_thread.run_sync(drive_suspend_then_quit, proc_env, config, session)
+        await anyio.to_thread.run_sync(drive_ctrl_c, proc_env, config)
+        listed = await cli_json(proc_env, "sessions", "list")
+    assert [(s["sessionId"], s["state"]) for s in listed["sessions"]] == [(session, "suspended")]
+
+
+def test_snapshot_problem_is_shown_in_the_status_line() -> None:
+    snapshot = replace(empty_install(), problem="database is locked")
+    assert "cannot read the install: database is locked" in rendered(snapshot, ViewState(), 80, 24)
