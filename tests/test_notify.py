@@ -20,9 +20,10 @@ import anyio
 import pytest
 from anyio.abc import Process
 
-from acp_proxy.config import ConfigError, validate
+from acp_proxy.config import ConfigError, NotifyPolicy, validate
 from acp_proxy.journal import counters
-from acp_proxy.tasks.records import SUMMARY_CHARS
+from acp_proxy.tasks.notify import LANE_LIMIT, Notifier, wanted
+from acp_proxy.tasks.records import SUMMARY_CHARS, TaskStatus, Turn
 from tests.support import (
     RESUME_AND_LOAD,
     Gateway,
@@ -96,6 +97,35 @@ async def notices_at_least(path: Path, count: int, timeout: float = 15) -> list[
 
 
 # --- what is told, by policy ----------------------------------------------------------------
+
+WANTED = {
+    # policy: the statuses a task under it is told about taking
+    "done_only": {"done", "failed", "cancelled", "timed_out", "lost"},
+    "state_changes": {"queued", "running", "done", "failed", "cancelled", "timed_out", "lost"},
+    "silent": set(),
+}
+
+
+@pytest.mark.parametrize("policy", sorted(WANTED))
+@pytest.mark.parametrize("status", list(TaskStatus))
+def test_which_status_changes_a_policy_tells(policy: NotifyPolicy, status: TaskStatus) -> None:
+    assert wanted(policy, status) is (status.value in WANTED[policy])
+
+
+def test_a_full_queue_drops_notices_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    notifier = Notifier(("notify",), default="state_changes", timeout=1.0, instance_id="inst")
+    turn = Turn(task_id="0123456789ab", session_id="s", backend="b", request_id="1")
+    for _ in range(LANE_LIMIT + 2):  # one session: one lane, which nothing is emptying
+        notifier.changed(turn, None)
+    dropped = [r.getMessage() for r in caplog.records if "already waiting" in r.getMessage()]
+    assert (
+        dropped
+        == [
+            f"task 0123456789ab: notification of queued failed: {LANE_LIMIT} notifications are "
+            "already waiting; this one is dropped"
+        ]
+        * 2
+    )
 
 
 async def test_done_only_tells_each_finished_task_once_with_its_fields(
@@ -256,7 +286,7 @@ async def test_a_command_that_hangs_is_killed_with_its_group_and_the_proxy_keeps
 @pytest.mark.parametrize(
     ("command", "logged", "why"),
     [
-        ([sys.executable, "-c", FAILER], "ended with exit status 1; its output: no route to the chat server", "exit"),
+        ([sys.executable, "-c", FAILER], "ended: exit status 1; its output: no route to the chat server", "exit"),
         (["/nonexistent/notify-helper", "--flag"], "/nonexistent/notify-helper could not be started", "spawn"),
         (["${ACP_PROXY_UNSET_FOR_TEST}"], "not run: environment variable ACP_PROXY_UNSET_FOR_TEST is not set", "spawn"),
     ],
@@ -422,3 +452,31 @@ async def test_tasks_watch_exits_0_when_its_reader_goes_away(proc_env: dict[str,
             with anyio.fail_after(30):
                 await watcher.wait()
     assert watcher.returncode == 0
+
+
+async def test_tasks_watch_shows_a_killed_proxys_task_lost_at_once(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with start(proc_env, tmp_path, {}) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        await send_prompt(gw, session, "wait_cancel")
+        running = await wait_for_task(proc_env, "running")
+        async with watching([*WATCH, "--json", "--since", "1m"], proc_env) as watcher:
+            assert watcher.stdout is not None
+            output = b""
+            with anyio.fail_after(30):
+                while b"\n" not in output:
+                    output += await watcher.stdout.receive()
+            gw.process.kill()
+            await gw.process.wait()
+            with anyio.fail_after(30):
+                while output.count(b"\n") < 2:
+                    output += await watcher.stdout.receive()
+            output = await interrupt(watcher, output)
+    code, _, err = await cli(proc_env, "reap")  # what the killed proxy left running
+    assert code == 0, err
+    told = [json.loads(line) for line in output.splitlines()]
+    assert [(n["taskId"], n["previousStatus"], n["status"]) for n in told] == [
+        (running["taskId"], None, "running"),
+        (running["taskId"], "running", "lost"),
+    ]
+    assert "ended without recording an outcome" in told[1]["reason"]

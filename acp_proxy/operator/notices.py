@@ -22,6 +22,7 @@ import os
 import sqlite3
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, TextIO
 
@@ -40,7 +41,15 @@ from acp_proxy.operator.reports import (
 )
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.notify import Notice, encode_notice, notice_of
-from acp_proxy.tasks.records import ACTIVE, TERMINAL, TaskRecord, TaskStatus, effective_status, get_task
+from acp_proxy.tasks.records import (
+    ACTIVE,
+    LOST_ERROR,
+    TERMINAL,
+    TaskRecord,
+    TaskStatus,
+    effective_status,
+    get_task,
+)
 
 POLL_INTERVAL: Final = 0.25
 LATE_WRITES: Final = 60.0
@@ -140,6 +149,8 @@ def _changes(
     for row in _recent(db, session_id, window):
         record = TaskRecord.from_row(row)
         status = now_seen[record.task_id] = _status(record, alive)
+        if status is not record.status:  # lost: its proxy is gone, and the next one has not swept it yet
+            record = replace(record, error=LOST_ERROR)
         previous = seen.get(record.task_id)
         if status is not previous:
             notices.append(notice_of(record, status, previous, title=row["session_title"], instance=record.instance_id))

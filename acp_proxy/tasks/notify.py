@@ -272,12 +272,19 @@ class Notifier:
                 kill_child_group(child.pid)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_WAIT):
                     await child.wait()
+                if child.returncode is None:
+                    log.error(
+                        "task %s: notify_command pid %d still there %gs after SIGKILL",
+                        notice.taskId,
+                        child.pid,
+                        KILL_WAIT,
+                    )
             _read_available(output, kept)
             os.close(output)
         if deadline.cancelled_caught:
             self._failed(notice, "timeout", f"still running after {self.timeout:g}s: killed", kept)
         elif child.returncode:
-            self._failed(notice, "exit", f"{argv[0]} ended with {describe_exit(child.returncode)}", kept)
+            self._failed(notice, "exit", f"{argv[0]} ended: {describe_exit(child.returncode)}", kept)
         else:
             log.debug("task %s: told %s", notice.taskId, notice.status, extra=_ids(notice))
 
