@@ -24,6 +24,8 @@ from acp_proxy.protocol.jsonrpc import DEFAULT_MAX_LINE_BYTES
 
 ResumeStrategy = Literal["auto", "resume", "load", "new", "never"]
 RESUME_STRATEGIES: Final = ("auto", "resume", "load", "new", "never")
+NotifyPolicy = Literal["done_only", "state_changes", "silent"]
+NOTIFY_POLICIES: Final = ("done_only", "state_changes", "silent")
 
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -56,6 +58,12 @@ class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
     retention: float = 7 * 86400.0
     """Finished tasks are kept this long, then pruned."""
+    notify: NotifyPolicy = "silent"
+    """Which status changes run ``notify_command`` (a task's own policy overrides it)."""
+    notify_command: tuple[str, ...] | None = None
+    """The argv run with one JSON object on its stdin per notification; never a shell."""
+    notify_timeout: float = 10.0
+    """A notification command running longer is killed."""
 
 
 class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,6 +157,13 @@ def parse_size(value: object) -> int:
         if size > 0:
             return size
     raise _expect('a size such as "512M", "6G" or bytes > 0', value)
+
+
+def _positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds > 0:
+        return seconds
+    raise _expect('a duration > 0 such as "500ms" or "10s"', value)
 
 
 def _int_at_least(minimum: int) -> Callable[[object], int]:
@@ -283,9 +298,21 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         **checker.table(
             top.get("tasks", {}),
             "tasks",
-            {"turn_timeout": parse_duration, "retention": parse_duration},
+            {
+                "turn_timeout": parse_duration,
+                "retention": parse_duration,
+                "notify": _one_of(NOTIFY_POLICIES),
+                "notify_command": _command,
+                "notify_timeout": _positive_duration,
+            },
         )
     )
+    if tasks.notify != "silent" and tasks.notify_command is None:
+        checker.fail(
+            "tasks.notify_command",
+            f'required when tasks.notify is "{tasks.notify}": set notify_command = ["program", "arg", ...] '
+            'or notify = "silent"',
+        )
     backends: dict[str, BackendConfig] = {}
     raw_backends = top.get("backends", {})
     if not isinstance(raw_backends, dict):
@@ -444,4 +471,4 @@ def referenced_variables(config: Config) -> set[str]:
     names: set[str] = set()
     for backend in config.backends.values():
         names |= referenced_names((*backend.command, *backend.env.values()))
-    return names
+    return names | referenced_names(config.tasks.notify_command or ())

@@ -67,6 +67,8 @@ class Kind(enum.StrEnum):
     """a start that had to wait for a slot (seconds: how long); label: how it ended (``admitted``, ``exhausted``)"""
     EVICT_ASKED = "evict_asked"
     """another proxy of the install was asked to suspend a session for a slot; label: ``yes`` or ``no``"""
+    NOTIFY_FAILED = "notify_failed"
+    """a task notification not delivered; label: why (``exit``, ``timeout``, ``spawn``, ``dropped``)"""
 
 
 SHOWN: Final = frozenset(

@@ -11,6 +11,7 @@ suspend one (``suspend``), the pool handing a new adapter to the relay
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -32,6 +33,7 @@ from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.sessions.table import SessionTable
 from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
+from acp_proxy.tasks.notify import Notifier
 from acp_proxy.tasks.records import TaskRegistry
 from acp_proxy.tasks.turns import TurnBook
 
@@ -57,12 +59,14 @@ async def serve_gateway(
     registry = SessionRegistry(owner.db, owner.instance_id)
     for session_id in registry.adopt_orphans():
         log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
+    notifier = Notifier.for_tasks(config.tasks, owner.instance_id, owner.journal)
     turns = TurnBook(
         TaskRegistry(owner.db, owner.instance_id),
         config,
         stopping,
         prune_also=registry.prune_deleted,
         session_info=registry.record_title,
+        notifier=notifier,
     )
     turns.maintain()
     owner.db.start_writer()  # from here on the database is written off the event loop
@@ -117,8 +121,19 @@ async def serve_gateway(
         tasks.start_soon(pool.keep_memory_budget)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)
         tasks.start_soon(operations.serve)
+        if notifier is not None:
+            notifier.title_of = functools.partial(session_title, table)
+            tasks.start_soon(notifier.run)
         await gateway.run(gateway_in)
+        if notifier is not None:
+            await notifier.drain()  # what the shutdown settled is told too, within a short grace
         tasks.cancel_scope.cancel()
+
+
+def session_title(table: SessionTable, session_id: str) -> str | None:
+    """A session's title as this proxy holds it, read from no database."""
+    session = table.get(session_id)
+    return session.record.title if session is not None else None
 
 
 async def stop_on_signals(gateway: GatewayConnection) -> None:

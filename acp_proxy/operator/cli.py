@@ -7,6 +7,7 @@
     acp-proxy status [--json]                        proxies, sessions, leases, processes, turns
     acp-proxy sessions list|show ID|suspend ID|close ID [--json]
     acp-proxy tasks list [--status S] [--session ID]|show ID [--follow]|cancel ID [--json]
+    acp-proxy tasks notify ID POLICY|watch [--session ID] [--since D] [--json]
     acp-proxy leases [--json] [--all]                leases and the process trees they own
     acp-proxy reap [--dry-run] [--json]              reap what dead proxies left running
     acp-proxy metrics [--textfile PATH]              the install's metrics, Prometheus text format
@@ -131,7 +132,7 @@ def _add_sessions_parser(commands: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def _add_tasks_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    tasks = commands.add_parser("tasks", help="prompt turns: list, show, cancel")
+    tasks = commands.add_parser("tasks", help="prompt turns: list, show, cancel, notify, watch")
     actions = tasks.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="tasks, newest first")
     listing.add_argument(
@@ -147,11 +148,26 @@ def _add_tasks_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     show.add_argument("--follow", "-f", action="store_true", help="print events as they happen, until it ends")
     cancel = actions.add_parser("cancel", help="cancel a running or queued turn (session/cancel)")
     cancel.add_argument("--no-wait", action="store_true", help="do not wait for the turn to end")
-    for parser in (listing, show, cancel):
+    notify = actions.add_parser("notify", help="a running or queued task's own notification policy")
+    watch = actions.add_parser("watch", help="print task status changes as they happen, until Ctrl-C")
+    watch.add_argument("--session", metavar="ID", help="only this session's tasks")
+    watch.add_argument(
+        "--since",
+        type=_duration,
+        metavar="D",
+        help='first print the tasks whose status changed in the last D ("90s", "15m"), one line each',
+    )
+    for parser in (listing, show, cancel, notify, watch):
         _add_config_option(parser)
         _add_json(parser)
-    for parser in (show, cancel):
+    for parser in (show, cancel, notify):
         parser.add_argument("id", metavar="ID", help="task id (or a unique prefix of 4+ characters)")
+    notify.add_argument(
+        "policy",
+        metavar="POLICY",
+        choices=("done_only", "state_changes", "silent", "default"),
+        help="done_only, state_changes, silent, or default (the config's [tasks] notify)",
+    )
 
 
 def _add_metrics_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -190,6 +206,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _duration(text: str) -> float:
+    try:
+        return configuration.parse_duration(text)
+    except Exception as exc:  # parse_duration's own message says what it expected
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_config_option(parser: argparse.ArgumentParser) -> None:
@@ -379,6 +402,12 @@ def _tasks(args: argparse.Namespace) -> int:
         )
     if args.action == "show":
         return reports.tasks_show(state, args.id, follow=args.follow, as_json=args.json)
+    if args.action in ("notify", "watch"):
+        from acp_proxy.operator import notices
+
+        if args.action == "watch":
+            return notices.tasks_watch(state, session_id=args.session, since=args.since, as_json=args.json)
+        return notices.tasks_notify(state, args.id, args.policy, as_json=args.json)
     return reports.tasks_cancel(state, args.id, wait=not args.no_wait, as_json=args.json)
 
 

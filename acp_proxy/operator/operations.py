@@ -11,6 +11,7 @@ failed), so the CLI can report an outcome rather than an intention:
     cancel_task {taskId, wait?}         session/cancel for the task's session; the task's outcome
     suspend_session {sessionId}         stop an idle session's process; it stays resumable
     close_session {sessionId}           end its turn, reap its tree, forget it (as session/close)
+    notify_task {taskId, policy}        a task's own notification policy (null: the config's)
 
 Nothing here signals a process by PID: suspending and closing go through the same
 code as the idle TTL and ``session/close``, which stop adapters by their leases.
@@ -31,7 +32,7 @@ import sniffio
 
 from acp_proxy import __version__
 from acp_proxy.concurrency import Stopping
-from acp_proxy.config import Config
+from acp_proxy.config import NOTIFY_POLICIES, Config
 from acp_proxy.journal import SuspendReason
 from acp_proxy.logs import ids
 from acp_proxy.operator.control import (
@@ -121,6 +122,7 @@ class Operations:
             "suspend_session": self.suspend_session,
             "close_session": self.close_session,
             "evict_slot": self.evict_slot,
+            "notify_task": self.notify_task,
         }
 
     async def serve(self) -> None:
@@ -190,16 +192,7 @@ class Operations:
         if not isinstance(wait, bool):
             raise ControlError("invalid_args", "'wait' must be true or false")
         turns = self.proxy.turns
-        turn = turns.turns.get(task_id)
-        ended = turns.ended_unwritten(task_id)
-        if turn is None and ended is not None and ended.status in TERMINAL:  # ended; its row is being written
-            raise ControlError("task_finished", f"task {task_id} has already ended ({ended.status.value})")
-        if turn is None:
-            await self.proxy.owner.db.caught_up()  # the row as this proxy last wrote it
-            record = get_task(self.proxy.owner.db, task_id)
-            if record is not None and record.status in TERMINAL:
-                raise ControlError("task_finished", f"task {task_id} has already ended ({record.status.value})")
-            raise ControlError("unknown_task", f"this proxy is not running task {task_id}")
+        turn = await self._unsettled_turn(task_id)
         session = self.proxy.intents.table.get(turn.session_id)
         log.info("task %s: cancel requested by an operator", task_id, extra=ids(task=task_id, session=turn.session_id))
         if session is not None:
@@ -207,6 +200,45 @@ class Operations:
         if wait:
             await turns.wait_settled(turn, CANCEL_WAIT)
         return {"taskId": task_id, "sessionId": turn.session_id, "status": turn.status.value, "waited": wait}
+
+    async def _unsettled_turn(self, task_id: str) -> Turn:
+        """A task this proxy is serving; ``task_finished`` if it has ended, else ``unknown_task``."""
+        turns = self.proxy.turns
+        turn = turns.turns.get(task_id)
+        if turn is not None:
+            return turn
+        ended = turns.ended_unwritten(task_id)
+        if ended is not None and ended.status in TERMINAL:  # ended; its row is being written
+            raise ControlError("task_finished", f"task {task_id} has already ended ({ended.status.value})")
+        await self.proxy.owner.db.caught_up()  # the row as this proxy last wrote it
+        record = get_task(self.proxy.owner.db, task_id)
+        if record is not None and record.status in TERMINAL:
+            raise ControlError("task_finished", f"task {task_id} has already ended ({record.status.value})")
+        raise ControlError("unknown_task", f"this proxy is not running task {task_id}")
+
+    async def notify_task(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Set a task's own notification policy (``None``: back to the config's), here and on its row."""
+        task_id = _text_arg(args, "taskId")
+        policy = args.get("policy")
+        if policy is not None and policy not in NOTIFY_POLICIES:
+            raise ControlError("invalid_args", f"'policy' must be one of {', '.join(NOTIFY_POLICIES)}, or null")
+        notifier = self.proxy.turns.notifier
+        if policy not in (None, "silent") and notifier is None:
+            raise ControlError(
+                "invalid_args", "this proxy has no [tasks] notify_command configured: there is nothing to run"
+            )
+        turn = await self._unsettled_turn(task_id)
+        turn.notify = policy
+        self.proxy.turns.tasks.record_notify(turn)
+        log.info("task %s: notifications %s", task_id, policy or "as configured", extra=ids(task=task_id))
+        default = notifier.default if notifier is not None else "silent"
+        return {
+            "taskId": task_id,
+            "sessionId": turn.session_id,
+            "status": turn.status.value,
+            "policy": policy,
+            "effective": policy or default,
+        }
 
     async def suspend_session(self, args: dict[str, Any]) -> dict[str, Any]:
         self._acting()

@@ -24,12 +24,13 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
+from acp_proxy.config import NOTIFY_POLICIES, NotifyPolicy
 from acp_proxy.journal import Kind, count_in
 from acp_proxy.ownership import instances
 from acp_proxy.protocol.acp import SESSION_INFO_MARK, session_info_changes
@@ -252,6 +253,8 @@ class Turn:
     """An operator cancelled it while it was queued: it is answered ``cancelled`` instead of sent."""
     deadline: float | None = None
     """``time.monotonic()`` after which ``turn_timeout`` cancels the turn."""
+    notify: NotifyPolicy | None = None
+    """The task's own notification policy, set by an operator; ``None``: the config's ``[tasks] notify``."""
     _unread: list[tuple[bytes, bool]] = field(default_factory=list)
     """Blocks relayed since the last digest, each with whether its tool calls have been counted."""
     _unread_bytes: int = 0
@@ -491,6 +494,11 @@ class TaskRegistry:
         )
         self._write(turn, functools.partial(_upsert, turn.created_at, turn.session_id, values))
 
+    def record_notify(self, turn: Turn) -> None:
+        """The task's own notification policy, on its row (for the sweep, should this proxy die)."""
+        sql = "UPDATE tasks SET notify = ? WHERE task_id = ?"
+        self.db.write(functools.partial(_execute, sql, (turn.notify, turn.task_id)))
+
     def finish(self, turn: Turn) -> bool | None:
         """Record a terminal status; False if the row had already ended (terminal statuses are final).
 
@@ -610,8 +618,24 @@ def count_tasks(db: StateDB, since: float | None = None) -> dict[str, int]:
 # --- maintenance ------------------------------------------------------------------
 
 
-def sweep_lost(db: StateDB, own_instance: str | None) -> int:
-    """Mark ``lost`` the unfinished tasks of proxies that are gone; idempotent.
+LOST_ERROR: Final = "the acp-proxy process serving it ended without recording an outcome"
+
+
+@dataclass(frozen=True, slots=True)
+class Swept:
+    """A task ``sweep_lost`` marked lost, with what a notification of it needs."""
+
+    record: TaskRecord
+    """As it is now: ``lost``."""
+    previous: TaskStatus
+    notify: NotifyPolicy | None
+    """Its own notification policy, if an operator set one."""
+    title: str | None
+    """Its session's title."""
+
+
+def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], None] | None = None) -> int:
+    """Mark ``lost`` the unfinished tasks of proxies that are gone; idempotent. ``told`` of each one.
 
     A proxy that dies (SIGKILL, OOM, power) cannot record how its turns ended;
     its lock being free is the proof it is gone, never its PID.
@@ -623,8 +647,16 @@ def sweep_lost(db: StateDB, own_instance: str | None) -> int:
     dead = [row[0] for row in rows if not instances.instance_alive(db, row[0])]
     swept = 0
     at = now()
+    lost: list[Swept] = []
     for instance_id in dead:
         with db.transaction() as conn:
+            if told is not None:
+                rows = conn.execute(
+                    """SELECT tasks.*, sessions.title AS session_title FROM tasks LEFT JOIN sessions USING (session_id)
+                       WHERE tasks.instance_id = ? AND tasks.status IN ('queued', 'running')""",
+                    (instance_id,),
+                ).fetchall()
+                lost += [_swept(row, at) for row in rows]
             for backend, count in conn.execute(
                 """SELECT backend, COUNT(*) FROM tasks WHERE instance_id = ? AND status IN ('queued', 'running')
                    GROUP BY backend""",
@@ -632,13 +664,26 @@ def sweep_lost(db: StateDB, own_instance: str | None) -> int:
             ).fetchall():
                 count_in(conn, Kind.TURN_ENDED, backend=backend, label=TaskStatus.LOST.value, count=count)
             cursor = conn.execute(
-                """UPDATE tasks SET status = 'lost', ended_at = ?, updated_at = ?,
-                       error = 'the acp-proxy process serving it ended without recording an outcome'
+                """UPDATE tasks SET status = 'lost', ended_at = ?, updated_at = ?, error = ?
                    WHERE instance_id = ? AND status IN ('queued', 'running')""",
-                (at, at, instance_id),
+                (at, at, LOST_ERROR, instance_id),
             )
             swept += cursor.rowcount
+    if told is not None:
+        for task in lost:
+            told(task)
     return swept
+
+
+def _swept(row: Any, at: float) -> Swept:
+    record = TaskRecord.from_row(row)
+    notify = row["notify"] if row["notify"] in NOTIFY_POLICIES else None
+    return Swept(
+        replace(record, status=TaskStatus.LOST, ended_at=at, error=LOST_ERROR, updated_at=at),
+        record.status,
+        notify,
+        row["session_title"],
+    )
 
 
 def prune(db: StateDB, retention: float, *, at: float | None = None) -> int:

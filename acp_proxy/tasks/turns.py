@@ -34,6 +34,7 @@ from acp_proxy.logs import ids
 from acp_proxy.ownership.leases import prune_ended
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message
+from acp_proxy.tasks.notify import Notifier
 from acp_proxy.tasks.records import (
     TERMINAL,
     TaskRegistry,
@@ -106,6 +107,7 @@ class TurnBook:
         *,
         prune_also: Callable[[float], int] | None = None,
         session_info: Callable[[str, dict[str, str | None]], None] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.tasks = tasks
         self.config = config
@@ -127,6 +129,10 @@ class TurnBook:
         """Turns settled while their answer was being relayed, recorded once it is sent."""
         self.settled = Changes()
         """Notified whenever a turn is settled."""
+        self.notifier = notifier
+        self._notifying = notifier is not None and notifier.default != "silent"
+        """Whether every turn's status changes go to the notifier, not only those of turns with a policy
+        of their own: with notifications silent, a turn costs this check and no more."""
 
     # --- recording, never at the cost of the turn -------------------------------------------
 
@@ -135,6 +141,8 @@ class TurnBook:
             write(turn)
             if turn.session_info and self._session_info is not None:
                 self._session_info(turn.session_id, turn.session_info)
+                if self.notifier is not None:
+                    self.notifier.note_title(turn.session_id, turn.session_info)
                 turn.session_info = {}
         except sqlite3.Error as exc:  # made at once (no writer thread), and failed
             self._failed(turn, exc)
@@ -189,7 +197,7 @@ class TurnBook:
     def maintain(self) -> None:
         """At startup: unfinished tasks of proxies that are gone become ``lost``; old finished ones are pruned."""
         try:
-            lost = sweep_lost(self.tasks.db, self.tasks.instance_id)
+            lost = sweep_lost(self.tasks.db, self.tasks.instance_id, self.notifier.swept if self.notifier else None)
         except sqlite3.Error as exc:
             log.error("task sweep skipped: the state database: %s", exc)
         else:
@@ -235,6 +243,8 @@ class TurnBook:
             turn.event("queued", "waiting for the session's process")
         self.turns[turn.task_id] = turn
         self._record(self.tasks.create, turn)
+        if self._notifying:
+            self._status_changed(turn, None)
         log.debug("task %s %s", turn.task_id, turn.status.value, extra=turn_ids(turn))
         return turn
 
@@ -244,6 +254,8 @@ class TurnBook:
             turn.event("resumed", f"pid {pid}")
         turn.start(lease_id, self.turn_timeout(turn))
         self._record(self.tasks.mark_running, turn)
+        if turn.notify or self._notifying:
+            self._status_changed(turn, TaskStatus.QUEUED)
         log.debug("task %s running", turn.task_id, extra=turn_ids(turn))
 
     def turn_timeout(self, turn: Turn) -> float:
@@ -269,14 +281,21 @@ class TurnBook:
         """
         if turn.status in TERMINAL:
             return
+        previous = turn.status
         turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out))
         self.turns.pop(turn.task_id, None)
         self.settled.notify()
+        if turn.notify or self._notifying:
+            self._status_changed(turn, previous)
         if write_later:
             self.settled_unwritten.append(turn)
         else:
             self._record(self.tasks.finish, turn)
             self._log_outcome(turn)
+
+    def _status_changed(self, turn: Turn, previous: TaskStatus | None) -> None:
+        if self.notifier is not None:  # a turn has a policy of its own only where there is one
+            self.notifier.changed(turn, previous)
 
     def write_settled(self) -> None:
         """Record the turns settled with ``write_later`` (the relay calls this once their answers are sent)."""
