@@ -34,9 +34,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from acp_proxy import __version__, journal
 from acp_proxy.config import Config
-from acp_proxy.operator import control
 from acp_proxy.operator.commands import open_existing, owned_tree
-from acp_proxy.operator.reports import STATUS_TIMEOUT, Liveness, OperatorError
+from acp_proxy.operator.reports import Liveness, OperatorError, ask
 from acp_proxy.ownership.leases import ACTIVE_STATES, Lease
 from acp_proxy.pool.install import InstallSlots
 from acp_proxy.sessions.registry import SessionState
@@ -264,12 +263,10 @@ def _gather(
 def _pools(state_dir: Path, instance_ids: Iterable[str]) -> Iterator[dict[str, Any]]:
     """The pool part of each running proxy's own status (one that does not answer is left out)."""
     for instance_id in instance_ids:
-        path = control.socket_path(state_dir, instance_id)
         try:
-            answer = control.request(path, "status", {}, timeout=STATUS_TIMEOUT)
-        except (control.ControlUnavailable, control.ControlError, TimeoutError, OSError):
+            pool = ask(state_dir, instance_id, "status", {}).get("pool")
+        except OperatorError:
             continue
-        pool = answer.get("pool")
         if isinstance(pool, dict):
             yield pool
 

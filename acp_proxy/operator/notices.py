@@ -29,12 +29,13 @@ from typing import Any, Final, TextIO
 from acp_proxy.operator.commands import open_existing
 from acp_proxy.operator.reports import (
     EXIT_USAGE,
+    Acted,
     FinishedMeanwhile,
     Liveness,
     OperatorError,
-    _ask,
-    _report,
+    ask,
     opened,
+    report,
     resolve_session,
     resolve_task,
     task_view,
@@ -69,14 +70,14 @@ def tasks_notify(state_dir: Path, task_id: str, policy: str, *, as_json: bool) -
         return _ended(outcome, view["status"], as_json)
     own = None if policy == DEFAULT_POLICY else policy
     try:
-        result = _ask(state_dir, record.instance_id, "notify_task", {"taskId": record.task_id, "policy": own})
+        result = ask(state_dir, record.instance_id, "notify_task", {"taskId": record.task_id, "policy": own})
     except FinishedMeanwhile:
         with opened(state_dir) as db:
             latest = get_task(db, record.task_id) if db is not None else None
         return _ended(outcome, latest.status.value if latest is not None else "ended", as_json)
     except OperatorError as exc:
         outcome |= {"changed": False, "status": view["status"], "reason": str(exc)}
-        return _report(outcome, as_json, str(exc), exc.exit_code)
+        return report(Acted(outcome, str(exc), exc.exit_code), as_json)
     outcome |= {
         "changed": True,
         "status": result.get("status"),
@@ -84,13 +85,14 @@ def tasks_notify(state_dir: Path, task_id: str, policy: str, *, as_json: bool) -
         "effective": result.get("effective"),
     }
     whose = "its own" if own is not None else "the config's"
-    return _report(outcome, as_json, f"task {record.task_id}: notifications {outcome['effective']} ({whose})", 0)
+    message = f"task {record.task_id}: notifications {outcome['effective']} ({whose})"
+    return report(Acted(outcome, message, 0), as_json)
 
 
 def _ended(outcome: dict[str, Any], status: str, as_json: bool) -> int:
     outcome |= {"changed": False, "status": status, "reason": "already ended"}
     message = f"task {outcome['taskId']} has already ended ({status}): there is nothing left to notify"
-    return _report(outcome, as_json, message, EXIT_USAGE)
+    return report(Acted(outcome, message, EXIT_USAGE), as_json)
 
 
 # --- watching ------------------------------------------------------------------------------------

@@ -332,7 +332,7 @@ def _print_task(view: dict[str, Any]) -> None:
 
 
 def tasks_cancel(state_dir: Path, task_id: str, *, wait: bool, as_json: bool) -> int:
-    return _report(cancel_turn(state_dir, task_id, wait=wait), as_json)
+    return report(cancel_turn(state_dir, task_id, wait=wait), as_json)
 
 
 def cancel_turn(state_dir: Path, task_id: str, *, wait: bool) -> Acted:
@@ -354,7 +354,7 @@ def cancel_turn(state_dir: Path, task_id: str, *, wait: bool) -> Acted:
             EXIT_UNREACHABLE,
         )
     try:
-        result = _ask(state_dir, record.instance_id, "cancel_task", {"taskId": record.task_id, "wait": wait})
+        result = ask(state_dir, record.instance_id, "cancel_task", {"taskId": record.task_id, "wait": wait})
     except FinishedMeanwhile:
         with opened(state_dir) as db:
             latest = get_task(db, record.task_id) if db is not None else None
@@ -382,7 +382,7 @@ def cancel_turn(state_dir: Path, task_id: str, *, wait: bool) -> Acted:
     return Acted(outcome, message, 0 if ended or not wait else EXIT_UNREACHABLE)
 
 
-def _report(acted: Acted, as_json: bool) -> int:
+def report(acted: Acted, as_json: bool) -> int:
     if as_json:
         _print_json(acted.document)
     else:
@@ -390,7 +390,7 @@ def _report(acted: Acted, as_json: bool) -> int:
     return acted.exit_code
 
 
-def _ask(
+def ask(
     state_dir: Path, instance_id: str | None, command: str, args: dict[str, Any], *, timeout: float | None = None
 ) -> dict[str, Any]:
     """A command to the proxy instance ``instance_id``; ``OperatorError`` (exit 1 or 2) saying why not."""
@@ -586,7 +586,7 @@ def _lease_or_none(db: StateDB, lease_id: str | None) -> Lease | None:
 
 
 def sessions_act(state_dir: Path, session_id: str, *, action: str, as_json: bool) -> int:
-    return _report(act_on_session(state_dir, session_id, action=action), as_json)
+    return report(act_on_session(state_dir, session_id, action=action), as_json)
 
 
 def act_on_session(state_dir: Path, session_id: str, *, action: str) -> Acted:
@@ -607,7 +607,7 @@ def act_on_session(state_dir: Path, session_id: str, *, action: str) -> Acted:
         if holder_alive:
             command = "close_session" if action == "close" else "suspend_session"
             try:
-                result = _ask(state_dir, holder, command, {"sessionId": session_id})
+                result = ask(state_dir, holder, command, {"sessionId": session_id})
             except OperatorError as exc:
                 if not (exc.exit_code == EXIT_USAGE and record.state is SessionState.SUSPENDED):
                     outcome |= {"done": False, "state": record.state.value, "reason": str(exc)}
@@ -682,7 +682,7 @@ def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None
         }
         if entry["alive"]:
             try:
-                entry["proxy"] = _ask(state_dir, instance_id, "status", {})
+                entry["proxy"] = ask(state_dir, instance_id, "status", {})
             except OperatorError as exc:
                 entry["controlError"] = str(exc)
         report["instances"].append(entry)
