@@ -733,19 +733,31 @@ class StateDB:
         self.conn.execute("COMMIT")
 
     def _migrate(self) -> None:
+        # Read first: a database already up to date is opened without its write lock, so that a
+        # reader (the operator's commands) is not held up by a proxy that holds it (a long write, or
+        # a proxy stopped mid-transaction).
+        if self._schema_version(self.conn) == SCHEMA_VERSION:
+            return
         with self.transaction() as conn:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                raise StateError(
-                    f"{self.path} has schema version {version}, newer than this acp-proxy "
-                    f"understands ({SCHEMA_VERSION}); upgrade acp-proxy"
-                )
+            version = self._schema_version(conn)  # again, under the lock: another process may have migrated it
             for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
                 for statement in filter(str.strip, script.split(";")):
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version = {number}")
 
+    def _schema_version(self, conn: sqlite3.Connection) -> int:
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise StateError(
+                f"{self.path} has schema version {version}, newer than this acp-proxy "
+                f"understands ({SCHEMA_VERSION}); upgrade acp-proxy"
+            )
+        return version
+
     def _install_id(self) -> str:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()
+        if row is not None:
+            return str(row[0])
         with self.transaction() as conn:
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('install_id', ?)", (os.urandom(8).hex(),))
             return str(conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()[0])

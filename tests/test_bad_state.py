@@ -369,6 +369,9 @@ async def test_a_full_disk_costs_no_answer_and_the_rows_follow_once_there_is_spa
         await gw.initialize()
         session = await gw.new_session()
         assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
+        with anyio.fail_after(10):  # the turn's rows are written after its answer, by the state writer
+            while task_statuses(db_path) != ["done"]:
+                await anyio.sleep(0.02)
         # Empty the WAL, so that the next write must take new space, then take all of it.
         conn = sqlite3.connect(db_path, timeout=10)
         assert conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0
@@ -382,6 +385,9 @@ async def test_a_full_disk_costs_no_answer_and_the_rows_follow_once_there_is_spa
         streamed = gw.updates(session)
         assert len(streamed) == 1 + 3 * 2, "every streamed update reached the gateway"
         assert task_statuses(db_path) == ["done"], "nothing could be written while the disk was full"
+        with anyio.fail_after(10):  # told by the writer thread, logged at the turn book's next step
+            while "could not record it in the state database" not in gw.stderr.decode():
+                await anyio.sleep(0.05)
         log = gw.stderr.decode()
         assert "could not record it in the state database" in log
         assert "database or disk is full" in log

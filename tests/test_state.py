@@ -129,6 +129,23 @@ def test_opening_waits_for_a_proxy_that_is_creating_the_database(tmp_path: Path)
     assert len(opened) == 1
 
 
+def test_a_database_up_to_date_opens_while_another_process_holds_its_write_lock(tmp_path: Path) -> None:
+    """Readers (the operator's commands) are not held up by a proxy in a long write, or stopped in one."""
+    tmp_path.chmod(0o700)
+    install_id = StateDB(tmp_path).install_id
+    holder = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO meta (key, value) VALUES ('unfinished', 'write')")
+    try:
+        reader = StateDB(tmp_path, create=False)
+        assert reader.install_id == install_id
+        assert reader.conn.execute("SELECT COUNT(*) FROM meta WHERE key = 'unfinished'").fetchone()[0] == 0
+        reader.close()
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+
 def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
     StateDB(tmp_path).close()
     ctx = multiprocessing.get_context("spawn")

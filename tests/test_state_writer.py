@@ -20,7 +20,7 @@ import pytest
 
 from acp_proxy.state import StateDB, StateWriter
 from tests.kit.gateway import is_answer_to, request_message
-from tests.support import Gateway, write_config
+from tests.support import Gateway, cli, write_config
 
 pytestmark = pytest.mark.anyio
 
@@ -212,11 +212,11 @@ conn.execute("ROLLBACK")
 
 
 @contextlib.asynccontextmanager
-async def holding_the_write_lock(db_path: Path, env: dict[str, str]) -> AsyncIterator[anyio.abc.Process]:
-    """Another process holding the database's write lock (``BEGIN IMMEDIATE``) for ``HOLD_SECONDS``."""
-    holder = await anyio.open_process(
-        [sys.executable, "-c", HOLDER, str(db_path), str(HOLD_SECONDS)], env=env, stderr=None
-    )
+async def holding_the_write_lock(
+    db_path: Path, env: dict[str, str], seconds: float = HOLD_SECONDS
+) -> AsyncIterator[anyio.abc.Process]:
+    """Another process holding the database's write lock (``BEGIN IMMEDIATE``) for ``seconds``."""
+    holder = await anyio.open_process([sys.executable, "-c", HOLDER, str(db_path), str(seconds)], env=env, stderr=None)
     async with holder:
         assert holder.stdout is not None
         said = b""
@@ -289,3 +289,17 @@ async def test_a_start_waits_for_its_lease_while_another_session_streams_on(
         assert "result" in opened, opened
         assert await gw.close() == 0
     assert b"Traceback" not in gw.stderr
+
+
+async def test_the_operators_reading_commands_answer_while_another_process_holds_the_write_lock(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A proxy stopped in the middle of a write (SIGSTOP, a debugger) must not blind the operator."""
+    state = Path(proc_env["ACP_PROXY_STATE_DIR"])
+    StateDB(state).close()
+    async with holding_the_write_lock(state / "state.db", proc_env, seconds=60) as holder:
+        for command in (["status", "--json"], ["sessions", "list", "--json"], ["tasks", "list"], ["metrics"]):
+            code, _out, err = await cli(proc_env, *command)
+            assert code == 0, (command, err)
+            assert holder.returncode is None, f"{command} answered only once the write lock was given up"
+        holder.kill()
