@@ -69,7 +69,7 @@ Answer = Callable[[Message], Message | None]
 """Called with the adapter's answer to a gateway request before it is forwarded (``PendingCall.on_answer``)."""
 
 Suspend = Callable[[str, str, SuspendReason], bool]
-"""Suspend the session of this id if it is idle (the reason for the log); False if it is not.
+"""Suspend the session of this id if it is idle (why, for the log; the reason, for the journal); False if not.
 Synchronous, so that the plan's choice and the suspension happen in one step."""
 
 
