@@ -126,9 +126,21 @@ def _ago(timestamp: float | None, moment: float) -> str:
     return "-" if timestamp is None else _age(max(0.0, moment - timestamp)) + " ago"
 
 
+def printable(text: str) -> str:
+    """``text`` as one line that cannot drive the operator's terminal.
+
+    Titles, agent text, error messages and reasons come from adapters (or their users): a
+    newline would break a table's rows, an escape sequence would reach the terminal. Runs
+    of whitespace become one space; other characters that are not printable become ``?``.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else " " if ch.isspace() else "?" for ch in " ".join(text.split()))
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO = sys.stdout) -> None:
     """Left-aligned columns, as wide as their widest cell; the last column is never padded."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [["-" if c is None else printable(str(c)) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         padded = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=False)]
@@ -253,6 +265,7 @@ def _duration(view: dict[str, Any], moment: float) -> str:
 def _short(text: str | None, width: int) -> str:
     if not text:
         return ""
+    text = printable(text)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
