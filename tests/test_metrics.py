@@ -117,6 +117,7 @@ async def test_a_run_shows_in_the_counters_and_they_never_go_back(proc_env: dict
         await gw.initialize()
         first = await gw.new_session()
         assert (await gw.prompt(first, "stream 2"))["result"]["stopReason"] == "end_turn"
+        assert "result" in await gw.request("session/set_mode", {"sessionId": first, "modeId": "plan"})
         second = await gw.new_session()  # the only slot: the first session is evicted for it
         assert (await gw.prompt(second, "stream 1"))["result"]["stopReason"] == "end_turn"
         assert (await gw.prompt(first, "stream 1"))["result"]["stopReason"] == "end_turn"  # resumed
@@ -139,6 +140,8 @@ async def test_a_run_shows_in_the_counters_and_they_never_go_back(proc_env: dict
     assert value(during, "acp_proxy_turns_total", backend=backend, status="failed") == 1
     assert value(during, "acp_proxy_evictions_total", backend=backend, reason="pool") >= 1
     assert total(during, "acp_proxy_resumes_total", backend=backend) >= 1
+    methods = {dict(labels)["method"] for name, labels in during if name == "acp_proxy_resumes_total"}
+    assert methods <= {"session/resume", "session/load", "session/new"}, "the method that restored it, not a setting's"
     assert value(during, "acp_proxy_adapter_exits_total", backend=backend, how="exited") == 1
     assert total(during, "acp_proxy_adapters_started_total", backend=backend) >= 3
     assert value(during, "acp_proxy_trees_reaped_total", backend=backend, when="stop") >= 1

@@ -110,7 +110,7 @@ class Restorer:
         adapter.gateway_session = record.session_id
         adapter.adapter_session = record.adapter_session_id
         try:
-            answer, adapter_session_id, method = await self._restore(adapter, backend, record, gateway_asked)
+            answer, adapter_session_id, restored_by = await self._restore(adapter, backend, record, gateway_asked)
             result = jsonrpc.decode_object(answer.result) or {}
             for method, params in record.settings:
                 setting_params = msgspec.json.decode(params)
@@ -142,10 +142,10 @@ class Restorer:
         self.pool.journal.record(
             Kind.RESUMED,
             backend=backend.name,
-            label=method,
+            label=restored_by,
             session_id=record.session_id,
             seconds=took,
-            detail=f"{method} on pid {adapter.pid} in {took * 1000:.0f} ms",
+            detail=f"{restored_by} on pid {adapter.pid} in {took * 1000:.0f} ms",
         )
         # What the gateway is answered (when it asked for the load or resume itself): its own id,
         # and the settings as they are now, after re-applying them.
