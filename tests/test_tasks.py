@@ -28,6 +28,7 @@ from acp_proxy.tasks.records import (
     AmbiguousId,
     Event,
     Outcome,
+    Swept,
     TaskRegistry,
     TaskStatus,
     Turn,
@@ -273,6 +274,18 @@ def test_the_sweep_marks_only_dead_proxies_tasks_lost_and_is_idempotent(db: Stat
     assert get_task(db, "own000000000").status is S.RUNNING  # type: ignore[union-attr]
     os.close(alive.lock_fd)
     os.close(own.lock_fd)
+
+
+def test_a_damaged_row_is_swept_lost_and_only_its_notification_is_lost(db: StateDB) -> None:
+    for task_id in ("damaged00000", "readable0000"):
+        os.close(_instance_with_unfinished_task(db, task_id).lock_fd)
+    with db.transaction() as conn:
+        conn.execute("UPDATE tasks SET recent_events = 'not json' WHERE task_id = 'damaged00000'")
+    told: list[Swept] = []
+    assert sweep_lost(db, None, told.append) == 2
+    assert [swept.record.task_id for swept in told] == ["readable0000"]
+    statuses = dict(db.conn.execute("SELECT task_id, status FROM tasks").fetchall())
+    assert statuses == {"damaged00000": "lost", "readable0000": "lost"}
 
 
 def test_prune_deletes_only_old_finished_tasks_and_is_idempotent(db: StateDB) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import logging
 import os
 import re
 import sqlite3
@@ -37,6 +38,8 @@ from acp_proxy.protocol.acp import SESSION_INFO_MARK, session_info_changes
 from acp_proxy.protocol.jsonrpc import REQUEST_CANCELLED
 from acp_proxy.protocol.methods import Method
 from acp_proxy.state import StateDB, Statement, now
+
+log = logging.getLogger("acp_proxy.tasks")
 
 
 class TaskStatus(enum.StrEnum):
@@ -656,7 +659,7 @@ def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], No
                        WHERE tasks.instance_id = ? AND tasks.status IN ('queued', 'running')""",
                     (instance_id,),
                 ).fetchall()
-                lost += [_swept(row, at) for row in rows]
+                lost += filter(None, (_swept(row, at) for row in rows))
             for backend, count in conn.execute(
                 """SELECT backend, COUNT(*) FROM tasks WHERE instance_id = ? AND status IN ('queued', 'running')
                    GROUP BY backend""",
@@ -675,8 +678,14 @@ def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], No
     return swept
 
 
-def _swept(row: Any, at: float) -> Swept:
-    record = TaskRecord.from_row(row)
+def _swept(row: Any, at: float) -> Swept | None:
+    """What a notification of a task swept lost needs; ``None`` for a row too damaged to read
+    (it is marked lost all the same; only its notification is lost)."""
+    try:
+        record = TaskRecord.from_row(row)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("task %s: swept lost, not notified: its row cannot be read (%s)", row["task_id"], exc)
+        return None
     notify = row["notify"] if row["notify"] in NOTIFY_POLICIES else None
     return Swept(
         replace(record, status=TaskStatus.LOST, ended_at=at, error=LOST_ERROR, updated_at=at),
