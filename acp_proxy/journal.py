@@ -33,7 +33,8 @@ log = logging.getLogger("acp_proxy.journal")
 EVENTS_KEPT: Final = 5000
 """Events kept in the database; older ones are deleted as new ones come."""
 PRUNE_EVERY: Final = 200
-"""A proxy trims the events table once per this many events it records."""
+"""The events table is trimmed at every this-many-th event of the install (by its row id: a proxy that
+records only a few, as one per session does, takes its turn all the same)."""
 
 
 class Kind(enum.StrEnum):
@@ -123,7 +124,6 @@ class Journal:
     def __init__(self, db: StateDB, instance_id: str | None) -> None:
         self.db = db
         self.instance_id = instance_id
-        self._since_prune = 0
 
     def record(
         self,
@@ -143,32 +143,28 @@ class Journal:
         """
         shown = kind in SHOWN if shown is None else shown
         record = Record(kind, backend or "", str(label), session_id, detail, count, seconds, shown)
-        prune = False
-        if shown:
-            self._since_prune += 1
-            if self._since_prune >= PRUNE_EVERY:
-                self._since_prune, prune = 0, True
         try:
-            self.db.write(functools.partial(_apply, record, self.instance_id, now(), prune))
+            self.db.write(functools.partial(_apply, record, self.instance_id, now()))
         except sqlite3.Error as exc:  # made inline (no writer thread): what it records goes on regardless
             log.warning("could not record %s in the journal: %s", kind.value, exc)
 
 
-def _apply(record: Record, instance_id: str | None, at: float, prune: bool, conn: sqlite3.Connection) -> None:
+def _apply(record: Record, instance_id: str | None, at: float, conn: sqlite3.Connection) -> None:
     conn.execute(
         """INSERT INTO counters (name, backend, label, count, seconds) VALUES (?, ?, ?, ?, ?)
            ON CONFLICT (name, backend, label) DO UPDATE SET
                count = count + excluded.count, seconds = seconds + excluded.seconds""",
         (record.kind.value, record.backend, record.label, record.count, record.seconds),
     )
-    if record.shown:
-        conn.execute(
-            """INSERT INTO events (at, instance_id, kind, backend, label, session_id, detail)
-               VALUES (?, ?, ?, ?, ?, ?, ?)""",
-            (at, instance_id, record.kind.value, record.backend, record.label, record.session_id, record.detail),
-        )
-    if prune:
-        conn.execute("DELETE FROM events WHERE event_id <= (SELECT MAX(event_id) FROM events) - ?", (EVENTS_KEPT,))
+    if not record.shown:
+        return
+    event_id = conn.execute(
+        """INSERT INTO events (at, instance_id, kind, backend, label, session_id, detail)
+           VALUES (?, ?, ?, ?, ?, ?, ?)""",
+        (at, instance_id, record.kind.value, record.backend, record.label, record.session_id, record.detail),
+    ).lastrowid
+    if event_id is not None and event_id % PRUNE_EVERY == 0:
+        conn.execute("DELETE FROM events WHERE event_id <= ?", (event_id - EVENTS_KEPT,))
 
 
 def count_in(conn: sqlite3.Connection, kind: Kind, *, backend: str = "", label: str = "", count: int = 1) -> None:

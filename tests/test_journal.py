@@ -57,9 +57,8 @@ def test_a_kind_not_shown_by_default_can_be_shown(db: StateDB) -> None:
 def test_events_are_kept_bounded_newest_first(db: StateDB, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(journal, "EVENTS_KEPT", 10)
     monkeypatch.setattr(journal, "PRUNE_EVERY", 5)
-    recorder = Journal(db, "p")
-    for number in range(40):
-        recorder.record(Kind.CRASHED, detail=str(number))
+    for number in range(40):  # one proxy per event, as an install of one proxy per session has them
+        Journal(db, f"p{number}").record(Kind.CRASHED, detail=str(number))
     kept = recent_events(db.conn, limit=100)
     assert [e.detail for e in kept[:3]] == ["39", "38", "37"]
     assert len(kept) <= 10 + 5
