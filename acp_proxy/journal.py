@@ -41,7 +41,7 @@ class Kind(enum.StrEnum):
     """What a record counts; those in ``SHOWN`` also make an event row."""
 
     ADAPTER_STARTED = "adapter_started"
-    """label: how (``warm`` with the proxy, ``spare``, ``session``)"""
+    """label: how (``warm``: launched with the proxy; ``started``: for a request)"""
     SPAWN_FAILED = "spawn_failed"
     START_TIMEOUT = "start_timeout"
     """label: the request that was not answered in time"""
@@ -103,7 +103,6 @@ class SuspendReason(enum.StrEnum):
     OPERATOR = "operator"
     TURN_TIMEOUT = "turn_timeout"
     SHUTDOWN = "shutdown"
-    OTHER = "other"
 
 
 @dataclass(frozen=True, slots=True)

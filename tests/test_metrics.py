@@ -64,6 +64,7 @@ def test_figures_become_gauges_and_counters_that_parse() -> None:
             journal.Counter("pool_wait", "codex", "admitted", 6, 12.5),
             journal.Counter("resumed", "codex", "session/load", 7, 3.0),
             journal.Counter("tree_reaped", "codex", "startup", 2, 0.0),
+            journal.Counter("notify_failed", "codex", "timeout", 1, 0.0),
             journal.Counter("from_a_newer_version", "codex", "x", 1, 0.0),
         ),
     )
@@ -86,6 +87,7 @@ def test_figures_become_gauges_and_counters_that_parse() -> None:
     assert value(samples, "acp_proxy_pool_wait_seconds_total", backend="codex", outcome="admitted") == 12.5
     assert value(samples, "acp_proxy_resumes_total", backend="codex", method="session/load") == 7
     assert value(samples, "acp_proxy_trees_reaped_total", backend="codex", when="startup") == 2
+    assert value(samples, "acp_proxy_notify_failures_total", backend="codex", why="timeout") == 1
     assert not any("newer" in str(key) for key in samples)
 
 

@@ -88,6 +88,9 @@ COUNTED: Final[Mapping[journal.Kind, Counted]] = {
     journal.Kind.POOL_WAIT: Counted(
         "pool_waits", "Starts that waited for a slot, by outcome", "outcome", seconds="pool_wait_seconds"
     ),
+    journal.Kind.NOTIFY_FAILED: Counted(
+        "notify_failures", "Task notifications not delivered, by why (exit, timeout, spawn, dropped)", "why"
+    ),
     journal.Kind.EVICT_ASKED: Counted(
         "peer_evictions_asked", "Other proxies asked to suspend a session for a slot, by answer", "answer"
     ),
@@ -282,11 +285,15 @@ class _Figures(Collector):
         return iter(families(self.figures))
 
 
-def exposition(figures: InstallFigures) -> bytes:
-    """The figures in the Prometheus text format."""
+def _registry(figures: InstallFigures) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Figures(figures))
-    return generate_latest(registry)
+    return registry
+
+
+def exposition(figures: InstallFigures) -> bytes:
+    """The figures in the Prometheus text format."""
+    return generate_latest(_registry(figures))
 
 
 def metrics_command(state_dir: Path, config: Config | None, *, textfile: str | None) -> int:
@@ -296,10 +303,8 @@ def metrics_command(state_dir: Path, config: Config | None, *, textfile: str | N
         sys.stdout.buffer.write(exposition(figures))
         sys.stdout.flush()
         return 0
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Figures(figures))
     try:
-        write_to_textfile(textfile, registry)  # a temporary file beside it, renamed over it
+        write_to_textfile(textfile, _registry(figures))  # a temporary file beside it, renamed over it
     except OSError as exc:
         raise OperatorError(f"--textfile: cannot write {textfile}: {exc.strerror or exc}") from None
     return 0

@@ -714,9 +714,7 @@ class SessionIntents:
 
     # --- suspend ------------------------------------------------------------------------------
 
-    def suspend(
-        self, session_id: str, why: str, reason: SuspendReason = SuspendReason.OTHER, *, even_if_busy: bool = False
-    ) -> bool:
+    def suspend(self, session_id: str, why: str, reason: SuspendReason, *, even_if_busy: bool = False) -> bool:
         """Suspend a session: it keeps its mapping and is resumable; its process is stopped in the background.
 
         Only an idle session (nothing in flight, nothing queued), unless ``even_if_busy``
