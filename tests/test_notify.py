@@ -436,6 +436,22 @@ async def test_tasks_watch_text_starts_from_now_and_follows_one_session(
     assert lines[1].endswith("running -> cancelled")
 
 
+async def test_tasks_watch_on_a_state_dir_no_proxy_has_used_says_it_waits(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {**proc_env, "ACP_PROXY_STATE_DIR": str(tmp_path / "not-yet")}
+    async with watching(WATCH, env) as watcher:
+        assert watcher.stderr is not None
+        said = b""
+        with anyio.fail_after(30):
+            while b"\n" not in said:
+                said += await watcher.stderr.receive()
+        assert b"no proxy has used" in said
+        assert b"waiting for its first tasks" in said
+        await interrupt(watcher, b"")
+    assert watcher.returncode == 0
+
+
 async def test_tasks_watch_exits_0_when_its_reader_goes_away(proc_env: dict[str, str], tmp_path: Path) -> None:
     async with start(proc_env, tmp_path, {}) as gw:
         await gw.initialize()

@@ -35,6 +35,7 @@ from acp_proxy.operator.reports import (
     OperatorError,
     ask,
     opened,
+    printable,
     report,
     resolve_session,
     resolve_task,
@@ -116,7 +117,9 @@ def tasks_watch(
 def _watch(state_dir: Path, session_id: str | None, since: float | None, as_json: bool, out: TextIO) -> None:
     horizon = None if since is None else time.time() - since
     db = open_existing(state_dir)
-    while db is None:  # no proxy has used the state dir yet: its first tasks are changes too
+    if db is None:  # no proxy has used the state dir yet: its first tasks are changes too
+        print(f"no proxy has used {state_dir} yet: waiting for its first tasks (Ctrl-C stops)", file=sys.stderr)
+    while db is None:
         time.sleep(POLL_INTERVAL)
         db = open_existing(state_dir)
     try:
@@ -149,7 +152,10 @@ def _changes(
     now_seen: dict[str, TaskStatus] = {}
     notices = []
     for row in _recent(db, session_id, window):
-        record = TaskRecord.from_row(row)
+        try:
+            record = TaskRecord.from_row(row)
+        except (ValueError, KeyError, TypeError):
+            continue  # a damaged row: `acp-proxy doctor` checks the database
         status = now_seen[record.task_id] = _status(record, alive)
         if status is not record.status:  # lost: its proxy is gone, and the next one has not swept it yet
             record = replace(record, error=LOST_ERROR)
@@ -178,7 +184,7 @@ def _line(notice: Notice, as_json: bool) -> str:
     if as_json:
         return encode_notice(notice).decode() + "\n"
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(notice.at))
-    reason = f"  ({notice.reason})" if notice.reason and notice.reason != notice.status else ""
+    reason = f"  ({printable(notice.reason)})" if notice.reason and notice.reason != notice.status else ""
     return (
         f"{when}  {notice.taskId}  {notice.sessionId}  {notice.backend}  "
         f"{notice.previousStatus or '-'} -> {notice.status}{reason}\n"
