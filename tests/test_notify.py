@@ -126,6 +126,9 @@ def test_a_full_queue_drops_notices_with_a_warning(caplog: pytest.LogCaptureFixt
         ]
         * 2
     )
+    notifier.close()
+    notifier.changed(turn, None)  # after the proxy stopped running them: dropped, and said
+    assert "notifications have stopped" in caplog.records[-1].getMessage()
 
 
 async def test_done_only_tells_each_finished_task_once_with_its_fields(

@@ -17,6 +17,10 @@ closed):
 Command lines are never consulted: quoting and ``process.title`` make them lie.
 Without pidfds (macOS) the same checks run, then ``os.kill``; the window between
 check and kill is the documented cost of that platform.
+
+One signal needs no claim: ``kill_child_group``, to a child of this very process that
+it has not reaped (a task notification's command, past its timeout). Until the parent
+reaps it, its pid, and with it the id of the group it leads, cannot name anything else.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ LANES: Final = 4
 LANE_LIMIT: Final = 64
 """Notices waiting per lane; beyond it new ones are dropped."""
 TITLE_CHARS: Final = 200
+TITLES_KEPT: Final = 1024
+"""Sessions whose title a turn announced, remembered at most (older ones are read from the session table)."""
 OUTPUT_LIMIT: Final = 4096
 """Bytes of a command's output (stdout and stderr together) kept to log if it fails."""
 KILL_WAIT: Final = 2.0
@@ -203,7 +205,10 @@ class Notifier:
     def note_title(self, session_id: str, changes: dict[str, str | None]) -> None:
         """What a turn's ``session_info_update`` announced, as it is recorded on the session."""
         if "title" in changes:
+            self.titles.pop(session_id, None)  # to the end: the least recently titled go first
             self.titles[session_id] = changes["title"]
+            if len(self.titles) > TITLES_KEPT:
+                del self.titles[next(iter(self.titles))]
 
     def _title(self, session_id: str) -> str | None:
         if session_id in self.titles:
@@ -217,17 +222,33 @@ class Notifier:
         except anyio.WouldBlock:
             self._failed(notice, "dropped", f"{LANE_LIMIT} notifications are already waiting; this one is dropped")
             return
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._failed(notice, "dropped", "the proxy is exiting: notifications have stopped")
+            return
         self._pending += 1
 
     # --- in the proxy's task group: running the commands ------------------------------------------
 
     async def run(self) -> None:
-        """Run the queued notifications until cancelled."""
-        async with anyio.create_task_group() as lanes:
-            for _send, receive in self._lanes:
-                lanes.start_soon(self._lane, receive)
+        """Run the queued notifications until cancelled; the queues are closed then (later notices are dropped)."""
+        try:
+            async with anyio.create_task_group() as lanes:
+                for _send, receive in self._lanes:
+                    lanes.start_soon(self._lane, receive)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the queues: what is queued is dropped, later notices are dropped as they come (said once each)."""
+        for send, receive in self._lanes:
+            send.close()
+            receive.close()
 
     async def _lane(self, receive: MemoryObjectReceiveStream[Notice]) -> None:
+        async with receive:
+            await self._deliver_all(receive)
+
+    async def _deliver_all(self, receive: MemoryObjectReceiveStream[Notice]) -> None:
         async for notice in receive:
             try:
                 await self._deliver(notice)
