@@ -567,3 +567,21 @@ async def test_leftovers_of_a_dead_proxy_are_a_problem_until_reaped(env: dict[st
     code, out, _ = await cli(env, *args)
     assert code == 0, out
     assert of(json.loads(out), "leftovers", "ok")
+
+
+def test_a_relative_state_dir_is_examined_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    StateDB(Path("st")).close()
+    monkeypatch.setenv("ACP_PROXY_STATE_DIR", "st")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("ACP_PROXY_CONFIG", raising=False)
+    report = doctor.examine(None)
+    assert report.state_dir == Path("st")
+    assert [(f.check, f.severity) for f in report.findings if f.check in ("database", "leftovers")] == [
+        ("database", Severity.OK),
+        ("database", Severity.OK),
+        ("database", Severity.OK),
+        ("leftovers", Severity.OK),
+    ], report.findings
