@@ -222,6 +222,29 @@ def test_doctor_refuses_exactly_the_state_dirs_the_proxy_refuses(tmp_path: Path,
     assert (finding.severity is Severity.PROBLEM) == refused
 
 
+def test_a_socket_or_wal_file_gone_between_listing_and_checking_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    (state / "control").mkdir(mode=0o700, parents=True)
+    state.chmod(0o700)
+    for gone in (state / "state.db-wal", state / "control" / "cb668aafef17.sock"):
+        write(gone, "")
+    listed = doctor._entries
+
+    def listed_then_removed(directory: Path) -> list[os.DirEntry[str]]:
+        entries = listed(directory)
+        for entry in entries:
+            if entry.is_file():
+                os.unlink(entry.path)
+        return entries
+
+    monkeypatch.setattr(doctor, "_entries", listed_then_removed)
+    findings = doctor.check_state_dir(state, "a test", uid=UID)
+    assert severities(findings) == ["ok", "ok"], findings
+    assert "2 checked" in findings[-1].message, "the state dir and control/; not what went"
+
+
 @pytest.mark.parametrize(
     ("sentence", "mode", "uid", "severity", "fix"),
     [

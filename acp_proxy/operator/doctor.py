@@ -393,12 +393,12 @@ def check_state_dir(path: Path, origin: str, *, uid: int) -> list[Finding]:
     kept = [(path, st, "state dir", 0o700)]
     for entry in _entries(path):
         if entry.is_dir(follow_symlinks=False):
-            kept.append((Path(entry.path), entry.stat(follow_symlinks=False), "directory", 0o700))
+            kept += _kept(entry, "directory", 0o700)
         elif entry.name.startswith(DB_NAME):
-            kept.append((Path(entry.path), entry.stat(follow_symlinks=False), "database file", 0o600))
+            kept += _kept(entry, "database file", 0o600)
     for entry in _entries(path / "control"):
         if entry.name.endswith(".sock"):
-            kept.append((Path(entry.path), entry.stat(follow_symlinks=False), "control socket", 0o600))
+            kept += _kept(entry, "control socket", 0o600)
     checked = [check_private(what, where, found, uid=uid, mode=mode) for where, found, what, mode in kept]
     unsafe = [finding for finding in checked if finding.severity is not Severity.OK]
     private = ok("state", f"it and what it holds are private (directories 0700, files 0600): {len(kept)} checked")
@@ -410,6 +410,15 @@ def _entries(directory: Path) -> list[os.DirEntry[str]]:
         with os.scandir(directory) as it:
             return sorted(it, key=lambda entry: entry.name)
     except OSError:
+        return []
+
+
+def _kept(entry: os.DirEntry[str], what: str, mode: int) -> list[tuple[Path, os.stat_result, str, int]]:
+    """``entry`` to check as ``what``; nothing if it is gone since it was listed (a proxy that exits
+    removes its control socket, SQLite its ``-wal`` file)."""
+    try:
+        return [(Path(entry.path), entry.stat(follow_symlinks=False), what, mode)]
+    except FileNotFoundError:
         return []
 
 
