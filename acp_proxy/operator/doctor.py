@@ -72,14 +72,15 @@ from typing import Final
 
 from acp_proxy import config as configuration
 from acp_proxy.config import BackendConfig, Config, ConfigError, MissingVariable
+from acp_proxy.operator.reports import EXIT_UNREACHABLE, EXIT_USAGE
 from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, wrapper_path
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
 from acp_proxy.state import DB_NAME, SCHEMA_VERSION, StateDB, StateError, explain_failure
 
 EXIT_OK: Final = 0
-EXIT_PROBLEM: Final = 1
-EXIT_USAGE: Final = 2
+EXIT_PROBLEM: Final = EXIT_UNREACHABLE
+"""The operator commands' 1 (there: the proxy needed did not act); here: acp-proxy would fail or refuse."""
 LOW_DISK_BYTES: Final = 100 * 1024 * 1024
 """Below this much free space on the state database's file system, a warning."""
 CHECKS: Final = ("config", "backends", "variables", "state", "database", "leftovers", "ownership")
@@ -480,6 +481,8 @@ def check_database(state_dir: Path) -> DatabaseCheck:
         return DatabaseCheck([missing, *_writable(path)], False)
     findings: list[Finding] = []
     readable = False
+    # Not StateDB(read_only=True): it refuses an unsafe state dir and reads the meta table first,
+    # and doctor must still report the schema version and damage of such a database.
     try:
         conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5)
     except sqlite3.Error as exc:
