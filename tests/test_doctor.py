@@ -614,6 +614,25 @@ def test_the_notify_command_is_checked_when_there_is_one(env: dict[str, str], tm
     assert SECRET not in out
 
 
+def test_config_check_says_what_an_unset_variable_stops(env: dict[str, str], tmp_path: Path) -> None:
+    config = notifying_config(tmp_path)
+    run_env = {name: value for name, value in env.items() if not name.startswith("DOCTOR_TEST_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "acp_proxy", "config", "check", "--config", str(config)],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr
+    notes = [line.strip() for line in result.stdout.splitlines() if "note:" in line]
+    assert notes == [
+        "note: ${DOCTOR_TEST_CHAT} is not set in this environment; notifications will fail without it",
+        "note: ${DOCTOR_TEST_TOKEN} is not set in this environment; the adapter will not start without it",
+    ]
+
+
 @pytest.mark.parametrize(
     ("sentence", "text", "says"),
     [
