@@ -622,7 +622,7 @@ class StateDB:
     def _open_read_only(self) -> None:
         # SQLite may leave an empty -wal and a -shm file beside the database (mode as the database's):
         # a reader of a WAL database needs them, and the next proxy uses them as its own.
-        uri = f"{self.path.as_uri()}?mode=ro"
+        uri = f"{self.path.absolute().as_uri()}?mode=ro"
         try:
             self.conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         except sqlite3.Error as exc:

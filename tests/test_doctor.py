@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from acp_proxy.config import BackendConfig
+from acp_proxy.config import BackendConfig, TasksConfig
 from acp_proxy.operator import doctor
 from acp_proxy.operator.doctor import Finding, Report, Severity
 from acp_proxy.ownership.leases import all_leases
@@ -187,6 +187,104 @@ def test_a_backend_referring_to_no_variable_is_fine() -> None:
     assert severities(doctor.check_variables(BackendConfig(name="b", command=("agent",)), {})) == ["ok"]
 
 
+# --- notify: the notify_command, as the proxy runs it ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NotifyRow:
+    sentence: str
+    command: tuple[str, ...]
+    expected: list[tuple[str, str]]
+    """(severity, what the message says) per finding."""
+    fix: str | None = None
+    environ: dict[str, str] = field(default_factory=lambda: {"PATH": "/usr/bin", "CHAT_TOKEN": SECRET})
+
+
+NOTIFY = [
+    NotifyRow(
+        "a program found on the proxy's PATH, its variables set",
+        ("notify-send", "--token=${CHAT_TOKEN}"),
+        [("ok", "'notify-send' found on PATH at /somewhere/bin/notify-send"), ("ok", "set: CHAT_TOKEN")],
+    ),
+    NotifyRow(
+        "a program on no PATH entry is to be installed",
+        ("nope",),
+        [("problem", "'nope' is not found on PATH"), ("ok", "refers to no ${VAR}")],
+        "install nope, or set tasks.notify_command to its absolute path",
+    ),
+    NotifyRow(
+        "a program on PATH without its x bit",
+        ("plain-file",),
+        [("problem", "not executable"), ("ok", "refers to no ${VAR}")],
+        "chmod +x /somewhere/bin/plain-file",
+    ),
+    NotifyRow(
+        "an unset variable: notifications will fail",
+        ("notify-send", "${CHAT_TOKEN}"),
+        [("ok", "found on PATH"), ("problem", "${CHAT_TOKEN} is not set; notifications will fail without it")],
+        "export CHAT_TOKEN in the environment the gateway starts acp-proxy from",
+        environ={"PATH": "/usr/bin"},
+    ),
+    NotifyRow(
+        "an empty variable: a warning",
+        ("notify-send", "${CHAT_TOKEN}"),
+        [("ok", "found on PATH"), ("warning", "${CHAT_TOKEN} is set but empty")],
+        "give CHAT_TOKEN its value",
+        environ={"PATH": "/usr/bin", "CHAT_TOKEN": ""},
+    ),
+    NotifyRow(
+        "an unset variable in the program: it cannot be looked up",
+        ("${HOOKS}/notify",),
+        [("problem", "cannot be looked up: ${HOOKS} is not set"), ("problem", "${HOOKS} is not set")],
+        "set HOOKS",
+    ),
+    NotifyRow(
+        "a relative path depends on the directory the gateway starts the proxy in",
+        ("hooks/notify",),
+        [("warning", "relative path"), ("ok", "refers to no ${VAR}")],
+        "use an absolute path in tasks.notify_command",
+    ),
+    NotifyRow(
+        "an absolute path that is not there",
+        ("{tmp}/missing",),
+        [("problem", "does not exist"), ("ok", "refers to no ${VAR}")],
+        "install it, or correct tasks.notify_command: {tmp}/missing",
+    ),
+    NotifyRow(
+        "an absolute path to an executable, named through a variable that is never shown",
+        ("${HOOKS}/agent",),
+        [("ok", "'${HOOKS}/agent' is an executable file"), ("ok", "set: HOOKS")],
+        environ={"HOOKS": "{tmp}"},
+    ),
+]
+
+
+@pytest.mark.parametrize("row", NOTIFY, ids=[row.sentence for row in NOTIFY])
+def test_the_notify_command_resolves_as_the_proxy_would_run_it(row: NotifyRow, files: Path) -> None:
+    def fill(text: str) -> str:
+        return text.replace("{tmp}", str(files))
+
+    tasks = TasksConfig(notify="done_only", notify_command=tuple(map(fill, row.command)))
+    environ = {name: fill(value) for name, value in row.environ.items()}
+    which = FakeWhich(executable={"notify-send"}, present={"plain-file"})
+    findings = doctor.check_notify(tasks, environ, which)
+    assert [(f.severity.value, f.check) for f in findings] == [(severity, "notify") for severity, _ in row.expected]
+    for finding, (_, says) in zip(findings, row.expected, strict=True):
+        assert says in finding.message, findings
+        assert finding.message.startswith("notify_command")
+    if row.fix is not None:
+        assert any(fill(row.fix) in (f.fix or "") for f in findings), findings
+    shown = " ".join(f.message + (f.fix or "") for f in findings)
+    assert SECRET not in shown
+    if "HOOKS" in environ:
+        assert str(files) not in shown, "what a variable expands to is never shown"
+    assert set(which.asked) <= {environ.get("PATH", os.defpath)}, "a bare name is looked up on the proxy's PATH"
+
+
+def test_no_notify_command_nothing_to_check() -> None:
+    assert doctor.check_notify(TasksConfig(), {}) == []
+
+
 # --- private files and directories: the proxy's rules --------------------------------------------------
 
 
@@ -220,6 +318,29 @@ def test_doctor_refuses_exactly_the_state_dirs_the_proxy_refuses(tmp_path: Path,
     except StateError:
         refused = True
     assert (finding.severity is Severity.PROBLEM) == refused
+
+
+def test_a_socket_or_wal_file_gone_between_listing_and_checking_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / "state"
+    (state / "control").mkdir(mode=0o700, parents=True)
+    state.chmod(0o700)
+    for gone in (state / "state.db-wal", state / "control" / "cb668aafef17.sock"):
+        write(gone, "")
+    listed = doctor._entries
+
+    def listed_then_removed(directory: Path) -> list[os.DirEntry[str]]:
+        entries = listed(directory)
+        for entry in entries:
+            if entry.is_file():
+                os.unlink(entry.path)
+        return entries
+
+    monkeypatch.setattr(doctor, "_entries", listed_then_removed)
+    findings = doctor.check_state_dir(state, "a test", uid=UID)
+    assert severities(findings) == ["ok", "ok"], findings
+    assert "2 checked" in findings[-1].message, "the state dir and control/; not what went"
 
 
 @pytest.mark.parametrize(
@@ -405,6 +526,7 @@ def test_a_good_config_on_a_fresh_host_is_ready(env: dict[str, str], tmp_path: P
     assert document["stateDir"] == env["ACP_PROXY_STATE_DIR"]
     assert set(document["findings"][0]) == {"check", "severity", "message", "fix"}
     assert of(document, "backends", "ok")
+    assert not of(document, "notify"), "no notify_command, nothing to check"
     assert not Path(env["ACP_PROXY_STATE_DIR"]).exists(), "doctor never creates the state dir"
 
 
@@ -458,6 +580,57 @@ env = {{ API_KEY = "${{DOCTOR_TEST_TOKEN}}", OTHER = "${{DOCTOR_TEST_UNSET}}" }}
     for output in (out, json.dumps(document)):
         assert SECRET not in output
     assert oct(state.stat().st_mode & 0o777) == "0o777", "doctor changes nothing"
+
+
+def notifying_config(tmp_path: Path) -> Path:
+    return write(
+        tmp_path / "notify.toml",
+        f"""
+[tasks]
+notify = "done_only"
+notify_command = ["no-such-notifier-7f3a", "--token=${{DOCTOR_TEST_CHAT}}", "--key=${{DOCTOR_TEST_TOKEN}}"]
+
+[backends.echo]
+command = {toml_list(ECHO_AGENT)}
+env = {{ API_KEY = "${{DOCTOR_TEST_TOKEN}}" }}
+""",
+    )
+
+
+def test_the_notify_command_is_checked_when_there_is_one(env: dict[str, str], tmp_path: Path) -> None:
+    config = notifying_config(tmp_path)
+    run_env = env | {"DOCTOR_TEST_TOKEN": SECRET}
+    run_env.pop("DOCTOR_TEST_CHAT", None)
+    code, out, err = run_doctor(run_env, "--config", str(config))
+    assert (code, err) == (1, ""), out
+    section = out.split("\nnotify\n", 1)[1].split("\nstate\n", 1)[0]
+    for says, fix in [
+        ("notify_command 'no-such-notifier-7f3a' is not found on PATH", "fix: install no-such-notifier-7f3a"),
+        ("notify_command: ${DOCTOR_TEST_CHAT} is not set; notifications will fail", "fix: export DOCTOR_TEST_CHAT"),
+    ]:
+        assert says in section, out
+        assert fix in section.split(says, 1)[1].splitlines()[1], (says, out)
+    assert "summary: 2 problems" in out
+    assert SECRET not in out
+
+
+def test_config_check_says_what_an_unset_variable_stops(env: dict[str, str], tmp_path: Path) -> None:
+    config = notifying_config(tmp_path)
+    run_env = {name: value for name, value in env.items() if not name.startswith("DOCTOR_TEST_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "acp_proxy", "config", "check", "--config", str(config)],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr
+    notes = [line.strip() for line in result.stdout.splitlines() if "note:" in line]
+    assert notes == [
+        "note: ${DOCTOR_TEST_CHAT} is not set in this environment; notifications will fail without it",
+        "note: ${DOCTOR_TEST_TOKEN} is not set in this environment; the adapter will not start without it",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -567,3 +740,21 @@ async def test_leftovers_of_a_dead_proxy_are_a_problem_until_reaped(env: dict[st
     code, out, _ = await cli(env, *args)
     assert code == 0, out
     assert of(json.loads(out), "leftovers", "ok")
+
+
+def test_a_relative_state_dir_is_examined_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    StateDB(Path("st")).close()
+    monkeypatch.setenv("ACP_PROXY_STATE_DIR", "st")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("ACP_PROXY_CONFIG", raising=False)
+    report = doctor.examine(None)
+    assert report.state_dir == Path("st")
+    assert [(f.check, f.severity) for f in report.findings if f.check in ("database", "leftovers")] == [
+        ("database", Severity.OK),
+        ("database", Severity.OK),
+        ("database", Severity.OK),
+        ("leftovers", Severity.OK),
+    ], report.findings

@@ -327,6 +327,8 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
 
 
 def _config_check(args: argparse.Namespace) -> int:
+    from acp_proxy.operator.doctor import unset_consequence
+
     path = configuration.find_config_path(getattr(args, "config", None))
     if path is None:
         raise UsageError(
@@ -349,7 +351,7 @@ def _config_check(args: argparse.Namespace) -> int:
     print(f"  state dir: {configuration.state_dir(config)}")
     unset = sorted(v for v in configuration.referenced_variables(config) if v not in os.environ)
     for name in unset:
-        print(f"  note: ${{{name}}} is not set in this environment; the adapter will not start without it")
+        print(f"  note: ${{{name}}} is not set in this environment; {unset_consequence(name, config)}")
     return 0
 
 

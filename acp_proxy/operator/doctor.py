@@ -10,6 +10,9 @@ The checks are plain functions that return findings, in the order they are shown
   sets one, else on ours) to an executable file, and its ``cwd`` is a directory.
 * ``variables``: every ``${VAR}`` each backend refers to is set. Names only: no value from the
   environment is ever printed (a backend's command is shown as written in the config).
+* ``notify``: only with a ``[tasks] notify_command``: its program resolves as the proxy runs it
+  (on our ``PATH``, from the directory the proxy starts in), and every ``${VAR}`` it refers to
+  is set, again by name only.
 * ``state``: the state dir, its subdirectories, the database and the control sockets belong to
   us and are private (the proxy refuses a dir or database others can write; doctor also warns
   when others can read them: dirs ``0700``, files and sockets ``0600``).
@@ -71,18 +74,19 @@ from pathlib import Path
 from typing import Final
 
 from acp_proxy import config as configuration
-from acp_proxy.config import BackendConfig, Config, ConfigError, MissingVariable
+from acp_proxy.config import BackendConfig, Config, ConfigError, MissingVariable, TasksConfig
+from acp_proxy.operator.reports import EXIT_UNREACHABLE, EXIT_USAGE
 from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, wrapper_path
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
 from acp_proxy.state import DB_NAME, SCHEMA_VERSION, StateDB, StateError, explain_failure
 
 EXIT_OK: Final = 0
-EXIT_PROBLEM: Final = 1
-EXIT_USAGE: Final = 2
+EXIT_PROBLEM: Final = EXIT_UNREACHABLE
+"""The operator commands' 1 (there: the proxy needed did not act); here: acp-proxy would fail or refuse."""
 LOW_DISK_BYTES: Final = 100 * 1024 * 1024
 """Below this much free space on the state database's file system, a warning."""
-CHECKS: Final = ("config", "backends", "variables", "state", "database", "leftovers", "ownership")
+CHECKS: Final = ("config", "backends", "variables", "notify", "state", "database", "leftovers", "ownership")
 OTHERS: Final = stat.S_IRWXG | stat.S_IRWXO
 OTHERS_WRITE: Final = stat.S_IWGRP | stat.S_IWOTH
 ELSEWHERE: Final = "or point $ACP_PROXY_STATE_DIR (or state_dir in the config) at a directory of your own"
@@ -241,70 +245,111 @@ def config_dir_safety(st: os.stat_result, directory: str, *, uid: int) -> list[F
     return []
 
 
-# --- backends and variables -------------------------------------------------------------------
+# --- backends, variables, notify ---------------------------------------------------------------
+
+
+ADAPTER_WILL_NOT_START: Final = "the adapter will not start without it"
+NOTIFICATIONS_WILL_FAIL: Final = "notifications will fail without it"
 
 
 def _which(program: str, mode: int, path: str) -> str | None:
     return shutil.which(program, mode=mode, path=path)
 
 
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A program the proxy runs, as the config names it, for ``check_command`` to resolve."""
+
+    check: str
+    """The findings' check: ``backends`` or ``notify``."""
+    shown: str
+    """How findings name it: ``claude: command 'claude-agent-acp'``, the config's text."""
+    key: str
+    """Where the config sets it, for the fixes: ``backends.claude.command``."""
+    template: str
+    """The program as the config writes it, ``${VAR}``s and all."""
+    path: str | None = None
+    """The ``PATH`` the config gives it (a backend's ``env``); without one, the proxy's is searched."""
+    searched: str = "PATH"
+    """How findings name the ``PATH`` searched."""
+    cwd: str | None = None
+    """The directory the config starts it in, if it names one."""
+
+
 def check_backend(backend: BackendConfig, environ: Mapping[str, str], which: Which = _which) -> list[Finding]:
     """The backend's ``cwd`` and command, resolved as its wrapper will (``execvp`` in ``cwd``, on
     the backend's ``PATH``). Nothing expanded from the environment is shown."""
-    findings = _check_cwd(backend)
     template = backend.command[0]
-    shown = f"{backend.name}: command {template!r}"
+    own_path = "PATH" in backend.env
+    command = Command(
+        "backends",
+        f"{backend.name}: command {template!r}",
+        f"backends.{backend.name}.command",
+        template,
+        path=backend.env["PATH"] if own_path else None,
+        searched="the backend's PATH (its env)" if own_path else "PATH",
+        cwd=backend.cwd,
+    )
+    return [*_check_cwd(backend), check_command(command, environ, which)]
+
+
+def check_notify(tasks: TasksConfig, environ: Mapping[str, str], which: Which = _which) -> list[Finding]:
+    """``notify_command``, if there is one: its program, resolved as the proxy will run it (on the
+    proxy's ``PATH``, in the proxy's directory), and every ``${VAR}`` it refers to, by name."""
+    if tasks.notify_command is None:
+        return []
+    template = tasks.notify_command[0]
+    command = Command("notify", f"notify_command {template!r}", "tasks.notify_command", template)
+    return [
+        check_command(command, environ, which),
+        *_check_names("notify", "notify_command", tasks.notify_command, NOTIFICATIONS_WILL_FAIL, environ),
+    ]
+
+
+def check_command(command: Command, environ: Mapping[str, str], which: Which = _which) -> Finding:
+    """Where ``command``'s program is found, as ``execvp`` finds it. What comes from expanding
+    ``${VAR}``s is never shown: the config's text is, in its place."""
+    check, shown, key, template = command.check, command.shown, command.key, command.template
     try:
         program = configuration.expand(template, environ)
         search = (
-            configuration.expand(backend.env["PATH"], environ)
-            if "PATH" in backend.env
-            else environ.get("PATH", os.defpath)
+            configuration.expand(command.path, environ) if command.path is not None else environ.get("PATH", os.defpath)
         )
     except MissingVariable as exc:
-        findings.append(
-            problem("backends", f"{shown} cannot be looked up: ${{{exc.name}}} is not set", f"set {exc.name}")
-        )
-        return findings
-    where = "the backend's PATH (its env)" if "PATH" in backend.env else "PATH"
-    # What comes from expanding ${VAR}s is never shown: the config's text is, in its place.
+        return problem(check, f"{shown} cannot be looked up: ${{{exc.name}}} is not set", f"set {exc.name}")
+    where = command.searched
     name = template if "$" in template else program
-    hidden = "$" in template or "$" in backend.env.get("PATH", "")
+    hidden = "$" in template or "$" in (command.path or "")
     if "/" not in program:
         found = which(program, os.F_OK | os.X_OK, search)
         if found is not None:
-            return [*findings, ok("backends", f"{shown} found on {where}" + ("" if hidden else f" at {found}"))]
+            return ok(check, f"{shown} found on {where}" + ("" if hidden else f" at {found}"))
         present = which(program, os.F_OK, search)
         if present is not None:
             fix = f"chmod +x {name}, found on {where}" if hidden else f"chmod +x {present}"
-            return [*findings, problem("backends", f"{shown} is on {where} but not executable", fix)]
-        fix = f"install {name}, or set backends.{backend.name}.command to its absolute path"
-        return [*findings, problem("backends", f"{shown} is not found on {where}", fix)]
+            return problem(check, f"{shown} is on {where} but not executable", fix)
+        return problem(check, f"{shown} is not found on {where}", f"install {name}, or set {key} to its absolute path")
     if not os.path.isabs(program):
-        if backend.cwd is None or not os.path.isabs(backend.cwd):
-            return [
-                *findings,
-                warning(
-                    "backends",
-                    f"{shown} is a relative path: it depends on the directory the gateway starts acp-proxy in",
-                    f"use an absolute path in backends.{backend.name}.command",
-                ),
-            ]
-        program = os.path.join(backend.cwd, program)
-    return [*findings, _check_executable(shown, program, backend.name, template if "$" in template else program)]
+        if command.cwd is None or not os.path.isabs(command.cwd):
+            return warning(
+                check,
+                f"{shown} is a relative path: it depends on the directory the gateway starts acp-proxy in",
+                f"use an absolute path in {key}",
+            )
+        program = os.path.join(command.cwd, program)
+    return _check_executable(command, program, template if "$" in template else program)
 
 
-def _check_executable(shown: str, program: str, backend: str, path: str) -> Finding:
+def _check_executable(command: Command, program: str, path: str) -> Finding:
     """``path``: how to name ``program`` in a fix."""
+    check, shown, key = command.check, command.shown, command.key
     if not os.path.exists(program):
-        return problem(
-            "backends", f"{shown} does not exist", f"install it, or correct backends.{backend}.command: {path}"
-        )
+        return problem(check, f"{shown} does not exist", f"install it, or correct {key}: {path}")
     if os.path.isdir(program):
-        return problem("backends", f"{shown} is a directory", f"name the program in it: backends.{backend}.command")
+        return problem(check, f"{shown} is a directory", f"name the program in it: {key}")
     if not os.access(program, os.X_OK):
-        return problem("backends", f"{shown} is not executable", f"chmod +x {path}")
-    return ok("backends", f"{shown} is an executable file")
+        return problem(check, f"{shown} is not executable", f"chmod +x {path}")
+    return ok(check, f"{shown} is an executable file")
 
 
 def _check_cwd(backend: BackendConfig) -> list[Finding]:
@@ -328,29 +373,46 @@ def _check_cwd(backend: BackendConfig) -> list[Finding]:
 
 def check_variables(backend: BackendConfig, environ: Mapping[str, str]) -> list[Finding]:
     """Every ``${NAME}`` the backend refers to, by name: unset is a problem, empty a warning."""
-    names = sorted(configuration.referenced_names((*backend.command, *backend.env.values())))
+    return _check_names("variables", backend.name, _backend_texts(backend), ADAPTER_WILL_NOT_START, environ)
+
+
+def unset_consequence(name: str, config: Config) -> str:
+    """What an unset ``${name}`` that ``config`` refers to stops: a backend's adapter, else its notifications."""
+    texts = [text for backend in config.backends.values() for text in _backend_texts(backend)]
+    return ADAPTER_WILL_NOT_START if name in configuration.referenced_names(texts) else NOTIFICATIONS_WILL_FAIL
+
+
+def _backend_texts(backend: BackendConfig) -> tuple[str, ...]:
+    return (*backend.command, *backend.env.values())
+
+
+def _check_names(
+    check: str, owner: str, texts: Iterable[str], unset_means: str, environ: Mapping[str, str]
+) -> list[Finding]:
+    """Every ``${NAME}`` in ``owner``'s ``texts``, by name, never with its value."""
+    names = sorted(configuration.referenced_names(texts))
     if not names:
-        return [ok("variables", f"{backend.name}: refers to no ${{VAR}}")]
+        return [ok(check, f"{owner}: refers to no ${{VAR}}")]
     findings = []
     for name in names:
         if name not in environ:
             findings.append(
                 problem(
-                    "variables",
-                    f"{backend.name}: ${{{name}}} is not set; the adapter will not start without it",
+                    check,
+                    f"{owner}: ${{{name}}} is not set; {unset_means}",
                     f"export {name} in the environment the gateway starts acp-proxy from",
                 )
             )
         elif not environ[name]:
             findings.append(
                 warning(
-                    "variables",
-                    f"{backend.name}: ${{{name}}} is set but empty",
+                    check,
+                    f"{owner}: ${{{name}}} is set but empty",
                     f"give {name} its value in the environment the gateway starts acp-proxy from",
                 )
             )
     if not findings:
-        findings.append(ok("variables", f"{backend.name}: set: " + ", ".join(names)))
+        findings.append(ok(check, f"{owner}: set: " + ", ".join(names)))
     return findings
 
 
@@ -393,12 +455,12 @@ def check_state_dir(path: Path, origin: str, *, uid: int) -> list[Finding]:
     kept = [(path, st, "state dir", 0o700)]
     for entry in _entries(path):
         if entry.is_dir(follow_symlinks=False):
-            kept.append((Path(entry.path), entry.stat(follow_symlinks=False), "directory", 0o700))
+            kept += _kept(entry, "directory", 0o700)
         elif entry.name.startswith(DB_NAME):
-            kept.append((Path(entry.path), entry.stat(follow_symlinks=False), "database file", 0o600))
+            kept += _kept(entry, "database file", 0o600)
     for entry in _entries(path / "control"):
         if entry.name.endswith(".sock"):
-            kept.append((Path(entry.path), entry.stat(follow_symlinks=False), "control socket", 0o600))
+            kept += _kept(entry, "control socket", 0o600)
     checked = [check_private(what, where, found, uid=uid, mode=mode) for where, found, what, mode in kept]
     unsafe = [finding for finding in checked if finding.severity is not Severity.OK]
     private = ok("state", f"it and what it holds are private (directories 0700, files 0600): {len(kept)} checked")
@@ -410,6 +472,15 @@ def _entries(directory: Path) -> list[os.DirEntry[str]]:
         with os.scandir(directory) as it:
             return sorted(it, key=lambda entry: entry.name)
     except OSError:
+        return []
+
+
+def _kept(entry: os.DirEntry[str], what: str, mode: int) -> list[tuple[Path, os.stat_result, str, int]]:
+    """``entry`` to check as ``what``; nothing if it is gone since it was listed (a proxy that exits
+    removes its control socket, SQLite its ``-wal`` file)."""
+    try:
+        return [(Path(entry.path), entry.stat(follow_symlinks=False), what, mode)]
+    except FileNotFoundError:
         return []
 
 
@@ -471,6 +542,8 @@ def check_database(state_dir: Path) -> DatabaseCheck:
         return DatabaseCheck([missing, *_writable(path)], False)
     findings: list[Finding] = []
     readable = False
+    # Not StateDB(read_only=True): it refuses an unsafe state dir and reads the meta table first,
+    # and doctor must still report the schema version and damage of such a database.
     try:
         conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5)
     except sqlite3.Error as exc:
@@ -672,7 +745,10 @@ def examine(explicit_config: str | None, environ: Mapping[str, str] = os.environ
         config, report.config_unusable = checked.config, checked.unusable
     if report.config_unusable:
         report.findings.append(
-            info("config", "not checked until the config is valid: backends, variables, state, database, leftovers")
+            info(
+                "config",
+                "not checked until the config is valid: backends, variables, notify, state, database, leftovers",
+            )
         )
         report.findings += check_ownership()
         return report
@@ -681,6 +757,7 @@ def examine(explicit_config: str | None, environ: Mapping[str, str] = os.environ
             report.findings += check_backend(backend, environ)
         for backend in sorted(config.backends.values(), key=lambda b: b.name):
             report.findings += check_variables(backend, environ)
+        report.findings += check_notify(config.tasks, environ)
     state_dir = report.state_dir = configuration.state_dir(config)
     report.findings += check_state_dir(state_dir, state_dir_origin(config, environ), uid=uid)
     safe = not any(f.check == "state" and f.severity is Severity.PROBLEM for f in report.findings)
