@@ -518,6 +518,21 @@ async def test_top_in_a_terminal_acts_on_keys_and_restores_the_terminal(
     assert [(s["sessionId"], s["state"]) for s in listed["sessions"]] == [(session, "suspended")]
 
 
+def test_a_poke_after_the_wakeup_is_closed_does_nothing() -> None:
+    wakeup = _Wakeup()
+    wakeup.poke()
+    assert select.select([wakeup.read_fd], [], [], 0)[0], "a poke wakes the loop"
+    wakeup.close()
+    read_fd, write_fd = os.pipe()  # most likely given the numbers the wakeup had
+    try:
+        wakeup.poke()
+        assert not select.select([read_fd], [], [], 0)[0], "nothing written to a descriptor reused since"
+        wakeup.close()
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
 def test_snapshot_problem_is_shown_in_the_status_line() -> None:
     snapshot = replace(empty_install(), problem="database is locked")
     assert "cannot read the install: database is locked" in rendered(snapshot, ViewState(), 80, 24)

@@ -73,16 +73,27 @@ def decode_keys(data: bytes) -> tuple[list[str], bytes]:
 
 
 class _Wakeup:
-    """A self-pipe: threads and signal handlers wake the loop's ``select``."""
+    """A self-pipe: threads and signal handlers wake the loop's ``select``.
+
+    A poke may come after the loop has ended (an act still waiting on the agent, a refresher that
+    outlived its join): once closed, pokes do nothing, rather than write to a descriptor number
+    the process may have given to another file. Re-entrant, for a signal handler's poke on the
+    thread that is closing.
+    """
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
+        self._lock = threading.RLock()
+        self._closed = False
 
     def poke(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self.write_fd, b".")
+        with self._lock:
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self.write_fd, b".")
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -90,8 +101,12 @@ class _Wakeup:
                 pass
 
     def close(self) -> None:
-        os.close(self.read_fd)
-        os.close(self.write_fd)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.read_fd)
+            os.close(self.write_fd)
 
 
 class _Refresher:
