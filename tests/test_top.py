@@ -518,6 +518,16 @@ async def test_top_in_a_terminal_acts_on_keys_and_restores_the_terminal(
     assert [(s["sessionId"], s["state"]) for s in listed["sessions"]] == [(session, "suspended")]
 
 
+def test_a_proxy_that_does_not_listen_is_shown_so(tmp_path: Path) -> None:
+    gatherer = Gatherer(tmp_path)
+    try:
+        note = gatherer._ask_status("a1b2c3d4e5f0")
+    finally:
+        gatherer.close()
+    assert isinstance(note, str)
+    assert note.startswith("cannot be reached: no proxy listens on "), note
+
+
 def test_a_poke_after_the_wakeup_is_closed_does_nothing() -> None:
     wakeup = _Wakeup()
     wakeup.poke()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from acp_proxy.journal import recent_events
-from acp_proxy.operator import control, reports
+from acp_proxy.operator import reports
 from acp_proxy.operator.commands import open_existing
 from acp_proxy.ownership.leases import ACTIVE_STATES, Lease
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
@@ -203,7 +203,7 @@ class Gatherer:
             "SELECT instance_id, pid, started_at FROM instances WHERE ended_at IS NULL ORDER BY started_at"
         ).fetchall()
         asked = {
-            instance_id: self._askers.submit(_ask_status, self.state_dir, instance_id, self.proxy_timeout)
+            instance_id: self._askers.submit(self._ask_status, instance_id)
             for instance_id, _, _ in rows
             if alive(instance_id)
         }
@@ -318,19 +318,12 @@ class Gatherer:
             )
         return tuple(sorted(turns, key=lambda t: (t.status != TaskStatus.RUNNING, -(t.elapsed_seconds or 0.0))))
 
-
-def _ask_status(state_dir: Path, instance_id: str, timeout: float) -> dict[str, Any] | str:
-    """A proxy's answer to ``status``, or why there is none (a few words, for its row)."""
-    try:
-        return control.request(control.socket_path(state_dir, instance_id), "status", timeout=timeout)
-    except control.ControlUnavailable:
-        return "no answer: its control socket is gone"
-    except TimeoutError:
-        return f"no answer within {timeout:g}s"
-    except control.ControlError as exc:
-        return f"refused: {exc.message}"
-    except OSError as exc:
-        return f"no answer: {exc.strerror or exc}"
+    def _ask_status(self, instance_id: str) -> dict[str, Any] | str:
+        """A proxy's answer to ``status``, or why there is none (for its row, which names the proxy already)."""
+        try:
+            return reports.ask(self.state_dir, instance_id, "status", {}, timeout=self.proxy_timeout)
+        except reports.OperatorError as exc:
+            return str(exc).removeprefix(f"the proxy (instance {instance_id})").removeprefix(":").strip()
 
 
 def last_line(text: str) -> str:
