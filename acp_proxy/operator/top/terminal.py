@@ -139,7 +139,7 @@ class _Refresher:
                     snapshot = self.gatherer.gather()
                 except Exception as exc:  # a locked or damaged database: keep showing the last one, say why
                     last = self.latest or Snapshot(str(self.gatherer.state_dir), time.time(), False)
-                    snapshot = replace(last, problem=str(exc) or type(exc).__name__)
+                    snapshot = replace(last, problem=reports.printable(str(exc) or type(exc).__name__))
                 self.latest = snapshot
                 self.wakeup.poke()
                 self._poke.wait(self.interval)
@@ -164,11 +164,13 @@ class _Acting:
                 done = reports.cancel_turn(state_dir, act.target, wait=True)
             else:
                 done = reports.act_on_session(state_dir, act.target, action=act.action)
-            self.outcome = (done.message, done.exit_code != 0)
+            outcome = (done.message, done.exit_code != 0)
         except reports.OperatorError as exc:
-            self.outcome = (str(exc), True)
+            outcome = (str(exc), True)
         except Exception as exc:  # shown, not raised: the view stays up
-            self.outcome = (f"{act.describe()} failed: {exc}", True)
+            outcome = (f"{act.describe()} failed: {exc}", True)
+        message, failed = outcome
+        self.outcome = (reports.printable(message), failed)  # a refusal may quote the adapter
         wakeup.poke()
 
 
