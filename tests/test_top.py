@@ -29,6 +29,7 @@ import sniffio
 from rich.console import Console
 from rich.text import Text
 
+from acp_proxy.journal import Event
 from acp_proxy.operator.top.snapshot import (
     EventRow,
     Gatherer,
@@ -37,13 +38,17 @@ from acp_proxy.operator.top.snapshot import (
     SessionRow,
     Snapshot,
     TurnRow,
+    event_row,
     last_line,
+    proxy_row,
     snapshot_json,
+    turn_row,
 )
 from acp_proxy.operator.top.terminal import _screen, _Wakeup, decode_keys
 from acp_proxy.operator.top.view import Focus, Pending, ViewState, allot, on_key, render, short_id
 from acp_proxy.operator.top.view import _Panel as Panel
 from acp_proxy.sessions.registry import SessionState
+from acp_proxy.tasks.records import TaskRecord, TaskStatus
 from tests.support import (
     RESUME_AND_LOAD,
     Gateway,
@@ -276,6 +281,43 @@ def test_ids_are_cut_in_the_middle_and_text_to_its_last_line() -> None:
     assert last_line("") == ""
 
 
+# --- rows from what was read: an adapter's text never drives the terminal ---------------------
+
+NASTY = "Fix\nthe\tbuild\x1b[2J\x07 now"
+"""A newline, a tab, an escape sequence and a bell, as an adapter may send them."""
+CLEAN = "Fix the build?[2J? now"
+
+
+def a_running_task(summary: str) -> TaskRecord:
+    return TaskRecord(
+        "task-1", "fake-01", "fake", "a1b2c3d4e5f0", None, None, TaskStatus.RUNNING, None, None, None, "go",
+        T0 - 60, T0 - 30, T0 - 29, None, summary, 3, 1, (), 0, T0,
+    )  # fmt: skip
+
+
+def test_an_events_label_and_detail_are_one_printable_line() -> None:
+    event = Event(7, T0, "a1b2c3d4e5f0", "crashed", "fake", NASTY, "fake-01", NASTY)
+    assert event_row(event) == EventRow(7, T0, "crashed", CLEAN, "fake-01", "fake", CLEAN, "a1b2c3d4e5f0")
+
+
+def test_a_turns_last_text_is_its_last_line_made_printable() -> None:
+    row = turn_row(a_running_task("first line\nthe\tbuild\x1b[2J\x07 now\n\n"), T0)
+    assert (row.last_text, row.elapsed_seconds) == ("the build?[2J? now", 30.0)
+    assert turn_row(a_running_task("done\n"), T0).last_text == "done"
+
+
+def test_a_proxys_refusal_and_answer_are_printable() -> None:
+    refused = proxy_row("a1b2c3d4e5f0", 41000, T0, f"refused: {NASTY}")
+    assert (refused.answered, refused.problem) == (False, f"refused: {CLEAN}")
+    answer = {"asyncBackend": "trio\x1b[2J", "pool": {"live": 2, "maxLive": 4}, "sessions": 3, "turns": [{}]}
+    answered = proxy_row("a1b2c3d4e5f0", 41000, T0, answer)
+    assert (answered.answered, answered.async_backend, answered.live, answered.turns) == (True, "trio?[2J", 2, 1)
+
+
+def test_an_adapters_session_id_is_printed_printable() -> None:
+    assert short_id("fake\x1b[2J-01", 14) == "fake?[2J-01"
+
+
 def test_the_json_snapshot_uses_camel_case() -> None:
     document = snapshot_json(BUSY)
     assert document["pool"] == {"live": 7, "maxLive": 8, "memoryUsed": 5 * GIB + 300 * MIB, "maxMemory": 6 * GIB}
@@ -358,6 +400,32 @@ async def test_a_snapshot_of_a_real_install(proc_env: dict[str, str], tmp_path: 
     assert [part for part in ("PROXY", working, running["taskId"], "operator") if part not in table] == []
     assert document["turns"][0]["taskId"] == running["taskId"]
     assert {s["sessionId"]: s["state"] for s in document["sessions"]} == {working: "live", idle: "suspended"}
+
+
+@pytest.mark.anyio
+async def test_a_title_that_would_drive_the_terminal_is_drawn_as_one_printable_line(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    state_dir = Path(proc_env["ACP_PROXY_STATE_DIR"])
+    proxy, _ = start(proc_env, tmp_path)
+    async with proxy as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        await gw.prompt(session, "title Fix the\nflaky test\x1b[2J")
+        with anyio.fail_after(10):  # a turn's title is recorded with its outcome, moments after its answer
+            while not (snapshot := await anyio.to_thread.run_sync(gather_once, state_dir)).sessions[0].title:
+                await anyio.sleep(0.05)
+        code, table, _ = await cli(proc_env, "top", "--once")
+
+    [row] = snapshot.sessions
+    assert (row.session_id, row.title) == (session, "Fix the flaky test?[2J")
+    screen = rendered(snapshot, ViewState(), 80, 24)
+    assert len(screen.splitlines()) <= 24
+    assert "\x1b" not in screen
+    assert "Fix the flaky test?[2J" in screen
+    assert code == 0
+    assert "\x1b" not in table
+    assert "Fix the flaky test?[2J" in table
 
 
 @pytest.mark.anyio
@@ -516,6 +584,31 @@ async def test_top_in_a_terminal_acts_on_keys_and_restores_the_terminal(
         await anyio.to_thread.run_sync(drive_ctrl_c, proc_env, config)
         listed = await cli_json(proc_env, "sessions", "list")
     assert [(s["sessionId"], s["state"]) for s in listed["sessions"]] == [(session, "suspended")]
+
+
+def test_a_proxy_that_does_not_listen_is_shown_so(tmp_path: Path) -> None:
+    gatherer = Gatherer(tmp_path)
+    try:
+        note = gatherer._ask_status("a1b2c3d4e5f0")
+    finally:
+        gatherer.close()
+    assert isinstance(note, str)
+    assert note.startswith("cannot be reached: no proxy listens on "), note
+
+
+def test_a_poke_after_the_wakeup_is_closed_does_nothing() -> None:
+    wakeup = _Wakeup()
+    wakeup.poke()
+    assert select.select([wakeup.read_fd], [], [], 0)[0], "a poke wakes the loop"
+    wakeup.close()
+    read_fd, write_fd = os.pipe()  # most likely given the numbers the wakeup had
+    try:
+        wakeup.poke()
+        assert not select.select([read_fd], [], [], 0)[0], "nothing written to a descriptor reused since"
+        wakeup.close()
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
 
 
 def test_snapshot_problem_is_shown_in_the_status_line() -> None:

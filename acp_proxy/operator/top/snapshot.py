@@ -4,6 +4,11 @@
 records and each running proxy's control socket (all asked at once, each with a short
 timeout: a proxy that does not answer is shown so, it never holds the view up). Trees no
 slot record has measured are measured here, at most every ``MEASURE_EVERY`` seconds.
+
+Titles, agent text, event details and refusals come from adapters: the rows hold them as one
+printable line (``reports.printable``), so that drawing a snapshot never drives the terminal.
+Ids are kept as they are (they are what an act names); the view prints them through
+``short_id``.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from acp_proxy.journal import recent_events
-from acp_proxy.operator import control, reports
+from acp_proxy.journal import Event, recent_events
+from acp_proxy.operator import reports
 from acp_proxy.operator.commands import open_existing
 from acp_proxy.ownership.leases import ACTIVE_STATES, Lease
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
@@ -26,7 +31,7 @@ from acp_proxy.pool.install import InstallSlots, SlotRecord
 from acp_proxy.pool.memory import measure_trees
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import ACTIVE, TaskStatus, list_tasks
+from acp_proxy.tasks.records import ACTIVE, TaskRecord, TaskStatus, list_tasks
 
 PROXY_TIMEOUT: Final = 1.0
 """How long each proxy has to answer ``status`` before it is shown as not answering."""
@@ -190,10 +195,7 @@ class Gatherer:
         spares = [r.memory for r in slot_records if r is not None and not r.session and r.memory is not None]
         measured = [s.memory for s in sessions if s.state == "live" and s.memory is not None] + spares
         pool = PoolUsage(held, max_live, sum(measured) if measured else None, max_memory)
-        events = tuple(
-            EventRow(e.event_id, e.at, e.kind, e.label, e.session_id, e.backend, e.detail, e.instance_id)
-            for e in recent_events(db.conn, EVENTS_READ)
-        )
+        events = tuple(event_row(event) for event in recent_events(db.conn, EVENTS_READ))
         return Snapshot(
             str(self.state_dir), moment, True, pool, proxies, sessions, self._turns(db, alive, moment), events
         )
@@ -203,35 +205,16 @@ class Gatherer:
             "SELECT instance_id, pid, started_at FROM instances WHERE ended_at IS NULL ORDER BY started_at"
         ).fetchall()
         asked = {
-            instance_id: self._askers.submit(_ask_status, self.state_dir, instance_id, self.proxy_timeout)
+            instance_id: self._askers.submit(self._ask_status, instance_id)
             for instance_id, _, _ in rows
             if alive(instance_id)
         }
         proxies = []
         for instance_id, pid, started_at in rows:
-            if instance_id not in asked:
+            if instance_id in asked:
+                proxies.append(proxy_row(instance_id, pid, started_at, asked[instance_id].result()))
+            else:
                 proxies.append(ProxyRow(instance_id, pid, started_at, False, problem="gone, not yet reaped"))
-                continue
-            answer = asked[instance_id].result()
-            if isinstance(answer, str):
-                proxies.append(ProxyRow(instance_id, pid, started_at, True, problem=answer))
-                continue
-            pool = answer.get("pool", {})
-            proxies.append(
-                ProxyRow(
-                    instance_id,
-                    pid,
-                    started_at,
-                    True,
-                    answered=True,
-                    async_backend=answer.get("asyncBackend"),
-                    live=pool.get("live"),
-                    max_live=pool.get("maxLive"),
-                    max_memory=pool.get("maxMemory"),
-                    sessions=answer.get("sessions"),
-                    turns=len(answer.get("turns", [])),
-                )
-            )
         return tuple(proxies)
 
     def _sessions(
@@ -267,7 +250,7 @@ class Gatherer:
                     session_id,
                     backend,
                     state,
-                    title,
+                    None if title is None else reports.printable(title),
                     instance_id,
                     alive(instance_id) if live else True,
                     idle,
@@ -303,39 +286,73 @@ class Gatherer:
         for record in list_tasks(db, statuses=sorted(ACTIVE), limit=None):
             if not alive(record.instance_id):
                 continue  # lost with its proxy
-            started = record.started_at
-            turns.append(
-                TurnRow(
-                    record.task_id,
-                    record.session_id,
-                    record.backend,
-                    record.status.value,
-                    record.update_count,
-                    record.tool_calls,
-                    None if started is None or record.status is not TaskStatus.RUNNING else max(0.0, moment - started),
-                    last_line(record.summary),
-                )
-            )
+            turns.append(turn_row(record, moment))
         return tuple(sorted(turns, key=lambda t: (t.status != TaskStatus.RUNNING, -(t.elapsed_seconds or 0.0))))
 
+    def _ask_status(self, instance_id: str) -> dict[str, Any] | str:
+        """A proxy's answer to ``status``, or why there is none (for its row, which names the proxy already)."""
+        try:
+            return reports.ask(self.state_dir, instance_id, "status", {}, timeout=self.proxy_timeout)
+        except reports.OperatorError as exc:
+            return str(exc).removeprefix(f"the proxy (instance {instance_id})").removeprefix(":").strip()
 
-def _ask_status(state_dir: Path, instance_id: str, timeout: float) -> dict[str, Any] | str:
-    """A proxy's answer to ``status``, or why there is none (a few words, for its row)."""
-    try:
-        return control.request(control.socket_path(state_dir, instance_id), "status", timeout=timeout)
-    except control.ControlUnavailable:
-        return "no answer: its control socket is gone"
-    except TimeoutError:
-        return f"no answer within {timeout:g}s"
-    except control.ControlError as exc:
-        return f"refused: {exc.message}"
-    except OSError as exc:
-        return f"no answer: {exc.strerror or exc}"
+
+# --- rows from what was read (pure) ------------------------------------------------------------
+
+
+def proxy_row(instance_id: str, pid: int, started_at: float, answer: dict[str, Any] | str) -> ProxyRow:
+    """A running proxy's row from its answer to ``status``, or from why it gave none."""
+    if isinstance(answer, str):
+        return ProxyRow(instance_id, pid, started_at, True, problem=reports.printable(answer))
+    pool = answer.get("pool", {})
+    async_backend = answer.get("asyncBackend")
+    return ProxyRow(
+        instance_id,
+        pid,
+        started_at,
+        True,
+        answered=True,
+        async_backend=None if async_backend is None else reports.printable(str(async_backend)),
+        live=pool.get("live"),
+        max_live=pool.get("maxLive"),
+        max_memory=pool.get("maxMemory"),
+        sessions=answer.get("sessions"),
+        turns=len(answer.get("turns", [])),
+    )
+
+
+def turn_row(record: TaskRecord, moment: float) -> TurnRow:
+    """A running or queued turn's row; its elapsed time counts while it runs."""
+    started = record.started_at
+    return TurnRow(
+        record.task_id,
+        record.session_id,
+        record.backend,
+        record.status.value,
+        record.update_count,
+        record.tool_calls,
+        None if started is None or record.status is not TaskStatus.RUNNING else max(0.0, moment - started),
+        last_line(record.summary),
+    )
+
+
+def event_row(event: Event) -> EventRow:
+    """A journal event's row; its label and detail (an adapter's error message, say) made printable."""
+    return EventRow(
+        event.event_id,
+        event.at,
+        event.kind,
+        reports.printable(event.label),
+        event.session_id,
+        event.backend,
+        reports.printable(event.detail),
+        event.instance_id,
+    )
 
 
 def last_line(text: str) -> str:
-    """The last non-blank line of the agent's text, its whitespace collapsed."""
+    """The last non-blank line of the agent's text, its whitespace collapsed, printable."""
     for line in reversed(text.splitlines()):
         if line.strip():
-            return " ".join(line.split())
+            return reports.printable(" ".join(line.split()))
     return ""

@@ -73,16 +73,27 @@ def decode_keys(data: bytes) -> tuple[list[str], bytes]:
 
 
 class _Wakeup:
-    """A self-pipe: threads and signal handlers wake the loop's ``select``."""
+    """A self-pipe: threads and signal handlers wake the loop's ``select``.
+
+    A poke may come after the loop has ended (an act still waiting on the agent, a refresher that
+    outlived its join): once closed, pokes do nothing, rather than write to a descriptor number
+    the process may have given to another file. Re-entrant, for a signal handler's poke on the
+    thread that is closing.
+    """
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
+        self._lock = threading.RLock()
+        self._closed = False
 
     def poke(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self.write_fd, b".")
+        with self._lock:
+            if self._closed:
+                return
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self.write_fd, b".")
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -90,8 +101,12 @@ class _Wakeup:
                 pass
 
     def close(self) -> None:
-        os.close(self.read_fd)
-        os.close(self.write_fd)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.read_fd)
+            os.close(self.write_fd)
 
 
 class _Refresher:
@@ -124,7 +139,7 @@ class _Refresher:
                     snapshot = self.gatherer.gather()
                 except Exception as exc:  # a locked or damaged database: keep showing the last one, say why
                     last = self.latest or Snapshot(str(self.gatherer.state_dir), time.time(), False)
-                    snapshot = replace(last, problem=str(exc) or type(exc).__name__)
+                    snapshot = replace(last, problem=reports.printable(str(exc) or type(exc).__name__))
                 self.latest = snapshot
                 self.wakeup.poke()
                 self._poke.wait(self.interval)
@@ -149,11 +164,13 @@ class _Acting:
                 done = reports.cancel_turn(state_dir, act.target, wait=True)
             else:
                 done = reports.act_on_session(state_dir, act.target, action=act.action)
-            self.outcome = (done.message, done.exit_code != 0)
+            outcome = (done.message, done.exit_code != 0)
         except reports.OperatorError as exc:
-            self.outcome = (str(exc), True)
+            outcome = (str(exc), True)
         except Exception as exc:  # shown, not raised: the view stays up
-            self.outcome = (f"{act.describe()} failed: {exc}", True)
+            outcome = (f"{act.describe()} failed: {exc}", True)
+        message, failed = outcome
+        self.outcome = (reports.printable(message), failed)  # a refusal may quote the adapter
         wakeup.poke()
 
 

@@ -138,9 +138,13 @@ def _short(text: str | None, width: int) -> str:
 
 def short_id(identifier: str | None, width: int) -> str:
     """An id cut in the middle to ``width``: its head can be typed as a prefix (``acp-proxy sessions show``),
-    its tail tells apart ids made moments apart (UUIDv7s share their head)."""
-    if not identifier or len(identifier) <= width:
-        return identifier or ""
+    its tail tells apart ids made moments apart (UUIDv7s share their head). Session ids are an
+    adapter's: the snapshot keeps them as they are (an act names them), so they are made printable here."""
+    if not identifier:
+        return ""
+    identifier = reports.printable(identifier)
+    if len(identifier) <= width:
+        return identifier
     head = max(4, (width - 1) // 2)
     return identifier[:head] + "…" + identifier[len(identifier) - (width - 1 - head) :]
 
