@@ -36,7 +36,7 @@ from acp_proxy import __version__, journal
 from acp_proxy.config import Config
 from acp_proxy.operator.commands import open_existing, owned_tree
 from acp_proxy.operator.reports import Liveness, OperatorError, ask
-from acp_proxy.ownership.leases import ACTIVE_STATES, Lease
+from acp_proxy.ownership.leases import active_leases
 from acp_proxy.pool.install import InstallSlots
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
@@ -232,10 +232,7 @@ def _gather(
         if held.record.memory is not None:
             memory[held.record.backend] += held.record.memory
     rss: Tally[str] = Tally()
-    active = [state.value for state in ACTIVE_STATES]
-    rows = db.conn.execute(f"SELECT * FROM leases WHERE state IN ({', '.join('?' * len(active))})", active)
-    for row in rows.fetchall():
-        lease = Lease.from_row(row)
+    for lease in active_leases(db):
         rss[lease.backend] += sum(proc["rssBytes"] for proc in owned_tree(lease))
     turns: Tally[tuple[str, str]] = Tally()
     statuses = [status.value for status in ACTIVE]

@@ -28,7 +28,7 @@ from typing import Any, Final, TextIO
 from acp_proxy.operator import control
 from acp_proxy.operator.commands import _age, lease_view, open_existing, owned_tree
 from acp_proxy.ownership import instances
-from acp_proxy.ownership.leases import ACTIVE_STATES, Lease, get_lease
+from acp_proxy.ownership.leases import Lease, active_leases, get_lease
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.verify import process_table
 from acp_proxy.pool.install import InstallSlots
@@ -709,11 +709,7 @@ def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None
     ]
     report["slots"] = install_slots_view(state_dir, alive)
     report["leases"] = dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())
-    active = [state.value for state in ACTIVE_STATES]
-    for row in db.conn.execute(
-        f"SELECT * FROM leases WHERE state IN ({', '.join('?' * len(active))})", active
-    ).fetchall():
-        lease = Lease.from_row(row)
+    for lease in active_leases(db):
         for proc in owned_tree(lease):
             report["processes"].append({"lease": lease.lease_id, "backend": lease.backend, **proc})
     for record in list_tasks(db, statuses=sorted(ACTIVE), limit=None):

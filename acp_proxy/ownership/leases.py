@@ -275,6 +275,13 @@ def prune_ended(db: StateDB, retention: float, *, at: float | None = None) -> in
     return db.call(delete)  # on the state writer's thread when there is one
 
 
+def active_leases(db: StateDB) -> list[Lease]:
+    """Every lease whose processes may be running (``ACTIVE_STATES``), of any instance."""
+    states = [state.value for state in ACTIVE_STATES]
+    rows = db.conn.execute(f"SELECT * FROM leases WHERE state IN ({', '.join('?' * len(states))})", states)
+    return [Lease.from_row(row) for row in rows.fetchall()]
+
+
 def all_leases(db: StateDB, *, limit: int = 200) -> list[Lease]:
     """Active leases first, then the most recent others."""
     rows = db.conn.execute(

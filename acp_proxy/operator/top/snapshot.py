@@ -25,7 +25,7 @@ from typing import Any, Final
 from acp_proxy.journal import Event, recent_events
 from acp_proxy.operator import reports
 from acp_proxy.operator.commands import open_existing
-from acp_proxy.ownership.leases import ACTIVE_STATES, Lease
+from acp_proxy.ownership.leases import active_leases
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
 from acp_proxy.pool.install import InstallSlots, SlotRecord
 from acp_proxy.pool.memory import measure_trees
@@ -269,13 +269,10 @@ class Gatherer:
         self._measured_at = time.monotonic()
         table = process_table()
         roots: dict[int, str] = {}
-        states = [state.value for state in ACTIVE_STATES]
+        active = {lease.lease_id: lease for lease in active_leases(db)}
         for lease_id in lease_ids:
-            row = db.conn.execute(
-                f"SELECT * FROM leases WHERE lease_id = ? AND state IN ({', '.join('?' * len(states))})",
-                (lease_id, *states),
-            ).fetchone()
-            claim = Lease.from_row(row).wrapper_claim() if row is not None else None
+            lease = active.get(lease_id)
+            claim = lease.wrapper_claim() if lease is not None else None
             if claim is not None and check_claim(claim, table).verdict is Verdict.OURS:
                 roots[claim.pid] = lease_id
         measured = measure_trees(roots, table=table)
