@@ -7,6 +7,7 @@ database's write lock from another process while a turn streams through a real p
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sqlite3
 import sys
@@ -20,7 +21,7 @@ import pytest
 
 from acp_proxy.state import StateDB, StateWriter
 from tests.kit.gateway import is_answer_to, request_message
-from tests.support import Gateway, cli, write_config
+from tests.support import RESUME_AND_LOAD, Gateway, cli, start, state_of, write_config
 
 pytestmark = pytest.mark.anyio
 
@@ -289,6 +290,47 @@ async def test_a_start_waits_for_its_lease_while_another_session_streams_on(
         assert "result" in opened, opened
         assert await gw.close() == 0
     assert b"Traceback" not in gw.stderr
+
+
+def settings_of(db_path: Path, session: str) -> list[list[str]]:
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT settings FROM sessions WHERE session_id = ?", (session,)).fetchone()
+        return list(json.loads(row[0]))
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [("session/set_mode", {"modeId": "plan"}), ("session/set_config_option", {"configId": "model", "value": "big"})],
+)
+async def test_a_setting_is_on_record_before_its_answer_so_a_proxy_killed_right_after_loses_nothing(
+    proc_env: dict[str, str], tmp_path: Path, method: str, params: dict[str, str]
+) -> None:
+    """The gateway counts on a setting once it is answered; a resume re-applies what the database
+    says. So the answer waits for the setting's row (here: while another process holds the write
+    lock), and a proxy SIGKILLed right after answering leaves the next one the setting."""
+    db_path = Path(proc_env["ACP_PROXY_STATE_DIR"]) / "state.db"
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, modes=True) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        async with holding_the_write_lock(db_path, proc_env, seconds=1.0) as holder:
+            asking = gw.new_id()
+            await gw.send(request_message(asking, method, {"sessionId": session, **params}))
+            answer = await gw.response_to(asking, timeout=HOLD_SECONDS * 3)
+            on_record = settings_of(db_path, session)
+            gw.kill()
+            await holder.wait()
+        assert "result" in answer, answer
+        assert [m for m, _ in on_record] == [method], "the answer came once its setting was written"
+        await gw.process.wait()
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, modes=True) as gw:
+        await gw.initialize()
+        state = await state_of(gw, session)
+        assert (state["mode"], state["config"]) == (
+            ("plan", {}) if method == "session/set_mode" else ("default", {"model": "big"})
+        )
 
 
 async def test_the_operators_reading_commands_answer_while_another_process_holds_the_write_lock(

@@ -36,7 +36,7 @@ from acp_proxy.protocol.acp import (
 )
 from acp_proxy.protocol.errors import ProxyError, describe_exit
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message, RequestId
-from acp_proxy.protocol.methods import Method
+from acp_proxy.protocol.methods import METHODS, Method
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.tasks.records import TaskStatus
@@ -45,8 +45,11 @@ from acp_proxy.tasks.turns import TurnBook
 log = logging.getLogger("acp_proxy.proxy")
 
 _LOGGED_LINE_BYTES: Final = 200
-SESSION_OPENING: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK})
-"""Answers whose bookkeeping records a session: sent once its row is written."""
+RECORDED_FIRST: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK}) | frozenset(
+    method for method, known in METHODS.items() if known.setting
+)
+"""Answers whose bookkeeping records what a resume needs (a session's row, a setting it re-applies):
+sent once that is written, so that a proxy killed right after answering cannot lose it."""
 
 
 def preview(line: bytes) -> str:
@@ -139,8 +142,8 @@ class AdapterRelay:
         self._upstream: dict[int, tuple[Adapter, RequestId, str]] = {}
         """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
         self._next_upstream_id = 0
-        self._opened_session = False
-        """The batch being translated answered a request that opened a session."""
+        self._recorded = False
+        """The batch being translated answered a request whose record must be written first."""
 
     # --- the gateway's side of agent->client requests -----------------------------------------
 
@@ -207,14 +210,15 @@ class AdapterRelay:
                     await self.writer.send(batch.block)
                     continue
                 out: list[bytes] = []
-                self._opened_session = False
+                self._recorded = False
                 for line, decoded in decoded_lines(batch):
                     data = self._translate(adapter, line, decoded)
                     if data is not None:
                         out.append(data)
-                if self._opened_session:
-                    # The session's row is on record before the gateway can use its id (a crash
-                    # right after the answer must not lose the mapping a resume needs).
+                if self._recorded:
+                    # The session's row is on record before the gateway can use its id, a setting
+                    # before the gateway counts on it (a crash right after the answer must not
+                    # lose what a resume needs).
                     await self.intents.registry.caught_up()
                 if out:
                     await self.writer.send(b"".join(out))
@@ -318,7 +322,7 @@ class AdapterRelay:
                 msg.result = rewritten
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
-            self._opened_session |= call.method in SESSION_OPENING
+            self._recorded |= call.method in RECORDED_FIRST
             try:
                 msg = call.on_answer(msg) or msg
             except sqlite3.Error as exc:  # the state database failed: the answer is still relayed
