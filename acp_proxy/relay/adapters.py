@@ -142,7 +142,7 @@ class AdapterRelay:
         self._upstream: dict[int, tuple[Adapter, RequestId, str]] = {}
         """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
         self._next_upstream_id = 0
-        self._recorded = False
+        self._record_first = False
         """The batch being translated answered a request whose record must be written first."""
 
     # --- the gateway's side of agent->client requests -----------------------------------------
@@ -210,12 +210,12 @@ class AdapterRelay:
                     await self.writer.send(batch.block)
                     continue
                 out: list[bytes] = []
-                self._recorded = False
+                self._record_first = False
                 for line, decoded in decoded_lines(batch):
                     data = self._translate(adapter, line, decoded)
                     if data is not None:
                         out.append(data)
-                if self._recorded:
+                if self._record_first:
                     # The session's row is on record before the gateway can use its id, a setting
                     # before the gateway counts on it (a crash right after the answer must not
                     # lose what a resume needs).
@@ -322,7 +322,7 @@ class AdapterRelay:
                 msg.result = rewritten
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
-            self._recorded |= call.method in RECORDED_FIRST
+            self._record_first |= call.method in RECORDED_FIRST
             try:
                 msg = call.on_answer(msg) or msg
             except sqlite3.Error as exc:  # the state database failed: the answer is still relayed
