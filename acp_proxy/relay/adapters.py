@@ -36,7 +36,7 @@ from acp_proxy.protocol.acp import (
 )
 from acp_proxy.protocol.errors import ProxyError, describe_exit
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message, RequestId
-from acp_proxy.protocol.methods import METHODS, Method
+from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.tasks.records import TaskStatus
@@ -45,11 +45,6 @@ from acp_proxy.tasks.turns import TurnBook
 log = logging.getLogger("acp_proxy.proxy")
 
 _LOGGED_LINE_BYTES: Final = 200
-RECORDED_FIRST: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK}) | frozenset(
-    method for method, known in METHODS.items() if known.setting
-)
-"""Answers whose bookkeeping records what a resume needs (a session's row, a setting it re-applies):
-sent once that is written, so that a proxy killed right after answering cannot lose it."""
 
 
 def preview(line: bytes) -> str:
@@ -143,7 +138,9 @@ class AdapterRelay:
         """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
         self._next_upstream_id = 0
         self._record_first = False
-        """The batch being translated answered a request whose record must be written first."""
+        """The batch being translated answered a request with bookkeeping (``on_answer``): a session's
+        row, a setting a resume re-applies. Sent once what it queued is written, so that a proxy
+        killed right after answering cannot lose it. Prompts have none: a turn never waits here."""
 
     # --- the gateway's side of agent->client requests -----------------------------------------
 
@@ -322,7 +319,7 @@ class AdapterRelay:
                 msg.result = rewritten
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
-            self._record_first |= call.method in RECORDED_FIRST
+            self._record_first = True
             try:
                 msg = call.on_answer(msg) or msg
             except sqlite3.Error as exc:  # the state database failed: the answer is still relayed
