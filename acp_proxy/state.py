@@ -245,6 +245,17 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) WITHOUT ROWID;
     ALTER TABLE tasks ADD COLUMN notify TEXT;
     """,
+    # 6: what the install has learned about each backend (acp_proxy.pool.learned): the restore method
+    # that worked and those refused as unsupported, the largest tree it has had.
+    """
+    CREATE TABLE backend_facts (
+        backend TEXT NOT NULL,
+        fact TEXT NOT NULL,
+        value TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (backend, fact)
+    ) WITHOUT ROWID;
+    """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
