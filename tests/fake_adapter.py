@@ -22,8 +22,12 @@ Startup behaviour comes from one JSON object in argv[1] (all keys optional):
     auth_methods       the initialize result's authMethods (default [])
     chatty             like claude-agent-acp: an available_commands_update right behind the answer to
                        session/new, /load and /resume, whose results also name the session and its modes
-    fail               {method: code}: such requests get that error ("injected failure")
+    fail               {method: code or error object}: such requests get that error (a code alone:
+                       message "injected failure"; an object: {"code", "message", "data"} as given)
     hang               [method, ...]: such requests are read and never answered
+    mode_option        like qwen-code: session/new, /load and /resume answer "modes" and a configOptions
+                       entry of category "mode" (id "mode"), both with the session's current mode (a new
+                       process: "default"); set_config_option "mode" sets the mode
 
 Per-turn behaviour comes from the prompt text: commands separated by ";" run in order,
 then the turn ends with end_turn unless a command ended it first.
@@ -62,8 +66,10 @@ then the turn ends with end_turn unless a command ended it first.
 
 A turn that ends (whatever the stop reason) counts as completed; a crash does not.
 
-Sessions: session/load replays the history then answers; session/resume answers without
-replaying; session/close forgets the session in memory (the stored file stays);
+Sessions: session/list lists the sessions in memory and in the store, for its "cwd" if given (pages
+of "list_page" sessions with a nextCursor, if set), each titled with the first line of its first
+prompt as qwen-code does, a title it never announces; session/load replays the history then
+answers; session/resume answers without replaying; session/close forgets the session in memory (the stored file stays);
 session/delete forgets it in memory and in the store; session/fork copies the session
 (history and turns) under a new id; logout forgets the methodIds authenticated. A session
 not in memory is read from the store; unknown sessions get -32002, except that a prompt
@@ -174,7 +180,11 @@ class FakeAdapter:
         # Like most real adapters, a new process restores the conversation, not the settings:
         # the mode and config options are the proxy's to re-apply after a resume.
         mode = "default" if self.options.get("modes") else None
-        return {"history": stored["history"], "turns": stored["turns"], "mode": mode, "config": {}}
+        restored = {"history": stored["history"], "turns": stored["turns"], "mode": mode, "config": {}}
+        for kept in ("title", "cwd"):
+            if kept in stored:
+                restored[kept] = stored[kept]
+        return restored
 
     def persist(self, session_id: str) -> None:
         path = self.stored_path(session_id)
@@ -188,12 +198,52 @@ class FakeAdapter:
             os.replace(temp, path)
 
     def restored(self, session_id: str) -> dict[str, Any]:
-        """A load/resume result: {} unless "chatty", then the session's id and modes, as claude-agent-acp answers."""
+        """A load/resume result: {} unless "chatty", then the session's id and modes, as claude-agent-acp answers
+        (or "mode_option": its modes and mode config option, as qwen-code answers)."""
+        if self.options.get("mode_option"):
+            return self.mode_state(self.session(session_id)["mode"] or "default")
         if not self.options.get("chatty"):
             return {}
         mode = self.session(session_id)["mode"] or "default"
         modes = [{"id": "default", "name": "Default"}, {"id": "plan", "name": "Plan"}]
         return {"sessionId": session_id, "modes": {"currentModeId": mode, "availableModes": modes}}
+
+    @staticmethod
+    def mode_state(mode: str) -> dict[str, Any]:
+        """ "modes" and the "mode" config option, both saying ``mode``."""
+        modes = [{"id": "default", "name": "Default"}, {"id": "plan", "name": "Plan"}]
+        option = {
+            "id": "mode",
+            "name": "Mode",
+            "category": "mode",
+            "type": "select",
+            "currentValue": mode,
+            "options": [{"value": m["id"], "name": m["name"]} for m in modes],
+        }
+        return {"modes": {"currentModeId": mode, "availableModes": modes}, "configOptions": [option]}
+
+    def listed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """session/list: every session in memory or in the store, titled by its first prompt."""
+        with self.sessions_lock:
+            ids = set(self.sessions)
+            store = self.options.get("store")
+            if store and os.path.isdir(store):
+                ids |= {name.removesuffix(".json") for name in os.listdir(store) if name.endswith(".json")}
+            infos = []
+            for session_id in sorted(ids):
+                state = self.sessions.get(session_id) or self.read_stored(session_id) or {}
+                if params.get("cwd") not in (None, state.get("cwd", "/tmp")):
+                    continue
+                info = {"sessionId": session_id, "cwd": state.get("cwd", "/tmp")}
+                if state.get("title"):
+                    info["title"] = state["title"]
+                infos.append(info)
+        page = int(self.options.get("list_page", 0)) or len(infos) or 1
+        start = int(params.get("cursor") or 0)
+        result: dict[str, Any] = {"sessions": infos[start : start + page]}
+        if start + page < len(infos):
+            result["nextCursor"] = str(start + page)
+        return result
 
     def new_session_id(self) -> str:
         if self.options.get("store"):
@@ -224,7 +274,10 @@ class FakeAdapter:
         try:
             result = self.dispatch(request_id, method, params)
         except RpcError as exc:
-            self.send({"id": request_id, "error": {"code": exc.code, "message": exc.message}})
+            error = {"code": exc.code, "message": exc.message}
+            if exc.data is not None:
+                error["data"] = exc.data
+            self.send({"id": request_id, "error": error})
             return
         if result is not NO_ANSWER:
             self.send({"id": request_id, "result": result})
@@ -238,7 +291,10 @@ class FakeAdapter:
         if method in self.options.get("hang", []):
             return NO_ANSWER
         if method in self.options.get("fail", {}):
-            raise RpcError(self.options["fail"][method], "injected failure")
+            error = self.options["fail"][method]
+            if isinstance(error, dict):
+                raise RpcError(error["code"], error.get("message", "injected failure"), error.get("data"))
+            raise RpcError(error, "injected failure")
         if method == "initialize":
             time.sleep(float(self.options.get("init_delay", 0)))
             return {
@@ -251,7 +307,9 @@ class FakeAdapter:
             self.authenticated.append(params.get("methodId"))
             return {}
         if method == "session/new":
-            return self.new_session()
+            return self.new_session(params)
+        if method == "session/list":
+            return self.listed(params)
         if method == "session/load":
             session_id = params.get("sessionId")
             replay = list(self.session(session_id)["history"])
@@ -291,8 +349,13 @@ class FakeAdapter:
             return {}
         if method == "session/set_config_option":
             with self.sessions_lock:
-                self.session(params.get("sessionId"))["config"][params.get("configId")] = params.get("value")
+                state = self.session(params.get("sessionId"))
+                state["config"][params.get("configId")] = params.get("value")
+                if self.options.get("mode_option") and params.get("configId") == "mode":
+                    state["mode"] = params.get("value")
                 self.persist(params["sessionId"])
+                if self.options.get("mode_option"):
+                    return {"configOptions": self.mode_state(state["mode"])["configOptions"]}
             return {"configOptions": []}
         if method == "session/prompt":
             return self.prompt(request_id, params)
@@ -317,12 +380,17 @@ class FakeAdapter:
                 return {"sessions": sorted(self.sessions)}
         raise RpcError(-32601, f"Method not found: {method}")
 
-    def new_session(self) -> dict[str, Any]:
-        modes = self.options.get("modes")
+    def new_session(self, params: dict[str, Any]) -> dict[str, Any]:
+        modes = self.options.get("modes") or self.options.get("mode_option")
         with self.sessions_lock:
             session_id = self.new_session_id()
-            self.sessions[session_id] = {"history": [], "mode": "default" if modes else None, "config": {}, "turns": 0}
+            mode = "default" if modes else None
+            self.sessions[session_id] = {"history": [], "mode": mode, "config": {}, "turns": 0}
+            if isinstance(params.get("cwd"), str):
+                self.sessions[session_id]["cwd"] = params["cwd"]
             self.persist(session_id)
+        if self.options.get("mode_option"):
+            return {"sessionId": session_id, **self.mode_state("default")}
         result: dict[str, Any] = {"sessionId": session_id}
         if modes:
             result["modes"] = {
@@ -338,6 +406,11 @@ class FakeAdapter:
         self.cancelled_sessions.discard(session_id)
         history_before = len(self.session(session_id, create=True)["history"])
         text = " ".join(b.get("text", "") for b in params.get("prompt", []) if b.get("type") == "text")
+        with self.sessions_lock:
+            state = self.session(session_id, create=True)
+            if not state.get("title") and text.strip():
+                state["title"] = text.strip().splitlines()[0][:60]  # kept, never announced
+                self.persist(session_id)
         stop = None
         for command in filter(None, (c.strip() for c in text.split(";"))):
             verb, _, arg = command.partition(" ")
@@ -545,8 +618,8 @@ class FakeAdapter:
 
 
 class RpcError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        self.code, self.message = code, message
+    def __init__(self, code: int, message: str, data: Any = None) -> None:
+        self.code, self.message, self.data = code, message, data
 
 
 NO_ANSWER = object()

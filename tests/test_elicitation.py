@@ -167,7 +167,8 @@ async def test_after_a_fallback_to_new_elicitations_carry_the_stable_session_id(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
     """The session's process knows it under a new id (its resume failed): upstream it keeps its stable id."""
-    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, fail={"session/resume": -32002}) as gw:
+    resume_only = {"sessionCapabilities": {"resume": {}, "close": {}}}  # no load between resume and new
+    async with start(proc_env, tmp_path, caps=resume_only, fail={"session/resume": -32002}) as gw:
         await gw.initialize(INITIALIZE)
         first = await gw.new_session()
         await gw.new_session()  # max_live = 1: the first is suspended

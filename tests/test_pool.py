@@ -9,10 +9,10 @@ from acp_proxy.pool.plan import (
     Slot,
     Wait,
     expired,
-    falls_back_to_new,
+    falls_back,
     plan_acquire,
     protection,
-    restore_method,
+    restore_order,
 )
 
 
@@ -258,48 +258,64 @@ def test_idle_ttl_picks_only_idle_slots_past_the_ttl_spares_first() -> None:
     assert expired(live, now=100, idle_ttl=1000) == []
 
 
-# (sentence, strategy, adapter can resume, can load, what the gateway asked, expected request)
+R, L, N = "session/resume", "session/load", "session/new"
+
+# (sentence, strategy, adapter can resume, can load, what the gateway asked, what worked last, refused as
+# unsupported, the requests to try in order)
 STRATEGY = [
-    ("auto prefers session/resume (no replay)", "auto", True, True, None, "session/resume"),
-    ("auto without resume loads", "auto", False, True, None, "session/load"),
-    ("auto with neither starts afresh", "auto", False, False, None, "session/new"),
+    ("auto goes resume (no replay), load, new", "auto", True, True, None, None, (), (R, L, N)),
+    ("auto without resume loads, then starts afresh", "auto", False, True, None, None, (), (L, N)),
+    ("auto with neither starts afresh", "auto", False, False, None, None, (), (N,)),
     (
-        "a gateway that sent session/load gets a load (it wants the replay)",
+        "a gateway that sent session/load gets a load first (it wants the replay)",
         "auto",
         True,
         True,
-        "session/load",
-        "session/load",
+        L,
+        None,
+        (),
+        (L, R, N),
     ),
-    (
-        "a gateway session/load on an adapter that cannot load: resume",
-        "auto",
-        True,
-        False,
-        "session/load",
-        "session/resume",
-    ),
-    ("resume = load uses session/load", "load", True, True, None, "session/load"),
-    ("resume = resume is tried even if not advertised", "resume", False, True, None, "session/resume"),
-    ("resume = new never tries to restore", "new", True, True, None, "session/new"),
-    ("resume = new ignores what the gateway asked", "new", True, True, "session/load", "session/new"),
-    ("resume = never does not restore at all", "never", True, True, None, None),
+    ("a gateway session/load on an adapter that cannot load: resume", "auto", True, False, L, None, (), (R, N)),
+    ("the method that worked last goes first", "auto", True, True, None, L, (), (L, R, N)),
+    ("a method refused as unsupported is not tried again", "auto", True, True, None, None, (R,), (L, N)),
+    ("what worked is only tried if advertised", "auto", False, False, None, L, (), (N,)),
+    ("resume = load uses session/load, then new", "load", True, True, None, None, (), (L, N)),
+    ("resume = resume is tried even if not advertised", "resume", False, True, None, None, (), (R, N)),
+    ("resume = resume is tried even if refused before", "resume", True, True, None, L, (R,), (R, N)),
+    ("resume = new never tries to restore", "new", True, True, None, None, (), (N,)),
+    ("resume = new ignores what the gateway asked", "new", True, True, L, None, (), (N,)),
+    ("resume = never does not restore at all", "never", True, True, None, None, (), ()),
 ]
 
 
 @pytest.mark.parametrize(
-    ("strategy", "can_resume", "can_load", "asked", "expected"),
+    ("strategy", "can_resume", "can_load", "asked", "worked", "unsupported", "expected"),
     [row[1:] for row in STRATEGY],
     ids=[row[0] for row in STRATEGY],
 )
-def test_restore_method(
-    strategy: str, can_resume: bool, can_load: bool, asked: str | None, expected: str | None
+def test_restore_order(
+    strategy: str,
+    can_resume: bool,
+    can_load: bool,
+    asked: str | None,
+    worked: str | None,
+    unsupported: tuple[str, ...],
+    expected: tuple[str, ...],
 ) -> None:
-    assert restore_method(strategy, can_resume=can_resume, can_load=can_load, gateway_asked=asked) == expected
+    order = restore_order(
+        strategy,
+        can_resume=can_resume,
+        can_load=can_load,
+        gateway_asked=asked,
+        worked=worked,
+        unsupported=frozenset(unsupported),
+    )
+    assert order == expected
 
 
 @pytest.mark.parametrize(
-    ("method", "code", "falls_back"),
+    ("method", "code", "gives_way"),
     [
         ("session/resume", -32002, True),  # resource not found
         ("session/resume", -32601, True),  # method not found
@@ -311,5 +327,5 @@ def test_restore_method(
         ("session/new", -32002, False),  # nothing left to fall back to
     ],
 )
-def test_fallback_only_on_the_three_error_classes(method: str, code: int | None, falls_back: bool) -> None:
-    assert falls_back_to_new(method, code) is falls_back
+def test_fallback_only_on_the_three_error_classes(method: str, code: int | None, gives_way: bool) -> None:
+    assert falls_back(method, code) is gives_way

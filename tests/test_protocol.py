@@ -13,6 +13,7 @@ import pytest
 
 from acp_proxy.protocol.acp import AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
+from acp_proxy.protocol.jsonrpc import ErrorObject
 from acp_proxy.protocol.methods import METHODS, Direction, Effect, Method, facts, is_setting, routed_by_session
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def constructed_reasons() -> dict[str, list[str]]:
     for name, member in inspect.getmembers(ProxyError, inspect.ismethod):
         if name.startswith("_"):
             continue
-        samples = {"int": 7, "int | None": 7, "float": 1.5}
+        samples = {"int": 7, "int | None": 7, "float": 1.5, "jsonrpc.ErrorObject": ErrorObject(code=7, message="x")}
         args = [
             samples.get(p.annotation, "x")
             for p in inspect.signature(member).parameters.values()
@@ -128,6 +129,71 @@ def test_an_error_answers_with_its_code_and_reason(error: ProxyError, code: int,
     assert answer["error"]["code"] == code
     assert answer["error"]["data"]["reason"] == reason
     assert answer["error"]["data"]["method"] == "session/prompt"
+
+
+def _adapter_error(code: int, message: str, data: object = None) -> ErrorObject:
+    raw = msgspec.UNSET if data is None else msgspec.Raw(json.dumps(data).encode())
+    return ErrorObject(code=code, message=message, data=raw)
+
+
+# (sentence, the adapter's error, the error the gateway gets: code, message, data)
+RESTORE_ERRORS = [
+    (
+        "gemini's details stay beside the proxy's reason",
+        _adapter_error(-32603, "Internal error", {"details": "No previous sessions found for this project."}),
+        (
+            -32603,
+            "Internal error",
+            {
+                "details": "No previous sessions found for this project.",
+                "reason": "restore_failed",
+                "method": "session/load",
+                "backend": "gemini",
+            },
+        ),
+    ),
+    (
+        "data that is not an object is kept whole",
+        _adapter_error(-32000, "Authentication required", ["gemini-api-key"]),
+        (
+            -32000,
+            "Authentication required",
+            {
+                "reason": "restore_failed",
+                "method": "session/load",
+                "backend": "gemini",
+                "adapterData": ["gemini-api-key"],
+            },
+        ),
+    ),
+    (
+        "an adapter's own reason is not overwritten",
+        _adapter_error(-32603, "Failed", {"reason": "quota", "retry": 3}),
+        (
+            -32603,
+            "Failed",
+            {
+                "reason": "restore_failed",
+                "method": "session/load",
+                "backend": "gemini",
+                "adapterData": {"reason": "quota", "retry": 3},
+            },
+        ),
+    ),
+    (
+        "data that is not JSON is left out",
+        ErrorObject(code=-32603, message="Internal error", data=msgspec.Raw(b"{broken")),
+        (-32603, "Internal error", {"reason": "restore_failed", "method": "session/load", "backend": "gemini"}),
+    ),
+]
+
+
+@pytest.mark.parametrize(("error", "expected"), [r[1:] for r in RESTORE_ERRORS], ids=[r[0] for r in RESTORE_ERRORS])
+def test_a_restore_step_that_failed_answers_with_the_adapters_own_error(
+    error: ErrorObject, expected: tuple[int, str, dict[str, Any]]
+) -> None:
+    made = ProxyError.restore_failed("session/load", "gemini", error)
+    assert (made.code, made.message, made.data) == expected
 
 
 def test_a_crash_is_told_as_a_person_reads_it() -> None:

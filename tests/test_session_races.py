@@ -211,7 +211,9 @@ async def test_after_a_fallback_only_the_stable_id_reaches_the_gateway(
 ) -> None:
     """An adapter that writes right behind its answers (as claude-agent-acp does) and names the session
     in load/resume results: nothing the gateway sees carries the adapter's new id."""
-    caps = {**RESUME_AND_LOAD, "loadSession": True}
+    # Resume alone advertised, so that its failure falls back to session/new (not to load); the gateway's
+    # own load of the live session is relayed all the same.
+    caps = {"sessionCapabilities": {"resume": {}, "close": {}}}
     async with start(proc_env, tmp_path, caps=caps, chatty=True, modes=True, fail={"session/resume": -32002}) as gw:
         await gw.initialize()
         session = await gw.new_session()

@@ -33,6 +33,8 @@ from tests.support import (
 
 pytestmark = pytest.mark.anyio
 
+RESUME_ONLY = {"sessionCapabilities": {"resume": {}, "close": {}}}
+
 # --- LRU suspension and transparent resume, over strategies and capabilities ---------------------
 
 # (id, caps, resume strategy, request the proxy restores with, history kept)
@@ -104,7 +106,8 @@ async def test_lru_suspends_the_idle_session_and_resume_is_transparent(
 async def test_fallback_to_new_only_on_the_three_error_classes_and_ids_are_rewritten(
     proc_env: dict[str, str], tmp_path: Path, code: int
 ) -> None:
-    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, fail={"session/resume": code}) as gw:
+    # Resume alone advertised: nothing between it and session/new (see test_adapter_quirks for load in between).
+    async with start(proc_env, tmp_path, caps=RESUME_ONLY, fail={"session/resume": code}) as gw:
         gw.handler = lambda _: {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
         await gw.initialize()
         first = await gw.new_session()

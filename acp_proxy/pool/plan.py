@@ -141,31 +141,55 @@ def expired(live: Sequence[Slot], now: float, idle_ttl: float) -> list[Slot]:
 STRATEGY_METHODS: Final = {"resume": Method.RESUME, "load": Method.LOAD, "new": Method.NEW}
 """The request each named ``resume`` strategy restores with."""
 
-FALLBACK_ERRORS: Final = frozenset({-32002, -32601, -32602})
+METHOD_NOT_FOUND: Final = -32601
+FALLBACK_ERRORS: Final = frozenset({-32002, METHOD_NOT_FOUND, -32602})
 """Resource not found, method not found, invalid params: the adapter cannot restore this session
-(it never kept it, or cannot load at all), so a fresh ``session/new`` is the only way on. Any
-other error, a timeout or an interruption keeps the mapping: trying again later may work."""
+that way (it never kept it, or does not serve the method), so the next way is tried, down to a
+fresh ``session/new``. Any other error, a timeout or an interruption keeps the mapping: trying
+again later may work."""
 
 
-def restore_method(strategy: str, *, can_resume: bool, can_load: bool, gateway_asked: str | None = None) -> str | None:
-    """The request that restores a session on a fresh adapter, or ``None`` (``resume = "never"``).
+def restore_order(
+    strategy: str,
+    *,
+    can_resume: bool,
+    can_load: bool,
+    gateway_asked: str | None = None,
+    worked: str | None = None,
+    unsupported: frozenset[str] = frozenset(),
+) -> tuple[str, ...]:
+    """The requests that may restore a session on a fresh adapter, in the order to try them.
 
-    ``auto`` prefers ``session/resume`` (no replay), then ``session/load``, then
-    ``session/new``; the other strategies name the request to use. A gateway that
-    itself sent ``session/load`` wants the replay, so it gets a load when the
-    adapter can load.
+    ``auto`` goes ``session/resume`` (no replay) -> ``session/load`` -> ``session/new``, each
+    only where the adapter advertises it and the install has not seen the backend refuse it
+    as unsupported (``unsupported``); the method that last restored a session of the backend
+    (``worked``) goes first. A gateway that itself sent ``session/load`` wants the replay, so
+    it gets a load first when the adapter can load. A named strategy tries its request, then
+    ``session/new``; ``never`` restores nothing (empty). The next request is tried only when the
+    one before failed with one of ``FALLBACK_ERRORS`` (``falls_back``).
     """
     if strategy == "never":
-        return None
-    if gateway_asked == Method.LOAD and can_load and strategy in ("auto", "load"):
-        return Method.LOAD
-    if strategy == "auto":
-        if can_resume:
-            return Method.RESUME
-        return Method.LOAD if can_load else Method.NEW
-    return STRATEGY_METHODS[strategy]
+        return ()
+    if strategy != "auto":
+        wanted = STRATEGY_METHODS[strategy]
+        return (wanted,) if wanted == Method.NEW else (wanted, Method.NEW)
+    order: list[str] = [
+        method
+        for method, advertised in ((Method.RESUME, can_resume), (Method.LOAD, can_load))
+        if advertised and method not in unsupported
+    ]
+    first = Method.LOAD if gateway_asked == Method.LOAD and Method.LOAD in order else worked
+    if first in order:
+        order.remove(first)
+        order.insert(0, first)
+    return (*order, Method.NEW)
 
 
-def falls_back_to_new(method: str, error_code: int | None) -> bool:
-    """Whether a failed restore may fall back to ``session/new`` (and reset the history)."""
+def falls_back(method: str, error_code: int | None) -> bool:
+    """Whether a failed restore request may give way to the next one of ``restore_order``."""
     return method != Method.NEW and error_code in FALLBACK_ERRORS
+
+
+def refused_as_unsupported(error_code: int | None) -> bool:
+    """An error that says the adapter does not serve the method at all (not: not this session)."""
+    return error_code == METHOD_NOT_FOUND

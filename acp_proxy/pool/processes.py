@@ -755,7 +755,7 @@ class ProcessPool:
         """A request of the proxy's own, bounded by ``resume_timeout``; an error answer raises ``restore_failed``."""
         answer = await self.call_answer(adapter, method, params)
         if answer.error is not UNSET:
-            raise ProxyError.restore_failed(method, adapter.backend.name, answer.error.code, answer.error.message)
+            raise ProxyError.restore_failed(method, adapter.backend.name, answer.error)
         return answer
 
     async def call_answer(self, adapter: Adapter, method: str, params: object) -> Message:

@@ -72,6 +72,7 @@ class AgentCapabilities:
     delete: bool = False
     fork: bool = False
     logout: bool = False
+    list: bool = False
 
     @classmethod
     def from_initialize(cls, result: Raw | UnsetType) -> AgentCapabilities:
@@ -85,6 +86,7 @@ class AgentCapabilities:
             delete=advertises(capabilities, Method.DELETE),
             fork=advertises(capabilities, Method.FORK),
             logout=advertises(capabilities, Method.LOGOUT),
+            list=advertises(capabilities, Method.LIST),
         )
 
 

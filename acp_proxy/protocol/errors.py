@@ -12,6 +12,9 @@ import signal
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
 from acp_proxy.protocol import jsonrpc
 
 
@@ -25,6 +28,16 @@ def describe_exit(returncode: int | None) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit status {returncode}"
+
+
+def _decoded(data: Raw | UnsetType) -> Any:
+    """An error's ``data`` as JSON values; ``None`` if absent (or not JSON: nothing to keep)."""
+    if data is UNSET:
+        return None
+    try:
+        return msgspec.json.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None
 
 
 class ProxyError(Exception):
@@ -136,9 +149,21 @@ class ProxyError(Exception):
         )
 
     @classmethod
-    def restore_failed(cls, method: str, backend: str, code: int, message: str) -> ProxyError:
-        """The adapter answered a request of the proxy's own (a restore step) with an error."""
-        return cls(code, f"{method} failed: {message}", "restore_failed", method=method, backend=backend)
+    def restore_failed(cls, method: str, backend: str, error: jsonrpc.ErrorObject) -> ProxyError:
+        """The adapter answered a request of the proxy's own (a restore step) with an error.
+
+        The gateway gets the adapter's own code, message and ``data`` (whatever it says of why, such as
+        gemini's ``data.details``), as it would without the proxy; the proxy's ``reason``, ``method`` and
+        ``backend`` join ``data``. Adapter data that is not an object, or whose keys those would replace,
+        is kept whole as ``data.adapterData``.
+        """
+        ours = {"method": method, "backend": backend}
+        theirs = _decoded(error.data)
+        if isinstance(theirs, dict) and not theirs.keys() & {"reason", *ours}:
+            return cls(error.code, error.message, "restore_failed", **theirs, **ours)
+        if theirs is None:
+            return cls(error.code, error.message, "restore_failed", **ours)
+        return cls(error.code, error.message, "restore_failed", **ours, adapterData=theirs)
 
     @classmethod
     def no_session_id(cls, method: str, backend: str) -> ProxyError:

@@ -19,14 +19,13 @@ new session, why a session is unknown) are pure functions at the top of this mod
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 import anyio
-import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Stopping
@@ -40,6 +39,7 @@ from acp_proxy.protocol.acp import proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError, describe_exit
 from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method, is_setting
+from acp_proxy.sessions.listing import session_info, title_changes, titles_listed
 from acp_proxy.sessions.registry import (
     LIST_PAGE_SIZE,
     Ownership,
@@ -124,36 +124,6 @@ def ownership_from(meta: dict[str, Any]) -> Ownership:
     )
 
 
-def updated_at(record: SessionRecord) -> str:
-    """``updatedAt`` for ``session/list``: the later of the adapter's own (if it announced one) and
-    the proxy's last sight of activity."""
-    ours = datetime.fromtimestamp(record.last_active_at, UTC)
-    theirs = record.title_updated_at
-    if theirs is not None:
-        try:
-            announced = datetime.fromisoformat(theirs)
-        except ValueError:
-            announced = None
-        if announced is not None and announced.tzinfo is not None and announced >= ours:
-            return theirs
-    return ours.isoformat().replace("+00:00", "Z")
-
-
-def session_info(record: SessionRecord) -> dict[str, Any]:
-    """A ``SessionInfo`` for ``session/list``."""
-    info: dict[str, Any] = {"sessionId": record.session_id, "cwd": record.cwd}
-    if record.additional_directories is not None:
-        info["additionalDirectories"] = msgspec.json.decode(record.additional_directories)
-    if record.title is not None:
-        info["title"] = record.title
-    info["updatedAt"] = updated_at(record)
-    ours: dict[str, Any] = {"state": record.state.value, "backend": record.backend}
-    if record.parent_session_id is not None:
-        ours["parentSessionId"] = record.parent_session_id
-    info["_meta"] = {"acp-proxy": ours}
-    return info
-
-
 def visibility_row(record: SessionRecord) -> SessionRow:
     owner = record.ownership
     return SessionRow(
@@ -168,6 +138,10 @@ def visibility_row(record: SessionRecord) -> SessionRow:
 
 
 CANCELLED: Final = {"stopReason": "cancelled"}
+LIST_TIMEOUT: Final = 2.0
+"""How long ``session/list`` waits for the backends' own lists (their titles) before answering without them."""
+LISTED_PAGES: Final = 10
+"""Pages of a backend's own list read at most, per working directory."""
 
 
 class SessionIntents:
@@ -887,8 +861,59 @@ class SessionIntents:
             records = [r for r in records if r.session_id in visible]
         if after is not None:
             records = [r for r in records if (r.created_at, r.session_id) > (after.created_at, after.session_id)]
-        page = records[:LIST_PAGE_SIZE]
+        page = await self._with_adapter_titles(records[:LIST_PAGE_SIZE])
         result: dict[str, Any] = {"sessions": [session_info(r) for r in page]}
         if len(records) > len(page):
             result["nextCursor"] = encode_cursor(page[-1])
         await self.gateway.answer(msg.id, result)
+
+    async def _with_adapter_titles(self, page: list[SessionRecord]) -> list[SessionRecord]:
+        """``page`` with the titles the backends' own lists report (kept in the registry too).
+
+        One live process of each backend on the page that serves ``session/list`` is asked, once per
+        working directory, within ``LIST_TIMEOUT``; a backend that fails or is slow is left out.
+        """
+        listed: dict[str, dict[str, dict[str, str]]] = {}
+
+        async def ask(adapter: Adapter, cwd: str) -> None:
+            cursor: object = None
+            for _ in range(LISTED_PAGES):
+                params: dict[str, Any] = {"cwd": cwd} if cursor is None else {"cwd": cwd, "cursor": cursor}
+                try:
+                    answer = await self.pool.call_answer(adapter, Method.LIST, params)
+                except ProxyError:
+                    return
+                result = jsonrpc.decode_object(answer.result) if answer.error is UNSET else None
+                if result is None:
+                    return
+                sessions = result.get("sessions")
+                listed.setdefault(adapter.backend.name, {}).update(titles_listed(sessions or ()))
+                cursor = result.get("nextCursor")
+                if not isinstance(cursor, str) or not cursor:
+                    return
+
+        with anyio.move_on_after(LIST_TIMEOUT):
+            async with anyio.create_task_group() as group:
+                for backend, cwd in sorted({(record.backend, record.cwd) for record in page}):
+                    adapter = self._lister(backend)
+                    if adapter is not None:
+                        group.start_soon(ask, adapter, cwd)
+        merged = []
+        for record in page:
+            changes = title_changes(record, listed.get(record.backend, {}))
+            if changes:
+                self.registry.record_title(record.session_id, changes)
+                record = dataclasses.replace(
+                    record,
+                    title=changes.get("title", record.title),
+                    title_updated_at=changes.get("updatedAt", record.title_updated_at),
+                )
+            merged.append(record)
+        return merged
+
+    def _lister(self, backend_name: str) -> Adapter | None:
+        """A live process of the backend that serves ``session/list``, if this proxy has one."""
+        backend = self.config.backends.get(backend_name)
+        if backend is None:
+            return None
+        return next((adapter for adapter in self.pool.serving(backend) if adapter.capabilities.list), None)

@@ -1,17 +1,19 @@
 """Bringing a suspended session back on a fresh adapter: the restore strategy.
 
 spawn -> ``initialize`` (the gateway's params) -> ``authenticate`` (if it did) ->
-``session/resume`` | ``session/load`` | ``session/new`` (per strategy and
-capability), falling back to ``session/new`` only on the error classes that say
-the adapter cannot restore it -> re-apply mode and config options. Which request
-to use and when to fall back are pure functions in ``pool.plan``.
+``session/resume`` -> ``session/load`` -> ``session/new`` (per strategy, capability
+and what the install has learned of the backend), each giving way to the next only
+on the error classes that say the adapter cannot restore it that way -> re-apply
+mode and config options, and say so in the answer. Which requests to try and when
+to give way are pure functions in ``pool.plan``; what the install learns (the method
+that worked, those refused as unsupported) is kept by ``pool.learned``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import anyio
 import msgspec
@@ -20,14 +22,17 @@ from msgspec import UNSET, Raw, UnsetType
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import Kind
 from acp_proxy.logs import ids
+from acp_proxy.ownership.leases import command_hash
 from acp_proxy.pool.adapter import Adapter
-from acp_proxy.pool.plan import falls_back_to_new, restore_method
+from acp_proxy.pool.learned import Learned
+from acp_proxy.pool.plan import falls_back, refused_as_unsupported, restore_order
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import history_reset_update, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method
+from acp_proxy.protocol.settings import reflect_setting
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.sessions.table import Session, SessionTable
 
@@ -47,16 +52,6 @@ class GatewayPort(Protocol):
     async def fail(self, request_id: RequestId | UnsetType, error: ProxyError) -> None: ...
 
 
-def reflect_setting(result: dict[str, Any], method: str, params: dict[str, Any], answer: dict[str, Any]) -> None:
-    """Update a load/resume result for a setting re-applied after it (mode, model, config options)."""
-    if method == Method.SET_MODE and isinstance(result.get("modes"), dict):
-        result["modes"] = {**result["modes"], "currentModeId": params.get("modeId")}
-    elif method == Method.SET_MODEL and isinstance(result.get("models"), dict):
-        result["models"] = {**result["models"], "currentModelId": params.get("modelId")}
-    elif method == Method.SET_CONFIG_OPTION and isinstance(answer.get("configOptions"), list):
-        result["configOptions"] = answer["configOptions"]
-
-
 class Restorer:
     """Restores sessions onto fresh processes of the pool."""
 
@@ -73,6 +68,7 @@ class Restorer:
         self.table = table
         self.pool = pool
         self.gateway = gateway
+        self.learned = Learned(pool.journal.db)
 
     async def restore_cancellable(self, session: Session, gateway_asked: str | None) -> Message | None:
         """``restore``, cut short (``None``) if a ``session/close`` arrives meanwhile."""
@@ -162,14 +158,26 @@ class Restorer:
     async def _restore(
         self, adapter: Adapter, backend: BackendConfig, record: SessionRecord, gateway_asked: str | None
     ) -> tuple[Message, str, str]:
-        """Run the restoring request (and the fallback); the answer, the adapter's id for the session, and
-        the method that restored it."""
+        """Run the restoring requests in ``restore_order`` until one takes; its answer, the adapter's id
+        for the session, and the method that restored it."""
         caps = adapter.capabilities
-        method = restore_method(backend.resume, can_resume=caps.resume, can_load=caps.load, gateway_asked=gateway_asked)
-        if method is None:
+        command = command_hash(backend.command)
+        known = self.learned.facts(backend.name, command)
+        order = restore_order(
+            backend.resume,
+            can_resume=caps.resume,
+            can_load=caps.load,
+            gateway_asked=gateway_asked,
+            worked=known.restore_method,
+            unsupported=known.unsupported,
+        )
+        if not order:
             raise ProxyError.resume_disabled(record.session_id, backend.name)
         params = record.restore_params()
-        if method != Method.NEW:
+        last_failure: tuple[str, int, str] | None = None
+        for method in order:
+            if method == Method.NEW:
+                break
             adapter.swallow_updates = not (method == Method.LOAD and gateway_asked == Method.LOAD)
             try:
                 restoring = {**params, "sessionId": record.adapter_session_id}
@@ -177,23 +185,31 @@ class Restorer:
             finally:
                 adapter.swallow_updates = False
             if answer.error is UNSET:
+                if method != known.restore_method:
+                    self.learned.restored_with(backend.name, command, method)
                 return answer, record.adapter_session_id, method
             code = answer.error.code
-            if not falls_back_to_new(method, code):
-                raise ProxyError.restore_failed(method, backend.name, code, answer.error.message)
+            if not falls_back(method, code):
+                raise ProxyError.restore_failed(method, backend.name, answer.error)
+            if refused_as_unsupported(code) and backend.resume == "auto":
+                self.learned.unsupported(backend.name, command, method)
             log.warning(
-                "session %s: %s failed with %d; starting afresh with session/new",
+                "session %s: %s failed with %d (%s); trying the next way",
                 record.session_id,
                 method,
                 code,
+                answer.error.message,
                 extra=ids(session=record.session_id, backend=backend.name),
             )
+            last_failure = (method, code, answer.error.message)
+        if last_failure is not None:
+            failed, code, message = last_failure
             self.pool.journal.record(
                 Kind.FALLBACK,
                 backend=backend.name,
-                label=method,
+                label=failed,
                 session_id=record.session_id,
-                detail=f"{method} failed ({code}: {answer.error.message}); history reset",
+                detail=f"{failed} failed ({code}: {message}); history reset",
             )
         fresh = await self.pool.call(adapter, Method.NEW, params)
         new_id = session_of(fresh.result)
