@@ -56,6 +56,9 @@ class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
 class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
     turn_timeout: float = 0.0
     """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
+    cancel_timeout: float = 30.0
+    """A turn still running this long after ``session/cancel`` is answered ``cancelled`` by the proxy and
+    its process stopped (the session suspended); 0 = wait for the adapter however long it takes."""
     retention: float = 7 * 86400.0
     """Finished tasks are kept this long, then pruned."""
     notify: NotifyPolicy = "silent"
@@ -75,6 +78,8 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_live: int | None = None
     turn_timeout: float | None = None
     """Overrides ``[tasks] turn_timeout`` for this backend."""
+    cancel_timeout: float | None = None
+    """Overrides ``[tasks] cancel_timeout`` for this backend."""
     start_timeout: float | None = None
     """Overrides ``[pool] start_timeout`` for this backend."""
     max_memory: int | None = None
@@ -101,6 +106,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             what = f"unknown backend {chosen!r}" if chosen else "no default_backend set"
             raise KeyError(f"{what} (configured: {configured})")
         return self.backends[chosen]
+
+    def cancel_timeout(self, backend: str) -> float:
+        """``cancel_timeout`` for the named backend: its own, else ``[tasks]``'; 0 means none."""
+        own = self.backends.get(backend)
+        if own is not None and own.cancel_timeout is not None:
+            return own.cancel_timeout
+        return self.tasks.cancel_timeout
 
 
 class ConfigError(Exception):
@@ -300,6 +312,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             "tasks",
             {
                 "turn_timeout": parse_duration,
+                "cancel_timeout": parse_duration,
                 "retention": parse_duration,
                 "notify": _one_of(NOTIFY_POLICIES),
                 "notify_command": _command,
@@ -330,6 +343,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "resume": _one_of(RESUME_STRATEGIES),
                 "max_live": _int_at_least(1),
                 "turn_timeout": parse_duration,
+                "cancel_timeout": parse_duration,
                 "start_timeout": parse_duration,
                 "max_memory": parse_size,
             },

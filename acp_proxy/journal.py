@@ -102,6 +102,8 @@ class SuspendReason(enum.StrEnum):
     """the install was over its memory budget"""
     OPERATOR = "operator"
     TURN_TIMEOUT = "turn_timeout"
+    CANCEL_TIMEOUT = "cancel_timeout"
+    """its turn was still running ``cancel_timeout`` after ``session/cancel``: answered by the proxy"""
     SHUTDOWN = "shutdown"
 
 

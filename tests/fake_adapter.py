@@ -41,6 +41,8 @@ then the turn ends with end_turn unless a command ended it first.
     crash N            exit immediately with status N
     sleep S            sleep S seconds
     wait_cancel        stream until session/cancel arrives, then stop with "cancelled"
+    ignore_cancel S    stream until session/cancel arrives, then S seconds more ("late" chunks), then stop
+                       with "cancelled" (gemini --acp ends its network retries before it ends a turn)
     ext                send a "_fake/notice" extension notification with _meta
     ask_then_cancel    ask permission, then withdraw it with $/cancel_request
     elicit MODE        elicitation/create for the session, MODE "form" (default; tied to tool call
@@ -487,6 +489,14 @@ class FakeAdapter:
                 if i % 10 == 0:
                     self.say(session_id, ".")
                 time.sleep(0.01)
+        elif verb == "ignore_cancel":
+            until = None
+            while until is None or time.monotonic() < until:
+                if until is None and session_id in self.cancelled_sessions:
+                    until = time.monotonic() + float(arg)
+                self.say(session_id, "." if until is None else "late ")
+                time.sleep(0.05)
+            return "cancelled"
         elif verb == "ext":
             self.send(
                 {

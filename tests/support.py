@@ -185,7 +185,7 @@ def write_config(
     tasks: dict[str, str] | None = None,
 ) -> Path:
     """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options, but
-    ``resume``, ``max_live`` and ``start_timeout``, which are the backend's own)."""
+    ``resume``, ``max_live``, ``start_timeout`` and ``cancel_timeout``, which are the backend's own)."""
     lines = []
     if default_backend:
         lines.append(f'default_backend = "{default_backend}"')
@@ -198,6 +198,7 @@ def write_config(
         resume = settings.pop("resume", None)
         max_live = settings.pop("max_live", None)
         start_timeout = settings.pop("start_timeout", None)
+        cancel_timeout = settings.pop("cancel_timeout", None)
         lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(**settings))}"]
         if resume:
             lines.append(f'resume = "{resume}"')
@@ -205,6 +206,8 @@ def write_config(
             lines.append(f"max_live = {max_live}")
         if start_timeout:
             lines.append(f"start_timeout = {json.dumps(start_timeout)}")
+        if cancel_timeout is not None:
+            lines.append(f"cancel_timeout = {json.dumps(cancel_timeout)}")
     path = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -22,8 +22,8 @@ from anyio.abc import Process
 
 from acp_proxy.config import ConfigError, NotifyPolicy, validate
 from acp_proxy.journal import counters
-from acp_proxy.tasks.notify import LANE_LIMIT, Notifier, wanted
-from acp_proxy.tasks.records import SUMMARY_CHARS, TaskStatus, Turn
+from acp_proxy.tasks.notify import LANE_LIMIT, Notifier, notice_of, wanted
+from acp_proxy.tasks.records import SUMMARY_CHARS, TaskStatus, Turn, outcome_of
 from tests.support import (
     RESUME_AND_LOAD,
     Gateway,
@@ -110,6 +110,30 @@ WANTED = {
 @pytest.mark.parametrize("status", list(TaskStatus))
 def test_which_status_changes_a_policy_tells(policy: NotifyPolicy, status: TaskStatus) -> None:
     assert wanted(policy, status) is (status.value in WANTED[policy])
+
+
+# (stop reason, error, why the proxy ended it) -> the notice's reason
+REASONS = [
+    ("end_turn", None, None, "end_turn"),
+    (None, (-32603, "boom"), None, "boom (code -32603)"),
+    ("cancelled", None, None, "cancelled"),
+    (
+        "cancelled",
+        None,
+        "cancel_timeout: not ended 30s after session/cancel",
+        "cancel_timeout: not ended 30s after session/cancel",
+    ),
+]
+
+
+@pytest.mark.parametrize(("stop_reason", "error", "ended_by", "reason"), REASONS)
+def test_a_notice_says_why_a_task_ended(
+    stop_reason: str | None, error: tuple[int, str] | None, ended_by: str | None, reason: str
+) -> None:
+    turn = Turn(task_id="t1", session_id="s1", backend="gemini", request_id="1")
+    turn.start("l1", None)
+    turn.finish(outcome_of(stop_reason=stop_reason, error=error, ended_by=ended_by))
+    assert notice_of(turn, turn.status, TaskStatus.RUNNING, title=None, instance="p1").reason == reason
 
 
 def test_a_full_queue_drops_notices_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -328,7 +352,10 @@ BACKENDS = {"backends": {"codex": {"command": ["codex-acp"]}}}
         ({"notify_command": ["n", "${BAD"]}, "tasks.notify_command: unterminated or invalid ${...}"),
         ({"notify_timeout": "0s"}, 'tasks.notify_timeout: expected a duration > 0 such as "500ms" or "10s", got "0s"'),
         ({"notify_timeout": "soon"}, "tasks.notify_timeout: expected a duration such as"),
-        ({"notify_every": "1s"}, "tasks.notify_every: unknown key (expected one of: notify, notify_command"),
+        (
+            {"notify_every": "1s"},
+            "tasks.notify_every: unknown key (expected one of: cancel_timeout, notify, notify_command",
+        ),
     ],
 )
 def test_notification_config_problems_name_their_key(tasks: dict[str, Any], problem: str) -> None:

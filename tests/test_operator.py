@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
+from acp_proxy.journal import counters
 from acp_proxy.operator import control
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
@@ -31,6 +32,8 @@ from tests.support import (
     registry,
     send_prompt,
     state_db,
+    state_of,
+    survivors,
     wait_for_task,
     write_config,
 )
@@ -170,6 +173,70 @@ async def test_turn_timeout_cancels_the_turn_and_records_timed_out(proc_env: dic
         assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
     statuses = [t.status.value for t in list_tasks(state_db(proc_env))][::-1]
     assert statuses == ["done", "timed_out", "done", "timed_out", "done"]  # "state" turns are tasks too
+
+
+async def test_a_turn_still_running_cancel_timeout_after_session_cancel_is_answered_and_its_process_retired(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    # The adapter ignores the cancel for a second (gemini --acp ends its retries first), and its
+    # stdin closing and SIGTERM: it writes on for a while after the proxy has given up on it.
+    late = {"ignore_eof": True, "ignore_sigterm": True}
+    async with start(proc_env, tmp_path, tasks={"cancel_timeout": "300ms"}, **late) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        pid = await adapter_pid(gw, session)
+        request_id = await send_prompt(gw, session, "ignore_cancel 1")
+        await gw.expect(lambda m: m.get("method") == "session/update")  # the turn runs
+        await gw.notify("session/cancel", {"sessionId": session})
+        assert (await gw.response_to(request_id))["result"] == {"stopReason": "cancelled"}
+        answered = next(i for i, m in enumerate(gw.received) if m.get("id") == request_id and "method" not in m)
+        assert await survivors([pid]) == [], "the process that ignored the cancel is stopped, tree and all"
+        after = gw.received[answered + 1 :]
+        assert [m for m in after if "late" in json.dumps(m) or m.get("id") == request_id] == []
+        old = [e for e in gw.adapter_record() if e["pid"] == pid]
+        closed_at = next(i for i, e in enumerate(old) if "session/close" in e.get("in", ""))
+        assert any("late" in e.get("out", "") for e in old[closed_at:]), "it wrote on after the proxy's answer"
+        assert registry(proc_env).get(session).state is SessionState.SUSPENDED  # type: ignore[union-attr]
+        restored = await state_of(gw, session)  # the next request brings it back, history and all
+        assert restored["pid"] != pid
+        assert restored["history"] > 0
+        db = state_db(proc_env)
+        with anyio.fail_after(10):
+            while db.conn.execute("SELECT state FROM leases WHERE adapter_pid = ?", (pid,)).fetchone()[0] != "closed":
+                await anyio.sleep(0.05)
+    task = next(t for t in list_tasks(state_db(proc_env)) if t.prompt == "ignore_cancel 1")
+    assert (task.status.value, task.stop_reason) == ("cancelled", "cancelled")
+    assert (task.error or "").startswith("cancel_timeout")
+    assert "cancel_timeout" in [e.kind for e in task.events]
+    suspended = counters(state_db(proc_env).conn, ["suspended"])
+    assert [(c.label, c.count) for c in suspended if c.label != "shutdown"] == [("cancel_timeout", 1)]
+    code, out, _ = await cli(proc_env, "metrics")
+    assert code == 0
+    assert any(
+        line.startswith("acp_proxy_evictions_total{") and 'reason="cancel_timeout"' in line for line in out.splitlines()
+    )
+
+
+async def test_cancel_timeout_0_for_a_backend_waits_for_its_adapter(proc_env: dict[str, str], tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        tasks={"cancel_timeout": "300ms"},
+        backends={"slow": {"store": str(tmp_path / "store"), "caps": RESUME_AND_LOAD, "cancel_timeout": 0}},
+    )
+    async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        pid = await adapter_pid(gw, session)
+        request_id = await send_prompt(gw, session, "ignore_cancel 1")
+        await gw.expect(lambda m: m.get("method") == "session/update")
+        await gw.notify("session/cancel", {"sessionId": session})
+        assert (await gw.response_to(request_id))["result"] == {"stopReason": "cancelled"}
+        late = [m for m in gw.updates(session) if "late" in json.dumps(m)]
+        assert late, "the late updates of the adapter, which answered on its own"
+        assert await adapter_pid(gw, session) == pid, "and its process is kept"
+    task = next(t for t in list_tasks(state_db(proc_env)) if t.prompt == "ignore_cancel 1")
+    assert (task.status.value, task.stop_reason, task.error) == ("cancelled", "cancelled", None)
+    assert [c.label for c in counters(state_db(proc_env).conn, ["suspended"])] == ["shutdown"]
 
 
 async def test_tasks_of_a_killed_proxy_are_lost_at_once_to_readers_and_swept_at_the_next_start(

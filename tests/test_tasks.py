@@ -79,6 +79,20 @@ def test_status_table(
     assert outcome_of(stop_reason=stop_reason, error=error, timed_out=timed_out) == expected
 
 
+ENDED_BY = "cancel_timeout: not ended by the agent 30s after session/cancel"
+# (stop reason, timed out) -> outcome of a turn the proxy answered itself, saying why (ended_by)
+ENDED_BY_THE_PROXY = [
+    ("cancelled", False, Outcome(S.CANCELLED, "cancelled", ENDED_BY)),
+    # turn_timeout had cancelled it first: timed out, as it would be without the cancel_timeout.
+    ("cancelled", True, Outcome(S.TIMED_OUT, "cancelled")),
+]
+
+
+@pytest.mark.parametrize(("stop_reason", "timed_out", "expected"), ENDED_BY_THE_PROXY)
+def test_status_of_a_turn_the_proxy_answered_itself(stop_reason: str, timed_out: bool, expected: Outcome) -> None:
+    assert outcome_of(stop_reason=stop_reason, timed_out=timed_out, ended_by=ENDED_BY) == expected
+
+
 @pytest.mark.parametrize("recorded", list(S))
 @pytest.mark.parametrize("alive", [True, False])
 def test_an_unfinished_task_of_a_dead_proxy_reads_as_lost(recorded: TaskStatus, alive: bool) -> None:
@@ -373,6 +387,28 @@ def test_tasks_config() -> None:
     assert "tasks.retension" in text
     with pytest.raises(ConfigError, match=r"tasks\.retention"):
         validate({"tasks": {"retention": float("inf")}, "backends": {"a": {"command": ["a"]}}})
+
+
+def test_cancel_timeout_config() -> None:
+    """In [tasks] (default 30 s) and per backend; 0 turns it off, for all or for one backend."""
+    config = validate(
+        {
+            "tasks": {"cancel_timeout": "500ms"},
+            "backends": {
+                "gemini": {"command": ["gemini", "--acp"], "cancel_timeout": "5s"},
+                "patient": {"command": ["p"], "cancel_timeout": 0},
+                "other": {"command": ["o"]},
+            },
+        }
+    )
+    assert config.tasks.cancel_timeout == 0.5
+    assert [config.cancel_timeout(name) for name in ("gemini", "patient", "other")] == [5.0, 0.0, 0.5]
+    assert validate({"backends": {"a": {"command": ["a"]}}}).cancel_timeout("a") == 30.0
+    assert validate({"tasks": {"cancel_timeout": "0s"}, "backends": {"a": {"command": ["a"]}}}).cancel_timeout("a") == 0
+    with pytest.raises(ConfigError) as raised:
+        validate({"tasks": {"cancel_timeout": "never"}, "backends": {"a": {"command": ["a"], "cancel_timeout": -1}}})
+    assert "tasks.cancel_timeout" in str(raised.value)
+    assert "backends.a.cancel_timeout" in str(raised.value)
 
 
 def test_the_relay_does_not_import_the_operator_cli() -> None:

@@ -106,6 +106,9 @@ class Adapter:
         """Taken for a ``session/new`` or a restore in progress: not a spare, not idle."""
         self.swallow_updates = False
         """Drop ``session/update``s (the replay of a load the gateway did not ask for)."""
+        self.muted = False
+        """The proxy answered its turn for it and is stopping it: of what it writes from now on only
+        answers to requests still pending are relayed (its late updates and requests are dropped)."""
         self.upstream_pending = 0
         """Agent->client requests of this adapter the gateway has not answered yet."""
         self.last_active = 0.0

@@ -198,7 +198,12 @@ class AdapterRelay:
                         batch.overlong,
                         self.config.max_line_bytes,
                     )
-                if not adapter.swallow_updates and not adapter.rewrites_session and is_plain_notification_block(batch):
+                if (
+                    not adapter.swallow_updates
+                    and not adapter.rewrites_session
+                    and not adapter.muted
+                    and is_plain_notification_block(batch)
+                ):
                     turn = adapter.turn
                     if turn is not None and turn.status is TaskStatus.RUNNING:
                         turn.observe(batch.block, batch.count)  # titles included, as the turn reads it
@@ -232,6 +237,8 @@ class AdapterRelay:
             log.warning("adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s", adapter.pid, preview(line))
             return None
         msg, kind = decoded
+        if adapter.muted and kind is not Kind.RESPONSE:
+            return None  # the proxy has answered its turn for it: what it says now is too late
         if kind is not Kind.RESPONSE and adapter.rewrites_session:
             assert adapter.adapter_session is not None
             assert adapter.gateway_session is not None
@@ -298,6 +305,9 @@ class AdapterRelay:
 
     def _response(self, adapter: Adapter, msg: Message) -> bytes | None:
         call = adapter.take_pending(msg.id)
+        if call is None and adapter.muted:
+            log.info("adapter pid=%d answered request id %r after the proxy had: dropped", adapter.pid, msg.id)
+            return None
         if call is None:
             log.warning("adapter pid=%d answered unknown request id %r: dropped", adapter.pid, msg.id)
             return None

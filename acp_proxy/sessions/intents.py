@@ -2,7 +2,8 @@
 
     new            session/new on a prepared process; the id it answers is the stable id
     forward        a request for a session, sent now or queued behind its resume
-    cancel         session/cancel: queued prompts end cancelled, the running turn is asked to end; nothing is reaped
+    cancel         session/cancel: queued prompts end cancelled, the running turn is asked to end (within
+                   cancel_timeout, else the proxy answers it and suspends the session); nothing else is reaped
     close          session/close: end the turn in flight, reap the tree, mark it closed (still listed)
     delete         session/delete: as close, then delete it on the backend too and leave a tombstone
     fork           session/fork: on the parent's process, which the fork then keeps (the parent is suspended)
@@ -390,14 +391,17 @@ class SessionIntents:
         by: str | None,
         task: Turn | None = None,
         notification: tuple[Message, bytes] | None = None,
+        bounded: bool = True,
     ) -> None:
-        """Cancel a session's prompt turns; nothing is ever reaped.
+        """Cancel a session's prompt turns; nothing is reaped while the adapter ends them in time.
 
         Without ``task`` this is ACP's ``session/cancel``: every prompt queued for the session
         ends ``cancelled``, and the running turn is asked to end (the gateway's own
         ``notification`` is forwarded, else the proxy sends one). With ``task``, only that
         turn: answered ``cancelled`` when its turn to be sent comes, or asked to end if it
         runs. ``by`` is who asked, for the task's events (``None``: the event is already noted).
+        ``bounded``: a running turn still unanswered ``cancel_timeout`` after the first
+        cancel is answered by the proxy (``_cut_short_after``).
         """
         if task is None:
             session.cancel_epoch += 1
@@ -412,6 +416,34 @@ class SessionIntents:
         if by is not None:
             self.turns.note(adapter.turn, "cancel_requested", f"by {by}")
         await self._ask_to_end_turn(session, adapter, notification)
+        turn = adapter.turn if task is None else task
+        if bounded and turn is not None and turn.status is TaskStatus.RUNNING and not turn.cancel_bounded:
+            limit = self.config.cancel_timeout(session.record.backend)
+            if limit > 0:
+                turn.cancel_bounded = True
+                self.background.start(lambda: self._cut_short_after(limit, session, adapter, turn))
+
+    async def _cut_short_after(self, limit: float, session: Session, adapter: Adapter, turn: Turn) -> None:
+        """A cancelled turn its adapter has not ended ``limit`` seconds later (gemini-cli ends its
+        network retries first, for a minute or so): the proxy answers it and stops the process."""
+        if await self.turns.wait_settled(turn, limit) or adapter.gone or self.stopping.begun:
+            return
+        turn.event("cancel_timeout", f"still running {limit:g}s after session/cancel")
+        log.warning(
+            "task %s: still running %gs after session/cancel (cancel_timeout): answered cancelled",
+            turn.task_id,
+            limit,
+            extra=turn_ids(turn),
+        )
+        await self._answer_for_adapter(
+            session,
+            adapter,
+            turn,
+            CANCELLED,
+            why=f"still running {limit:g}s after session/cancel",
+            reason=SuspendReason.CANCEL_TIMEOUT,
+            ended_by=f"cancel_timeout: not ended by the agent {limit:g}s after session/cancel",
+        )
 
     async def _ask_to_end_turn(
         self, session: Session, adapter: Adapter, notification: tuple[Message, bytes] | None = None
@@ -748,23 +780,51 @@ class SessionIntents:
         )
         if session is None or adapter is None:
             return  # the process is gone: the turn is being answered with its exit already
-        await self.cancel(session, by=None, task=turn)
-        await self.turns.wait_settled(turn, self.config.shutdown.close_timeout)
+        await self.cancel(session, by=None, task=turn, bounded=False)
+        close_timeout = self.config.shutdown.close_timeout
+        await self.turns.wait_settled(turn, close_timeout)
         if turn.status in TERMINAL or adapter.gone:
             return
+        await self._answer_for_adapter(
+            session,
+            adapter,
+            turn,
+            {**CANCELLED, "_meta": {"acp-proxy": {"timedOut": True}}},
+            why=f"turn_timeout: the turn not ended {close_timeout:g}s after session/cancel",
+            reason=SuspendReason.TURN_TIMEOUT,
+        )
+
+    async def _answer_for_adapter(
+        self,
+        session: Session,
+        adapter: Adapter,
+        turn: Turn,
+        result: dict[str, Any],
+        *,
+        why: str,
+        reason: SuspendReason,
+        ended_by: str | None = None,
+    ) -> None:
+        """The proxy answers a cancelled turn its adapter does not end, and retires the process.
+
+        The session is suspended (the tree reaped, the session resumable) before the gateway
+        has the answer, so that its next request waits for a new process instead of going to
+        this one; from now on nothing the old process writes reaches the gateway.
+        """
         call = adapter.take_call_of(turn)
-        if call is not None:
-            await self.gateway.answer(call.gateway_id, {**CANCELLED, "_meta": {"acp-proxy": {"timedOut": True}}})
-        self.turns.settle(turn, stop_reason="cancelled")
+        self.turns.settle(turn, stop_reason="cancelled", ended_by=ended_by)
         if session.adapter is adapter and not session.closed:
+            adapter.muted = True
             log.warning(
-                "session %s: pid %s did not end the timed-out turn within %gs; stopping it (session suspended)",
+                "session %s: pid %s did not end its cancelled turn (%s); stopping it (session suspended)",
                 session.session_id,
                 adapter.pid,
-                self.config.shutdown.close_timeout,
+                why,
                 extra=turn_ids(turn),
             )
-            self.suspend(session.session_id, "turn_timeout", SuspendReason.TURN_TIMEOUT, even_if_busy=True)
+            self.suspend(session.session_id, why, reason, even_if_busy=True)
+        if call is not None:
+            await self.gateway.answer(call.gateway_id, result)
 
     # --- resume -------------------------------------------------------------------------------
 

@@ -78,7 +78,8 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True):
     status: str
     previousStatus: str | None
     reason: str | None
-    """The stop reason, else the error."""
+    """The error if there is one (the agent's, or why the proxy ended the turn itself, such as
+    ``cancel_timeout: ...``), else the stop reason."""
     durationSeconds: float | None
     """From the start of the turn to its end; ``None`` until it has ended (or if it never started)."""
     lastText: str
@@ -134,7 +135,7 @@ def notice_of(
         backend=task.backend,
         status=status.value,
         previousStatus=previous.value if previous is not None else None,
-        reason=(task.stop_reason or task.error) if terminal else None,
+        reason=(task.error or task.stop_reason) if terminal else None,
         durationSeconds=round(ended - started, 3) if terminal and started and ended else None,
         lastText=task.summary,
         traceparent=task.traceparent,

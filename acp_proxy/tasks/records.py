@@ -85,7 +85,11 @@ class Outcome:
 
 
 def outcome_of(
-    *, stop_reason: str | None = None, error: tuple[int, str] | None = None, timed_out: bool = False
+    *,
+    stop_reason: str | None = None,
+    error: tuple[int, str] | None = None,
+    timed_out: bool = False,
+    ended_by: str | None = None,
 ) -> Outcome:
     """How a turn ended, from what the gateway was answered.
 
@@ -94,11 +98,15 @@ def outcome_of(
     ``timed_out`` says the proxy cancelled the turn because ``turn_timeout`` passed:
     the turn is ``timed_out`` if it then ended cancelled; a turn that ended otherwise
     meanwhile (it finished, or its adapter crashed) is recorded as it ended.
+    ``ended_by`` says why the proxy answered a cancelled turn itself, before its adapter
+    did (``cancel_timeout``): kept as the turn's error, beside its stop reason.
     """
     message = None if error is None else f"{error[1]} (code {error[0]})"
     cancelled = stop_reason == "cancelled" or (error is not None and error[0] == REQUEST_CANCELLED)
     if timed_out and cancelled:  # ended by the cancel the timeout sent (or the proxy's own answer)
         return Outcome(TaskStatus.TIMED_OUT, stop_reason, message)
+    if ended_by is not None and stop_reason == "cancelled":
+        return Outcome(TaskStatus.CANCELLED, stop_reason, ended_by)
     if error is not None:
         status = TaskStatus.CANCELLED if error[0] == REQUEST_CANCELLED else TaskStatus.FAILED
         return Outcome(status, None, message)
@@ -256,6 +264,8 @@ class Turn:
     """An operator cancelled it while it was queued: it is answered ``cancelled`` instead of sent."""
     deadline: float | None = None
     """``time.monotonic()`` after which ``turn_timeout`` cancels the turn."""
+    cancel_bounded: bool = False
+    """A ``session/cancel`` was sent for it and ``cancel_timeout`` counts from the first one."""
     notify: NotifyPolicy | None = None
     """The task's own notification policy, set by an operator; ``None``: the config's ``[tasks] notify``."""
     _unread: list[tuple[bytes, bool]] = field(default_factory=list)

@@ -272,17 +272,19 @@ class TurnBook:
         *,
         stop_reason: str | None = None,
         error: tuple[int, str] | None = None,
+        ended_by: str | None = None,
         write_later: bool = False,
     ) -> None:
         """The gateway has been (or is being) answered: record how the turn ended. Once only.
 
-        ``write_later``: the relay is about to send the answer; it writes the record right
-        after (``write_settled``), so the gateway does not wait for the database.
+        ``ended_by``: why the proxy answered it itself (``outcome_of``). ``write_later``: the
+        relay is about to send the answer; it writes the record right after
+        (``write_settled``), so the gateway does not wait for the database.
         """
         if turn.status in TERMINAL:
             return
         previous = turn.status
-        turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out))
+        turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out, ended_by=ended_by))
         self.turns.pop(turn.task_id, None)
         self.settled.notify()
         if turn.notify or self._notifying:
