@@ -9,6 +9,8 @@ Startup behaviour comes from one JSON object in argv[1] (all keys optional):
     record             path: append {"in": line} / {"out": line} for every line read / written
     init_delay         seconds to wait before answering initialize
     memory             MB of resident memory to hold for the process's life (every page written)
+    memory_delay       seconds to wait before taking that memory (and answering anything): an
+                       adapter that grows for a while after it starts
     load_replay        number of history updates to replay on session/load (default: all)
     load_result        what session/load answers (default {}; null is allowed)
     resume_result      what session/resume answers (default {})
@@ -649,6 +651,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if options.get("title"):
         set_title(options["title"])
+    time.sleep(options.get("memory_delay", 0))
     ballast = bytearray(int(options.get("memory", 0) * 1024 * 1024))
     for page in range(0, len(ballast), 4096):
         ballast[page] = 1  # resident, not just reserved

@@ -19,6 +19,8 @@ from typing import Any
 import anyio
 import pytest
 
+from acp_proxy.pool.learned import all_peaks
+from acp_proxy.pool.memory import ProcMemory
 from acp_proxy.sessions.registry import SessionState
 from tests.support import (
     MARKER_VARIABLE,
@@ -29,6 +31,7 @@ from tests.support import (
     pid_alive,
     registry,
     send_prompt,
+    state_db,
     state_of,
     write_config,
 )
@@ -39,26 +42,36 @@ SAMPLE_EVERY = 0.01
 
 
 class LiveAdapters:
-    """Samples ``/proc`` for live fake adapters of this test (not their wrappers), keeping the peak."""
+    """Samples ``/proc`` for live fake adapters of this test (not their wrappers), keeping the peak, and
+    for the memory of the test's adapter trees together (wrappers too: PSS, else RSS), keeping its peak."""
 
     def __init__(self, marker: str) -> None:
         self.marker = marker
         self.peak = 0
+        self.peak_memory = 0
         self.samples = 0
+        self._reader = ProcMemory()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def count(self) -> int:
-        return sum(
-            1
-            for marked in marked_processes(self.marker).values()
-            if any(arg.endswith("fake_adapter.py") for arg in marked.argv)
-            and not any(arg.endswith("adapter_wrapper.py") for arg in marked.argv)
-        )
+    def sample(self) -> tuple[int, int]:
+        """Live fake adapters, and the bytes every adapter tree of the test uses."""
+        adapters = memory = 0
+        for pid, marked in marked_processes(self.marker).items():
+            adapter = any(arg.endswith("fake_adapter.py") for arg in marked.argv)
+            wrapper = any(arg.endswith("adapter_wrapper.py") for arg in marked.argv)
+            if not (adapter or wrapper):
+                continue  # a proxy: not an adapter tree
+            adapters += not wrapper
+            usage = self._reader.read(pid)
+            memory += usage.size if usage is not None else 0
+        return adapters, memory
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.count())
+            adapters, memory = self.sample()
+            self.peak = max(self.peak, adapters)
+            self.peak_memory = max(self.peak_memory, memory)
             self.samples += 1
             self._stop.wait(SAMPLE_EVERY)
 
@@ -357,3 +370,53 @@ async def test_a_busy_session_over_the_memory_budget_is_left_alone(proc_env: dic
         await until_state(proc_env, second, SessionState.SUSPENDED)  # idle, over budget: it goes
         assert pid_alive(pid)
         assert turn_ok(await a.response_to(turn, timeout=15))  # its process served the whole turn
+
+
+async def test_the_memory_budget_holds_from_the_first_second_while_sessions_are_idle(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Three one-session proxies, adapters of 80 MB, a budget that fits two: never three trees at once.
+
+    Each proxy launches an adapter as it starts, and each session goes idle after its turn: a
+    start counts every live tree of the install, measured there and then, so the third start
+    suspends an idle session, and waits for its tree to end, before its own tree exists.
+    """
+    budget = 230 * 2**20
+    args = install_config(tmp_path, {"max_live": 10, "max_memory": "230M"}, memory=80)
+    with sampling(proc_env) as live:
+        async with proxies(proc_env, tmp_path, 3, args) as gateways:
+            sessions = [await gw.new_session() for gw in gateways]
+            for _ in range(2):
+                for gw, session in zip(gateways, sessions, strict=True):
+                    assert turn_ok(await gw.prompt(session, "stream 1"))
+            for gw, session in zip(gateways, sessions, strict=True):
+                assert (await state_of(gw, session))["turns"] == 2
+    assert live.peak == 2, f"{live.peak} adapters were alive at once"
+    assert live.peak_memory <= budget, f"the adapter trees used {live.peak_memory / 2**20:.0f} MiB together"
+
+
+async def test_a_fresh_proxy_counts_a_start_as_large_as_the_install_has_seen_its_backend(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Adapters that take their 80 MB a while after they start, a budget that fits one.
+
+    Two fresh proxies start at once, each about to launch an adapter: the second to decide
+    measures the first one's tree before it has grown, but counts it as large as the install
+    has seen the backend's trees get (learned by a proxy that has exited), and so launches none.
+    """
+    args = install_config(tmp_path, {"max_live": 10, "max_memory": "150M"}, memory=80, memory_delay=1)
+    async with proxies(proc_env, tmp_path, 1, args) as (earlier,):
+        session = await earlier.new_session()
+        assert turn_ok(await earlier.prompt(session, "stream 1"))
+    db = state_db(proc_env)
+    try:
+        assert all_peaks(db.conn)["fake"] >= 80 * 2**20
+    finally:
+        db.close()
+    with sampling(proc_env) as live:
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(2):  # launched back to back, well within the adapters' memory_delay
+                await stack.enter_async_context(Gateway.start(proc_env, tmp_path, [], proxy_args=args))
+            await anyio.sleep(2.5)  # past the memory_delay: a second tree would hold its memory by now
+    assert live.peak <= 1, f"{live.peak} adapters were alive at once"
+    assert live.peak_memory <= 150 * 2**20, f"the adapter trees used {live.peak_memory / 2**20:.0f} MiB together"

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from acp_proxy.operator.reports import install_slots_view
 from acp_proxy.pool.install import InstallSlots, SlotRecord
 
 
@@ -138,3 +139,14 @@ def test_every_directory_and_file_is_private_whatever_the_umask(tmp_path: Path) 
         os.umask(old)
     for path in [a.root, *a.root.rglob("*")]:
         assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
+
+
+def test_status_shows_a_slot_taken_for_a_start_with_no_process_yet_as_a_start_in_progress(tmp_path: Path) -> None:
+    """With a memory budget the slot is described as soon as it is taken (its backend, that it is
+    starting), before there is a process: status and metrics show no adapter for it."""
+    held = proxy(tmp_path, "a").try_take("fake", global_cap=4, backend_cap=None)
+    assert held is not None
+    held.publish(SlotRecord(instance="a", pid=os.getpid(), backend="fake", key="starting:0", starting=True))
+    [view] = install_slots_view(tmp_path / "state", lambda instance: True)
+    assert view == {"slot": held.index, "holder": None}
+    held.release()

@@ -26,6 +26,7 @@ from acp_proxy.pool.memory import (
     PsutilMemory,
     TreeMemory,
     Usage,
+    counted_size,
     measure_tree,
     measure_trees,
     plan_budget,
@@ -252,6 +253,33 @@ SPAWN = [
         [],
     ),
     (
+        "a start in progress counts like a busy tree: an idle session makes room for both",
+        [slot("starting:3", busy=True, last_active=0), slot("old", last_active=1)],
+        "a",
+        100,
+        budget(200),
+        ["old"],
+        [],
+    ),
+    (
+        "a tree being stopped counts until it is gone, and is counted on first: nothing else goes",
+        [slot("going", busy=True, stopping=True, last_active=9), slot("old", last_active=1)],
+        "a",
+        100,
+        budget(200),
+        ["going"],
+        [],
+    ),
+    (
+        "a tree being stopped is not enough: the least recently used idle session goes after it",
+        [slot("going", memory=50, stopping=True), slot("old", last_active=1), slot("new", last_active=9)],
+        "a",
+        100,
+        budget(250),
+        ["going", "old"],
+        [],
+    ),
+    (
         "a process larger than the whole budget: every idle session goes first, then the overrun is reported",
         [slot("s1", last_active=1), slot("s2", last_active=2)],
         "a",
@@ -279,6 +307,24 @@ def test_plan_spawn(
     plan = plan_spawn(live, backend, None if expected is None else expected * MB, limits)
     assert keys(plan) == suspended
     assert overruns(plan) == left_over
+
+
+# (sentence, measured now in MB or None, the backend's peak in MB, still starting, counted MB)
+COUNTED = [
+    ("a tree up and measured counts what it measures, below its backend's peak too", 50, 100, False, 50),
+    ("a tree still starting counts as at least its backend's peak: it is still loading", 10, 100, True, 100),
+    ("a tree still starting and already larger than the peak counts what it measures", 150, 100, True, 150),
+    ("a tree that could not be measured is guessed at its backend's peak", None, 100, False, 100),
+    ("a start not launched yet is its backend's peak", None, 100, True, 100),
+    ("a backend never measured: a starting tree counts what it measures now", 10, 0, True, 10),
+]
+
+
+@pytest.mark.parametrize(
+    ("measured", "peak", "starting", "expected"), [r[1:] for r in COUNTED], ids=[r[0] for r in COUNTED]
+)
+def test_counted_size(measured: int | None, peak: int, starting: bool, expected: int) -> None:
+    assert counted_size(None if measured is None else measured * MB, peak * MB, starting=starting) == expected * MB
 
 
 def test_an_overrun_reads_as_a_sentence_to_log() -> None:

@@ -226,7 +226,7 @@ def _gather(
     memory: Tally[str] = Tally()
     install = InstallSlots(state_dir, "reader")
     for held in install.holders():
-        if held.record is None:
+        if held.record is None or held.record.launching:
             continue
         live[held.record.backend] += 1
         if held.record.memory is not None:

@@ -731,7 +731,7 @@ def install_slots_view(state_dir: Path, alive: Callable[[str | None], bool]) -> 
     views: list[dict[str, Any]] = []
     for held in InstallSlots(state_dir, "reader").holders():
         record = held.record
-        if record is None:
+        if record is None or record.launching:
             views.append({"slot": held.index, "holder": None})
             continue
         views.append(

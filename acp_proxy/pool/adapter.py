@@ -128,6 +128,9 @@ class Adapter:
         """Monotonic time its slot was had, until its first session is bound (what a start costs)."""
         self.recent_until = 0.0
         """Monotonic time until which it was active moments ago (``[pool] min_idle``): not taken."""
+        self.starting = True
+        """It has not answered the request it was started for yet: still loading (the memory budget
+        counts it as at least the largest tree its backend has had)."""
         self.memory: int | None = None
         """Its tree's memory when last measured (bytes), and how (``pss`` or ``rss``)."""
         self.memory_kind: str | None = None

@@ -71,6 +71,18 @@ class SlotRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     stopping: bool = False
     memory: int | None = None
     memory_kind: str | None = None
+    wrapper_pid: int | None = None
+    """The tree's root: a start in another proxy measures the tree from it."""
+    command: str | None = None
+    """The backend's command hash (``leases.command_hash``): the largest tree is learned per command."""
+    starting: bool = False
+    """Its adapter has not answered yet (or is not even launched): still loading, it counts as
+    at least the largest tree its backend has had."""
+
+    @property
+    def launching(self) -> bool:
+        """Taken for a start that has no process yet: only its backend is known."""
+        return self.adapter_pid is None
 
 
 _encode = msgspec.json.Encoder().encode
@@ -115,8 +127,14 @@ class Held:
 
     fds: list[int]
     scope_indexes: list[tuple[str, int]]
+    backend: str = ""
     _written: bytes = b""
     _length: int = 0
+
+    @property
+    def index(self) -> int:
+        """Its number among the install's slot files (``slots/all``)."""
+        return next(index for scope, index in self.scope_indexes if scope == ALL)
 
     @property
     def descriptors(self) -> tuple[int, ...]:
@@ -209,7 +227,7 @@ class InstallSlots:
                 return None
             taken.append((got[0], scope, got[1]))
         taken.reverse()  # the install's slot first: its file carries the record
-        return Held([fd for fd, _, _ in taken], [(scope, index) for _, scope, index in taken])
+        return Held([fd for fd, _, _ in taken], [(scope, index) for _, scope, index in taken], backend)
 
     def _take_one(self, scope: str, cap: int) -> tuple[int, int] | None:
         directory = self._scope(scope)
@@ -242,6 +260,13 @@ class InstallSlots:
                 continue
             held.append(HeldSlot(scope, index, _read_record(path)))
         return sorted(held, key=lambda h: h.index)
+
+    def holder(self, index: int) -> HeldSlot | None:
+        """The install's slot file ``index`` if someone holds it (this proxy too), else ``None``."""
+        path = self.root / ALL / f"{index}.slot"
+        if not locked(path):
+            return None
+        return HeldSlot(ALL, index, _read_record(path))
 
     def lead(self, role: str) -> bool:
         """Whether this proxy holds the install's ``role`` (taken once free, then kept for life).

@@ -21,11 +21,20 @@ worker thread. A process that vanishes mid-read is skipped, and one that cannot 
 is counted apart rather than raising: a budget is advisory, and a figure a little low is
 better than none.
 
+**Counting.** A figure measured every few seconds is late for a tree that has just started:
+it is still loading, and measures far less than it soon will. So a start counts every live
+tree of the install as measured there and then, and a tree still starting (its adapter has
+not answered yet) as at least the largest tree its backend has had (``counted_size``); the
+new tree is expected to be that large too. That largest tree is learned by the install
+(``learned.py``): a proxy's first start knows it from the proxies before it.
+
 **Deciding.** ``plan_budget`` (the periodic check) and ``plan_spawn`` (before a process
 starts) are pure decisions over a snapshot, like ``plan_acquire`` in ``plan.py``: which idle
 slots to suspend, least recently used first, so that every budget holds. The caller suspends
-them afterwards. A budget is not a kill switch: when nothing more can be suspended the
-decision says which budgets are still exceeded, and a spawn goes ahead anyway.
+them afterwards; before a spawn it also waits for their trees (and those already being
+stopped that the plan counted on) to be gone. A budget is not a kill switch: when nothing
+more can be suspended the decision says which budgets are still exceeded, and a spawn goes
+ahead anyway.
 """
 
 from __future__ import annotations
@@ -247,6 +256,20 @@ class MemorySlot:
     """Active moments ago (a turn just ended): taken only once no other idle slot would do."""
     spare: bool = False
     """Started before any session; holds none, so it goes first."""
+    stopping: bool = False
+    """Being stopped already: it counts until its tree is gone, and is the first to count on."""
+
+
+def counted_size(measured: int | None, peak: int, *, starting: bool) -> int:
+    """What a live tree counts for in a start's decision.
+
+    ``measured``: its figure now (``None``: it could not be measured); ``peak``: the largest
+    tree its backend has had (0: none measured yet). A tree still starting is loading: it
+    counts as at least the peak. A tree without a figure is guessed at the peak.
+    """
+    if measured is None:
+        return peak
+    return max(measured, peak) if starting else measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +312,7 @@ class Overrun:
 @dataclass(frozen=True, slots=True)
 class BudgetPlan:
     suspend: tuple[MemorySlot, ...] = ()
-    """Suspend these, in this order."""
+    """Suspend these, in this order (one already ``stopping`` is only waited for)."""
     overrun: tuple[Overrun, ...] = ()
     """Budgets exceeded even after ``suspend``: the caller logs them (once per episode, by ``backend``)."""
 
@@ -298,8 +321,8 @@ def _mib(size: int) -> str:
     return f"{size / 1024**2:.0f} MiB"
 
 
-def _suspension_order(slot: MemorySlot) -> tuple[bool, bool, float]:
-    return (not slot.spare, slot.recent, slot.last_active)
+def _suspension_order(slot: MemorySlot) -> tuple[bool, bool, bool, float]:
+    return (not slot.stopping, not slot.spare, slot.recent, slot.last_active)
 
 
 def _relieve(live: Sequence[MemorySlot], limits: Mapping[str | None, int], extra: int = 0) -> BudgetPlan:
@@ -310,7 +333,8 @@ def _relieve(live: Sequence[MemorySlot], limits: Mapping[str | None, int], extra
     """
     used = {scope: sum(s.memory for s in live if scope in (None, s.backend)) + extra for scope in limits}
     chosen = []
-    for slot in sorted((s for s in live if not s.busy and not s.pinned), key=_suspension_order):
+    takeable = (s for s in live if s.stopping or not (s.busy or s.pinned))
+    for slot in sorted(takeable, key=_suspension_order):
         over = [scope for scope in limits if used[scope] > limits[scope]]
         if not over:
             break
@@ -326,8 +350,9 @@ def _relieve(live: Sequence[MemorySlot], limits: Mapping[str | None, int], extra
 def plan_budget(live: Sequence[MemorySlot], budget: MemoryBudget) -> BudgetPlan:
     """Which idle slots to suspend so that the live trees fit every budget.
 
-    Spares first, then the least recently used sessions; a ``recent`` one only after every
-    other idle one; busy and pinned ones never. A slot is taken only if it lowers a budget
+    Trees already being stopped first (nothing to do but let them end), then spares, then the
+    least recently used sessions; a ``recent`` one only after every other idle one; busy and
+    pinned ones never. A slot is taken only if it lowers a budget
     still exceeded (another backend's session does not relieve a backend's own budget).
     A total equal to the budget fits.
     """

@@ -44,7 +44,16 @@ class Slot:
     instance: str | None = None
     """The proxy that holds it, if not this one."""
     memory: int | None = None
-    """Its tree's memory when last measured (bytes); the memory budget's, not this plan's."""
+    """Its tree's memory when last measured (bytes); the memory budget's, not this plan's, like
+    the fields below."""
+    index: int | None = None
+    """Its slot file's number (``slots/all``): a start waits on it for the tree to be gone."""
+    root: int | None = None
+    """The tree's root (its wrapper's pid), to measure it by; ``None`` while not launched."""
+    starting: bool = False
+    """Its adapter has not answered yet: still loading."""
+    command: str | None = None
+    """Its backend's command hash, under which the install learns how large the backend's trees get."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ import functools
 import logging
 import math
 import os
+import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -30,11 +31,22 @@ from acp_proxy.concurrency import Background, Changes, Stopping
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import Kind, SuspendReason
 from acp_proxy.logs import ids
+from acp_proxy.ownership.leases import command_hash
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
-from acp_proxy.pool.install import Held, InstallSlots, SlotRecord, Ticket
-from acp_proxy.pool.memory import BudgetPlan, MemoryBudget, MemorySlot, measure_trees, plan_budget, plan_spawn
+from acp_proxy.pool.install import Held, HeldSlot, InstallSlots, SlotRecord, Ticket
+from acp_proxy.pool.learned import Learned, all_peaks
+from acp_proxy.pool.memory import (
+    BudgetPlan,
+    MemoryBudget,
+    MemorySlot,
+    TreeMemory,
+    counted_size,
+    measure_trees,
+    plan_budget,
+    plan_spawn,
+)
 from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire, protection
 from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
@@ -101,11 +113,15 @@ class WarmStart:
             adapter_pid=self.process.process.pid,
             since=self.since,
             busy=False,
+            wrapper_pid=self.process.process.pid,
+            command=self.process.lease.command_hash,
+            starting=True,
         )
 
 
 def launch_warm(config: Config, owner: Owner, backend: BackendConfig) -> WarmStart | None:
-    """Launch ``backend`` at once if the install has a slot free for it and nobody waits for one.
+    """Launch ``backend`` at once if the install has a slot free for it, nobody waits for one, and
+    it fits the memory budget as it is (suspending nothing: a start made for a request does that).
 
     Nearly every gateway's first request needs an adapter: launched now, its start-up
     overlaps the proxy's own. A full install starts it later, when a slot is had.
@@ -117,6 +133,9 @@ def launch_warm(config: Config, owner: Owner, backend: BackendConfig) -> WarmSta
     if slot is None:
         return None
     try:
+        if not _fits_at_once(MemoryBudget.of(config), owner, backend, install, slot):
+            slot.release()
+            return None
         process = Adapter.launch(backend, owner=owner, shutdown=config.shutdown, hold=slot.descriptors)
     except BaseException:
         slot.release()
@@ -124,6 +143,25 @@ def launch_warm(config: Config, owner: Owner, backend: BackendConfig) -> WarmSta
     warm = WarmStart(process, slot)
     slot.publish(warm.record(owner.instance_id, backend.name))
     return warm
+
+
+def _fits_at_once(
+    budget: MemoryBudget, owner: Owner, backend: BackendConfig, install: InstallSlots, held: Held
+) -> bool:
+    """Whether a tree of ``backend`` started now fits the memory budget with no session suspended.
+
+    Counted as a start made for a request counts (``counted_trees``), measuring here: this runs
+    before the event loop.
+    """
+    if budget.empty:
+        return True
+    held.publish(starting_record(owner.instance_id, backend, held))
+    moment = time.monotonic()
+    others = [slot_of_record(other, moment) for other in install.holders(skip={held.index})]
+    peaks = Peaks(Learned(owner.db))
+    live = counted_trees(others, measure_trees(roots_of(others)), peaks, moment)
+    plan = plan_spawn(live, backend.name, peaks.of(backend.name, command_hash(tuple(backend.command))), budget)
+    return not plan.suspend and not plan.overrun
 
 
 @dataclass(eq=False, slots=True)
@@ -137,6 +175,122 @@ class _Waiter:
 
 def slot_key(adapter: Adapter) -> str:
     return adapter.gateway_session or f"spare:{adapter.backend.name}:{adapter.pid}"
+
+
+def slot_of_record(held: HeldSlot, moment: float, *, alive: bool = True) -> Slot:
+    """Another proxy's slot as its file describes it (``alive``: whether its holder is).
+
+    A slot whose holder is a proxy that is gone is being freed (its wrapper holds it until the
+    tree is gone); one not described yet is a start in progress.
+    """
+    record = held.record
+    if record is None:
+        return Slot(
+            key=f"starting:{held.index}", backend="", last_active=moment, busy=True, index=held.index, starting=True
+        )
+    return Slot(
+        key=record.key,
+        backend=record.backend,
+        last_active=record.last_active,
+        busy=record.busy,
+        spare=record.session is None,
+        pinned=record.pinned,
+        recent_until=record.recent_until,
+        stopping=record.stopping or not alive,
+        instance=record.instance,
+        memory=record.memory,
+        index=held.index,
+        root=record.wrapper_pid,
+        starting=record.starting,
+        command=record.command,
+    )
+
+
+def starting_record(instance_id: str, backend: BackendConfig, held: Held) -> SlotRecord:
+    """A slot taken for a start that has no process yet: counted as its backend's largest tree."""
+    return SlotRecord(
+        instance=instance_id,
+        pid=os.getpid(),
+        backend=backend.name,
+        key=f"starting:{held.index}",
+        since=time.time(),
+        busy=True,
+        command=command_hash(tuple(backend.command)),
+        starting=True,
+    )
+
+
+class Peaks:
+    """The largest tree each backend has had: what the install has learned (``pool.learned``), and
+    what this proxy has measured since (its writes are queued: the database may not have them yet)."""
+
+    def __init__(self, learned: Learned) -> None:
+        self.learned = learned
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def of(self, backend: str, command: str | None) -> int:
+        """The largest tree of ``backend`` under ``command`` (0: none measured). With no backend (a
+        start not described yet), the largest of any backend; with no command, the largest seen here."""
+        if not backend:
+            try:
+                learned = max(all_peaks(self.learned.db.conn).values(), default=0)
+            except sqlite3.Error:
+                learned = 0
+            return max(learned, max(self._seen.values(), default=0))
+        if command is None:
+            return max((size for (name, _), size in self._seen.items() if name == backend), default=0)
+        return max(self._seen.get((backend, command), 0), self.learned.facts(backend, command).peak_memory)
+
+    def saw(self, backend: str, command: str | None, size: int) -> None:
+        """A tree of ``backend`` measured ``size`` bytes: the install learns it if it is the largest seen here."""
+        if not backend or command is None or size <= self._seen.get((backend, command), 0):
+            return
+        self._seen[(backend, command)] = size
+        self.learned.peak(backend, command, size)
+
+
+def roots_of(slots: Sequence[Slot]) -> list[int]:
+    return [slot.root for slot in slots if slot.root is not None]
+
+
+def budget_key(slot: Slot) -> str:
+    """A slot's key for the memory budget's plan: unique across the install (a key is unique in its proxy)."""
+    return slot.key if slot.instance is None else f"{slot.instance}/{slot.key}"
+
+
+def memory_slot(slot: Slot, memory: int, moment: float) -> MemorySlot:
+    return MemorySlot(
+        key=budget_key(slot),
+        backend=slot.backend,
+        memory=memory,
+        last_active=slot.last_active,
+        busy=slot.busy,
+        pinned=slot.pinned,
+        recent=not slot.spare and slot.recent_until > moment,
+        spare=slot.spare,
+        stopping=slot.stopping,
+    )
+
+
+def counted_trees(slots: Sequence[Slot], trees: dict[int, TreeMemory], peaks: Peaks, moment: float) -> list[MemorySlot]:
+    """The install's live trees as a start counts them (``counted_size``), ``trees`` measured now by root.
+
+    What was measured is learned first: a tree measured here raises its backend's peak before
+    any tree of that backend is counted against it.
+    """
+    figures: list[int | None] = []
+    for slot in slots:
+        tree = trees.get(slot.root) if slot.root is not None else None
+        if tree is not None and tree.processes:
+            peaks.saw(slot.backend, slot.command, tree.total)
+            figures.append(tree.total)
+        else:
+            figures.append(slot.memory)  # not there to measure: its holder's figure, if any
+    peak = functools.cache(peaks.of)
+    return [
+        memory_slot(slot, counted_size(figure, peak(slot.backend, slot.command), starting=slot.starting), moment)
+        for slot, figure in zip(slots, figures, strict=True)
+    ]
 
 
 class ProcessPool:
@@ -167,6 +321,9 @@ class ProcessPool:
         self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
         self.journal = owner.journal
         self.budget = MemoryBudget.of(config)
+        self.peaks = Peaks(Learned(owner.db))
+        self._measure_due = Changes()
+        """Notified when a new adapter has answered: measure it now, rather than at the next round."""
         self._overruns: set[str | None] = set()
         """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
         self._start_costs: dict[str, float] = {}
@@ -244,10 +401,26 @@ class ProcessPool:
                     recent_until=adapter.recent_until,
                     stopping=stopping,
                     memory=adapter.memory,
+                    index=adapter.slot.index if adapter.slot is not None else None,
+                    root=adapter.supervised.process.pid,
+                    starting=adapter.starting,
+                    command=adapter.supervised.lease.command_hash,
                 )
             )
         if self._warm is not None:  # launched with the proxy, not taken yet: the first spare to go
-            slots.append(Slot(key=WARM_KEY, backend=self.default_backend.name, last_active=0.0, spare=True))
+            warm = self._warm
+            slots.append(
+                Slot(
+                    key=WARM_KEY,
+                    backend=self.default_backend.name,
+                    last_active=0.0,
+                    spare=True,
+                    index=warm.slot.index,
+                    root=warm.process.process.pid,
+                    starting=True,
+                    command=warm.process.lease.command_hash,
+                )
+            )
         return slots
 
     def install_slots(self, refused: dict[str, float] | None = None) -> list[Slot]:
@@ -263,34 +436,15 @@ class ProcessPool:
         ]
 
     def _others_slots(self, moment: float) -> list[Slot]:
-        """The slots of the install this proxy does not hold, from their files (re-read at most every
-        ``SNAPSHOT_FOR``: every waiter at the front of the line plans over the same reading).
-
-        A slot whose holder is a proxy that is gone is being freed (its wrapper holds it until the
-        tree is gone); one not described yet is a start in progress.
-        """
+        """The slots of the install this proxy does not hold, from their files (``slot_of_record``),
+        re-read at most every ``SNAPSHOT_FOR``: every waiter at the front of the line plans over the
+        same reading."""
         if self._others is not None and moment - self._others[0] < SNAPSHOT_FOR:
             return self._others[1]
-        others = []
-        for held in self.install.holders(skip=self._own_install_indexes()):
-            record = held.record
-            if record is None:
-                others.append(Slot(key=f"starting:{held.index}", backend="", last_active=moment, busy=True))
-                continue
-            others.append(
-                Slot(
-                    key=record.key,
-                    backend=record.backend,
-                    last_active=record.last_active,
-                    busy=record.busy,
-                    spare=record.session is None,
-                    pinned=record.pinned,
-                    recent_until=record.recent_until,
-                    stopping=record.stopping or not self._alive(record.instance, moment),
-                    instance=record.instance,
-                    memory=record.memory,
-                )
-            )
+        others = [
+            slot_of_record(held, moment, alive=held.record is None or self._alive(held.record.instance, moment))
+            for held in self.install.holders(skip=self._own_install_indexes())
+        ]
         self._others = (moment, others)
         return others
 
@@ -306,20 +460,8 @@ class ProcessPool:
         each one's plan slot, to suspend it by."""
         moment = time.monotonic()
         slots = [slot for slot in self.install_slots() if not slot.stopping and not slot.key.startswith("starting:")]
-        measured = [
-            MemorySlot(
-                key=slot.key,
-                backend=slot.backend,
-                memory=slot.memory or 0,
-                last_active=slot.last_active,
-                busy=slot.busy,
-                pinned=slot.pinned,
-                recent=not slot.spare and slot.recent_until > moment,
-                spare=slot.spare,
-            )
-            for slot in slots
-        ]
-        return measured, {slot.key: slot for slot in slots}
+        measured = [memory_slot(slot, slot.memory or 0, moment) for slot in slots]
+        return measured, {budget_key(slot): slot for slot in slots}
 
     def _own_install_indexes(self) -> set[int]:
         held = [a.slot for a in self.running if a.slot is not None]
@@ -448,6 +590,8 @@ class ProcessPool:
         if held is not None:
             self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
             self._taking.append(held)
+            if not self.budget.empty:  # other proxies' starts count it from now on
+                held.publish(starting_record(self.owner.instance_id, backend, held))
         return held
 
     @staticmethod
@@ -537,44 +681,126 @@ class ProcessPool:
         if self.budget.empty:
             return
         while not self.stopping.begun:
+            due = self._measure_due.next()
             await self._measure()
             if self.install.lead(BUDGET_ROLE):
                 measured, by_key = self._memory_slots()
                 await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
-            await anyio.sleep(MEMORY_EVERY)
+            await self._wait_for_change(due, MEMORY_EVERY)
 
     async def _measure(self) -> None:
+        """Measure this proxy's trees, for its slot records; what they measure is learned by the install."""
         adapters = [a for a in self.running if not a.gone]
         roots = {a.supervised.process.pid: a for a in adapters}
         trees = await anyio.to_thread.run_sync(measure_trees, list(roots))  # /proc reads block
         for root, tree in trees.items():
             adapter = roots[root]
             adapter.memory, adapter.memory_kind = tree.total, tree.method
+            if tree.processes:
+                self.peaks.saw(adapter.backend.name, adapter.supervised.lease.command_hash, tree.total)
         self.changed.notify()  # the slot records carry the figures
 
-    async def _make_room_in_memory(self, backend: BackendConfig) -> None:
-        """Before a start: suspend idle sessions if the new tree would not fit the budget.
+    def _came_up(self, adapter: Adapter) -> None:
+        """A new adapter has answered its first request: loaded, it counts as measured from now on."""
+        if adapter.starting:
+            adapter.starting = False
+            self._measure_due.notify()
+            self.changed.notify()
 
-        Its size is guessed as the largest live tree of its backend in the install (nothing
-        while none has been measured): a spawn never waits for the budget, it only evicts.
+    async def _make_room_in_memory(self, backend: BackendConfig, held: Held) -> None:
+        """Before a start (``held``: its slot): suspend idle sessions until the new tree fits the budget,
+        and wait until their trees are gone.
+
+        Every live tree of the install counts, measured now, and every other start in progress too
+        (``counted_trees``); the new tree is expected to be as large as the largest its backend has
+        had. A spawn waits for the budget only while the trees it counted on end (at most
+        ``acquire_timeout``): with nothing left to suspend it goes ahead, and the overrun is logged.
         """
         if self.budget.empty:
             return
-        measured, by_key = self._memory_slots()
-        sizes = [slot.memory for slot in measured if slot.backend == backend.name and slot.memory]
-        plan = plan_spawn(measured, backend.name, max(sizes, default=None), self.budget)
-        await self._carry_out(plan, by_key, f"room in the memory budget for a {backend.name} start")
+        refused: set[str] = set()
+        while True:
+            moment = time.monotonic()
+            self._others = None  # a start decides on the install as it is now
+            slots = [*self.install_slots(), *self._own_starts(held, moment)]
+            trees = await anyio.to_thread.run_sync(measure_trees, roots_of(slots))  # /proc reads block
+            live = [
+                dataclasses.replace(tree, busy=True) if tree.key in refused else tree
+                for tree in counted_trees(slots, trees, self.peaks, moment)
+            ]
+            expected = self.peaks.of(backend.name, command_hash(tuple(backend.command)))
+            plan = plan_spawn(live, backend.name, expected, self.budget)
+            by_key = {budget_key(slot): slot for slot in slots}
+            going = await self._carry_out(plan, by_key, f"room in the memory budget for a {backend.name} start")
+            await self._until_gone([by_key[key] for key in going])
+            declined = {chosen.key for chosen in plan.suspend} - set(going)
+            if not declined:
+                return
+            refused |= declined  # not idle after all: plan again without them
 
-    async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> None:
+    def _own_starts(self, exclude: Held, moment: float) -> list[Slot]:
+        """This proxy's other starts in progress (slots taken, no process yet), as the plan's slots."""
+        return [
+            Slot(
+                key=f"starting:{held.index}",
+                backend=held.backend,
+                last_active=moment,
+                busy=True,
+                index=held.index,
+                starting=True,
+                command=command_hash(tuple(self.config.backends[held.backend].command)),
+            )
+            for held in self._taking
+            if held is not exclude and held.backend in self.config.backends
+        ]
+
+    async def _until_gone(self, slots: list[Slot]) -> None:
+        """Wait until the trees of ``slots`` are gone: their slot files let go of, or held for another tree.
+
+        A tree's wrapper holds its slot until the whole tree has ended. At most ``acquire_timeout``:
+        a tree that will not end is left to its own proxy, and the start goes ahead.
+        """
+        waiting = [slot for slot in slots if slot.index is not None]
+        with anyio.move_on_after(self.config.pool.acquire_timeout):
+            while True:
+                changed = self.changed.next()
+                waiting = [slot for slot in waiting if self._tree_there(slot)]
+                if not waiting:
+                    return
+                await self._wait_for_change(changed, INSTALL_POLL)
+        log.warning(
+            "memory budget: %d suspended trees still there after %gs; starting anyway",
+            len(waiting),
+            self.config.pool.acquire_timeout,
+        )
+
+    def _tree_there(self, slot: Slot) -> bool:
+        assert slot.index is not None
+        held = self.install.holder(slot.index)
+        if held is None:
+            return False
+        record = held.record
+        if record is None:
+            return True  # let go of by its proxy, still held by its wrapper: the tree is ending
+        same_tree = record.wrapper_pid == slot.root if slot.root is not None else record.key == slot.key
+        return record.instance == (slot.instance or self.owner.instance_id) and same_tree
+
+    async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> list[str]:
+        """Suspend what the plan chose; the keys of the trees now on their way out (those refused are not)."""
+        going = []
         for chosen in plan.suspend:
             slot = by_key[chosen.key]
-            log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
-            await self._evict_anywhere(slot, why, SuspendReason.MEMORY)
+            if not chosen.stopping:
+                log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
+                if not await self._evict_anywhere(slot, why, SuspendReason.MEMORY):
+                    continue
+            going.append(chosen.key)
         exceeded = {overrun.backend for overrun in plan.overrun}
         for overrun in plan.overrun:
             if overrun.backend not in self._overruns:
                 log.warning("memory budget: %s; serving on", overrun)
         self._overruns = exceeded
+        return going
 
     async def suspend_idle(self) -> None:
         """The idle TTL sweeper: suspend sessions (and stop spares) idle longer than ``idle_ttl``."""
@@ -606,7 +832,7 @@ class ProcessPool:
         else:
             held = await self._acquire_slot(backend)
             try:
-                await self._make_room_in_memory(backend)
+                await self._make_room_in_memory(backend, held)
             except BaseException:
                 self._release_reservation(backend, held)
                 held.release()
@@ -651,6 +877,7 @@ class ProcessPool:
                 with anyio.CancelScope(shield=True):
                     await self.stop(adapter)
                 raise
+            self._came_up(adapter)
         return adapter
 
     async def _launch(self, backend: BackendConfig, session_key: str | None, held: Held) -> SupervisedProcess:
@@ -703,6 +930,8 @@ class ProcessPool:
         with anyio.CancelScope(deadline=math.inf if deadline is None else deadline):
             await adapter.answered.until(lambda: adapter.gone or call_id not in adapter.pending)
         if adapter.take_pending(call_id) is None:
+            if not adapter.gone:
+                self._came_up(adapter)
             return  # answered (or answered for: the relay fails what a process that exited owed)
         if adapter.gone:  # it exited before the request reached it
             raise ProxyError.adapter_exited(adapter.returncode, adapter.backend.name)
@@ -817,6 +1046,9 @@ class ProcessPool:
             stopping=adapter in self._evicting or adapter.stopping,
             memory=adapter.memory,
             memory_kind=adapter.memory_kind,
+            wrapper_pid=adapter.supervised.process.pid,
+            command=adapter.supervised.lease.command_hash,
+            starting=adapter.starting,
         )
 
     def _publish(self, adapter: Adapter) -> None:
