@@ -57,6 +57,8 @@ from typing import Any, Final, TypeVar
 import anyio
 import anyio.to_thread
 
+from acp_proxy import __version__, releases
+
 log = logging.getLogger("acp_proxy.state")
 
 T = TypeVar("T")
@@ -755,13 +757,16 @@ class StateDB:
                 for statement in filter(str.strip, script.split(";")):
                     conn.execute(statement)
                 conn.execute(f"PRAGMA user_version = {number}")
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (releases.WRITTEN_BY_KEY, __version__)
+            )
 
     def _schema_version(self, conn: sqlite3.Connection) -> int:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
+            written_by = schema_written_by(conn)
             raise StateError(
-                f"{self.path} has schema version {version}, newer than this acp-proxy "
-                f"understands ({SCHEMA_VERSION}); upgrade acp-proxy"
+                f"{releases.newer_schema(self.path, version, SCHEMA_VERSION, written_by)}: upgrade acp-proxy"
             )
         return version
 
@@ -772,6 +777,15 @@ class StateDB:
         with self.transaction() as conn:
             conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('install_id', ?)", (os.urandom(8).hex(),))
             return str(conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()[0])
+
+
+def schema_written_by(conn: sqlite3.Connection) -> str | None:
+    """The release that last migrated the database, if it recorded itself (releases since 0.7.0 do)."""
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = ?", (releases.WRITTEN_BY_KEY,)).fetchone()
+    except sqlite3.Error:  # no meta table: a database no migration has finished
+        return None
+    return str(row[0]) if row else None
 
 
 def now() -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from acp_proxy.operator import control
@@ -176,6 +178,33 @@ async def test_a_client_is_told_clearly_when_no_proxy_listens(tmp_path: Path) ->
     sock.close()
     with pytest.raises(control.ControlUnavailable):
         control.request(stale, "status")
+
+
+async def test_an_answer_that_never_ends_times_out_as_a_whole(tmp_path: Path) -> None:
+    """The timeout bounds the whole exchange, not each read: a byte at a time never holds the caller."""
+
+    async def trickle(client: anyio.abc.SocketStream) -> None:
+        async with client:
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                while True:
+                    await client.send(b" ")
+                    await anyio.sleep(0.05)
+
+    path = tmp_path / "slow.sock"
+    async with await anyio.create_unix_listener(path) as listener, anyio.create_task_group() as tasks:
+        tasks.start_soon(listener.serve, trickle)
+        with anyio.fail_after(20):  # a liveness bound: before, the client read for ever
+            outcome = await anyio.to_thread.run_sync(_request_outcome, path, abandon_on_cancel=True)
+        tasks.cancel_scope.cancel()
+    assert outcome == "TimeoutError: the proxy did not answer 'status' within 0.5s"
+
+
+def _request_outcome(path: Path) -> str:
+    try:
+        control.request(path, "status", timeout=0.5)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "answered"
 
 
 def test_stale_sockets_of_dead_proxies_are_removed(tmp_path: Path) -> None:

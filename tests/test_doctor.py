@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from acp_proxy import __version__, releases
 from acp_proxy.config import BackendConfig, TasksConfig
 from acp_proxy.operator import doctor
 from acp_proxy.operator.doctor import Finding, Report, Severity
@@ -382,12 +383,23 @@ def test_a_config_directory_others_can_write_is_a_warning(
 # --- database, disk, ownership, leftovers: pure verdicts ------------------------------------------------
 
 
+def test_a_newer_schema_names_the_release_that_wrote_it_and_this_one() -> None:
+    finding = doctor.schema_finding(SCHEMA_VERSION + 1, Path("/s/state.db"), "0.8.0")
+    assert finding.message == (
+        f"/s/state.db has schema version {SCHEMA_VERSION + 1}, written by acp-proxy 0.8.0; this is "
+        f"acp-proxy {__version__}, which understands schema {SCHEMA_VERSION} at most"
+    )
+    older = doctor.schema_finding(SCHEMA_VERSION - 1, Path("/s/state.db"))
+    first = releases.FIRST_WRITERS[SCHEMA_VERSION - 1]
+    assert f"(written since acp-proxy {first})" in older.message
+
+
 @pytest.mark.parametrize(
     ("version", "severity", "says"),
     [
         (SCHEMA_VERSION, "ok", "schema version"),
         (SCHEMA_VERSION - 1, "info", "brings it up"),
-        (SCHEMA_VERSION + 1, "problem", "newer than this acp-proxy understands"),
+        (SCHEMA_VERSION + 1, "problem", f"which understands schema {SCHEMA_VERSION} at most"),
     ],
 )
 def test_the_schema_version(version: int, severity: str, says: str) -> None:
@@ -677,7 +689,7 @@ def make_state(tmp_path: Path) -> Path:
             "is not a usable state database",
             "move it aside",
         ),
-        ("a database from a newer acp-proxy", "newer", 1, "newer than this acp-proxy understands", "upgrade acp-proxy"),
+        ("a database from a newer acp-proxy", "newer", 1, "which understands schema", "upgrade acp-proxy"),
         ("a database from an older acp-proxy is migrated by the next proxy", "older", 0, "brings it up", None),
     ],
 )

@@ -19,6 +19,7 @@ import pytest
 
 import acp_proxy
 from acp_proxy.ownership.owner import WRAPPER_NAME
+from acp_proxy.state import SCHEMA_VERSION
 from tests.support import Gateway
 
 pytestmark = pytest.mark.slow
@@ -107,7 +108,7 @@ def test_an_installed_package_says_its_version(installed: Path, tmp_path: Path) 
         timeout=30,
         check=True,
     )
-    assert done.stdout.strip() == f"acp-proxy {acp_proxy.__version__}"
+    assert done.stdout.strip() == f"acp-proxy {acp_proxy.__version__} (state schema {SCHEMA_VERSION})"
 
 
 def test_an_installed_package_finds_the_wrapper_it_ships(installed: Path, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from rich.console import Console
 from rich.text import Text
 
 from acp_proxy.journal import Event
+from acp_proxy.operator.control import socket_path
 from acp_proxy.operator.top.snapshot import (
     EventRow,
     Gatherer,
@@ -56,6 +58,7 @@ from tests.support import (
     cli_json,
     registry,
     send_prompt,
+    state_db,
     wait_for_task,
     write_config,
 )
@@ -584,6 +587,79 @@ async def test_top_in_a_terminal_acts_on_keys_and_restores_the_terminal(
         await anyio.to_thread.run_sync(drive_ctrl_c, proc_env, config)
         listed = await cli_json(proc_env, "sessions", "list")
     assert [(s["sessionId"], s["state"]) for s in listed["sessions"]] == [(session, "suspended")]
+
+
+TRICKLER = """
+import os, socket, sys, threading, time
+path = sys.argv[1]
+if os.path.exists(path):
+    os.unlink(path)
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(path)
+server.listen(64)
+print("listening", flush=True)
+
+def trickle(conn):
+    try:
+        while True:
+            conn.sendall(b" ")
+            time.sleep(0.1)
+    except OSError:
+        conn.close()
+
+while True:
+    conn, _ = server.accept()
+    threading.Thread(target=trickle, args=(conn,), daemon=True).start()
+"""
+"""Put in a live proxy's place at its control socket's path: it answers every ask a byte at a time, never a line."""
+
+
+def instance_of(env: dict[str, str], pid: int) -> str:
+    db = state_db(env)
+    try:
+        row = db.conn.execute("SELECT instance_id FROM instances WHERE pid = ? AND ended_at IS NULL", (pid,)).fetchone()
+    finally:
+        db.close()
+    return str(row[0])
+
+
+@contextlib.contextmanager
+def answering_forever(env: dict[str, str], path: Path) -> Iterator[None]:
+    trickler = subprocess.Popen([sys.executable, "-c", TRICKLER, str(path)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert trickler.stdout is not None
+        assert trickler.stdout.readline() == "listening\n"
+        yield
+    finally:
+        trickler.kill()
+        trickler.wait()
+
+
+def drive_quit_while_a_proxy_answers_forever(env: dict[str, str], config: Path, control_path: Path) -> None:
+    """``q``, Ctrl-C and SIGTERM end the view while its first gather waits on a proxy that never answers."""
+    for how, code in ((b"q", 0), (b"\x03", 0), (signal.SIGTERM, 128 + signal.SIGTERM)):
+        with answering_forever(env, control_path), terminal(env, "--config", str(config)) as term:
+            term.pump(term.shows("reading"))  # drawn; the refresher is asking the proxy
+            if isinstance(how, bytes):
+                term.press(how)
+            else:
+                term.process.send_signal(how)
+            term.pump(term.exited, timeout=5)  # a liveness bound: the ask never ends
+            assert term.process.returncode == code, (how, bytes(term.output[-1000:]))
+            assert bytes(term.output[-64:]).endswith(CURSOR_SHOWN + ALT_SCREEN_OFF), how
+            assert termios.tcgetattr(term.slave) == term.modes, how
+
+
+@pytest.mark.anyio
+async def test_top_quits_at_once_while_a_proxy_never_finishes_its_answer(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    proxy, config = start(proc_env, tmp_path)
+    async with proxy as gw:
+        await gw.initialize()
+        await gw.new_session()
+        path = socket_path(Path(proc_env["ACP_PROXY_STATE_DIR"]), instance_of(proc_env, gw.pid))
+        await anyio.to_thread.run_sync(drive_quit_while_a_proxy_answers_forever, proc_env, config, path)
 
 
 def test_a_proxy_that_does_not_listen_is_shown_so(tmp_path: Path) -> None:

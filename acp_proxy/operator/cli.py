@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, NoReturn
 from acp_proxy import __version__, logs
 from acp_proxy import config as configuration
 from acp_proxy.config import Config, ConfigError
-from acp_proxy.state import DB_NAME, StateError, explain_failure
+from acp_proxy.state import DB_NAME, SCHEMA_VERSION, StateError, explain_failure
 
 if TYPE_CHECKING:
     from acp_proxy.ownership.owner import Owner
@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         description="ACP sidecar: serves ACP on stdio in front of coding-agent adapters.",
         epilog="Run an adapter without a config: acp-proxy -- codex-acp",
     )
-    parser.add_argument("--version", action="version", version=f"acp-proxy {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"acp-proxy {__version__} (state schema {SCHEMA_VERSION})"
+    )
     _add_config_option(parser)
     _add_serve_options(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")

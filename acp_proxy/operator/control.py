@@ -28,6 +28,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -299,8 +300,11 @@ def request(path: Path, command: str, args: dict[str, Any] | None = None, *, tim
     """Send one command to the proxy listening at ``path`` and return its result.
 
     ``ControlUnavailable`` if nothing listens there; ``ControlError`` if the proxy
-    refused the command (its code and message); ``TimeoutError`` if it did not answer.
+    refused the command (its code and message); ``TimeoutError`` if it did not answer
+    within ``timeout`` seconds, all of it: a peer that answers a byte at a time does not
+    hold the caller past it.
     """
+    deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
@@ -312,8 +316,9 @@ def request(path: Path, command: str, args: dict[str, Any] | None = None, *, tim
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             # A refused peer is told why at once and disconnected, maybe before this is read:
             # the reason is still waiting to be read below.
+            sock.settimeout(_left(deadline))
             sock.sendall(encode({"id": 1, "command": command, "args": args or {}}))
-        response = _read_line(sock)
+        response = _read_line(sock, deadline)
     except TimeoutError:
         raise TimeoutError(f"the proxy did not answer {command!r} within {timeout:g}s") from None
     finally:
@@ -331,10 +336,19 @@ def request(path: Path, command: str, args: dict[str, Any] | None = None, *, tim
     return result if isinstance(result, dict) else {}
 
 
-def _read_line(sock: socket.socket) -> bytes:
+def _left(deadline: float) -> float:
+    """The time left until ``deadline``; ``TimeoutError`` once it has passed (a zero timeout would not block)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def _read_line(sock: socket.socket, deadline: float) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
+        sock.settimeout(_left(deadline))
         try:
             chunk = sock.recv(65536)
         except ConnectionResetError:

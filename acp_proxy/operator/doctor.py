@@ -73,13 +73,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from acp_proxy import __version__, releases
 from acp_proxy import config as configuration
 from acp_proxy.config import BackendConfig, Config, ConfigError, MissingVariable, TasksConfig
 from acp_proxy.operator.reports import EXIT_UNREACHABLE, EXIT_USAGE
 from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, wrapper_path
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
-from acp_proxy.state import DB_NAME, SCHEMA_VERSION, StateDB, StateError, explain_failure
+from acp_proxy.state import DB_NAME, SCHEMA_VERSION, StateDB, StateError, explain_failure, schema_written_by
 
 EXIT_OK: Final = 0
 EXIT_PROBLEM: Final = EXIT_UNREACHABLE
@@ -509,15 +510,19 @@ def disk_space(free_bytes: int, directory: Path, *, minimum: int = LOW_DISK_BYTE
     return ok("database", f"{free} free on the file system of {directory}")
 
 
-def schema_finding(version: int, path: Path) -> Finding:
+def schema_finding(version: int, path: Path, written_by: str | None = None) -> Finding:
+    """What the database's schema version means for this release; ``written_by``: the release that last migrated it."""
     if version > SCHEMA_VERSION:
         return problem(
             "database",
-            f"{path} has schema version {version}, newer than this acp-proxy understands ({SCHEMA_VERSION})",
+            releases.newer_schema(path, version, SCHEMA_VERSION, written_by),
             "upgrade acp-proxy (a newer one has used this state dir)",
         )
     if version < SCHEMA_VERSION:
-        return info("database", f"schema version {version}: the next proxy brings it up to {SCHEMA_VERSION}")
+        first = releases.first_writer(version)
+        since = f" (written since acp-proxy {first})" if first and version else ""
+        upgrade = f"the next proxy brings it up to {SCHEMA_VERSION} (acp-proxy {__version__})"
+        return info("database", f"schema version {version}{since}: {upgrade}")
     return ok("database", f"schema version {version}")
 
 
@@ -551,7 +556,7 @@ def check_database(state_dir: Path) -> DatabaseCheck:
         return DatabaseCheck([problem("database", message, fix)], False)
     try:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
-        findings.append(schema_finding(version, path))
+        findings.append(schema_finding(version, path, schema_written_by(conn)))
         damage = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
         if damage == ["ok"]:
             findings.append(ok("database", f"{path} passes its quick check"))

@@ -5,6 +5,11 @@ records and each running proxy's control socket (all asked at once, each with a 
 timeout: a proxy that does not answer is shown so, it never holds the view up). Trees no
 slot record has measured are measured here, at most every ``MEASURE_EVERY`` seconds.
 
+Whatever a gather waits on (a proxy that does not answer, a database another process holds
+locked) may keep it for seconds: the view never waits for one to end. Proxies are asked from
+daemon threads under one deadline, and a gather that has not returned when the view ends is
+left to finish, or not, in its own daemon thread (it only reads).
+
 Titles, agent text, event details and refusals come from adapters: the rows hold them as one
 printable line (``reports.printable``), so that drawing a snapshot never drives the terminal.
 Ids are kept as they are (they are what an act names); the view prints them through
@@ -16,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +41,8 @@ from acp_proxy.tasks.records import ACTIVE, TaskRecord, TaskStatus, list_tasks
 
 PROXY_TIMEOUT: Final = 1.0
 """How long each proxy has to answer ``status`` before it is shown as not answering."""
+ASK_GRACE: Final = 0.5
+"""How much longer than ``PROXY_TIMEOUT`` a gather waits for the askers, whose timeouts are their own."""
 MEASURE_EVERY: Final = 5.0
 """Trees no slot record has measured are measured here at most this often (a walk of the process table)."""
 EVENTS_READ: Final = 50
@@ -166,12 +174,10 @@ class Gatherer:
         self.max_memory = max_memory
         self.proxy_timeout = proxy_timeout
         self._db: StateDB | None = None
-        self._askers = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="acp-proxy top ask")
         self._measured: dict[str, tuple[int, str]] = {}
         self._measured_at = -math.inf
 
     def close(self) -> None:
-        self._askers.shutdown(wait=False, cancel_futures=True)
         if self._db is not None:
             self._db.close()
             self._db = None
@@ -204,15 +210,11 @@ class Gatherer:
         rows = db.conn.execute(
             "SELECT instance_id, pid, started_at FROM instances WHERE ended_at IS NULL ORDER BY started_at"
         ).fetchall()
-        asked = {
-            instance_id: self._askers.submit(self._ask_status, instance_id)
-            for instance_id, _, _ in rows
-            if alive(instance_id)
-        }
+        answers = self._ask_all([instance_id for instance_id, _, _ in rows if alive(instance_id)])
         proxies = []
         for instance_id, pid, started_at in rows:
-            if instance_id in asked:
-                proxies.append(proxy_row(instance_id, pid, started_at, asked[instance_id].result()))
+            if instance_id in answers:
+                proxies.append(proxy_row(instance_id, pid, started_at, answers[instance_id]))
             else:
                 proxies.append(ProxyRow(instance_id, pid, started_at, False, problem="gone, not yet reaped"))
         return tuple(proxies)
@@ -285,6 +287,32 @@ class Gatherer:
                 continue  # lost with its proxy
             turns.append(turn_row(record, moment))
         return tuple(sorted(turns, key=lambda t: (t.status != TaskStatus.RUNNING, -(t.elapsed_seconds or 0.0))))
+
+    def _ask_all(self, instance_ids: Sequence[str]) -> dict[str, dict[str, Any] | str]:
+        """Each proxy's answer to ``status`` (or why there is none), all asked at once.
+
+        The askers are daemon threads, not a pool's: a pool's workers are joined when the
+        interpreter exits, so one proxy that does not answer would hold ``top`` up after ``q``.
+        Each ask ends by its own timeout; the wait for them all has one deadline besides.
+        """
+        asked: dict[str, concurrent.futures.Future[dict[str, Any] | str]] = {}
+        for instance_id in instance_ids:
+            future: concurrent.futures.Future[dict[str, Any] | str] = concurrent.futures.Future()
+            asked[instance_id] = future
+            threading.Thread(
+                target=self._settle_ask, args=(future, instance_id), name="acp-proxy top ask", daemon=True
+            ).start()
+        concurrent.futures.wait(asked.values(), timeout=self.proxy_timeout + ASK_GRACE)
+        return {
+            instance_id: future.result() if future.done() else f"no answer within {self.proxy_timeout:g}s"
+            for instance_id, future in asked.items()
+        }
+
+    def _settle_ask(self, future: concurrent.futures.Future[dict[str, Any] | str], instance_id: str) -> None:
+        try:
+            future.set_result(self._ask_status(instance_id))
+        except Exception as exc:  # raised by the gather, as a failure of its own would be
+            future.set_exception(exc)
 
     def _ask_status(self, instance_id: str) -> dict[str, Any] | str:
         """A proxy's answer to ``status``, or why there is none (for its row, which names the proxy already)."""

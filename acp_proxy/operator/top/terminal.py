@@ -5,6 +5,11 @@ holds the alternate screen; both are put back on the way out, however it is take
 refresher thread gathers; each confirmed act runs in a thread of its own through the same
 code as ``acp-proxy sessions suspend|close`` and ``tasks cancel``; a self-pipe wakes the
 loop when a key, a snapshot, an outcome or a resize arrives.
+
+Only the loop's own thread decides when the view ends, and it waits for no other: ``q``,
+Ctrl-C, SIGTERM and a hang-up end it at once, whatever a gather or an act is waiting on.
+Those threads are daemons that only read or have already sent their act: they are
+abandoned, not joined (a gather may wait seconds on a locked database or a stalled proxy).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from rich.live import Live
 from rich.text import Text
 
 from acp_proxy.operator import reports
-from acp_proxy.operator.top.snapshot import PROXY_TIMEOUT, Gatherer, Snapshot, snapshot_json
+from acp_proxy.operator.top.snapshot import Gatherer, Snapshot, snapshot_json
 from acp_proxy.operator.top.view import Pending, ViewState, acted, on_key, print_plain, render
 
 DEFAULT_INTERVAL: Final = 1.0
@@ -128,9 +133,9 @@ class _Refresher:
         self._poke.set()
 
     def stop(self) -> None:
+        """Ask the thread to end after its gather; never wait for it (the gather may be blocked)."""
         self._stopping = True
         self._poke.set()
-        self._thread.join(timeout=2 * PROXY_TIMEOUT)
 
     def _run(self) -> None:
         try:
