@@ -16,7 +16,34 @@ from tests.support import MARKER_VARIABLE, marked_processes
 os.umask(0o022)
 
 
-@pytest.fixture(params=["asyncio", "trio"])
+EVENT_LOOPS = ("asyncio", "trio")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--one-loop",
+        action="store_true",
+        help="run the async tests on asyncio only (the fast tier); the full suite runs them on trio too",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The slow tier first: run in parallel, a soak that starts last would be the whole run's tail.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if not config.getoption("--one-loop"):
+        return
+    kept: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_trio = callspec is not None and callspec.params.get("anyio_backend") == "trio"
+        (dropped if on_trio else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+@pytest.fixture(params=EVENT_LOOPS)
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

@@ -18,6 +18,8 @@ LINES = 4_000
 SEED = 1
 RUNS = 20_000
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.anyio
 async def test_a_bounded_scale_run_answers_every_line(

@@ -38,7 +38,7 @@ import pytest
 from tests.kit import markers
 from tests.support import RESUME_AND_LOAD, Gateway, pid_alive, survivors, write_config
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 A_PROXIES = 5
 SESSIONS_PER_PROXY = 2

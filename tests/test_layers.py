@@ -1,0 +1,66 @@
+"""What the stdio proxy imports, checked statically.
+
+The import-linter contracts in pyproject.toml hold what ``acp_proxy.serve`` (the proxy) imports,
+directly or not. The command line is the one module both the proxy and the operator's commands go
+through: its module-level imports must stay those the proxy needs, every command importing its
+own modules in the function that runs it. These tests read that from the source.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "acp_proxy"
+
+# (module, what it may import at module level, besides the standard library)
+MODULE_LEVEL = [
+    ("main.py", {"acp_proxy.operator.cli"}),
+    ("operator/cli.py", {"acp_proxy", "acp_proxy.logs", "acp_proxy.config", "acp_proxy.state"}),
+]
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports outside functions and ``if TYPE_CHECKING:`` blocks."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            # ``from acp_proxy.operator import cli`` imports the module acp_proxy.operator.cli
+            found |= {
+                f"{node.module}.{alias.name}" if is_ours(f"{node.module}.{alias.name}") else node.module
+                for alias in node.names
+            }
+    return found - {"__future__"}
+
+
+def is_ours(module: str) -> bool:
+    """Whether ``module`` is a module or package of acp_proxy."""
+    parts = module.split(".")
+    if parts[0] != "acp_proxy":
+        return False
+    path = PACKAGE.joinpath(*parts[1:])
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+@pytest.mark.parametrize(("module", "allowed"), MODULE_LEVEL, ids=[row[0] for row in MODULE_LEVEL])
+def test_the_command_line_imports_what_the_proxy_needs_and_no_more(module: str, allowed: set[str]) -> None:
+    imported = module_level_imports(PACKAGE / module)
+    ours = {name for name in imported if name.split(".")[0] == "acp_proxy"}
+    assert ours <= allowed, f"{module} imports {sorted(ours - allowed)} for every proxy: import it where it is used"
+    theirs = {name.split(".")[0] for name in imported} - {"acp_proxy"}
+    assert theirs <= set(sys.stdlib_module_names), f"{module} imports {sorted(theirs)}"
+
+
+def test_an_import_in_a_function_or_for_type_checking_is_not_module_level(tmp_path: Path) -> None:
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "from __future__ import annotations\nimport os\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    import rich\n"
+        "def run() -> None:\n    import psutil\n"
+    )
+    assert module_level_imports(source) == {"os", "typing"}
