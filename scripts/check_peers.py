@@ -75,12 +75,15 @@ run is a failure, after a direct run a note.
   per run, a private state dir for the proxy): initialize, authenticate (where
   the row names a method), session/new, session/set_mode to ``plan`` (or
   session/set_config_option where only a mode option is offered), a prompt
-  (where the adapter records it offline), session/close, session/load and
+  (where the adapter records it offline), a prompt cancelled with
+  session/cancel (where a turn stays under way offline), session/close, session/load and
   session/resume (where advertised, each after a close), session/list. Straight,
   a closed session's process ends as the proxy ends it and each restore runs on
   a new process. Compared: initialize (the allowed differences above),
   authenticate, session/new and the mode setting (answers and notifications),
-  the prompt's outcome; a restore the adapter did straight must be done through
+  the prompt's outcome; the cancelled turn's outcome, answered through the
+  proxy within its cancel_timeout (30 s by default) however late the adapter
+  answers; a restore the adapter did straight must be done through
   the proxy, without starting afresh, with the same result but for the mode the
   proxy re-applies, which modes and configOptions must both show; a restore the
   adapter refused may start afresh (historyReset) on the errors the proxy falls
@@ -187,6 +190,8 @@ class Adapter:
     auth: str | None = None
     login: bool = False
     prompt: bool = False
+    cancel: bool = False
+    """A turn stays under way offline (the model call retries) long enough to be cancelled."""
     needs: tuple[str, ...] = ()
     """Other npm packages it runs, found on PATH (the install's .bin is put first)."""
 
@@ -208,6 +213,7 @@ ADAPTERS = {
             env={"OPENAI_API_KEY": PLACEHOLDER, "ACPX_AUTH_OPENAI_API_KEY": PLACEHOLDER},
             auth="openai-api-key",
             prompt=True,
+            cancel=True,
         ),
         Adapter(
             "claude-agent-acp",
@@ -223,6 +229,7 @@ ADAPTERS = {
             "GEMINI_API_KEY=… gemini --acp",
             env={"GEMINI_API_KEY": PLACEHOLDER},
             auth="gemini-api-key",
+            cancel=True,
         ),
         Adapter("opencode", "opencode-ai", ("opencode", "acp"), "opencode acp"),
         Adapter(
@@ -1738,7 +1745,7 @@ class Checker:
         proxied = self.matrix_run(name, adapter, "proxy", direct)
         if proxied.session_id is not None and direct.plan.lists:
             self.matrix_own_list(name, adapter, proxied)
-        self.report.note(name, f"straight: {direct.outline()}")
+        self.report.note(name, f"straight: {direct.outline()}; {eof_outline(direct.eof)}")
         problems = [*proxied.problems, *matrix_problems(direct, proxied)]
         if (direct.session_id is None) != adapter.login:
             problems.append(
@@ -1774,7 +1781,8 @@ class Checker:
         peer = self.matrix_start(command if not proxied else self.proxied(command), env, log, adapter, seen)
         try:
             seen.plan = direct.plan if direct is not None else restore_plan(seen.result("initialize"))
-            sid = seen.step(peer, "session/new", {"cwd": str(self.ws), "mcpServers": []}).get("sessionId")
+            new = seen.step(peer, "session/new", {"cwd": str(self.ws), "mcpServers": []}, settle=True)
+            sid = new.get("sessionId")
             if isinstance(sid, str):
                 seen.session_id = sid
                 self.matrix_session(peer, seen, adapter, direct)
@@ -1835,16 +1843,35 @@ class Checker:
         return peer
 
     def matrix_session(self, peer: SyncGateway, seen: Scenario, adapter: Adapter, direct: Scenario | None) -> None:
-        """Another mode than the session's (where it offers modes), then a prompt (where the adapter records it)."""
+        """A cancelled turn (where one stays under way), another mode than the session's (where it offers
+        modes), then a prompt (where the adapter records it).
+
+        The cancel comes first, in the session's first mode: gemini-cli answers a cancel in
+        ``plan`` at once, in its default mode about a minute late.
+        """
+        if adapter.cancel:
+            self.matrix_cancel(peer, seen)
         new = seen.result("session/new")
         setting = direct.setting if direct is not None else mode_setting(new)
         if setting is not None:
             method, params = setting
             seen.setting = setting
-            seen.step(peer, method, {"sessionId": seen.session_id, **params})
+            seen.step(peer, method, {"sessionId": seen.session_id, **params}, settle=True)
         if adapter.prompt:
             assert seen.session_id is not None
             seen.step(peer, "session/prompt", prompt_params(seen.session_id, FIRST_WORDS), PROMPT_TIMEOUT)
+
+    def matrix_cancel(self, peer: SyncGateway, seen: Scenario) -> None:
+        """A turn, session/cancel once it is under way, and how long its answer then took."""
+        assert seen.session_id is not None
+        request = {"jsonrpc": "2.0", "id": "cancelled-turn", "method": "session/prompt"}
+        peer.send({**request, "params": prompt_params(seen.session_id, SECOND_WORDS)})
+        time.sleep(CANCEL_AFTER)
+        start = time.monotonic()
+        peer.send({"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": seen.session_id}})
+        answer = answer_to(peer, "cancelled-turn", timeout=PROMPT_TIMEOUT)
+        seen.cancel_seconds = time.monotonic() - start
+        seen.answers[CANCELLED] = {k: v for k, v in answer.items() if k not in ("id", "jsonrpc")}
 
     def matrix_close(self, peer: SyncGateway, seen: Scenario, marker: str, again: bool) -> None:
         """session/close through the proxy: ``{}``, and the session's processes gone."""
@@ -1870,7 +1897,7 @@ class Checker:
                 seen.step(peer, "session/close", params)
             else:
                 call(peer, "session/close", params)
-        close_stdin(peer, timeout=3.0)
+        seen.eof.append(close_stdin(peer, timeout=3.0))
         seen.keep(peer)
         end(peer)
 
@@ -1897,6 +1924,11 @@ FALLBACK_CODES = frozenset({-32002, -32601, -32602})
 THEN_LOAD = "session/resume, then session/load"
 OWN_LIST = "the adapter's own session/list, straight, on the same HOME"
 PLAN = "plan"
+CANCELLED = "session/prompt, then session/cancel"
+CANCEL_AFTER = 2.0
+"""Seconds between a prompt and its session/cancel: the turn is under way (its model call retrying)."""
+CANCEL_ANSWERED_WITHIN = 35.0
+"""The proxy answers a cancelled turn itself after its cancel_timeout (30 s by default), if the adapter has not."""
 TIMER_UPDATES = frozenset({"available_commands_update"})
 """session/update kinds some adapters send on a timer: where they land varies from run to run."""
 
@@ -1965,6 +1997,10 @@ class Scenario:
         self.resets: set[str] = set()
         """The restores after which the proxy announced historyReset (it started the session afresh)."""
         self.problems: list[str] = []
+        self.eof: list[float | None] = []
+        """Straight, for each process ended: seconds until it exited after stdin EOF (None: it did not, in 3 s)."""
+        self.cancel_seconds = 0.0
+        """From session/cancel to the cancelled turn's answer."""
         self.received: list[Any] = []
         """Every message received, from each process in turn."""
         self._kept: list[SyncGateway] = []
@@ -1976,11 +2012,24 @@ class Scenario:
             self.received += transcript(peer)
 
     def step(
-        self, peer: SyncGateway, method: str, params: dict[str, Any], timeout: float = 60.0, name: str | None = None
+        self,
+        peer: SyncGateway,
+        method: str,
+        params: dict[str, Any],
+        timeout: float = 60.0,
+        name: str | None = None,
+        settle: bool = False,
     ) -> dict[str, Any]:
-        """A request whose answer is kept under ``name`` (its method by default); the result, or {} on an error."""
+        """A request whose answer is kept under ``name`` (its method by default); the result, or {} on an error.
+
+        ``settle``: the notifications that follow the answer within a second count as the
+        step's (an adapter may announce a change just after answering, and through the proxy
+        the same notification may come just before the answer).
+        """
         since = len(peer.received)
         answer = {k: v for k, v in call(peer, method, params, timeout).items() if k not in ("id", "jsonrpc")}
+        if settle:
+            peer.drain(quiet=1.0, limit=5.0)
         self.answers[name or method] = answer
         self.notifications[name or method] = sorted(
             kind for kind in map(notification_kind, peer.received[since:]) if kind is not None
@@ -2004,16 +2053,30 @@ class Scenario:
                 rows = result.get("sessions") or []
                 titled = sum(1 for row in rows if isinstance(row, dict) and row.get("title"))
                 outcome = f"{len(rows)} listed" + (f", {titled} titled" if titled else "")
+            elif isinstance(result, dict) and "stopReason" in result:
+                outcome = f"stopReason {result['stopReason']}"
             elif step in self.resets:
                 outcome = "started afresh (historyReset)"
             else:
                 outcome = "ok"
+            if step == CANCELLED:
+                outcome += f" {self.cancel_seconds:.0f}s after the cancel"
             if self.replays.get(step):
                 outcome += f", replayed {checked_words(self.replays[step]) or len(self.replays[step])}"
             if step in ("session/set_mode", "session/set_config_option") and self.setting is not None:
                 step = f"{step} {set_to(self.setting)}"
             parts.append(f"{step}: {outcome}")
         return "; ".join(parts)
+
+
+def eof_outline(eof: list[float | None]) -> str:
+    if not eof:
+        return "no process was ended by the scenario"
+    if all(seconds is None for seconds in eof):
+        return "ignores stdin EOF (still running 3s after it, killed)"
+    if all(seconds is not None for seconds in eof):
+        return f"exits on stdin EOF (within {max(s for s in eof if s is not None):.1f}s)"
+    return f"exited on stdin EOF {sum(1 for s in eof if s is not None)} of {len(eof)} times (else killed after 3s)"
 
 
 def notification_kind(message: Any) -> str | None:
@@ -2066,6 +2129,15 @@ def matrix_problems(direct: Scenario, proxied: Scenario) -> list[str]:
         outcomes = [turn_outcome(seen.answers.get("session/prompt")) for seen in (direct, proxied)]
         if outcomes[0] != outcomes[1]:
             problems.append(f"session/prompt ended {outcomes[0]} straight, {outcomes[1]} through the proxy")
+    if CANCELLED in direct.answers:
+        outcomes = [turn_outcome(seen.answers.get(CANCELLED)) for seen in (direct, proxied)]
+        if outcomes[0] != outcomes[1]:
+            problems.append(f"the cancelled turn ended {outcomes[0]} straight, {outcomes[1]} through the proxy")
+        if proxied.cancel_seconds > CANCEL_ANSWERED_WITHIN:
+            problems.append(
+                f"the cancelled turn was answered {proxied.cancel_seconds:.0f}s after session/cancel through the "
+                f"proxy (straight {direct.cancel_seconds:.0f}s), over its cancel_timeout"
+            )
     for method in direct.plan.restores:
         if method in proxied.answers:
             problems += restore_problems(method, direct, proxied)
