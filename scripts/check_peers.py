@@ -185,7 +185,6 @@ class Adapter:
     name: str
     package: str
     argv: tuple[str, ...]
-    launch: str
     env: Mapping[str, str] = field(default_factory=dict)
     auth: str | None = None
     login: bool = False
@@ -209,7 +208,6 @@ ADAPTERS = {
             "codex-acp",
             "@zed-industries/codex-acp",
             ("codex-acp",),
-            "codex-acp",
             env={"OPENAI_API_KEY": PLACEHOLDER, "ACPX_AUTH_OPENAI_API_KEY": PLACEHOLDER},
             auth="openai-api-key",
             prompt=True,
@@ -219,19 +217,17 @@ ADAPTERS = {
             "claude-agent-acp",
             "@zed-industries/claude-agent-acp",
             ("claude-agent-acp",),
-            "claude-agent-acp",
             prompt=True,
         ),
         Adapter(
             "gemini",
             "@google/gemini-cli",
             ("gemini", "--acp"),
-            "GEMINI_API_KEY=… gemini --acp",
             env={"GEMINI_API_KEY": PLACEHOLDER},
             auth="gemini-api-key",
             cancel=True,
         ),
-        Adapter("opencode", "opencode-ai", ("opencode", "acp"), "opencode acp"),
+        Adapter("opencode", "opencode-ai", ("opencode", "acp")),
         Adapter(
             "qwen",
             "@qwen-code/qwen-code",
@@ -245,15 +241,14 @@ ADAPTERS = {
                 "--openai-base-url",
                 UNREACHABLE_MODEL,
             ),
-            "qwen --acp --auth-type openai --openai-api-key … --openai-base-url …",
             prompt=True,
         ),
-        Adapter("copilot", "@github/copilot", ("copilot", "--acp"), "copilot --acp", login=True),
-        Adapter("auggie", "@augmentcode/auggie", ("auggie", "--acp"), "auggie --acp", login=True),
+        Adapter("copilot", "@github/copilot", ("copilot", "--acp"), login=True),
+        Adapter("auggie", "@augmentcode/auggie", ("auggie", "--acp"), login=True),
         # pi-acp runs `pi`. The package now named @earendil-works/pi-coding-agent did not
         # install from the registry (its dependency marked-cjk-friendly answered 404); the
         # same program under its former name does.
-        Adapter("pi-acp", "pi-acp", ("pi-acp",), "pi-acp", login=True, needs=("@mariozechner/pi-coding-agent@0.73.1",)),
+        Adapter("pi-acp", "pi-acp", ("pi-acp",), login=True, needs=("@mariozechner/pi-coding-agent@0.73.1",)),
     )
 }
 # The adapters the sessions-*, spec-*, raw-* and acpx checks run (the matrix-* checks run them all).
