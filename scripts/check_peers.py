@@ -5,8 +5,10 @@
 Not run by the test suite: it needs npm, and network access to the npm registry
 and PyPI. It installs the peers into WORKDIR (default /tmp/acp-peers):
 
-* npm: acpx (a headless ACP client), @zed-industries/codex-acp and
-  @zed-industries/claude-agent-acp (adapters);
+* npm: acpx (a headless ACP client) and the adapters of the ADAPTERS table
+  (@zed-industries/codex-acp, @zed-industries/claude-agent-acp,
+  @google/gemini-cli, opencode-ai, @qwen-code/qwen-code, @github/copilot,
+  @augmentcode/auggie, pi-acp, and the pi program pi-acp runs);
 * a venv with agent-client-protocol, the Python ACP SDK, used for both a client
   and an agent (the agent answers offline, so no API key is needed).
 
@@ -67,6 +69,32 @@ run is a failure, after a direct run a note.
   WORKDIR/logs/<check>-proxies.stderr (the agent command is ``sh -c 'exec
   acp-proxy ... 2>>LOG'``).
 
+* matrix-*: one scenario for every adapter of the ADAPTERS table (codex-acp,
+  claude-agent-acp, gemini-cli, opencode, qwen-code, GitHub Copilot CLI, auggie,
+  pi-acp), run straight and through ``acp-proxy -- ADAPTER ARGV`` (a private HOME
+  per run, a private state dir for the proxy): initialize, authenticate (where
+  the row names a method), session/new, session/set_mode to ``plan`` (or
+  session/set_config_option where only a mode option is offered), a prompt
+  (where the adapter records it offline), a prompt cancelled with
+  session/cancel (where a turn stays under way offline), session/close, session/load and
+  session/resume (where advertised, each after a close), session/list. Straight,
+  a closed session's process ends as the proxy ends it and each restore runs on
+  a new process. Compared: initialize (the allowed differences above),
+  authenticate, session/new and the mode setting (answers and notifications),
+  the prompt's outcome; the cancelled turn's outcome, answered through the
+  proxy within its cancel_timeout (30 s by default) however late the adapter
+  answers; a restore the adapter did straight must be done through
+  the proxy, without starting afresh, with the same result but for the mode the
+  proxy re-applies, which modes and configOptions must both show; a restore the
+  adapter refused may start afresh (historyReset) on the errors the proxy falls
+  back on, and otherwise the proxy's error keeps the adapter's code, message and
+  data, adding its own data.reason; session/list lists the session with the
+  title the adapter's own list gives it (asked straight afterwards, on the
+  proxied run's HOME). Adapters that refuse session/new without a login
+  (copilot, auggie, pi-acp) must refuse it identically through the proxy, which
+  then lists nothing. Nothing may be left running after either run, nor any
+  process of the session after session/close through the proxy.
+
 Prints one PASS/FAIL line per check (NOTE lines add what the peers did) and
 exits 1 if any check failed. Logs and transcripts are kept in WORKDIR/logs.
 """
@@ -86,8 +114,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +125,6 @@ from tests.kit import markers
 from tests.kit.gateway import Closed, SyncGateway
 
 REPO = Path(__file__).resolve().parent.parent
-NPM_PACKAGES = ("acpx@latest", "@zed-industries/codex-acp@latest", "@zed-industries/claude-agent-acp@latest")
 PYPI_PACKAGES = ("agent-client-protocol",)
 PROXY_META = "acp-proxy"
 MARKER_VAR = "ACP_CHECK_PEERS_RUN"
@@ -105,6 +134,7 @@ MARKER_VAR = "ACP_CHECK_PEERS_RUN"
 # Claude Code refuses as root, so session/new would fail for a reason of its own.
 SCRUBBED_ENV = (
     "OPENAI_API_KEY",
+    "OPENAI_BASE_URL",
     "CODEX_API_KEY",
     "CODEX_HOME",
     "ANTHROPIC_API_KEY",
@@ -112,6 +142,16 @@ SCRUBBED_ENV = (
     "CLAUDE_CODE_OAUTH_TOKEN",
     "CLAUDE_CONFIG_DIR",
     "IS_SANDBOX",
+    "GEMINI_API_KEY",
+    "GOOGLE_API_KEY",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_CLOUD_PROJECT",
+    "DASHSCOPE_API_KEY",
+    "GH_TOKEN",
+    "GITHUB_TOKEN",
+    "COPILOT_GITHUB_TOKEN",
+    "AUGMENT_SESSION_AUTH",
+    "OPENCODE_CONFIG",
     "ACP_PROXY_CONFIG",
     "ACP_PROXY_STATE_DIR",
     "ACP_PROXY_LOG_LEVEL",
@@ -122,15 +162,102 @@ SCRUBBED_ENV = (
     "XDG_CACHE_HOME",
 )
 
-# The sessions-* checks need sessions an adapter keeps on disk. codex-acp opens
-# none before `authenticate`; with a placeholder key it authenticates offline
-# (the key is only sent with a model request, which then fails), so its sessions
-# can be created, resumed and loaded without credentials. acpx authenticates
-# with a method's key from ACPX_AUTH_<METHOD>.
 PLACEHOLDER = "sk-check-peers-placeholder-not-a-key"
-PLACEHOLDER_CREDENTIALS = {
-    "codex-acp": {"OPENAI_API_KEY": PLACEHOLDER, "ACPX_AUTH_OPENAI_API_KEY": PLACEHOLDER},
+UNREACHABLE_MODEL = "http://127.0.0.1:9/v1"  # the discard port: a model request fails at once
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter the checks install and run, as data; the matrix-* checks run one scenario over these rows.
+
+    ``argv[0]`` is a program in the npm install's ``.bin``. ``env`` holds placeholder
+    credentials (never real ones: a model request then fails, offline), ``auth`` the
+    ``authenticate`` method sent after ``initialize``. ``login``: the adapter refuses
+    ``session/new`` until someone logged in by hand, so its scenario ends at that
+    refusal. ``prompt``: the adapter records a prompt offline before the model call
+    fails, so the scenario sends one (the conversation then has something to restore).
+    The other steps follow from what the adapter advertises: ``session/set_mode``
+    where ``session/new`` offers modes (``session/set_config_option`` where only a
+    mode config option is offered), ``session/load`` where ``loadSession``,
+    ``session/resume`` and ``session/list`` where ``sessionCapabilities`` say so.
+    """
+
+    name: str
+    package: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    auth: str | None = None
+    login: bool = False
+    prompt: bool = False
+    cancel: bool = False
+    """A turn stays under way offline (the model call retries) long enough to be cancelled."""
+    needs: tuple[str, ...] = ()
+    """Other npm packages it runs, found on PATH (the install's .bin is put first)."""
+
+
+# codex-acp opens no session before `authenticate`; with a placeholder key it
+# authenticates offline (the key is only sent with a model request, which then
+# fails), so its sessions can be created, resumed and loaded without credentials.
+# acpx authenticates with a method's key from ACPX_AUTH_<METHOD>. gemini-cli
+# likewise takes any GEMINI_API_KEY for its gemini-api-key method; qwen-code takes
+# its key and model URL as arguments.
+ADAPTERS = {
+    adapter.name: adapter
+    for adapter in (
+        Adapter(
+            "codex-acp",
+            "@zed-industries/codex-acp",
+            ("codex-acp",),
+            env={"OPENAI_API_KEY": PLACEHOLDER, "ACPX_AUTH_OPENAI_API_KEY": PLACEHOLDER},
+            auth="openai-api-key",
+            prompt=True,
+            cancel=True,
+        ),
+        Adapter(
+            "claude-agent-acp",
+            "@zed-industries/claude-agent-acp",
+            ("claude-agent-acp",),
+            prompt=True,
+        ),
+        Adapter(
+            "gemini",
+            "@google/gemini-cli",
+            ("gemini", "--acp"),
+            env={"GEMINI_API_KEY": PLACEHOLDER},
+            auth="gemini-api-key",
+            cancel=True,
+        ),
+        Adapter("opencode", "opencode-ai", ("opencode", "acp")),
+        Adapter(
+            "qwen",
+            "@qwen-code/qwen-code",
+            (
+                "qwen",
+                "--acp",
+                "--auth-type",
+                "openai",
+                "--openai-api-key",
+                PLACEHOLDER,
+                "--openai-base-url",
+                UNREACHABLE_MODEL,
+            ),
+            prompt=True,
+        ),
+        Adapter("copilot", "@github/copilot", ("copilot", "--acp"), login=True),
+        Adapter("auggie", "@augmentcode/auggie", ("auggie", "--acp"), login=True),
+        # pi-acp runs `pi`. The package now named @earendil-works/pi-coding-agent did not
+        # install from the registry (its dependency marked-cjk-friendly answered 404); the
+        # same program under its former name does.
+        Adapter("pi-acp", "pi-acp", ("pi-acp",), login=True, needs=("@mariozechner/pi-coding-agent@0.73.1",)),
+    )
 }
+# The adapters the sessions-*, spec-*, raw-* and acpx checks run (the matrix-* checks run them all).
+POOL_ADAPTERS = ("codex-acp", "claude-agent-acp")
+NPM_PACKAGES = (
+    "acpx@latest",
+    *(f"{adapter.package}@latest" for adapter in ADAPTERS.values()),
+    *(need for adapter in ADAPTERS.values() for need in adapter.needs),
+)
 CLIENT_INITIALIZE = {
     "protocolVersion": 1,
     "clientInfo": {"name": "check-peers", "version": "1"},
@@ -778,16 +905,17 @@ class Checker:
     def versions(self) -> None:
         for package in (
             "acpx",
-            "@zed-industries/codex-acp",
-            "@zed-industries/claude-agent-acp",
+            *(adapter.package for adapter in ADAPTERS.values()),
             "@anthropic-ai/claude-agent-sdk",
+            *(need.rpartition("@")[0] for adapter in ADAPTERS.values() for need in adapter.needs),
         ):
             manifest = self.work / "npm" / "node_modules" / package / "package.json"
             version = json.loads(manifest.read_text())["version"] if manifest.exists() else "missing"
             print(f"   {package} {version}")
         code = "import importlib.metadata as m; print(m.version('agent-client-protocol'))"
-        sdk = subprocess.run([str(self.venv_python), "-c", code], capture_output=True, text=True)
-        print(f"   agent-client-protocol (PyPI) {sdk.stdout.strip() or 'missing'}")
+        found = self.venv_python.exists()
+        sdk = subprocess.run([str(self.venv_python), "-c", code], capture_output=True, text=True) if found else None
+        print(f"   agent-client-protocol (PyPI) {(sdk.stdout.strip() if sdk else '') or 'missing'}")
         proxy = subprocess.run([*self.proxy, "--version"], capture_output=True, text=True, env=self.runs.base_env)
         print(f"   {shlex.join(self.proxy)}: {proxy.stdout.strip() or proxy.stderr.strip()}")
         print(
@@ -796,6 +924,19 @@ class Checker:
         )
 
     # -- helpers -----------------------------------------------------------------
+
+    def command(self, adapter: str) -> list[str]:
+        """The adapter's launch command, its program from the npm install."""
+        program, *args = ADAPTERS[adapter].argv
+        return [str(self.bin / program), *args]
+
+    def adapter_env(self, adapter: str) -> dict[str, str]:
+        """What the adapter needs in its environment: placeholder credentials, the install's .bin on PATH."""
+        found = ADAPTERS[adapter]
+        extra = dict(found.env)
+        if found.needs:
+            extra["PATH"] = f"{self.bin}{os.pathsep}{self.runs.base_env.get('PATH', os.defpath)}"
+        return extra
 
     def sdk_agent(self) -> list[str]:
         return [str(self.venv_python), str(self.work / "sdk" / "sdk_agent.py")]
@@ -931,6 +1072,10 @@ class Checker:
         rc, messages = outputs["proxy"]
         return f"exit {rc} both ways, the same {len(messages)} messages ({outline(messages)})"
 
+    def acpx_exec_adapter(self, name: str, adapter: str) -> str:
+        """``acpx exec`` against a real adapter, which stops at its auth error without credentials."""
+        return self.acpx_exec(name, self.command(adapter), "say hi", expect_initialized)
+
     def acpx_sessions(self, name: str) -> str:
         """acpx's persistent mode: a detached queue owner runs the agent for a named session."""
         outputs = {}
@@ -1007,7 +1152,7 @@ class Checker:
         seen: dict[str, list[Any]] = {}
         eof: dict[str, float | None] = {}
         for mode in ("direct", "proxy"):
-            command = [str(self.bin / adapter)]
+            command = self.command(adapter)
             if mode == "proxy":
                 command = self.proxied(command)
             log = self.logs / f"{name}-{mode}.stderr"
@@ -1052,7 +1197,7 @@ class Checker:
         log = self.logs / f"{name}-proxy-sigterm.stderr"
         log.unlink(missing_ok=True)
         env, marker = self.runs.env(f"{name}-proxy-sigterm")
-        peer = open_peer(self.proxied([str(self.bin / adapter)]), env, log, self.ws)
+        peer = open_peer(self.proxied(self.command(adapter)), env, log, self.ws)
         try:
             self.raw_session(peer)
             start = time.monotonic()
@@ -1082,13 +1227,13 @@ class Checker:
         (base / "home" / ".claude").mkdir(parents=True)
         config = base / "proxy.toml"
         config.write_text(
-            f"[pool]\nmax_live = 1\n{pool}\n[backends.{adapter}]\ncommand = [{json.dumps(str(self.bin / adapter))}]\n"
+            f"[pool]\nmax_live = 1\n{pool}\n[backends.{adapter}]\ncommand = {json.dumps(self.command(adapter))}\n"
         )
         env, marker = self.runs.env(
             name,
             HOME=str(base / "home"),
             ACP_PROXY_STATE_DIR=str(base / "state"),
-            **PLACEHOLDER_CREDENTIALS.get(adapter, {}),
+            **self.adapter_env(adapter),
         )
         return [*self.proxy, "--config", str(config)], env, marker
 
@@ -1407,7 +1552,7 @@ class Checker:
         """Whether the adapter itself still has a session the proxy deleted (its own load, straight)."""
         log = self.logs / f"{name}-direct.stderr"
         log.unlink(missing_ok=True)
-        peer, init = self.session_gateway([str(self.bin / adapter)], env, log)
+        peer, init = self.session_gateway(self.command(adapter), env, log)
         try:
             deletes = isinstance(
                 ((init.get("agentCapabilities") or {}).get("sessionCapabilities") or {}).get("delete"), dict
@@ -1586,6 +1731,540 @@ class Checker:
         finally:
             end(gateway)
         return replays, last
+
+    # -- 7. the matrix: one scenario for every adapter of the table, straight and proxied --
+
+    def matrix(self, name: str, adapter: Adapter) -> str:
+        """The scenario of ``Adapter``, straight, then through ``acp-proxy --``; the two compared."""
+        direct = self.matrix_run(name, adapter, "direct", None)
+        proxied = self.matrix_run(name, adapter, "proxy", direct)
+        if proxied.session_id is not None and direct.plan.lists:
+            self.matrix_own_list(name, adapter, proxied)
+        self.report.note(name, f"straight: {direct.outline()}; {eof_outline(direct.eof)}")
+        problems = [*proxied.problems, *matrix_problems(direct, proxied)]
+        if (direct.session_id is None) != adapter.login:
+            problems.append(
+                f"straight, session/new {'opened a session' if adapter.login else 'was refused'}; the table says "
+                f"it {'refuses' if adapter.login else 'opens'} one without a login"
+            )
+        if problems:
+            raise CheckFailed(f"through the proxy: {proxied.outline()}; " + "; ".join(problems))
+        return f"through the proxy: {proxied.outline()}; nothing left running"
+
+    def matrix_run(self, name: str, adapter: Adapter, mode: str, direct: Scenario | None) -> Scenario:
+        """One side of a matrix-* check: a private HOME (and state dir, proxied), every step's answer kept.
+
+        Straight, the steps follow what the adapter advertised; proxied, the same steps as
+        straight. The proxy ends a closed session's process and restores it on a new one,
+        so straight, session/close is sent if the adapter advertises it, and then its
+        process ends the way the proxy ends it (stdin EOF, then the group is killed), and
+        each restore runs on a new process (initialize and authenticate again) on the
+        same HOME.
+        """
+        base = self.work / "matrix" / name / mode
+        shutil.rmtree(base, ignore_errors=True)
+        (base / "home" / ".claude").mkdir(parents=True)
+        extra = {"HOME": str(base / "home"), **self.adapter_env(adapter.name)}
+        if mode == "proxy":
+            extra["ACP_PROXY_STATE_DIR"] = str(base / "state")
+        env, marker = self.runs.env(f"{name}-{mode}", **extra)
+        seen = Scenario(mode == "proxy", env)
+        log = self.logs / f"{name}-{mode}.stderr"
+        log.unlink(missing_ok=True)
+        command = self.command(adapter.name)
+        proxied = mode == "proxy"
+        peer = self.matrix_start(command if not proxied else self.proxied(command), env, log, adapter, seen)
+        try:
+            seen.plan = direct.plan if direct is not None else restore_plan(seen.result("initialize"))
+            new = seen.step(peer, "session/new", {"cwd": str(self.ws), "mcpServers": []}, settle=True)
+            sid = new.get("sessionId")
+            if isinstance(sid, str):
+                seen.session_id = sid
+                self.matrix_session(peer, seen, adapter, direct)
+                for index, method in enumerate(seen.plan.restores):
+                    if proxied:
+                        self.matrix_close(peer, seen, marker, again=index > 0)
+                    else:
+                        self.matrix_stop(peer, seen, record=index == 0)
+                        peer = self.matrix_start(command, env, log, adapter, None)
+                    self.matrix_restore(peer, seen, method)
+                if not seen.plan.restores:
+                    if proxied:
+                        self.matrix_close(peer, seen, marker, again=False)
+                    elif seen.plan.closes:
+                        seen.step(peer, "session/close", {"sessionId": sid})
+            if proxied or seen.plan.lists:
+                seen.step(peer, "session/list", {})
+            peer.drain(quiet=1.0, limit=10.0)
+            if proxied:
+                known = {sid} if isinstance(sid, str) else set()
+                seen.problems += foreign_session_ids(peer.received, known)
+                self.end_gateway(peer, "the proxied run")
+            else:
+                self.matrix_stop(peer, seen, record=False)
+        finally:
+            seen.keep(peer)
+            end(peer)
+            (self.logs / f"{name}-{mode}.stdout").write_text("".join(json.dumps(m) + "\n" for m in seen.received))
+        self.check_leftovers(name, mode, marker, wait=5.0)
+        return seen
+
+    def matrix_own_list(self, name: str, adapter: Adapter, proxied: Scenario) -> None:
+        """The adapter's own session/list on the proxied run's HOME, straight: what it says of the session."""
+        log = self.logs / f"{name}-own-list.stderr"
+        log.unlink(missing_ok=True)
+        env, marker = self.runs.env(f"{name}-own-list", HOME=proxied.env["HOME"], **self.adapter_env(adapter.name))
+        peer = self.matrix_start(self.command(adapter.name), env, log, adapter, None)
+        try:
+            proxied.step(peer, "session/list", {}, name=OWN_LIST)
+            close_stdin(peer, timeout=3.0)
+        finally:
+            end(peer)
+        self.check_leftovers(name, "direct", marker, wait=5.0)
+
+    def matrix_start(
+        self, command: list[str], env: dict[str, str], log: Path, adapter: Adapter, seen: Scenario | None
+    ) -> SyncGateway:
+        """A new process, initialized (and authenticated); ``seen`` records the answers if given."""
+        peer = open_peer(command, env, log, self.ws)
+        record = seen if seen is not None else Scenario(False, env)
+        try:
+            record.step(peer, "initialize", CLIENT_INITIALIZE)
+            if adapter.auth:
+                record.step(peer, "authenticate", {"methodId": adapter.auth})
+        except BaseException:
+            end(peer)
+            raise
+        return peer
+
+    def matrix_session(self, peer: SyncGateway, seen: Scenario, adapter: Adapter, direct: Scenario | None) -> None:
+        """A cancelled turn (where one stays under way), another mode than the session's (where it offers
+        modes), then a prompt (where the adapter records it).
+
+        The cancel comes first, in the session's first mode: gemini-cli answers a cancel in
+        ``plan`` at once, in its default mode about a minute late.
+        """
+        if adapter.cancel:
+            self.matrix_cancel(peer, seen)
+        new = seen.result("session/new")
+        setting = direct.setting if direct is not None else mode_setting(new)
+        if setting is not None:
+            method, params = setting
+            seen.setting = setting
+            seen.step(peer, method, {"sessionId": seen.session_id, **params}, settle=True)
+        if adapter.prompt:
+            assert seen.session_id is not None
+            seen.step(peer, "session/prompt", prompt_params(seen.session_id, FIRST_WORDS), PROMPT_TIMEOUT)
+
+    def matrix_cancel(self, peer: SyncGateway, seen: Scenario) -> None:
+        """A turn, session/cancel once it is under way, and how long its answer then took."""
+        assert seen.session_id is not None
+        request = {"jsonrpc": "2.0", "id": "cancelled-turn", "method": "session/prompt"}
+        peer.send({**request, "params": prompt_params(seen.session_id, SECOND_WORDS)})
+        time.sleep(CANCEL_AFTER)
+        start = time.monotonic()
+        peer.send({"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": seen.session_id}})
+        answer = answer_to(peer, "cancelled-turn", timeout=PROMPT_TIMEOUT)
+        seen.cancel_seconds = time.monotonic() - start
+        seen.answers[CANCELLED] = {k: v for k, v in answer.items() if k not in ("id", "jsonrpc")}
+
+    def matrix_close(self, peer: SyncGateway, seen: Scenario, marker: str, again: bool) -> None:
+        """session/close through the proxy: ``{}``, and the session's processes gone."""
+        step = "session/close (again)" if again else "session/close"
+        answer = seen.step(peer, "session/close", {"sessionId": seen.session_id}, name=step)
+        if answer != {}:
+            seen.problems.append(f"{step} answered {short(seen.answers[step])}, expected {{}}")
+        deadline = time.monotonic() + 10.0
+        while (found := markers.find(MARKER_VAR, marker)) and time.monotonic() < deadline:
+            found.pop(peer.process.pid, None)
+            if not found:
+                break
+            time.sleep(0.1)
+        found.pop(peer.process.pid, None)
+        if found:
+            seen.problems.append(f"after {step} still running: {'; '.join(map(str, found.values()))}")
+
+    def matrix_stop(self, peer: SyncGateway, seen: Scenario, record: bool) -> None:
+        """End a straight run's process as the proxy ends one: session/close if advertised, stdin EOF, kill."""
+        if seen.plan.closes and seen.session_id is not None:
+            params = {"sessionId": seen.session_id}
+            if record:
+                seen.step(peer, "session/close", params)
+            else:
+                call(peer, "session/close", params)
+        seen.eof.append(close_stdin(peer, timeout=3.0))
+        seen.keep(peer)
+        end(peer)
+
+    def matrix_restore(self, peer: SyncGateway, seen: Scenario, method: str) -> None:
+        """session/load or session/resume of the closed session; straight, a failed resume is followed by
+        a load where the adapter loads, to learn whether a proxy's fallback had a restore to fall back to."""
+        assert seen.session_id is not None
+        params = {"sessionId": seen.session_id, "cwd": str(self.ws), "mcpServers": []}
+        since = len(peer.received)
+        seen.step(peer, method, params, PROMPT_TIMEOUT)
+        received = updates(peer, since)
+        seen.replays[method] = user_texts(received, seen.session_id)
+        if history_reset(received, seen.session_id):
+            seen.resets.add(method)
+        error = seen.answers[method].get("error")
+        if not seen.proxied and method == "session/resume" and seen.plan.loads and isinstance(error, dict):
+            seen.step(peer, "session/load", params, PROMPT_TIMEOUT, name=THEN_LOAD)
+
+
+# --- the matrix: what one side saw, and what the proxy may change --------------------------
+
+FALLBACK_CODES = frozenset({-32002, -32601, -32602})
+"""The errors on which the proxy's restore falls back (resume -> load -> new), as the design says."""
+THEN_LOAD = "session/resume, then session/load"
+OWN_LIST = "the adapter's own session/list, straight, on the same HOME"
+PLAN = "plan"
+CANCELLED = "session/prompt, then session/cancel"
+CANCEL_AFTER = 2.0
+"""Seconds between a prompt and its session/cancel: the turn is under way (its model call retrying)."""
+CANCEL_ANSWERED_WITHIN = 35.0
+"""The proxy answers a cancelled turn itself after its cancel_timeout (30 s by default), if the adapter has not."""
+TIMER_UPDATES = frozenset({"available_commands_update"})
+"""session/update kinds some adapters send on a timer: where they land varies from run to run."""
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """The steps an adapter's initialize result calls for; the proxied run takes the straight run's."""
+
+    restores: tuple[str, ...] = ()
+    loads: bool = False
+    closes: bool = False
+    lists: bool = False
+
+
+def restore_plan(init: dict[str, Any]) -> RestorePlan:
+    caps = init.get("agentCapabilities") or {}
+    sessions = caps.get("sessionCapabilities") or {}
+    loads = caps.get("loadSession") is True
+    resumes = isinstance(sessions.get("resume"), dict)
+    restores = (*(("session/load",) if loads else ()), *(("session/resume",) if resumes else ()))
+    closes, lists = (isinstance(sessions.get(key), dict) for key in ("close", "list"))
+    return RestorePlan(restores, loads, closes, lists)
+
+
+def mode_setting(new: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """How to put a new session in another mode: session/set_mode where it offers modes,
+    session/set_config_option where it offers only a mode config option; None if neither.
+
+    ``plan`` where offered: the read-only mode every adapter grants (gemini-cli refuses
+    its auto-approving modes in a folder the user has not trusted).
+    """
+    modes = new.get("modes") or {}
+    offered = [str(mode.get("id")) for mode in modes.get("availableModes") or [] if isinstance(mode, dict)]
+    if offered:
+        others = [mode for mode in offered if mode != modes.get("currentModeId")]
+        return ("session/set_mode", {"modeId": PLAN if PLAN in others else others[0]}) if others else None
+    for option in new.get("configOptions") or []:
+        if isinstance(option, dict) and option.get("category") == "mode":
+            values = [str(value.get("value")) for value in option.get("options") or [] if isinstance(value, dict)]
+            others = [value for value in values if value != option.get("currentValue")]
+            if others:
+                value = PLAN if PLAN in others else others[0]
+                return "session/set_config_option", {"configId": option.get("id"), "value": value}
+    return None
+
+
+def set_to(setting: tuple[str, dict[str, Any]]) -> str:
+    """The mode a mode setting puts the session in."""
+    params = setting[1]
+    return str(params.get("modeId", params.get("value")))
+
+
+class Scenario:
+    """What one side of a matrix-* check saw: each step's answer (without its id), in order."""
+
+    def __init__(self, proxied: bool, env: dict[str, str]) -> None:
+        self.proxied = proxied
+        self.env = env
+        self.answers: dict[str, dict[str, Any]] = {}
+        self.notifications: dict[str, list[str]] = {}
+        """Each step's notifications, by method (and session/update kind), those sent on a timer left out."""
+        self.plan = RestorePlan()
+        self.session_id: str | None = None
+        self.setting: tuple[str, dict[str, Any]] | None = None
+        self.replays: dict[str, list[str]] = {}
+        self.resets: set[str] = set()
+        """The restores after which the proxy announced historyReset (it started the session afresh)."""
+        self.problems: list[str] = []
+        self.eof: list[float | None] = []
+        """Straight, for each process ended: seconds until it exited after stdin EOF (None: it did not, in 3 s)."""
+        self.cancel_seconds = 0.0
+        """From session/cancel to the cancelled turn's answer."""
+        self.received: list[Any] = []
+        """Every message received, from each process in turn."""
+        self._kept: list[SyncGateway] = []
+
+    def keep(self, peer: SyncGateway) -> None:
+        """Add what ``peer`` received to ``received``, once."""
+        if not any(kept is peer for kept in self._kept):
+            self._kept.append(peer)
+            self.received += transcript(peer)
+
+    def step(
+        self,
+        peer: SyncGateway,
+        method: str,
+        params: dict[str, Any],
+        timeout: float = 60.0,
+        name: str | None = None,
+        settle: bool = False,
+    ) -> dict[str, Any]:
+        """A request whose answer is kept under ``name`` (its method by default); the result, or {} on an error.
+
+        ``settle``: the notifications that follow the answer within a second count as the
+        step's (an adapter may announce a change just after answering, and through the proxy
+        the same notification may come just before the answer).
+        """
+        since = len(peer.received)
+        answer = {k: v for k, v in call(peer, method, params, timeout).items() if k not in ("id", "jsonrpc")}
+        if settle:
+            peer.drain(quiet=1.0, limit=5.0)
+        self.answers[name or method] = answer
+        self.notifications[name or method] = sorted(
+            kind for kind in map(notification_kind, peer.received[since:]) if kind is not None
+        )
+        result = answer.get("result")
+        return result if isinstance(result, dict) else {}
+
+    def result(self, step: str) -> dict[str, Any]:
+        result = self.answers.get(step, {}).get("result")
+        return result if isinstance(result, dict) else {}
+
+    def outline(self) -> str:
+        """Each step and how it ended, for the report."""
+        parts = []
+        for step, answer in self.answers.items():
+            result, error = answer.get("result"), answer.get("error")
+            if isinstance(error, dict):
+                reason = (error.get("data") or {}).get("reason") if isinstance(error.get("data"), dict) else None
+                outcome = f"{error.get('code')} {str(error.get('message'))[:80]!r}" + (f" ({reason})" if reason else "")
+            elif step in ("session/list", OWN_LIST) and isinstance(result, dict):
+                rows = result.get("sessions") or []
+                titled = sum(1 for row in rows if isinstance(row, dict) and row.get("title"))
+                outcome = f"{len(rows)} listed" + (f", {titled} titled" if titled else "")
+            elif isinstance(result, dict) and "stopReason" in result:
+                outcome = f"stopReason {result['stopReason']}"
+            elif step in self.resets:
+                outcome = "started afresh (historyReset)"
+            else:
+                outcome = "ok"
+            if step == CANCELLED:
+                outcome += f" {self.cancel_seconds:.0f}s after the cancel"
+            if self.replays.get(step):
+                outcome += f", replayed {checked_words(self.replays[step]) or len(self.replays[step])}"
+            if step in ("session/set_mode", "session/set_config_option") and self.setting is not None:
+                step = f"{step} {set_to(self.setting)}"
+            parts.append(f"{step}: {outcome}")
+        return "; ".join(parts)
+
+
+def eof_outline(eof: list[float | None]) -> str:
+    if not eof:
+        return "no process was ended by the scenario"
+    if all(seconds is None for seconds in eof):
+        return "ignores stdin EOF (still running 3s after it, killed)"
+    if all(seconds is not None for seconds in eof):
+        return f"exits on stdin EOF (within {max(s for s in eof if s is not None):.1f}s)"
+    return f"exited on stdin EOF {sum(1 for s in eof if s is not None)} of {len(eof)} times (else killed after 3s)"
+
+
+def notification_kind(message: Any) -> str | None:
+    if not isinstance(message, dict) or "id" in message or "method" not in message:
+        return None
+    kind = ((message.get("params") or {}).get("update") or {}).get("sessionUpdate")
+    if kind in TIMER_UPDATES:
+        return None
+    return f"{message['method']}:{kind}" if kind else str(message["method"])
+
+
+def matrix_problems(direct: Scenario, proxied: Scenario) -> list[str]:
+    """How the proxied run differs from the straight one beyond what the proxy documents.
+
+    Allowed: ``_meta["acp-proxy"]`` and the session capabilities the proxy serves in
+    the initialize result; session/close and session/list answered by the proxy; a
+    restore the proxy re-applies the session's mode to; a restore that starts afresh
+    (historyReset) where, straight, every restore the adapter offers failed with an
+    error the proxy falls back on.
+    """
+    problems: list[str] = []
+    sid = {"direct": direct.session_id, "proxy": proxied.session_id}
+    same = {
+        "initialize": "the initialize result",
+        "authenticate": "authenticate",
+        "session/new": "session/new",
+        "session/set_mode": "session/set_mode",
+        "session/set_config_option": "session/set_config_option",
+    }
+    for step, what in same.items():
+        if step not in direct.answers and step not in proxied.answers:
+            continue
+        sides = []
+        for side, seen in (("direct", direct), ("proxy", proxied)):
+            answer = json.loads(json.dumps(seen.answers.get(step)))
+            if step == "initialize" and isinstance(answer, dict):
+                try:
+                    strip_proxy_meta([answer], side == "proxy", f"{side} initialize")
+                except CheckFailed as exc:
+                    problems.append(str(exc))
+            sides.append(normalize_ids(replace_id(answer, sid[side])))
+        if sides[0] != sides[1]:
+            problems.append(f"{what} answered {short(sides[0])} straight, {short(sides[1])} through the proxy")
+        if step != "initialize" and direct.notifications.get(step) != proxied.notifications.get(step):
+            problems.append(
+                f"{what} came with {direct.notifications.get(step)} straight, "
+                f"{proxied.notifications.get(step)} through the proxy"
+            )
+    if "session/prompt" in direct.answers:
+        outcomes = [turn_outcome(seen.answers.get("session/prompt")) for seen in (direct, proxied)]
+        if outcomes[0] != outcomes[1]:
+            problems.append(f"session/prompt ended {outcomes[0]} straight, {outcomes[1]} through the proxy")
+    if CANCELLED in direct.answers:
+        outcomes = [turn_outcome(seen.answers.get(CANCELLED)) for seen in (direct, proxied)]
+        if outcomes[0] != outcomes[1]:
+            problems.append(f"the cancelled turn ended {outcomes[0]} straight, {outcomes[1]} through the proxy")
+        if proxied.cancel_seconds > CANCEL_ANSWERED_WITHIN:
+            problems.append(
+                f"the cancelled turn was answered {proxied.cancel_seconds:.0f}s after session/cancel through the "
+                f"proxy (straight {direct.cancel_seconds:.0f}s), over its cancel_timeout"
+            )
+    for method in direct.plan.restores:
+        if method in proxied.answers:
+            problems += restore_problems(method, direct, proxied)
+    problems += list_problems(proxied)
+    return problems
+
+
+def replace_id(value: Any, session_id: str | None) -> Any:
+    """``value`` with the run's session id replaced by a placeholder (each run gets its own)."""
+    if not session_id:
+        return value
+    return json.loads(json.dumps(value).replace(json.dumps(session_id)[1:-1], "SESSION-ID"))
+
+
+def turn_outcome(answer: Any) -> str:
+    answer = answer if isinstance(answer, dict) else {}
+    if isinstance(answer.get("error"), dict):
+        return f"error {answer['error'].get('code')}"
+    return f"stopReason {(answer.get('result') or {}).get('stopReason')}"
+
+
+def restore_problems(method: str, direct: Scenario, proxied: Scenario) -> list[str]:
+    """A restore through the proxy against the same restore straight (on a new process there too)."""
+    problems = []
+    straight, answer = direct.answers[method], proxied.answers[method]
+    fallback = direct.answers.get(THEN_LOAD) if method == "session/resume" else None
+    restored = "result" in straight or (fallback is not None and "result" in fallback)
+    if "result" in answer:
+        if method in proxied.resets and restored:
+            problems.append(
+                f"{method} through the proxy started afresh (historyReset), though straight the adapter restored "
+                f"the session ({method if 'result' in straight else THEN_LOAD})"
+            )
+        if "result" in straight and method not in proxied.resets:
+            mine, theirs = (without_mode(seen.result(method), seen.session_id) for seen in (direct, proxied))
+            if mine != theirs:
+                problems.append(f"{method} answered {short(mine)} straight, {short(theirs)} through the proxy")
+            if method == "session/load" and checked_words(direct.replays[method]) != checked_words(
+                proxied.replays[method]
+            ):
+                problems.append(
+                    f"{method} replayed {direct.replays[method]} straight, {proxied.replays[method]} through the proxy"
+                )
+        problems += mode_problems(method, proxied)
+    elif restored:
+        problems.append(
+            f"{method} through the proxy answered {short(answer)}, though straight the adapter restored the session "
+            f"({method if 'result' in straight else THEN_LOAD})"
+        )
+    elif "error" in straight:
+        kept = kept_error(straight["error"], answer.get("error"))
+        if kept is not None:
+            problems.append(f"{method}: straight {short(straight['error'])}, through the proxy {kept}")
+    return problems
+
+
+def kept_error(adapter: dict[str, Any], proxy: Any) -> str | None:
+    """Whether the proxy's error keeps the adapter's code, message and data (adding its own ``reason``)."""
+    if not isinstance(proxy, dict):
+        return f"no error but {short(proxy)}"
+    found = proxy.get("data")
+    data: dict[str, Any] = found if isinstance(found, dict) else {}
+    theirs = adapter.get("data")
+    missing = []
+    if proxy.get("code") != adapter.get("code"):
+        missing.append("code")
+    if proxy.get("message") != adapter.get("message"):
+        missing.append("message")
+    if isinstance(theirs, dict):
+        if any(data.get(key) != value for key, value in theirs.items()):
+            missing.append("data")
+    elif theirs is not None and theirs not in data.values():
+        missing.append("data")
+    if data.get("reason") not in PROXY_REASONS:
+        missing.append("its own data.reason")
+    return f"{short(proxy)}, which lacks the adapter's {', '.join(missing)}" if missing else None
+
+
+MODE_FIELDS = ("modes", "configOptions")
+
+
+def without_mode(result: dict[str, Any], session_id: str | None) -> Any:
+    """A restore's result without the current mode (the proxy re-applies the mode it was set to)."""
+    result = replace_id(result, session_id)
+    modes = result.get("modes")
+    if isinstance(modes, dict):
+        modes.pop("currentModeId", None)
+    for option in result.get("configOptions") or []:
+        if isinstance(option, dict) and option.get("category") == "mode":
+            option.pop("currentValue", None)
+    return normalize_ids(result)
+
+
+def mode_problems(method: str, proxied: Scenario) -> list[str]:
+    """A restored session is in the mode it was set to, and its answer says so the same way everywhere."""
+    result = proxied.result(method)
+    shown = {}
+    modes = result.get("modes")
+    if isinstance(modes, dict) and "currentModeId" in modes:
+        shown["modes.currentModeId"] = modes["currentModeId"]
+    for option in result.get("configOptions") or []:
+        if isinstance(option, dict) and option.get("category") == "mode":
+            shown[f"configOptions[{option.get('id')}].currentValue"] = option.get("currentValue")
+    setting = proxied.setting
+    step = setting[0] if setting else None
+    wanted = set_to(setting) if setting and "result" in proxied.answers.get(str(step), {}) else None
+    if wanted is None and len(set(map(str, shown.values()))) <= 1:
+        return []
+    if wanted is not None and all(value == wanted for value in shown.values()):
+        return []
+    return [
+        f"{method} through the proxy answered {shown}"
+        + (f", the session having been set to {wanted!r}" if wanted else "")
+    ]
+
+
+def list_problems(proxied: Scenario) -> list[str]:
+    """The proxy lists the session (and none where none opened), with the title the adapter's own list gives it."""
+    listed = proxied.result("session/list").get("sessions")
+    if not isinstance(listed, list):
+        return [f"session/list through the proxy answered {short(proxied.answers.get('session/list'))}"]
+    rows = {row.get("sessionId"): row for row in listed if isinstance(row, dict)}
+    if proxied.session_id is None:
+        return [f"session/list through the proxy gave {short(listed)}, though no session opened"] if rows else []
+    if proxied.session_id not in rows:
+        return [f"session/list through the proxy gave {short(listed)}, without the session"]
+    own = {row.get("sessionId"): row for row in proxied.result(OWN_LIST).get("sessions") or [] if isinstance(row, dict)}
+    title = own.get(proxied.session_id, {}).get("title")
+    shown = rows[proxied.session_id].get("title")
+    if title is not None and shown != title:
+        return [f"session/list: the adapter's own list titles the session {title!r}, the proxy's {shown!r}"]
+    return []
 
 
 class AcpxSteps:
@@ -2043,6 +2722,36 @@ def default_proxy_python() -> str:
     return str(local) if local.exists() else sys.executable
 
 
+def registered_checks(checker: Checker) -> dict[str, Callable[[str], str]]:
+    """Every check by name, in the order they run: the SDK and echo peers, then each kind of
+    check over the adapters it applies to, then the matrix over every adapter of the table."""
+    checks: dict[str, Callable[[str], str]] = {
+        "sdk-prompt-turn": checker.sdk_turn,
+        "sdk-prompt-turn-trio": partial(checker.sdk_turn, proxy_options=("--async-backend", "trio")),
+        "acpx-exec-sdk-agent": partial(
+            checker.acpx_exec, agent=checker.sdk_agent(), prompt="hello through acpx", expect=expect_turn
+        ),
+        "acpx-exec-echo-agent": partial(
+            checker.acpx_exec, agent=checker.echo_agent(), prompt="echo this, with permission", expect=expect_turn
+        ),
+        "acpx-sessions-sdk-agent": checker.acpx_sessions,
+    }
+    per_adapter: tuple[tuple[str, Callable[..., str]], ...] = (
+        ("acpx-exec", checker.acpx_exec_adapter),
+        ("raw", checker.raw_adapter),
+        ("sessions", checker.sessions_raw),
+        ("sessions-acpx", checker.sessions_acpx),
+        ("spec", checker.spec_raw),
+        ("install-acpx", checker.install_acpx),
+    )
+    for kind, body in per_adapter:
+        for adapter in POOL_ADAPTERS:
+            checks[f"{kind}-{adapter}"] = partial(body, adapter=adapter)
+    for adapter in ADAPTERS:
+        checks[f"matrix-{adapter}"] = partial(checker.matrix, adapter=ADAPTERS[adapter])
+    return checks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(prog="scripts/check-peers", description=__doc__.split("\n\n")[0])
     parser.add_argument("workdir", nargs="?", default="/tmp/acp-peers", help="where peers are installed")
@@ -2057,33 +2766,7 @@ def main() -> int:
 
     report = Report()
     checker = Checker(args, report)
-    checks: dict[str, Callable[[str], str]] = {
-        "sdk-prompt-turn": checker.sdk_turn,
-        "sdk-prompt-turn-trio": lambda name: checker.sdk_turn(name, ("--async-backend", "trio")),
-        "acpx-exec-sdk-agent": lambda name: checker.acpx_exec(
-            name, checker.sdk_agent(), "hello through acpx", expect_turn
-        ),
-        "acpx-exec-echo-agent": lambda name: checker.acpx_exec(
-            name, checker.echo_agent(), "echo this, with permission", expect_turn
-        ),
-        "acpx-sessions-sdk-agent": checker.acpx_sessions,
-        "acpx-exec-codex-acp": lambda name: checker.acpx_exec(
-            name, [str(checker.bin / "codex-acp")], "say hi", expect_initialized
-        ),
-        "acpx-exec-claude-agent-acp": lambda name: checker.acpx_exec(
-            name, [str(checker.bin / "claude-agent-acp")], "say hi", expect_initialized
-        ),
-        "raw-codex-acp": lambda name: checker.raw_adapter(name, "codex-acp"),
-        "raw-claude-agent-acp": lambda name: checker.raw_adapter(name, "claude-agent-acp"),
-        "sessions-codex-acp": lambda name: checker.sessions_raw(name, "codex-acp"),
-        "sessions-claude-agent-acp": lambda name: checker.sessions_raw(name, "claude-agent-acp"),
-        "sessions-acpx-codex-acp": lambda name: checker.sessions_acpx(name, "codex-acp"),
-        "sessions-acpx-claude-agent-acp": lambda name: checker.sessions_acpx(name, "claude-agent-acp"),
-        "spec-codex-acp": lambda name: checker.spec_raw(name, "codex-acp"),
-        "spec-claude-agent-acp": lambda name: checker.spec_raw(name, "claude-agent-acp"),
-        "install-acpx-codex-acp": lambda name: checker.install_acpx(name, "codex-acp"),
-        "install-acpx-claude-agent-acp": lambda name: checker.install_acpx(name, "claude-agent-acp"),
-    }
+    checks = registered_checks(checker)
     unknown = set(args.only or ()) - checks.keys()
     if unknown:
         parser.error(f"unknown check(s) {', '.join(sorted(unknown))}; known: {', '.join(checks)}")
