@@ -9,33 +9,63 @@ the database ``0600``: it names processes and commands, never secrets.
 
 Writes happen at lifecycle events (spawn, close, reap) and a prompt's milestones
 (its task created and settled; its progress at most once a second), never per
-streamed message. A serving proxy makes them off its event loop
-(``StateDB.start_writer``): another proxy of the install holding the write lock,
-or a checkpoint's fsync, must not stall the relay. One ``StateWriter`` thread,
-with a connection of its own, applies them in the order they were made:
+streamed message. A serving proxy makes them off its event loop: another proxy of
+the install holding the write lock, or a checkpoint's fsync, must not stall the
+relay. One ``StateWriter`` thread (``StateDB.start_writer``, called by ``serve.py``
+once the start-up sweeps are done; drained by ``GatewayConnection._shutdown``), with
+a connection of its own and one queue, applies them in the order they were made,
+whatever table they touch. What is queued when the thread comes round (up to
+``BATCH_LIMIT``) is committed in one transaction; if one write of it fails, the
+batch is run again with each write in a savepoint, so the failing one costs only
+itself. Each kind of write is made one way:
 
-* a write the proxy need not wait for (a task's rows, a session's activity,
-  title, settings, suspension) is queued (``StateDB.write``) and the caller
-  moves on; what is waiting when the thread comes round is committed in one
-  transaction, and a queued progress write of a task is replaced by a newer one;
-* a write whose outcome the proxy needs (a compare-and-set claim on a session)
-  is queued the same way and awaited (``StateDB.run``), so it lands after every
-  write made before it;
-* a read that must see this proxy's own writes first waits until the queue has
-  been applied (``StateDB.caught_up``); other reads run on the loop's
-  connection, which WAL lets read beside a writer.
+* **queued, nobody waits** (``StateDB.write``): task rows (create, ``mark_running``,
+  progress, finish, the retry of a failed one; a queued progress write of a task is
+  replaced by a newer one), a session's activity, title, suspension, close,
+  deletion, ``live``, history reset and new row, the journal, what the install
+  learns of a backend, a lease's teardown steps (``closing``, ``closed``, ``lost``).
+  The relay must not wait; the order of one row's writes is the queue's; a proxy
+  that dies before a lease's step lands leaves the lease to the next one's
+  startup reaping.
+* **queued, then an answer waits for it** (``StateDB.caught_up``): a new session's
+  row before the gateway gets the session's id, and a setting (``set_mode``,
+  ``set_config_option``, ``set_model``) before the gateway gets its answer
+  (``AdapterRelay._relay`` waits for every answer with bookkeeping, ``on_answer``;
+  prompts have none). A proxy that crashes after answering must not lose the
+  mapping a resume needs, nor a setting a resume re-applies.
+* **queued and awaited for its outcome** (``StateDB.run``, off the event loop):
+  the compare-and-set claims (``SessionRegistry.mark_resuming``,
+  ``claim_orphaned``), ``suspend_all_of_this_instance`` at shutdown, and a lease's
+  process identities with its opening (``SupervisedProcess.ready``). The outcome
+  decides what the proxy does next, and lands after every earlier write.
+* **queued and waited for by a worker thread** (``StateDB.call``): a lease before
+  its spawn (``ProcessPool._launch`` runs ``Adapter.launch`` in the thread that
+  spawns), so that no process exists before its lease and a lock held elsewhere
+  delays that start, not the relay; pruning of tasks, leases and tombstones
+  (hourly), so that deletes come after the rows they judge.
+* **made at once**, before the writer starts and after it is drained: the instance
+  rows (start, end) and startup reaping, when nothing is relayed. Without a writer
+  (the CLI, the tests of the layers, start-up) every write is made at once on the
+  caller's thread, as one transaction.
 
-The queue holds ``QUEUE_LIMIT`` writes. Past it nothing is dropped (a task's
-create or finish must never be lost): the gateway reader stops taking requests
-(``StateDB.room``) until the thread has caught up, so the queue can only exceed
-the limit by what the requests already read add. A write that fails is logged and
-reported to whoever queued it; a locked database is waited for, the batch kept in
-order. On shutdown the queue is applied within ``CLOSE_TIMEOUT``; what is left is
-logged. Without a writer (the CLI, tests, start-up) every write is made at once,
-on the caller's thread. A lease, which must be on record before its process is
-spawned, is waited for (``StateDB.call``) from the worker thread that spawns. The
-instance rows are written at start and exit, when nothing is relayed. The WAL
-checkpoint (an fsync) is run from a worker thread on a connection of its own
+Reads stay on the event loop's connection, which WAL lets read beside any writer.
+A read that must see this proxy's own writes first waits until the queue has been
+applied (``StateDB.caught_up``; nothing to wait for when it is empty):
+``SessionRegistry.current`` (every session lookup that misses memory, restores,
+closes, deletes), ``session/list``, the ``session/new``, fork and adoption paths
+(their rows are read in an answer's callback, so the wait is before the request is
+sent), the control socket's ``cancel_task``.
+
+Bounds and failures. The queue holds ``QUEUE_LIMIT`` writes and never drops one
+(a task's create or finish must never be lost): while it is full the gateway reader
+stops taking requests (``StateDB.room``), so the queue exceeds the limit only by
+what the requests already read add (each prompt at most a create, a start, a
+progress and a finish). A write that fails is logged and reported to whoever queued
+it (the task book keeps the turn and writes it whole again each second until it
+takes). A database locked by another process is waited for, the batch kept in
+order, in attempts of ``WRITER_BUSY_WAIT_MS``, so that closing is bounded. On
+shutdown the queue is applied within ``CLOSE_TIMEOUT``; what is left is logged. The
+WAL checkpoint (an fsync) is run from a worker thread on a connection of its own
 (``defer_checkpoints``).
 """
 
@@ -582,7 +612,11 @@ def _nothing(conn: sqlite3.Connection) -> None:
 
 
 class StateDB:
-    """A connection to the state database, with the install's identity."""
+    """A connection to the state database, with the install's identity.
+
+    Its write methods are how each kind of write is made; which kind a write is, and why,
+    is stated once in this module's docstring.
+    """
 
     def __init__(self, state_dir: Path, *, create: bool = True, read_only: bool = False) -> None:
         """Open (``create``: and make) the install's database and bring its schema up to date.

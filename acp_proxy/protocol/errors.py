@@ -1,9 +1,10 @@
 """The errors the proxy itself answers with: one type, one named constructor per ``error.data.reason``.
 
 A gateway can act on ``data.reason`` without parsing messages, so each reason is
-made in exactly one place, with its code and its data keys (the README's table
-of reasons lists the same names). Raising ``ProxyError`` anywhere under a
-request's handling is how that request gets its answer.
+made in exactly one place, with its code and its data keys (the table of reasons
+in docs/sessions.md lists the same names; a test holds the two to each other).
+Raising ``ProxyError`` anywhere under a request's handling is how that request gets
+its answer.
 """
 
 from __future__ import annotations

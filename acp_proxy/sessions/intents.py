@@ -16,6 +16,9 @@
 Timeouts, crashes, the pool and operator commands call these; none carries its own
 copy. The decisions inside them (the fate of a queued request, the stable id of a
 new session, why a session is unknown) are pure functions at the top of this module.
+Every state a session's row goes through, and the code that moves it (these intents,
+``Restorer.restore``, and the registry's claims at shutdown and on sessions of dead
+proxies): docs/architecture.md, "The states of a session".
 """
 
 from __future__ import annotations

@@ -13,11 +13,10 @@ process, still listed, restored only by the gateway's own load or resume) ·
 retention). Rows survive the proxy: a session left ``live`` by a proxy that died
 is ``suspended`` to the next one (its process tree was reaped with its lease).
 
-Writes go through the state database's writer (``StateDB.write``, in order with
-the task rows): the ones nobody waits for are queued; the compare-and-set claims
-are awaited (``mark_resuming``, ``claim_orphaned``). A serving proxy reads its own
-sessions with ``current`` (and ``caught_up`` before a listing), which first waits
-for its queued writes to be applied.
+Writes go through the state writer, by the rules of ``acp_proxy.state``'s docstring
+(the compare-and-set claims, ``mark_resuming`` and ``claim_orphaned``, are awaited);
+a serving proxy reads its own sessions with ``current``, after its queued writes.
+How a session moves between the states: docs/architecture.md, "The states of a session".
 """
 
 from __future__ import annotations
