@@ -20,6 +20,13 @@ from acp_proxy.protocol.methods import Method
 MODE: Final = "mode"
 MODEL: Final = "model"
 
+STATED_TWICE: Final[dict[str, tuple[str, str, str, str]]] = {
+    Method.SET_MODE: ("modeId", "modes", "currentModeId", MODE),
+    Method.SET_MODEL: ("modelId", "models", "currentModelId", MODEL),
+}
+"""A setting request -> its param, the result's member that states it, that member's current key, and the
+category of the config option that states it too."""
+
 
 def _values(option: dict[str, Any]) -> Iterator[object]:
     """The values a select option offers, groups flattened."""
@@ -64,18 +71,13 @@ def _category_of(options: object, config_id: object) -> str | None:
 
 def reflect_setting(result: dict[str, Any], method: str, params: dict[str, Any], answer: dict[str, Any]) -> None:
     """Update a restore's ``result`` in place for ``method`` re-applied with ``params`` (its ``answer``)."""
-    if method == Method.SET_MODE:
-        mode = params.get("modeId")
-        if "modes" in result:
-            result["modes"] = _with_current(result["modes"], "currentModeId", mode)
+    if method in STATED_TWICE:
+        key, state, current, stated_as = STATED_TWICE[method]
+        value = params.get(key)
+        if state in result:
+            result[state] = _with_current(result[state], current, value)
         if "configOptions" in result:
-            result["configOptions"] = _with_category_value(result["configOptions"], MODE, mode)
-    elif method == Method.SET_MODEL:
-        model = params.get("modelId")
-        if "models" in result:
-            result["models"] = _with_current(result["models"], "currentModelId", model)
-        if "configOptions" in result:
-            result["configOptions"] = _with_category_value(result["configOptions"], MODEL, model)
+            result["configOptions"] = _with_category_value(result["configOptions"], stated_as, value)
     elif method == Method.SET_CONFIG_OPTION:
         config_id, value = params.get("configId"), params.get("value")
         if isinstance(answer.get("configOptions"), list):
