@@ -38,7 +38,7 @@ import anyio
 
 from acp_proxy.config import ShutdownConfig
 from acp_proxy.ownership.instances import start_instance
-from acp_proxy.ownership.leases import ACTIVE_STATES, LeaseState, create_lease, get_lease, record_spawn, set_state
+from acp_proxy.ownership.leases import ACTIVE_STATES, LeaseState, create_lease, get_lease, set_state
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import ProcFS
 from acp_proxy.ownership.reaping import prepare_tombstone
@@ -72,6 +72,7 @@ from benchmarks.harness import (
     with_baseline,
 )
 from tests.kit.markers import alive, start_ticks
+from tests.kit.state import record_spawn
 
 TREE_ADAPTER = ROOT / "benchmarks" / "tree_adapter.py"
 COOPERATIVE = "cooperative"

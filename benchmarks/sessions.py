@@ -30,7 +30,7 @@ every timed prompt is checked to have been served by a fresh, restored process.
    case, 10 live sessions and nothing else registered, separates what the live
    adapters cost the proxy from what the 990 rows cost it.
 3. Registry operations per second, in-process on a fresh state dir:
-   ``create`` (1,000 rows), then ``get``, ``touch``, ``record_setting``,
+   ``create`` (1,000 rows), then ``get``, ``record_setting``,
    ``mark_suspended``/``mark_live`` (alternating, each call one operation) on
    random rows of those, and ``page()`` (all 1,000 rows). These are absolute
    figures: there is no "without the proxy" to compare them with.
@@ -551,7 +551,6 @@ def measure_registry(workdir: Path, args: argparse.Namespace) -> list[dict[str, 
         progress(f"sessions: registry, {REGISTRY_ROWS:,} rows, {ops:,} operations each ...")
         timed("create", f"create ({REGISTRY_ROWS:,} new rows)", REGISTRY_ROWS, lambda i: registry.create(records[i]))
         timed("get", "get (a random row)", ops, lambda i: registry.get(picks[i]))
-        timed("touch", "touch (a prompt's bookkeeping)", ops, lambda i: registry.touch(picks[i]))
         timed(
             "record_setting",
             "record_setting (set_mode / set_config_option, read-modify-write)",

@@ -50,7 +50,7 @@ from typing import Any
 import msgspec
 
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
+from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, list_tasks, new_task_id, outcome_of
 from benchmarks.common import ROOT, BenchError, cpu_seconds, percentile
 from benchmarks.harness import (
     DIRECT,
@@ -78,6 +78,7 @@ from benchmarks.harness import (
 from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, call, connect, mode_label, stop
 from benchmarks.stream_agent import update_line
 from tests.kit.gateway import SyncGateway
+from tests.kit.state import count_tasks
 
 STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
 LINE_RELAY = ROOT / "benchmarks" / "line_relay.py"
