@@ -70,6 +70,22 @@ SECTIONS: tuple[Section, ...] = (
 )
 MEASUREMENTS = tuple(name for section in SECTIONS for name in section.names)
 
+DEFAULTS: dict[str, tuple[int, int]] = {
+    "updates": (1_000_000, 100_000),
+    "round_trips": (10_000, 1_000),
+    "cold_starts": (20, 5),
+    "repeat": (3, 1),
+    "close_runs": (20, 5),
+    "spawn_runs": (20, 5),
+    "reap_runs": (10, 3),
+    "resumes": (30, 8),
+    "rss_runs": (3, 1),
+    "registry_ops": (10_000, 2_000),
+    "turns": (2_000, 200),
+    "task_ops": (10_000, 2_000),
+}
+"""The options a full run and ``--quick`` size differently: (full, quick)."""
+
 TARGET_COLUMNS = (
     Column("figure", lambda row: str(row["name"])),
     Column("value", lambda row: fmt(row["value"], 2, " " + row["unit"])),
@@ -108,7 +124,7 @@ def machine_info() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
-    versions = {}
+    versions: dict[str, str | None] = {}
     for package in ("acp-proxy", "msgspec", "anyio", "trio", "psutil"):
         try:
             versions[package] = importlib.metadata.version(package)
@@ -201,19 +217,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results (default: {RESULTS})")
     args = parser.parse_args(argv)
-    quick = args.quick
-    args.updates = args.updates if args.updates is not None else (100_000 if quick else 1_000_000)
-    args.round_trips = args.round_trips if args.round_trips is not None else (1_000 if quick else 10_000)
-    args.cold_starts = args.cold_starts if args.cold_starts is not None else (5 if quick else 20)
-    args.repeat = args.repeat if args.repeat is not None else (1 if quick else 3)
-    args.close_runs = args.close_runs if args.close_runs is not None else (5 if quick else 20)
-    args.spawn_runs = args.spawn_runs if args.spawn_runs is not None else (5 if quick else 20)
-    args.reap_runs = args.reap_runs if args.reap_runs is not None else (3 if quick else 10)
-    args.resumes = args.resumes if args.resumes is not None else (8 if quick else 30)
-    args.rss_runs = args.rss_runs if args.rss_runs is not None else (1 if quick else 3)
-    args.registry_ops = args.registry_ops if args.registry_ops is not None else (2_000 if quick else 10_000)
-    args.turns = args.turns if args.turns is not None else (200 if quick else 2_000)
-    args.task_ops = args.task_ops if args.task_ops is not None else (2_000 if quick else 10_000)
+    for name, (full, quick) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.only = {o.strip() for o in args.only.split(",") if o.strip()}
     for backend in args.backends:
