@@ -62,13 +62,12 @@ from benchmarks import pool
 from benchmarks.harness import Column, Report, Row, Section, col, fmt, proxied
 from benchmarks.pool import (
     DIRECT_POOL,
+    OUTCOME_COLUMNS,
     PROXIES,
     Workload,
     peak_adapters,
-    requests_lost,
     spread,
     stats,
-    turn_errors,
 )
 
 
@@ -145,9 +144,7 @@ COLUMNS = (
     Column("eviction plan / ask / free p50 ms", eviction_parts),
     Column("peak live adapters sampled / exact", peak_adapters),
     Column("proxy RSS p50 / max; HWM p50 / max MB", proxy_memory),
-    col("tree peak RSS MB", "tree_peak_rss_mb", 0),
-    Column("requests lost", requests_lost),
-    Column("turn errors", turn_errors),
+    *OUTCOME_COLUMNS,
 )
 
 

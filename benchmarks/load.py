@@ -23,14 +23,13 @@ from benchmarks.harness import Column, Report, Row, Section, col, fmt, proxied
 from benchmarks.pool import (
     DIRECT_ALL,
     DIRECT_POOL,
+    OUTCOME_COLUMNS,
     PROXIES,
     SAMPLE_INTERVAL,
     SEED,
     Workload,
     peak_adapters,
-    requests_lost,
     stats,
-    turn_errors,
 )
 
 
@@ -101,9 +100,7 @@ COLUMNS = (
     Column("slot wait p50 / p99 / max ms", slot_waits),
     Column("peak live adapters sampled / exact", peak_adapters),
     col("proxy peak RSS MB", "proxy_peak_rss_mb", when=proxied),
-    col("tree peak RSS MB", "tree_peak_rss_mb", 0),
-    Column("requests lost", requests_lost),
-    Column("turn errors", turn_errors),
+    *OUTCOME_COLUMNS,
 )
 
 

@@ -65,6 +65,7 @@ from benchmarks.harness import (
     Column,
     Report,
     Row,
+    fmt,
     is_proxy,
     isolated,
     left_running,
@@ -1013,6 +1014,14 @@ def turn_errors(row: Row) -> str:
 
 def requests_lost(row: Row) -> str:
     return str(row["requests"]["lost"] + row["requests"]["duplicated"])
+
+
+OUTCOME_COLUMNS = (
+    Column("tree peak RSS MB", lambda row: fmt(row["tree_peak_rss_mb"], 0)),
+    Column("requests lost", requests_lost),
+    Column("turn errors", turn_errors),
+)
+"""The last columns of every pool table: the tree's memory, and whether every request and turn came through."""
 
 
 def render(
