@@ -183,9 +183,9 @@ class Standing(Protocol):
 def standing_rounds(
     report: Report, what: str, cases: Sequence[Standing], rounds: Sequence[int], every: int = 10
 ) -> dict[str, list[float]]:
-    """Open every case, then rounds over them side by side
-    (``rounds[i]`` samples of each case in round ``i``), then finish them: the samples of each case that
-    never failed, by label. A case that fails is killed and dropped."""
+    """Open every case, run rounds over them side by side (``rounds[i]`` samples of each case in round
+    ``i``), then finish them: the samples of each case that never failed, by label. A case that fails is
+    killed and dropped."""
     samples: dict[str, list[float]] = {case.label: [] for case in cases}
     live = list(cases)
 
@@ -252,9 +252,9 @@ def with_baseline(
     """
     for row in rows:
         for new, (key, compare) in figures.items():
-            usable = base is not None and (base_too or row is not base)
-            usable = usable and base is not None and row[key] is not None and base[key] is not None
-            row[new] = compare(row[key], base[key]) if usable and base is not None else None
+            row[new] = None
+            if base is not None and (base_too or row is not base) and None not in (row[key], base[key]):
+                row[new] = compare(row[key], base[key])
 
 
 def minus(ours: float, theirs: float) -> float:
@@ -341,13 +341,13 @@ def render_table(columns: Sequence[Column], rows: Sequence[Row]) -> list[str]:
     return [*lines, ""]
 
 
-def left_running(results: dict[str, Any], where: str) -> list[str]:
-    """The line saying which marked processes outlived ``where`` (none, normally)."""
+def left_running(results: dict[str, Any], of: str) -> list[str]:
+    """The line saying which marked processes outlived the section (``of`` it: none, normally)."""
     if "left_running" not in results:
         return []
     left = results["left_running"]
     return [
-        f"Processes carrying this run's marker left running at the end{where}: "
+        f"Processes carrying this run's marker left running at the end{of}: "
         + (", ".join(map(str, left)) + " (killed)" if left else "none"),
         "",
     ]
