@@ -1,19 +1,16 @@
-"""What every benchmark module shares: paths, the report, error handling, table formatting."""
+"""What every benchmark module measures with: paths, the children's environment, /proc readings, percentiles."""
 
 from __future__ import annotations
 
 import os
-import sys
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from tests.kit import markers
-from tests.kit.gateway import GatewayError
 
 ROOT = Path(__file__).resolve().parent.parent
 PYCACHE = ROOT / "bench-results" / "pycache"
@@ -42,6 +39,28 @@ def child_environment() -> dict[str, str]:
     return env
 
 
+class Every:
+    """``action()`` every ``interval`` seconds on a thread of its own while the ``with`` block runs: how the
+    samplers here watch processes from outside."""
+
+    def __init__(self, interval: float, action: Callable[[], object]) -> None:
+        self._interval = interval
+        self._action = action
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> None:
+        self._thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._action()
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of a process so far (``None`` once it is gone)."""
     try:
@@ -67,52 +86,6 @@ def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of already sorted values."""
     index = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
     return sorted_values[index]
-
-
-@dataclass
-class Report:
-    options: dict[str, Any]
-    machine: dict[str, Any]
-    throughput: list[dict[str, Any]] = field(default_factory=list)
-    latency: list[dict[str, Any]] = field(default_factory=list)
-    cold_start: list[dict[str, Any]] = field(default_factory=list)
-    targets: list[dict[str, Any]] = field(default_factory=list)
-    ownership: dict[str, Any] = field(default_factory=dict)
-    errors: list[str] = field(default_factory=list)
-
-
-def attempt(report: Report, what: str, action: Callable[[], Any]) -> Any:
-    try:
-        return action()
-    except (BenchError, GatewayError, OSError) as exc:
-        report.errors.append(f"{what}: {exc}")
-        print(f"  FAILED {what}: {exc}", file=sys.stderr)
-        return None
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
-    return "n/a" if value is None else f"{value:,.{digits}f}{suffix}"
-
-
-def verdict(value: float | None, limit: float) -> str:
-    if value is None:
-        return ""
-    return "met" if value <= limit else "MISSED"
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines
-
-
-def proxy_mode(backend: str) -> str:
-    """The key of the rows measured through the proxy on ``backend`` (asyncio or trio)."""
-    return f"proxy-{backend}"
 
 
 def leftovers(token: str, wait: float = 5.0) -> list[int]:

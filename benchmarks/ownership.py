@@ -14,10 +14,6 @@ Measured, against the same work without the proxy where that makes sense:
   wrapper's RSS once the adapter has answered;
 * startup reaping: ``Owner.start`` on a state dir holding dead instances' leases,
   against ``Owner.start`` on an empty state dir.
-
-Every process started here carries ``ACP_PROXY_BENCH=<token>`` in its
-environment; at the end ``/proc`` is searched for it, and anything found is a
-failed run (and is killed).
 """
 
 from __future__ import annotations
@@ -27,17 +23,14 @@ import contextlib
 import functools
 import json
 import os
-import secrets
 import select
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,34 +38,45 @@ import anyio
 
 from acp_proxy.config import ShutdownConfig
 from acp_proxy.ownership.instances import start_instance
-from acp_proxy.ownership.leases import ACTIVE_STATES, LeaseState, create_lease, get_lease, record_spawn, set_state
+from acp_proxy.ownership.leases import ACTIVE_STATES, LeaseState, create_lease, get_lease, set_state
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import ProcFS
 from acp_proxy.ownership.reaping import prepare_tombstone
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed, wrapper_grace
 from acp_proxy.state import StateDB
-from benchmarks.common import (
-    BENCH_MARKER,
-    ROOT,
-    BenchError,
+from benchmarks import harness
+from benchmarks.common import ROOT, BenchError, Every, percentile, proc_status_kb
+from benchmarks.harness import (
+    DIRECT,
+    Case,
+    Column,
     Report,
-    attempt,
-    child_environment,
+    Row,
+    Section,
+    Target,
+    col,
+    figure_cols,
     fmt,
-    leftovers,
-    percentile,
-    proc_status_kb,
+    interleaved,
+    isolated,
+    known,
+    left_running,
+    minus,
     progress,
     proxy_mode,
-    table,
+    relayed,
+    render_table,
+    target_col,
     verdict,
+    where,
+    with_baseline,
 )
 from tests.kit.markers import alive, start_ticks
+from tests.kit.state import record_spawn
 
 TREE_ADAPTER = ROOT / "benchmarks" / "tree_adapter.py"
 COOPERATIVE = "cooperative"
 STUBBORN = "stubborn"
-DIRECT = "direct"
 
 POLL_INTERVAL = 0.001
 READY_TIMEOUT = 30.0
@@ -91,9 +95,7 @@ TREE = ("adapter", "child", "grandchild")
 
 
 def mode_label(mode: str) -> str:
-    if mode.startswith("proxy-"):
-        return f"SupervisedProcess ({mode.removeprefix('proxy-')})"
-    return "plain Popen (no proxy)"
+    return harness.mode_label(mode, "plain Popen (no proxy)", "SupervisedProcess")
 
 
 def adapter_argv(kind: str) -> list[str]:
@@ -122,27 +124,22 @@ class GoneWatcher:
         self.pids = pids
         self.ticks = {name: start_ticks(pid) for name, pid in pids.items()}
         self.gone_at: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._pending = dict(pids)
+        self._every = Every(POLL_INTERVAL, self._poll)
 
     def __enter__(self) -> GoneWatcher:
-        self._thread.start()
+        self._every.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._every.__exit__()
 
-    def _run(self) -> None:
-        pending = dict(self.pids)
-        while pending and not self._stop.is_set():
-            now = time.perf_counter()
-            for name, pid in list(pending.items()):
-                if not alive(pid, self.ticks[name]):
-                    self.gone_at[name] = now
-                    del pending[name]
-            if pending:
-                time.sleep(POLL_INTERVAL)
+    def _poll(self) -> None:
+        now = time.perf_counter()
+        for name, pid in list(self._pending.items()):
+            if not alive(pid, self.ticks[name]):
+                self.gone_at[name] = now
+                del self._pending[name]
 
     def running(self) -> list[str]:
         return [name for name, pid in self.pids.items() if alive(pid, self.ticks[name])]
@@ -259,6 +256,24 @@ async def start_supervised(
     return sp, {"wrapper": sp.process.pid, **tree}
 
 
+@contextlib.asynccontextmanager
+async def watched(sp: SupervisedProcess, tree: dict[str, int], term_grace: float) -> AsyncIterator[GoneWatcher]:
+    """A watcher over the supervised tree; whatever happens, nothing of the tree is left afterwards."""
+    watcher = GoneWatcher(tree)
+    try:
+        yield watcher
+    finally:
+        watcher.kill_all()
+        await stop_quietly(sp, term_grace)
+
+
+def check_gone(sp: SupervisedProcess, left: list[str]) -> None:
+    """``stop()`` ended the whole tree in time and closed its lease."""
+    if left:
+        raise BenchError(f"{', '.join(left)} still running {GONE_TIMEOUT:.0f} s after stop() returned")
+    check_closed(sp)
+
+
 async def stop_quietly(sp: SupervisedProcess, term_grace: float) -> None:
     with anyio.CancelScope(shield=True):
         await sp.stop(stdin_grace=0, term_grace=term_grace)
@@ -283,19 +298,13 @@ def supervised_close_once(
 ) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         sp, tree = await start_supervised(owner, kind, env, term_grace)
-        watcher = GoneWatcher(tree)
-        try:
+        async with watched(sp, tree, term_grace) as watcher:
             with watcher:
                 start = time.perf_counter()
                 await sp.stop(stdin_grace=stdin_grace, term_grace=term_grace)
                 returned = time.perf_counter()
                 left = watcher.wait(GONE_TIMEOUT)
-        finally:
-            watcher.kill_all()
-            await stop_quietly(sp, term_grace)
-        if left:
-            raise BenchError(f"{', '.join(left)} still running {GONE_TIMEOUT:.0f} s after stop() returned")
-        check_closed(sp)
+        check_gone(sp, left)
         gone = {name: ms_since(start, watcher.gone_at.get(name)) for name in tree}
         return {
             "stop_ms": (returned - start) * 1000,
@@ -375,7 +384,7 @@ def measure_close(report: Report, owner: Owner, env: dict[str, str], args: argpa
         stdin_grace, term_grace = graces(kind, args)
         return supervised_close_once(owner, kind, env, stdin_grace, term_grace, mode.removeprefix("proxy-"))
 
-    runs = interleaved(report, "close", cases, args.close_runs, once)
+    runs = interleaved(report, "ownership: close", ownership_cases("close", cases, once), args.close_runs)
     rows = []
     for (kind, mode), samples in runs.items():
         if not samples:
@@ -422,20 +431,14 @@ def supervised_spawn_once(owner: Owner, env: dict[str, str], backend: str) -> di
         start = time.perf_counter()
         sp, tree = await start_supervised(owner, COOPERATIVE, env, term_grace)
         ready_ms = (time.perf_counter() - start) * 1000
-        watcher = GoneWatcher(tree)
-        try:
+        async with watched(sp, tree, term_grace) as watcher:
             rss = proc_status_kb(tree["wrapper"], "VmRSS")
             hwm = proc_status_kb(tree["wrapper"], "VmHWM")
             adapter_rss = proc_status_kb(tree["adapter"], "VmRSS")
             await sp.stop(stdin_grace=DEFAULT_SHUTDOWN.stdin_grace, term_grace=term_grace)
             with watcher:
                 left = watcher.wait(GONE_TIMEOUT)
-        finally:
-            watcher.kill_all()
-            await stop_quietly(sp, term_grace)
-        if left:
-            raise BenchError(f"{', '.join(left)} still running {GONE_TIMEOUT:.0f} s after stop() returned")
-        check_closed(sp)
+        check_gone(sp, left)
         return {
             "ready_ms": ready_ms,
             "wrapper_rss_mb": None if rss is None else rss / 1024,
@@ -468,7 +471,7 @@ def measure_spawn(report: Report, owner: Owner, env: dict[str, str], args: argpa
             return direct_spawn_once(env)
         return supervised_spawn_once(owner, env, mode.removeprefix("proxy-"))
 
-    runs = interleaved(report, "spawn", cases, args.spawn_runs, once)
+    runs = interleaved(report, "ownership: spawn", ownership_cases("spawn", cases, once), args.spawn_runs)
     rows = []
     for (_, mode), samples in runs.items():
         if not samples:
@@ -490,8 +493,7 @@ def measure_spawn(report: Report, owner: Owner, env: dict[str, str], args: argpa
             }
         )
     direct = next((row for row in rows if row["mode"] == DIRECT), None)
-    for row in rows:
-        row["added_ms"] = row["median_ms"] - direct["median_ms"] if direct and row["mode"] != DIRECT else None
+    with_baseline(rows, direct, {"added_ms": ("median_ms", minus)})
     return rows
 
 
@@ -599,7 +601,8 @@ def measure_reaping(report: Report, workdir: Path, args: argparse.Namespace) -> 
             build_dead_state(state_dir, args.dead_leases, min(DEAD_INSTANCES, args.dead_leases))
         return owner_start_once(state_dir, args.dead_leases if case == "dead" else 0)
 
-    runs = interleaved(report, "reaping", [(case, "") for case in REAP_CASES], args.reap_runs, once)
+    cases = ownership_cases("reaping", [(case, "") for case in REAP_CASES], once)
+    runs = interleaved(report, "ownership: startup reaping", cases, args.reap_runs)
     rows = []
     for (case, _), samples in runs.items():
         if not samples:
@@ -621,48 +624,25 @@ def measure_reaping(report: Report, workdir: Path, args: argparse.Namespace) -> 
             }
         )
     empty = next((row for row in rows if row["case"] == "empty"), None)
-    for row in rows:
-        row["added_ms"] = row["median_ms"] - empty["median_ms"] if empty and row["case"] != "empty" else None
+    with_baseline(rows, empty, {"added_ms": ("median_ms", minus)})
     return rows
 
 
 # --- the section -----------------------------------------------------------------------------
 
 
-def interleaved(
-    report: Report,
-    what: str,
-    cases: list[tuple[str, str]],
-    runs: int,
-    once: Callable[[str, str], dict[str, Any]],
-) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """One untimed warm-up per case, then ``runs`` rounds over all cases (a failing case is dropped)."""
-    samples: dict[tuple[str, str], list[dict[str, Any]]] = {case: [] for case in cases}
-    broken: set[tuple[str, str]] = set()
+def ownership_cases(
+    what: str, keys: list[tuple[str, str]], once: Callable[[str, str], dict[str, Any]]
+) -> list[Case[tuple[str, str]]]:
+    """A case per (adapter kind or state dir, how it is run)."""
 
-    def name(case: tuple[str, str]) -> str:
-        kind, mode = case
+    def label(kind: str, mode: str) -> str:
         return f"{what} {kind}" + (f" {mode_label(mode)}" if mode else "")
 
-    for case in cases:
-        if attempt(report, name(case), functools.partial(once, *case)) is None:
-            broken.add(case)
-    for round_ in range(runs):
-        progress(f"ownership: {what}, round {round_ + 1}/{runs} ...")
-        for case in cases:
-            if case in broken:
-                continue
-            sample = attempt(report, name(case), functools.partial(once, *case))
-            if sample is None:
-                broken.add(case)
-            else:
-                samples[case].append(sample)
-    return {case: values for case, values in samples.items() if case not in broken}
+    return [Case(key, label(*key), functools.partial(once, *key)) for key in keys]
 
 
 def measure_ownership(report: Report, args: argparse.Namespace) -> None:
-    token = secrets.token_hex(8)
-    env = {**child_environment(), BENCH_MARKER: token}
     results: dict[str, Any] = {
         "close_runs": args.close_runs,
         "spawn_runs": args.spawn_runs,
@@ -673,56 +653,94 @@ def measure_ownership(report: Report, args: argparse.Namespace) -> None:
         "poll_interval_ms": POLL_INTERVAL * 1000,
     }
     report.ownership = results
-    with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-") as workdir:
-        owner = Owner.start(Path(workdir) / "state", grace=REAP_GRACE)
+    with isolated(report, "ownership", results, wait=0) as run:
+        owner = Owner.start(run.workdir / "state", grace=REAP_GRACE)
         try:
             progress(f"ownership: close, {args.close_runs} runs x {len(close_cases(args.backends))} cases ...")
-            results["close"] = measure_close(report, owner, env, args)
+            results["close"] = measure_close(report, owner, run.env, args)
             progress(f"ownership: spawn, {args.spawn_runs} runs x {1 + len(args.backends)} cases ...")
-            results["spawn"] = measure_spawn(report, owner, env, args)
+            results["spawn"] = measure_spawn(report, owner, run.env, args)
         finally:
             owner.close()
         progress(f"ownership: startup reaping, {args.reap_runs} runs x {len(REAP_CASES)} cases ...")
-        results["reaping"] = measure_reaping(report, Path(workdir), args)
-    leftover = leftovers(token, wait=0)
-    results["left_running"] = leftover
-    if leftover:
-        report.errors.append(f"ownership: processes outlived the benchmark (killed now): {leftover}")
+        results["reaping"] = measure_reaping(report, run.workdir, args)
 
 
 # --- reporting -------------------------------------------------------------------------------
 
 
-def targets(report: Report) -> list[tuple[str, float | None, float, str]]:
-    """(figure, value, limit, unit) for the Targets table."""
-    found: list[tuple[str, float | None, float, str]] = []
+def targets(report: Report) -> list[Target]:
+    found: list[Target] = []
     results = report.ownership
     for row in results.get("close", []):
         if row["mode"] != DIRECT:
-            found.append(
-                (
-                    f"close -> last process gone p50, {row['adapter']} adapter, {mode_label(row['mode'])}, "
-                    f"graces {row['stdin_grace_s']:g} + {row['term_grace_s']:g} s",
-                    row["last_gone_p50_ms"],
-                    row["target_ms"],
-                    "ms",
-                )
+            name = (
+                f"close -> last process gone p50, {row['adapter']} adapter, {mode_label(row['mode'])}, "
+                f"graces {row['stdin_grace_s']:g} + {row['term_grace_s']:g} s"
             )
+            found.append(Target(name, row["last_gone_p50_ms"], row["target_ms"], "ms"))
     for row in results.get("spawn", []):
         if row["mode"] != DIRECT:
             label = mode_label(row["mode"])
-            found.append((f"spawn to first line added, {label}", row["added_ms"], TARGET_SPAWN_ADDED_MS, "ms"))
-            found.append((f"wrapper RSS (max), {label}", row["wrapper_rss_max_mb"], TARGET_WRAPPER_RSS_MB, "MB"))
+            found.append(Target(f"spawn to first line added, {label}", row["added_ms"], TARGET_SPAWN_ADDED_MS, "ms"))
+            found.append(Target(f"wrapper RSS (max), {label}", row["wrapper_rss_max_mb"], TARGET_WRAPPER_RSS_MB, "MB"))
     for row in results.get("reaping", []):
         if row["case"] == "dead":
-            found.append((f"Owner.start with {row['label']}", row["median_ms"], TARGET_REAP_MS, "ms"))
+            found.append(Target(f"Owner.start with {row['label']}", row["median_ms"], TARGET_REAP_MS, "ms"))
     return found
 
 
-def grace_label(row: dict[str, Any]) -> str:
+def grace_label(row: Row) -> str:
     if row["stdin_grace_s"] is None:
         return ""
     return f"{row['stdin_grace_s']:g} + {row['term_grace_s']:g} s"
+
+
+def label(row: Row) -> str:
+    return mode_label(row["mode"])
+
+
+CLOSE_COLUMNS = (
+    Column("adapter", lambda row: str(row["adapter"])),
+    Column("run by", label),
+    Column("stdin + term grace", grace_label),
+    col("adapter gone p50 ms", "adapter_gone_p50_ms"),
+    col("stop() returned p50 ms", "stop_p50_ms"),
+    col("last process gone p50 ms", "last_gone_p50_ms", when=relayed, otherwise="never"),
+    col("last process gone p90 ms", "last_gone_p90_ms", when=relayed, otherwise="never"),
+    col("added p50 ms (vs the adapter's own exit)", "added_p50_ms", when=known("added_p50_ms")),
+    Column("descendants left running", lambda row: f"{row['left_running']} of {row['descendants']}"),
+    Column("target (p50)", lambda row: f"<= {row['target_ms']:g} ms" if relayed(row) else ""),
+    Column("result", lambda row: verdict(row["last_gone_p50_ms"], row["target_ms"]) if relayed(row) else ""),
+)
+SPAWN_COLUMNS = (
+    Column("spawned by", label),
+    *figure_cols("ms", "median", "min", "p90"),
+    col("added ms (median)", "added_ms", when=relayed),
+    target_col(f"target added <= {TARGET_SPAWN_ADDED_MS:g} ms", "added_ms", TARGET_SPAWN_ADDED_MS, when=relayed),
+    col("wrapper RSS MB (median)", "wrapper_rss_median_mb", when=relayed),
+    col("wrapper RSS MB (max)", "wrapper_rss_max_mb", when=relayed),
+    col("wrapper peak RSS MB (VmHWM)", "wrapper_hwm_max_mb", when=relayed),
+    target_col(
+        f"target RSS <= {TARGET_WRAPPER_RSS_MB:g} MB", "wrapper_rss_max_mb", TARGET_WRAPPER_RSS_MB, when=relayed
+    ),
+)
+
+
+def reaped(row: Row) -> str:
+    if row["case"] != "dead":
+        return str(row["reaped"])
+    states = ", ".join(f"{n} {state}" for state, n in sorted(row["states"].items()))
+    return f"{row['reaped']} ({states})"
+
+
+REAPING_COLUMNS = (
+    Column("state dir", lambda row: str(row["label"])),
+    *figure_cols("ms", "median", "min", "p90"),
+    col("added ms (median, vs empty)", "added_ms", when=known("added_ms")),
+    Column("leases reaped (states after)", reaped),
+    target_col(f"target <= {TARGET_REAP_MS:g} ms", "median_ms", TARGET_REAP_MS, when=where("case", "dead")),
+)
 
 
 def render(report: Report) -> list[str]:
@@ -742,49 +760,17 @@ def render(report: Report) -> list[str]:
             "The plain-Popen row closes stdin and waits for the adapter (its `stop()` column is that "
             "wait); its descendants stay, and are killed by the benchmark.",
             "",
+            *render_table(CLOSE_COLUMNS, results["close"]),
         ]
-        rows = []
-        for row in results["close"]:
-            is_proxy = row["mode"] != DIRECT
-            rows.append(
-                [
-                    row["adapter"],
-                    mode_label(row["mode"]),
-                    grace_label(row),
-                    fmt(row["adapter_gone_p50_ms"], 1),
-                    fmt(row["stop_p50_ms"], 1),
-                    fmt(row["last_gone_p50_ms"], 1) if is_proxy else "never",
-                    fmt(row["last_gone_p90_ms"], 1) if is_proxy else "never",
-                    fmt(row["added_p50_ms"], 1) if row["added_p50_ms"] is not None else "",
-                    f"{row['left_running']} of {row['descendants']}",
-                    f"<= {row['target_ms']:g} ms" if is_proxy else "",
-                    verdict(row["last_gone_p50_ms"], row["target_ms"]) if is_proxy else "",
-                ]
-            )
-        header = [
-            "adapter",
-            "run by",
-            "stdin + term grace",
-            "adapter gone p50 ms",
-            "stop() returned p50 ms",
-            "last process gone p50 ms",
-            "last process gone p90 ms",
-            "added p50 ms (vs the adapter's own exit)",
-            "descendants left running",
-            "target (p50)",
-            "result",
-        ]
-        out += table(header, rows)
         stubborn = [row for row in results["close"] if row["adapter"] == STUBBORN]
         if stubborn:
             row = stubborn[0]
             out += [
-                "",
                 f"* Stubborn floor: stdin grace + the wrapper's own TERM->KILL grace "
                 f"(term grace - min(0.5 s, term grace / 4)) = {fmt(row['floor_ms'], 0)} ms; "
                 f"target = stdin grace + term grace + {TARGET_CLOSE_OVER_GRACE_MS:g} ms.",
+                "",
             ]
-        out += [""]
     if results.get("spawn"):
         out += [
             f"## Ownership: spawn to the adapter's first line, {results['spawn_runs']} runs each (interleaved)",
@@ -792,38 +778,8 @@ def render(report: Report) -> list[str]:
             "From spawning (`SupervisedProcess.start`: lease rows, wrapper, report; or `subprocess.Popen`) "
             "to reading the line the adapter prints once its tree is up. The wrapper's RSS is read then.",
             "",
+            *render_table(SPAWN_COLUMNS, results["spawn"]),
         ]
-        rows = []
-        for row in results["spawn"]:
-            is_proxy = row["mode"] != DIRECT
-            rows.append(
-                [
-                    mode_label(row["mode"]),
-                    fmt(row["median_ms"], 1),
-                    fmt(row["min_ms"], 1),
-                    fmt(row["p90_ms"], 1),
-                    fmt(row["added_ms"], 1) if is_proxy else "",
-                    verdict(row["added_ms"], TARGET_SPAWN_ADDED_MS) if is_proxy else "",
-                    fmt(row["wrapper_rss_median_mb"], 1) if is_proxy else "",
-                    fmt(row["wrapper_rss_max_mb"], 1) if is_proxy else "",
-                    fmt(row["wrapper_hwm_max_mb"], 1) if is_proxy else "",
-                    verdict(row["wrapper_rss_max_mb"], TARGET_WRAPPER_RSS_MB) if is_proxy else "",
-                ]
-            )
-        header = [
-            "spawned by",
-            "median ms",
-            "min ms",
-            "p90 ms",
-            "added ms (median)",
-            f"target added <= {TARGET_SPAWN_ADDED_MS:g} ms",
-            "wrapper RSS MB (median)",
-            "wrapper RSS MB (max)",
-            "wrapper peak RSS MB (VmHWM)",
-            f"target RSS <= {TARGET_WRAPPER_RSS_MB:g} MB",
-        ]
-        out += table(header, rows)
-        out += [""]
     if results.get("reaping"):
         processes = fmt(max(row["processes_median"] for row in results["reaping"]), 0)
         out += [
@@ -835,38 +791,9 @@ def render(report: Report) -> list[str]:
             "A reaping pass reads every process's environment in `/proc` once (for all leases), so "
             f"the time also grows with the number of processes on the machine: {processes} here.",
             "",
+            *render_table(REAPING_COLUMNS, results["reaping"]),
         ]
-        rows = []
-        for row in results["reaping"]:
-            is_dead = row["case"] == "dead"
-            states = ", ".join(f"{n} {state}" for state, n in sorted(row["states"].items()))
-            rows.append(
-                [
-                    row["label"],
-                    fmt(row["median_ms"], 1),
-                    fmt(row["min_ms"], 1),
-                    fmt(row["p90_ms"], 1),
-                    fmt(row["added_ms"], 1) if row["added_ms"] is not None else "",
-                    f"{row['reaped']} ({states})" if is_dead else str(row["reaped"]),
-                    verdict(row["median_ms"], TARGET_REAP_MS) if is_dead else "",
-                ]
-            )
-        header = [
-            "state dir",
-            "median ms",
-            "min ms",
-            "p90 ms",
-            "added ms (median, vs empty)",
-            "leases reaped (states after)",
-            f"target <= {TARGET_REAP_MS:g} ms",
-        ]
-        out += table(header, rows)
-        out += [""]
-    if "left_running" in results:
-        left = results["left_running"]
-        out += [
-            "Processes carrying this run's marker left running at the end: "
-            + (", ".join(map(str, left)) + " (killed)" if left else "none"),
-            "",
-        ]
-    return out
+    return out + left_running(results, "")
+
+
+SECTION = Section(("ownership",), measure_ownership, render, targets)

@@ -30,53 +30,61 @@ every timed prompt is checked to have been served by a fresh, restored process.
    case, 10 live sessions and nothing else registered, separates what the live
    adapters cost the proxy from what the 990 rows cost it.
 3. Registry operations per second, in-process on a fresh state dir:
-   ``create`` (1,000 rows), then ``get``, ``touch``, ``record_setting``,
+   ``create`` (1,000 rows), then ``get``, ``record_setting``,
    ``mark_suspended``/``mark_live`` (alternating, each call one operation) on
    random rows of those, and ``page()`` (all 1,000 rows). These are absolute
    figures: there is no "without the proxy" to compare them with.
-
-Every process started here carries ``ACP_PROXY_BENCH=<token>`` in its
-environment; at the end ``/proc`` is searched for it, and anything found is a
-failed run (and is killed).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import random
 import secrets
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from acp_proxy.sessions.registry import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
 from acp_proxy.state import StateDB
-from benchmarks.common import (
-    BENCH_MARKER,
-    ROOT,
-    BenchError,
+from benchmarks import harness
+from benchmarks.common import ROOT, BenchError, percentile, proc_status_kb
+from benchmarks.harness import (
+    DIRECT,
+    Case,
+    Column,
     Report,
+    Row,
+    Section,
+    Target,
     attempt,
-    child_environment,
+    col,
+    figure_cols,
     fmt,
-    leftovers,
-    percentile,
-    proc_status_kb,
+    interleaved,
+    isolated,
+    known,
+    left_running,
+    minus,
     progress,
     proxy_mode,
-    table,
-    verdict,
+    ratio,
+    relayed,
+    render_table,
+    standing_rounds,
+    target_col,
+    where,
+    with_baseline,
 )
 from tests.kit.gateway import RpcError, SyncGateway
 
 SESSION_AGENT = ROOT / "benchmarks" / "session_agent.py"
-DIRECT = "direct"
 RESTORES = ("resume", "load")
 BACKEND = "bench"
 
@@ -124,9 +132,7 @@ SESSION_PARAMS = {"cwd": SESSION_CWD, "mcpServers": mcp_servers(SESSION_CWD)}
 
 
 def mode_label(mode: str) -> str:
-    if mode.startswith("proxy-"):
-        return f"proxy ({mode.removeprefix('proxy-')})"
-    return "direct (client runs the agent)"
+    return harness.mode_label(mode, "direct (client runs the agent)")
 
 
 def restore_label(restore: str, replay: int) -> str:
@@ -208,18 +214,6 @@ def prompt_params(session_id: str) -> dict[str, Any]:
 # --- (1) resume latency ----------------------------------------------------------------------
 
 
-class ResumeCase(Protocol):
-    mode: str
-    restore: str
-    label: str
-    resumes: int
-
-    def open(self) -> bool: ...
-    def resume_once(self) -> float: ...
-    def finish(self) -> bool: ...
-    def kill(self) -> None: ...
-
-
 class DirectResume:
     """The baseline: the client runs one agent process at a time itself, as the proxy does with max_live = 1."""
 
@@ -249,11 +243,14 @@ class DirectResume:
         call(self.current, "initialize", INITIALIZE_PARAMS)
         return self.current
 
-    def open(self) -> bool:
+    def open(self) -> None:
         for _ in range(2):
             self._stop_current()
             self.sessions.append(self._spawn().new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT))
-        return True
+        self.sample(RESUME_WARMUP)
+
+    def sample(self, count: int) -> list[float]:
+        return [self.resume_once() for _ in range(count)]
 
     def resume_once(self) -> float:
         session_id = self.sessions[self.next]
@@ -273,9 +270,8 @@ class DirectResume:
         self.resumes += 1
         return elapsed * 1000
 
-    def finish(self) -> bool:
+    def finish(self) -> None:
         self._stop_current()
-        return True
 
     def kill(self) -> None:
         if self.current is not None:
@@ -307,12 +303,15 @@ class ProxyResume:
         assert self._conn is not None
         return self._conn
 
-    def open(self) -> bool:
+    def open(self) -> None:
         self._conn = connect(self.argv, self.env, self.label)
         call(self.conn, "initialize", INITIALIZE_PARAMS)
         # The second session/new suspends the first session (max_live = 1).
         self.sessions = [self.conn.new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT) for _ in range(2)]
-        return True
+        self.sample(RESUME_WARMUP)
+
+    def sample(self, count: int) -> list[float]:
+        return [self.resume_once() for _ in range(count)]
 
     def resume_once(self) -> float:
         session_id = self.sessions[self.next]
@@ -327,7 +326,7 @@ class ProxyResume:
         self.resumes += 1
         return elapsed * 1000
 
-    def finish(self) -> bool:
+    def finish(self) -> None:
         conn, self._conn = self.conn, None
         status = stop(conn)
         resumed = conn.stderr.count(RESUMED_LOG)
@@ -335,7 +334,6 @@ class ProxyResume:
             raise BenchError(f"{self.label}: the proxy exited with status {status}")
         if resumed != self.resumes:
             raise BenchError(f"{self.label}: the proxy logged {resumed} resumes, the client counted {self.resumes}")
-        return True
 
     def kill(self) -> None:
         conn, self._conn = self._conn, None
@@ -344,8 +342,8 @@ class ProxyResume:
             conn.close()
 
 
-def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[ResumeCase]:
-    cases: list[ResumeCase] = []
+def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[DirectResume | ProxyResume]:
+    cases: list[DirectResume | ProxyResume] = []
     for restore in RESTORES:
         cases.append(DirectResume(restore, args.replay, env))
         cases += [ProxyResume(backend, restore, args.replay, env, workdir) for backend in args.backends]
@@ -356,47 +354,12 @@ def measure_resume(
     report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     cases = resume_cases(env, workdir, args)
-    samples: dict[str, list[float]] = {case.label: [] for case in cases}
-    broken: set[str] = set()
-    finished: set[str] = set()
-
-    def drop(case: ResumeCase) -> None:
-        broken.add(case.label)
-        case.kill()
-
-    try:
-        for case in cases:
-            if attempt(report, f"resume {case.label}: setup", case.open) is None:
-                drop(case)
-        for _ in range(RESUME_WARMUP):
-            for case in cases:
-                if case.label not in broken and attempt(report, f"resume {case.label}", case.resume_once) is None:
-                    drop(case)
-        for round_ in range(args.resumes):
-            if round_ % 10 == 0:
-                progress(f"sessions: resume, round {round_ + 1}/{args.resumes} x {len(cases) - len(broken)} cases ...")
-            for case in cases:
-                if case.label in broken:
-                    continue
-                ms = attempt(report, f"resume {case.label}", case.resume_once)
-                if ms is None:
-                    drop(case)
-                else:
-                    samples[case.label].append(ms)
-        for case in cases:
-            if case.label not in broken:
-                finished.add(case.label)
-                if attempt(report, f"resume {case.label}: shutdown", case.finish) is None:
-                    broken.add(case.label)
-    finally:
-        for case in cases:
-            if case.label not in broken and case.label not in finished:
-                case.kill()
+    samples = standing_rounds(report, "sessions: resume", cases, [1] * args.resumes)
     rows: list[dict[str, Any]] = []
     for case in cases:
-        values = sorted(samples[case.label])
-        if case.label in broken or not values:
+        if case.label not in samples:
             continue
+        values = sorted(samples[case.label])
         rows.append(
             {
                 "restore": case.restore,
@@ -411,12 +374,15 @@ def measure_resume(
                 "all_ms": samples[case.label],
             }
         )
-    for row in rows:
-        direct = next((r for r in rows if r["restore"] == row["restore"] and r["mode"] == DIRECT), None)
-        is_proxy = row["mode"] != DIRECT
-        row["added_p50_ms"] = row["p50_ms"] - direct["p50_ms"] if direct and is_proxy else None
-        row["added_p90_ms"] = row["p90_ms"] - direct["p90_ms"] if direct and is_proxy else None
-        row["vs_direct_p50"] = row["p50_ms"] / direct["p50_ms"] if direct and is_proxy else None
+    for restore in RESTORES:
+        alike = [row for row in rows if row["restore"] == restore]
+        direct = next((row for row in alike if row["mode"] == DIRECT), None)
+        added = {
+            "added_p50_ms": ("p50_ms", minus),
+            "added_p90_ms": ("p90_ms", minus),
+            "vs_direct_p50": ("p50_ms", ratio),
+        }
+        with_baseline(alike, direct, added)
     return rows
 
 
@@ -512,28 +478,23 @@ def rss_once(backend: str, case: str, env: dict[str, str], workdir: Path, index:
 
 
 def measure_rss(report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    cases = [(backend, case) for backend in args.backends for case in RSS_CASES]
-    samples: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in cases}
-    broken: set[tuple[str, str]] = set()
-    counter = iter(range(1_000_000))
-    for run in range(args.rss_runs):
-        progress(f"sessions: memory, run {run + 1}/{args.rss_runs} x {len(cases)} cases ...")
-        for backend, case in cases:
-            if (backend, case) in broken:
-                continue
-            sample = attempt(
-                report,
-                f"memory {rss_case_label(case)}, {mode_label(proxy_mode(backend))}",
-                functools.partial(rss_once, backend, case, env, workdir, next(counter)),
-            )
-            if sample is None:
-                broken.add((backend, case))
-            else:
-                samples[(backend, case)].append(sample)
+    counter = itertools.count()
+
+    def once(backend: str, case: str) -> dict[str, Any]:
+        return rss_once(backend, case, env, workdir, next(counter))
+
+    cases = [
+        Case(
+            (backend, case),
+            f"{rss_case_label(case)}, {mode_label(proxy_mode(backend))}",
+            functools.partial(once, backend, case),
+        )
+        for backend in args.backends
+        for case in RSS_CASES
+    ]
+    samples = interleaved(report, "sessions: memory", cases, args.rss_runs, warm_up=False)
     rows: list[dict[str, Any]] = []
     for (backend, case), runs in samples.items():
-        if not runs or (backend, case) in broken:
-            continue
         rows.append(
             {
                 "mode": proxy_mode(backend),
@@ -547,11 +508,10 @@ def measure_rss(report: Report, env: dict[str, str], workdir: Path, args: argpar
                 "all": runs,
             }
         )
-    for row in rows:
-        empty = next((r for r in rows if r["mode"] == row["mode"] and r["case"] == "empty"), None)
-        is_added = empty is not None and row["case"] != "empty"
-        row["added_rss_mb"] = row["rss_mb"] - empty["rss_mb"] if empty and is_added else None
-        row["added_hwm_mb"] = row["hwm_mb"] - empty["hwm_mb"] if empty and is_added else None
+    for backend in args.backends:
+        alike = [row for row in rows if row["mode"] == proxy_mode(backend)]
+        empty = next((row for row in alike if row["case"] == "empty"), None)
+        with_baseline(alike, empty, {"added_rss_mb": ("rss_mb", minus), "added_hwm_mb": ("hwm_mb", minus)})
     return rows
 
 
@@ -591,7 +551,6 @@ def measure_registry(workdir: Path, args: argparse.Namespace) -> list[dict[str, 
         progress(f"sessions: registry, {REGISTRY_ROWS:,} rows, {ops:,} operations each ...")
         timed("create", f"create ({REGISTRY_ROWS:,} new rows)", REGISTRY_ROWS, lambda i: registry.create(records[i]))
         timed("get", "get (a random row)", ops, lambda i: registry.get(picks[i]))
-        timed("touch", "touch (a prompt's bookkeeping)", ops, lambda i: registry.touch(picks[i]))
         timed(
             "record_setting",
             "record_setting (set_mode / set_config_option, read-modify-write)",
@@ -626,10 +585,7 @@ def measure_registry(workdir: Path, args: argparse.Namespace) -> list[dict[str, 
 # --- the section -----------------------------------------------------------------------------
 
 
-def measure_sessions(report: Report, args: argparse.Namespace) -> dict[str, Any]:
-    token = secrets.token_hex(8)
-    env = {**child_environment(), BENCH_MARKER: token}
-    env.pop("ACP_PROXY_CONFIG", None)
+def measure_sessions(report: Report, args: argparse.Namespace) -> None:
     results: dict[str, Any] = {
         "resumes": args.resumes,
         "resume_warmup": RESUME_WARMUP,
@@ -640,48 +596,63 @@ def measure_sessions(report: Report, args: argparse.Namespace) -> dict[str, Any]
         "registry_rows": REGISTRY_ROWS,
         "registry_ops": args.registry_ops,
     }
-    with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-sessions-") as name:
-        workdir = Path(name)
-        results["resume"] = measure_resume(report, env, workdir, args)
-        results["rss"] = measure_rss(report, env, workdir, args)
-        results["registry"] = attempt(report, "registry", lambda: measure_registry(workdir, args)) or []
-    leftover = leftovers(token)
-    results["left_running"] = leftover
-    if leftover:
-        report.errors.append(f"sessions: processes outlived the benchmark (killed now): {leftover}")
-    return results
+    report.sessions = results
+    with isolated(report, "sessions", results) as run:
+        results["resume"] = measure_resume(report, run.env, run.workdir, args)
+        results["rss"] = measure_rss(report, run.env, run.workdir, args)
+        results["registry"] = attempt(report, "registry", lambda: measure_registry(run.workdir, args)) or []
 
 
 # --- reporting -------------------------------------------------------------------------------
 
 
-def targets(results: dict[str, Any]) -> list[tuple[str, float | None, float, str]]:
-    """(figure, value, limit, unit) for the Targets table."""
-    found: list[tuple[str, float | None, float, str]] = []
-    for row in results.get("resume", []):
+def targets(report: Report) -> list[Target]:
+    found = []
+    for row in report.sessions.get("resume", []):
         if row["mode"] != DIRECT:
-            found.append(
-                (
-                    f"resume added p50, {restore_label(row['restore'], row['replay'])}, {mode_label(row['mode'])}",
-                    row["added_p50_ms"],
-                    TARGET_RESUME_ADDED_MS,
-                    "ms",
-                )
-            )
-    for row in results.get("rss", []):
+            name = f"resume added p50, {restore_label(row['restore'], row['replay'])}, {mode_label(row['mode'])}"
+            found.append(Target(name, row["added_p50_ms"], TARGET_RESUME_ADDED_MS, "ms"))
+    for row in report.sessions.get("rss", []):
         if row["case"] == "registered":
-            found.append(
-                (
-                    f"proxy peak RSS, {rss_case_label(row['case'])}, {mode_label(row['mode'])}",
-                    row["hwm_mb"],
-                    TARGET_RSS_MB,
-                    "MB",
-                )
-            )
+            name = f"proxy peak RSS, {rss_case_label(row['case'])}, {mode_label(row['mode'])}"
+            found.append(Target(name, row["hwm_mb"], TARGET_RSS_MB, "MB"))
     return found
 
 
-def render(results: dict[str, Any]) -> list[str]:
+def label(row: Row) -> str:
+    return mode_label(row["mode"])
+
+
+RESUME_COLUMNS = (
+    Column("restored with", lambda row: restore_label(row["restore"], row["replay"])),
+    Column("run by", label),
+    *figure_cols("ms", "p50", "p90", "min", "max"),
+    *figure_cols("ms", "added_p50", "added_p90", when=relayed),
+    col("vs direct (p50)", "vs_direct_p50", 2, "x", when=relayed),
+    target_col(
+        f"target added p50 <= {TARGET_RESUME_ADDED_MS:g} ms", "added_p50_ms", TARGET_RESUME_ADDED_MS, when=relayed
+    ),
+)
+RSS_COLUMNS = (
+    Column("proxy", label),
+    Column("sessions", lambda row: str(row["label"])),
+    col("RSS MB (VmRSS)", "rss_mb"),
+    col("peak RSS MB (VmHWM)", "hwm_mb"),
+    col("added RSS MB", "added_rss_mb", when=known("added_rss_mb")),
+    col("added peak MB", "added_hwm_mb", when=known("added_hwm_mb")),
+    target_col(f"target peak <= {TARGET_RSS_MB:g} MB", "hwm_mb", TARGET_RSS_MB, when=where("case", "registered")),
+)
+REGISTRY_COLUMNS = (
+    Column("operation", lambda row: str(row["label"])),
+    Column("ops", lambda row: f"{row['ops']:,}"),
+    col("total s", "seconds", 3),
+    col("ops/s", "ops_per_s", 0),
+    col("us/op", "us_per_op"),
+)
+
+
+def render(report: Report) -> list[str]:
+    results = report.sessions
     out: list[str] = []
     if results.get("resume"):
         out += [
@@ -695,38 +666,8 @@ def render(results: dict[str, Any]) -> list[str]:
             f"restores, prompts. After {results['resume_warmup']} "
             "untimed resumes per case.",
             "",
+            *render_table(RESUME_COLUMNS, results["resume"]),
         ]
-        rows = []
-        for row in results["resume"]:
-            is_proxy = row["mode"] != DIRECT
-            rows.append(
-                [
-                    restore_label(row["restore"], row["replay"]),
-                    mode_label(row["mode"]),
-                    fmt(row["p50_ms"], 1),
-                    fmt(row["p90_ms"], 1),
-                    fmt(row["min_ms"], 1),
-                    fmt(row["max_ms"], 1),
-                    fmt(row["added_p50_ms"], 1) if is_proxy else "",
-                    fmt(row["added_p90_ms"], 1) if is_proxy else "",
-                    fmt(row["vs_direct_p50"], 2, "x") if is_proxy else "",
-                    verdict(row["added_p50_ms"], TARGET_RESUME_ADDED_MS) if is_proxy else "",
-                ]
-            )
-        header = [
-            "restored with",
-            "run by",
-            "p50 ms",
-            "p90 ms",
-            "min ms",
-            "max ms",
-            "added p50 ms",
-            "added p90 ms",
-            "vs direct (p50)",
-            f"target added p50 <= {TARGET_RESUME_ADDED_MS:g} ms",
-        ]
-        out += table(header, rows)
-        out += [""]
     if results.get("rss"):
         out += [
             f"## Sessions: proxy memory with {RSS_SESSIONS:,} registered sessions, {RSS_LIVE} live "
@@ -737,32 +678,8 @@ def render(results: dict[str, Any]) -> list[str]:
             "adapters are not counted), from `/proc/PID/status`; added: against the same proxy with "
             "0 sessions.",
             "",
+            *render_table(RSS_COLUMNS, results["rss"]),
         ]
-        rows = []
-        for row in results["rss"]:
-            is_target = row["case"] == "registered"
-            rows.append(
-                [
-                    mode_label(row["mode"]),
-                    row["label"],
-                    fmt(row["rss_mb"], 1),
-                    fmt(row["hwm_mb"], 1),
-                    fmt(row["added_rss_mb"], 1) if row["added_rss_mb"] is not None else "",
-                    fmt(row["added_hwm_mb"], 1) if row["added_hwm_mb"] is not None else "",
-                    verdict(row["hwm_mb"], TARGET_RSS_MB) if is_target else "",
-                ]
-            )
-        header = [
-            "proxy",
-            "sessions",
-            "RSS MB (VmRSS)",
-            "peak RSS MB (VmHWM)",
-            "added RSS MB",
-            "added peak MB",
-            f"target peak <= {TARGET_RSS_MB:g} MB",
-        ]
-        out += table(header, rows)
-        out += [""]
     if results.get("registry"):
         out += [
             f"## Sessions: registry operations, in-process, {results['registry_rows']:,} rows",
@@ -771,27 +688,12 @@ def render(results: dict[str, Any]) -> list[str]:
             'its own transaction. Absolute figures: there is no "without the proxy" to compare them '
             "with, so no target.",
             "",
+            *render_table(REGISTRY_COLUMNS, results["registry"]),
         ]
-        rows = [
-            [
-                row["label"],
-                f"{row['ops']:,}",
-                fmt(row["seconds"], 3),
-                fmt(row["ops_per_s"], 0),
-                fmt(row["us_per_op"], 1),
-            ]
-            for row in results["registry"]
-        ]
-        out += table(["operation", "ops", "total s", "ops/s", "us/op"], rows)
         page = results["registry"][-1]
         if "rows_per_s" in page:
-            out += ["", f"* `page()`: {fmt(page['rows_per_s'], 0)} rows/s decoded into `SessionRecord`s."]
-        out += [""]
-    if "left_running" in results:
-        left = results["left_running"]
-        out += [
-            "Processes carrying this run's marker left running at the end of the session benchmarks: "
-            + (", ".join(map(str, left)) + " (killed)" if left else "none"),
-            "",
-        ]
-    return out
+            out += [f"* `page()`: {fmt(page['rows_per_s'], 0)} rows/s decoded into `SessionRecord`s.", ""]
+    return out + left_running(results, " of the session benchmarks")
+
+
+SECTION = Section(("sessions",), measure_sessions, render, targets)

@@ -33,20 +33,14 @@ streamed ``session/update`` lines to ``Turn.observe``.
    rows), ``mark_running``, ``save_progress`` (each after a 10-line block was
    observed, so it digests 10 updates) and ``finish`` of each of them. These are
    absolute figures: there is no "without the proxy" to compare them with.
-
-Every process started here carries ``ACP_PROXY_BENCH=<token>`` in its
-environment; at the end ``/proc`` is searched for it, and anything found is a
-failed run (and is killed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import statistics
 import sys
-import tempfile
 import time
 import timeit
 from collections.abc import Callable
@@ -56,29 +50,38 @@ from typing import Any
 import msgspec
 
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, count_tasks, list_tasks, new_task_id, outcome_of
-from benchmarks.common import (
-    BENCH_MARKER,
-    ROOT,
-    BenchError,
+from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, list_tasks, new_task_id, outcome_of
+from benchmarks.common import ROOT, BenchError, cpu_seconds, percentile
+from benchmarks.harness import (
+    DIRECT,
+    Column,
     Report,
+    Section,
     attempt,
-    child_environment,
-    cpu_seconds,
+    backend_of,
+    col,
+    figure_cols,
     fmt,
-    leftovers,
-    percentile,
+    is_proxy,
+    isolated,
+    known,
+    left_running,
+    minus,
     progress,
     proxy_mode,
-    table,
+    ratio,
+    relayed,
+    render_table,
+    standing_rounds,
+    with_baseline,
 )
 from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, call, connect, mode_label, stop
 from benchmarks.stream_agent import update_line
 from tests.kit.gateway import SyncGateway
+from tests.kit.state import count_tasks
 
 STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
 LINE_RELAY = ROOT / "benchmarks" / "line_relay.py"
-DIRECT = "direct"
 BARE = "bare-"
 
 TURN_UPDATES = 10
@@ -167,11 +170,12 @@ class TurnCase:
         assert self._conn is not None
         return self._conn
 
-    def open(self) -> bool:
+    def open(self) -> None:
         self._conn = connect(self.argv, self.env, self.label)
         call(self.conn, "initialize", INITIALIZE_PARAMS)
         self.session_id = self.conn.new_session(str(ROOT), timeout=IO_TIMEOUT)
-        return True
+        for _ in range(TURN_WARMUP):
+            self.turn_once()
 
     def params(self) -> dict[str, Any]:
         meta = {"traceparent": TRACEPARENT, "bench": {"updates": TURN_UPDATES}}
@@ -212,26 +216,24 @@ class TurnCase:
         ):
             raise BenchError(f"{self.label}: expected the answer to request {request_id}, got {answer!r:.300}")
 
-    def block(self, turns: int, samples: list[float]) -> bool:
-        """``turns`` timed turns, and the middle process's CPU time over them."""
+    def sample(self, count: int) -> list[float]:
+        """``count`` timed turns, and the middle process's CPU time over them."""
         before = cpu_seconds(self.conn.pid)
-        for _ in range(turns):
-            samples.append(self.turn_once())
+        samples = [self.turn_once() for _ in range(count)]
         after = cpu_seconds(self.conn.pid)
         if before is None or after is None:
             self.cpu_known = False
         else:
             self.cpu_s += after - before
-        return True
+        return samples
 
-    def finish(self) -> bool:
+    def finish(self) -> None:
         conn, self._conn = self.conn, None
         status = stop(conn)
         if status != 0:
             raise BenchError(f"{self.label}: exited with status {status}")
         if self.state is not None:
             self.check_tasks(self.state)
-        return True
 
     def check_tasks(self, state: Path) -> None:
         """One ``done`` task per turn, each with its updates counted."""
@@ -261,48 +263,13 @@ class TurnCase:
 def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     modes = [DIRECT, *(BARE + b for b in args.backends), *(proxy_mode(b) for b in args.backends)]
     cases = [TurnCase(mode, env, workdir) for mode in modes]
-    samples: dict[str, list[float]] = {case.mode: [] for case in cases}
-    broken: set[str] = set()
-    finished: set[str] = set()
-
-    def drop(case: TurnCase) -> None:
-        broken.add(case.mode)
-        case.kill()
-
-    def warm_up(case: TurnCase) -> bool:
-        for _ in range(TURN_WARMUP):
-            case.turn_once()
-        return True
-
     blocks = [min(TURN_BLOCK, args.turns - start) for start in range(0, args.turns, TURN_BLOCK)]
-    try:
-        for case in cases:
-            opened = attempt(report, f"turns {case.label}: setup", case.open) is not None
-            if not opened or attempt(report, f"turns {case.label}: warm-up", lambda c=case: warm_up(c)) is None:
-                drop(case)
-        for index, turns in enumerate(blocks):
-            if index % 5 == 0:
-                progress(f"tasks: turns, block {index + 1}/{len(blocks)} x {len(cases) - len(broken)} relays ...")
-            for case in cases:
-                if case.mode in broken:
-                    continue
-                timed = samples[case.mode]
-                if attempt(report, f"turns {case.label}", lambda c=case, n=turns, s=timed: c.block(n, s)) is None:
-                    drop(case)
-        for case in cases:
-            if case.mode not in broken:
-                finished.add(case.mode)
-                if attempt(report, f"turns {case.label}: shutdown", case.finish) is None:
-                    broken.add(case.mode)
-    finally:
-        for case in cases:
-            if case.mode not in broken and case.mode not in finished:
-                case.kill()
+    samples = standing_rounds(report, "tasks: turns", cases, blocks, every=5)
     rows: list[dict[str, Any]] = []
     for case in cases:
-        values = sorted(samples[case.mode])
-        if case.mode in broken or not values:
+        if case.label not in samples:
             continue
+        values = sorted(samples[case.label])
         rows.append(
             {
                 "mode": case.mode,
@@ -318,15 +285,12 @@ def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argp
             }
         )
     by_mode = {row["mode"]: row for row in rows}
-    direct = by_mode.get(DIRECT)
+    added = {"added_p50_us": ("p50_us", minus), "added_p99_us": ("p99_us", minus)}
+    with_baseline(rows, by_mode.get(DIRECT), {**added, "vs_direct_p50": ("p50_us", ratio)})
     for row in rows:
-        relayed = row["mode"] != DIRECT
-        row["added_p50_us"] = row["p50_us"] - direct["p50_us"] if direct and relayed else None
-        row["added_p99_us"] = row["p99_us"] - direct["p99_us"] if direct and relayed else None
-        row["vs_direct_p50"] = row["p50_us"] / direct["p50_us"] if direct and relayed else None
-        bare = by_mode.get(BARE + row["mode"].removeprefix("proxy-")) if row["mode"].startswith("proxy-") else None
-        row["over_bare_p50_us"] = row["p50_us"] - bare["p50_us"] if bare else None
-        row["over_bare_p99_us"] = row["p99_us"] - bare["p99_us"] if bare else None
+        bare = by_mode.get(BARE + backend_of(row["mode"])) if is_proxy(row["mode"]) else None
+        over = {"over_bare_p50_us": ("p50_us", minus), "over_bare_p99_us": ("p99_us", minus)}
+        with_baseline([row], bare, over)
     return rows
 
 
@@ -496,10 +460,7 @@ def measure_writes(workdir: Path, args: argparse.Namespace) -> list[dict[str, An
 # --- the section -----------------------------------------------------------------------------
 
 
-def measure_tasks(report: Report, args: argparse.Namespace) -> dict[str, Any]:
-    token = secrets.token_hex(8)
-    env = {**child_environment(), BENCH_MARKER: token}
-    env.pop("ACP_PROXY_CONFIG", None)
+def measure_tasks(report: Report, args: argparse.Namespace) -> None:
     results: dict[str, Any] = {
         "turns": args.turns,
         "turn_warmup": TURN_WARMUP,
@@ -507,24 +468,55 @@ def measure_tasks(report: Report, args: argparse.Namespace) -> dict[str, Any]:
         "updates_per_turn": TURN_UPDATES,
         "task_ops": args.task_ops,
     }
-    with tempfile.TemporaryDirectory(prefix="acp-proxy-bench-tasks-") as name:
-        workdir = Path(name)
-        results["turn_overhead"] = measure_turns(report, env, workdir, args)
-        bookkeeping = attempt(report, "tasks: bookkeeping", lambda: measure_bookkeeping(workdir, args)) or {}
+    report.tasks = results
+    with isolated(report, "tasks", results) as run:
+        results["turn_overhead"] = measure_turns(report, run.env, run.workdir, args)
+        bookkeeping = attempt(report, "tasks: bookkeeping", lambda: measure_bookkeeping(run.workdir, args)) or {}
         results["lifecycle"] = bookkeeping.get("lifecycle", [])
         results["observe"] = bookkeeping.get("observe", [])
-        results["writes"] = attempt(report, "tasks: task writes", lambda: measure_writes(workdir, args)) or []
-    leftover = leftovers(token)
-    results["left_running"] = leftover
-    if leftover:
-        report.errors.append(f"tasks: processes outlived the benchmark (killed now): {leftover}")
-    return results
+        results["writes"] = attempt(report, "tasks: task writes", lambda: measure_writes(run.workdir, args)) or []
 
 
 # --- reporting -------------------------------------------------------------------------------
 
 
-def render(results: dict[str, Any]) -> list[str]:
+TURN_COLUMNS = (
+    Column("run by", lambda row: turn_label(row["mode"])),
+    *figure_cols("us", "p50", "p90", "p99", "mean"),
+    *figure_cols("us", "added_p50", "added_p99", when=relayed),
+    col("vs direct (p50)", "vs_direct_p50", 2, "x", when=relayed),
+    *figure_cols("us", "over_bare_p50", "over_bare_p99", when=known("over_bare_p50_us")),
+    col("middle CPU us/turn", "middle_cpu_us_per_turn", 0),
+)
+LIFECYCLE_COLUMNS = (
+    Column("turn", lambda row: str(row["label"])),
+    Column("writes", lambda row: str(row["writes"])),
+    Column("turns (rows)", lambda row: f"{row['turns']:,}"),
+    col("total s", "seconds", 3),
+    col("rows/s", "turns_per_s", 0),
+    col("us/turn", "us_per_turn"),
+)
+OBSERVE_COLUMNS = (
+    Column("block", lambda row: str(row["label"])),
+    Column("bytes", lambda row: f"{row['block_bytes']:,}"),
+    col("ns/call", "ns_per_call", 0),
+    col("ns/line", "ns_per_line"),
+)
+WRITE_COLUMNS = (
+    Column("operation", lambda row: str(row["label"])),
+    Column("ops", lambda row: f"{row['ops']:,}"),
+    col("total s", "seconds", 3),
+    col("ops/s", "ops_per_s", 0),
+    col("us/op (mean)", "us_per_op"),
+    col("p50 us", "p50_us"),
+    col("p99 us", "p99_us"),
+    col("max us", "max_us", 0),
+    Column("over 1 ms", lambda row: f"{row['over_1ms']:,}"),
+)
+
+
+def render(report: Report) -> list[str]:
+    results = report.tasks
     out: list[str] = []
     if results.get("turn_overhead"):
         out += [
@@ -542,41 +534,8 @@ def render(results: dict[str, Any]) -> list[str]:
             "adds to it on the same loop. The relays take turns in blocks of "
             f"{results['turn_block']} turns. Middle CPU: the relay process's (for direct: the agent's).",
             "",
+            *render_table(TURN_COLUMNS, results["turn_overhead"]),
         ]
-        rows = []
-        for row in results["turn_overhead"]:
-            relayed = row["mode"] != DIRECT
-            over_bare = row.get("over_bare_p50_us") is not None
-            rows.append(
-                [
-                    turn_label(row["mode"]),
-                    fmt(row["p50_us"], 1),
-                    fmt(row["p90_us"], 1),
-                    fmt(row["p99_us"], 1),
-                    fmt(row["mean_us"], 1),
-                    fmt(row["added_p50_us"], 1) if relayed else "",
-                    fmt(row["added_p99_us"], 1) if relayed else "",
-                    fmt(row["vs_direct_p50"], 2, "x") if relayed else "",
-                    fmt(row["over_bare_p50_us"], 1) if over_bare else "",
-                    fmt(row["over_bare_p99_us"], 1) if over_bare else "",
-                    fmt(row["middle_cpu_us_per_turn"], 0),
-                ]
-            )
-        header = [
-            "run by",
-            "p50 us",
-            "p90 us",
-            "p99 us",
-            "mean us",
-            "added p50 us",
-            "added p99 us",
-            "vs direct (p50)",
-            "over bare p50 us",
-            "over bare p99 us",
-            "middle CPU us/turn",
-        ]
-        out += table(header, rows)
-        out += [""]
     if results.get("lifecycle") or results.get("observe"):
         out += [
             "## Tasks: the bookkeeping alone, in-process",
@@ -586,23 +545,11 @@ def render(results: dict[str, Any]) -> list[str]:
             "(which digests them).",
             "",
         ]
-        rows = [
-            [
-                row["label"],
-                str(row["writes"]),
-                f"{row['turns']:,}",
-                fmt(row["seconds"], 3),
-                fmt(row["turns_per_s"], 0),
-                fmt(row["us_per_turn"], 1),
-            ]
-            for row in results.get("lifecycle", [])
-        ]
-        if rows:
-            out += table(["turn", "writes", "turns (rows)", "total s", "rows/s", "us/turn"], rows)
-            out += [""]
+        if results.get("lifecycle"):
+            out += render_table(LIFECYCLE_COLUMNS, results["lifecycle"])
         live = next((row for row in results.get("lifecycle", []) if row["case"] == "live"), None)
         for row in results.get("turn_overhead", []):
-            if live and row["added_p50_us"] and row["mode"].startswith("proxy-"):
+            if live and row["added_p50_us"] and is_proxy(row["mode"]):
                 share = live["us_per_turn"] / row["added_p50_us"] * 100
                 out += [
                     f"* {mode_label(row['mode'])}: the bookkeeping of a turn to a live session, made inline "
@@ -611,24 +558,14 @@ def render(results: dict[str, Any]) -> list[str]:
                 ]
         if live and results.get("turn_overhead"):
             out += [""]
-        rows = [
-            [
-                row["label"],
-                f"{row['block_bytes']:,}",
-                fmt(row["ns_per_call"], 0),
-                fmt(row["ns_per_line"], 1),
-            ]
-            for row in results.get("observe", [])
-        ]
-        if rows:
+        if results.get("observe"):
             first = results["observe"][0]
             out += [
                 f"`Turn.observe(block, {TURN_UPDATES})` on a running turn, `timeit`: best of "
                 f"{first['repeat']} x {first['calls']:,} calls.",
                 "",
+                *render_table(OBSERVE_COLUMNS, results["observe"]),
             ]
-            out += table(["block", "bytes", "ns/call", "ns/line"], rows)
-            out += [""]
     if results.get("writes"):
         out += [
             f"## Tasks: task writes, in-process, {results['task_ops']:,} rows",
@@ -639,29 +576,9 @@ def render(results: dict[str, Any]) -> list[str]:
             "that checkpoint the WAL into the database file. Absolute figures: there is no "
             '"without the proxy" to compare them with, so no target.',
             "",
+            *render_table(WRITE_COLUMNS, results["writes"]),
         ]
-        rows = [
-            [
-                row["label"],
-                f"{row['ops']:,}",
-                fmt(row["seconds"], 3),
-                fmt(row["ops_per_s"], 0),
-                fmt(row["us_per_op"], 1),
-                fmt(row["p50_us"], 1),
-                fmt(row["p99_us"], 1),
-                fmt(row["max_us"], 0),
-                f"{row['over_1ms']:,}",
-            ]
-            for row in results["writes"]
-        ]
-        header = ["operation", "ops", "total s", "ops/s", "us/op (mean)", "p50 us", "p99 us", "max us", "over 1 ms"]
-        out += table(header, rows)
-        out += [""]
-    if "left_running" in results:
-        left = results["left_running"]
-        out += [
-            "Processes carrying this run's marker left running at the end of the task benchmarks: "
-            + (", ".join(map(str, left)) + " (killed)" if left else "none"),
-            "",
-        ]
-    return out
+    return out + left_running(results, " of the task benchmarks")
+
+
+SECTION = Section(("tasks",), measure_tasks, render, targets=lambda _: [])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.load import Acquire, Eviction, log_figures, parse_acquire
+from benchmarks.pool import Acquire, Eviction, log_figures, parse_acquire
 
 
 @pytest.mark.parametrize(

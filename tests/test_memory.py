@@ -15,11 +15,12 @@ import pytest
 
 from acp_proxy.config import validate
 from acp_proxy.ownership.leases import LeaseState, all_leases
-from acp_proxy.ownership.proctable import ProcFS, PsutilTable, TableUnavailable
+from acp_proxy.ownership.proctable import ProcessTable, ProcFS, PsutilTable, TableUnavailable
 from acp_proxy.pool.memory import (
     UNREADABLE,
     BudgetPlan,
     MemoryBudget,
+    MemoryReader,
     MemorySlot,
     Overrun,
     ProcMemory,
@@ -27,7 +28,6 @@ from acp_proxy.pool.memory import (
     TreeMemory,
     Usage,
     counted_size,
-    measure_tree,
     measure_trees,
     plan_budget,
     plan_spawn,
@@ -35,6 +35,12 @@ from acp_proxy.pool.memory import (
 )
 from tests.kit import gateway
 from tests.support import TEST_INITIALIZE, Gateway, state_db
+
+
+def measure_tree(root: int, *, table: ProcessTable | None = None, reader: MemoryReader | None = None) -> TreeMemory:
+    """One tree's memory, as ``measure_trees`` measures it among others."""
+    return measure_trees([root], table=table, reader=reader)[root]
+
 
 MB = 1024**2
 PAGE = os.sysconf("SC_PAGE_SIZE")

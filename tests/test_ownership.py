@@ -27,13 +27,14 @@ import anyio
 import pytest
 
 from acp_proxy.ownership import instances, leases
-from acp_proxy.ownership.leases import Lease, LeaseState, all_leases, create_lease, record_spawn
+from acp_proxy.ownership.leases import Lease, LeaseState, all_leases, create_lease
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import ProcessInfo, ProcFS, TableUnavailable
 from acp_proxy.ownership.reaping import reap_lease
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
 from acp_proxy.state import StateDB
+from tests.kit.state import record_spawn
 from tests.support import (
     GONE_WITHIN,
     MARKER_VARIABLE,

@@ -30,7 +30,6 @@ from acp_proxy.tasks.records import (
     TaskRegistry,
     TaskStatus,
     Turn,
-    count_tasks,
     effective_status,
     get_task,
     keep_recent,
@@ -42,6 +41,7 @@ from acp_proxy.tasks.records import (
     traceparent_of,
 )
 from acp_proxy.tasks.turns import TurnBook, error_text
+from tests.kit.state import count_tasks
 
 S = TaskStatus
 

@@ -20,7 +20,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Final
 
 from acp_proxy.ownership.verify import Claim
@@ -191,28 +191,6 @@ def spawned(lease: Lease) -> Callable[[sqlite3.Connection], None]:
         )
 
     return update
-
-
-def record_spawn(
-    db: StateDB,
-    lease_id: str,
-    *,
-    wrapper_pid: int,
-    wrapper_start_ticks: int | None,
-    adapter_pid: int | None = None,
-    adapter_start_ticks: int | None = None,
-    pgid: int | None = None,
-) -> None:
-    """Fill in process identities as they become known; waits for the write (see ``create_lease``)."""
-    lease = replace(
-        get_lease(db, lease_id),
-        wrapper_pid=wrapper_pid,
-        wrapper_start_ticks=wrapper_start_ticks,
-        adapter_pid=adapter_pid,
-        adapter_start_ticks=adapter_start_ticks,
-        pgid=pgid,
-    )
-    db.call(spawned(lease))
 
 
 # Which states a lease may move to ``state`` from: forward only, and a final state is final.

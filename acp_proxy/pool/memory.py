@@ -231,11 +231,6 @@ def measure_trees(
     return measured
 
 
-def measure_tree(root: int, *, table: ProcessTable | None = None, reader: MemoryReader | None = None) -> TreeMemory:
-    """The memory of the tree rooted at ``root`` (a wrapper pid): see ``measure_trees``."""
-    return measure_trees([root], table=table, reader=reader)[root]
-
-
 # --- deciding ------------------------------------------------------------------------------------
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Sequence
 from typing import Any, Final, Literal
 
 import anyio
@@ -435,10 +434,6 @@ class LineWriter:
             if self._idle is not None:
                 self._idle.set()
                 self._idle = None
-
-    async def send_many(self, pieces: Sequence[bytes]) -> None:
-        if pieces:
-            await self.send(pieces[0] if len(pieces) == 1 else b"".join(pieces))
 
     async def aclose(self) -> None:
         await self._stream.aclose()

@@ -337,9 +337,6 @@ class SessionRegistry:
             (adapter_session_id,),
         )
 
-    def touch(self, session_id: str) -> None:
-        self._update(session_id, "last_active_at = ?", (now(),))
-
     def record_setting(self, session_id: str, method: str, params: dict[str, Any]) -> None:
         def merge(conn: sqlite3.Connection) -> None:
             row = conn.execute("SELECT settings FROM sessions WHERE session_id = ?", (session_id,)).fetchone()

@@ -620,14 +620,6 @@ def list_tasks(
     return [TaskRecord.from_row(row) for row in db.conn.execute(query, args)]
 
 
-def count_tasks(db: StateDB, since: float | None = None) -> dict[str, int]:
-    query, args = "SELECT status, COUNT(*) FROM tasks", []
-    if since is not None:
-        query += " WHERE created_at >= ?"
-        args.append(since)
-    return {status: count for status, count in db.conn.execute(query + " GROUP BY status", args)}
-
-
 # --- maintenance ------------------------------------------------------------------
 
 
