@@ -33,6 +33,7 @@ from tests.support import (
     send_prompt,
     state_db,
     state_of,
+    wait_for_task,
     write_config,
 )
 
@@ -366,6 +367,7 @@ async def test_a_busy_session_over_the_memory_budget_is_left_alone(proc_env: dic
         first = await a.new_session()
         pid = await adapter_pid(a, first)
         turn = await send_prompt(a, first, "sleep 5")
+        await wait_for_task(proc_env, "running")  # busy before the second start looks: not merely sent
         second = await b.new_session()
         await until_state(proc_env, second, SessionState.SUSPENDED)  # idle, over budget: it goes
         assert pid_alive(pid)
