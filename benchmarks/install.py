@@ -90,11 +90,11 @@ from benchmarks.load import (
     BURST_TURNS,
     INITIALIZE_PARAMS,
     LOAD_PROXY,
+    SAMPLE_INTERVAL,
     UPDATES,
     Acquire,
     DirectClient,
     ProxyClient,
-    TreeSampler,
     Turn,
     acquire_figures,
     agent_argv,
@@ -109,6 +109,7 @@ from benchmarks.load import (
     summarize,
     window_figures,
 )
+from tests.kit.proctree import Descendants
 
 SESSIONS = 20
 MAX_LIVE = 4
@@ -206,7 +207,7 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int, poo
     fleet = Fleet(backend, {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)}, workdir, pool)
     cpu_at_turns: list[list[float | None]] = []
     try:
-        with TreeSampler(os.getpid(), depth=3, count_root=False) as sampler:
+        with Descendants(os.getpid(), depth=3, count_root=False, seconds=SAMPLE_INTERVAL) as sampler:
             driven = drive(
                 SESSIONS,
                 fleet.open_session,
@@ -275,7 +276,7 @@ def direct_run(env: dict[str, str], workdir: Path, bursts: int) -> dict[str, Any
         return client.new_session()
 
     try:
-        with TreeSampler(os.getpid(), depth=1, count_root=False) as sampler:
+        with Descendants(os.getpid(), depth=1, count_root=False, seconds=SAMPLE_INTERVAL) as sampler:
 
             def prompt(_: int, session_id: str) -> Turn:
                 with lock:  # the waits of the turn phase start after the last opening's

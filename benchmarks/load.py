@@ -68,8 +68,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from benchmarks.common import (
     BENCH_MARKER,
     ROOT,
@@ -87,6 +85,7 @@ from benchmarks.common import (
     table,
 )
 from tests.kit.gateway import Closed, SyncGateway
+from tests.kit.proctree import Descendants
 
 LOAD_AGENT = ROOT / "benchmarks" / "load_agent.py"
 LOAD_PROXY = ROOT / "benchmarks" / "load_proxy.py"
@@ -442,58 +441,6 @@ class DirectClient:
         return Turn(seconds, resumed, error)
 
 
-# --- sampling the process tree -----------------------------------------------------------------
-
-
-class TreeSampler:
-    """Every ``SAMPLE_INTERVAL`` s: live adapters under ``root`` and the RSS of the tree (peaks kept).
-
-    ``depth`` is how far below ``root`` the adapters are: 1 for the client's own
-    agents, 2 under a proxy (proxy -> wrapper -> adapter). ``count_root``: add
-    the root's own RSS (the proxy's; not the client's).
-    """
-
-    def __init__(self, root: int, depth: int, count_root: bool) -> None:
-        self.root, self.depth, self.count_root = root, depth, count_root
-        self.peak_adapters = 0
-        self.peak_rss = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> TreeSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def sample(self) -> None:
-        try:
-            root = psutil.Process(self.root)
-            tree = root.children(recursive=True)
-            rss = root.memory_info().rss if self.count_root else 0
-        except psutil.Error:
-            return
-        level = {self.root: 0}
-        adapters = 0
-        for process in tree:  # psutil lists parents before their children
-            with contextlib.suppress(psutil.Error):
-                level[process.pid] = level.get(process.ppid(), 0) + 1
-                if process.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                rss += process.memory_info().rss
-                adapters += level[process.pid] == self.depth
-        self.peak_adapters = max(self.peak_adapters, adapters)
-        self.peak_rss = max(self.peak_rss, rss)
-        self.samples += 1
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_INTERVAL):
-            self.sample()
-
-
 def peak_lifetimes(path: Path) -> tuple[int, int]:
     """(the most agents alive at once, agents that never recorded their end) from ``load_agent.py``'s records."""
     starts: dict[str, float] = {}
@@ -754,7 +701,7 @@ def proxy_run(backend: str, env: dict[str, str], workdir: Path, bursts: int, poo
         if answer is None or "result" not in answer:
             raise BenchError(f"{who}: initialize answered {str(answer)[:300]}")
         cpu_at_turns: list[float | None] = []
-        with TreeSampler(client.process.pid, depth=2, count_root=True) as sampler:
+        with Descendants(client.process.pid, depth=2, count_root=True, seconds=SAMPLE_INTERVAL) as sampler:
             driven = drive(
                 SESSIONS,
                 client.open_session,
@@ -815,7 +762,7 @@ def direct_run(mode: str, env: dict[str, str], workdir: Path, bursts: int) -> di
     env = {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)}
     client = DirectClient(MAX_LIVE if mode == DIRECT_POOL else SESSIONS, env)
     try:
-        with TreeSampler(os.getpid(), depth=1, count_root=False) as sampler:
+        with Descendants(os.getpid(), depth=1, count_root=False, seconds=SAMPLE_INTERVAL) as sampler:
             driven = drive(SESSIONS, client.open_session, client.prompt_session, bursts, f"load: {who}")
             sampler.sample()
     finally:

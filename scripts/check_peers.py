@@ -111,7 +111,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -119,9 +118,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-from tests.kit import markers
+from tests.kit import markers, proctree
 from tests.kit.gateway import Closed, SyncGateway
 
 REPO = Path(__file__).resolve().parent.parent
@@ -276,7 +276,6 @@ INSTALL_TTL = 600
 INSTALL_POOL = 'acquire_timeout = "3m"  # three proxies may queue for the slot at once\n'
 TREE_SAMPLE_EVERY = 0.05
 SLOT_SAMPLE_EVERY = 1.0
-LEASE_VAR = b"ACP_PROXY_LEASE="
 PROXY_REASONS = frozenset(
     {
         "spawn_failed",
@@ -1607,8 +1606,8 @@ class Checker:
             self.check_leftovers(name, "proxy", marker, wait=5)
         elapsed = watched = time.monotonic() - begun
 
-        if trees.error or trees.samples < 10:
-            raise CheckFailed(f"the /proc sampler failed ({trees.error or f'{trees.samples} samples'})")
+        if trees.samples < 10:
+            raise CheckFailed(f"the /proc sampler took {trees.samples} samples only")
         if trees.peak > 1:
             problems.append(f"{trees.peak} adapter trees alive at once: {'; '.join(trees.overlaps)}")
         if slots.peak > 1:
@@ -2403,18 +2402,14 @@ class TreeWatch:
     """Samples /proc in a thread: how many adapter trees of one check are alive at once.
 
     A tree is every live process carrying the check's marker and one lease's marker
-    (``ACP_PROXY_LEASE``, set in the wrapper's environment and inherited by the
-    adapter and all its descendants), so a tree counts from its wrapper's exec until
-    its last process has ended. One pass over /proc is not one instant: when a pass
-    finds more than one tree it looks at each again, and only trees that still had a
-    process alive then count, which proves they were all alive at once (every process
-    was seen alive in the first pass, and again after the last process of that pass
-    was read). Also counted: the check's proxies alive at once.
+    (``tests.kit.proctree``), so a tree counts from its wrapper's exec until its last
+    process has ended. When a pass finds more than one tree, only those still alive at a
+    second look count, which proves they were all alive at once. Also counted: the check's
+    proxies alive at once.
     """
 
     def __init__(self, marker: str, every: float = TREE_SAMPLE_EVERY) -> None:
-        self.variable = f"{MARKER_VAR}={marker}".encode()
-        self.every = every
+        self.marker = marker
         self.samples = 0
         self.peak = 0
         self.overlaps: list[str] = []
@@ -2424,82 +2419,37 @@ class TreeWatch:
         self.peak_proxies = 0
         self.handovers = 0
         """Passes that found two trees, one of which had ended by the second look (a slot handed over)."""
-        self.slowest = 0.0
-        self.error: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tree-watch", daemon=True)
+        self._every = proctree.Every(every, self.sample, "tree-watch")
+
+    @property
+    def slowest(self) -> float:
+        return self._every.slowest
 
     def __enter__(self) -> TreeWatch:
-        self._thread.start()
+        self._every.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                begun = time.monotonic()
-                self.sample()
-                self.slowest = max(self.slowest, time.monotonic() - begun)
-                self._stop.wait(self.every)
-        except Exception as exc:  # reported by the check, which must not pass without its sampler
-            self.error = f"{type(exc).__name__}: {exc}"
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._every.__exit__(kind, exc, tb)
 
     def sample(self) -> None:
-        trees: dict[str, list[markers.Marked]] = {}
-        proxies = 0
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/environ", "rb") as fh:
-                    data = fh.read()
-            except OSError:
-                continue
-            if self.variable not in data:
-                continue
-            entries = data.split(b"\0")
-            if self.variable not in entries:
-                continue
-            lease = next((e[len(LEASE_VAR) :].decode() for e in entries if e.startswith(LEASE_VAR)), None)
-            marked = live_process(int(name))
-            if marked is None:  # gone meanwhile, or a zombie
-                continue
-            if lease is not None:
-                trees.setdefault(lease, []).append(marked)
-            elif is_proxy(marked.argv):
-                proxies += 1
+        found = markers.find(MARKER_VAR, self.marker)
+        trees = proctree.group_by_lease(found.values())
+        proxies = sum(1 for marked in found.values() if marked.lease is None and is_proxy(marked.argv))
         self.samples += 1
         self.seen.update(trees)
         self.peak_proxies = max(self.peak_proxies, proxies)
         if len(trees) > 1:
-            trees = {
-                lease: found for lease, found in trees.items() if any(markers.alive(m.pid, m.ticks) for m in found)
-            }
+            trees = proctree.alive_together(trees)
             self.handovers += len(trees) <= 1
         self.peak = max(self.peak, len(trees))
         if len(trees) > 1 and len(self.overlaps) < 5:
             self.overlaps.append(
                 " | ".join(
-                    f"lease {lease.split('.')[1]}: " + ", ".join(str(m) for m in found)
-                    for lease, found in trees.items()
+                    f"lease {lease.split('.')[1]}: " + ", ".join(str(m) for m in members)
+                    for lease, members in trees.items()
                 )
             )
-
-
-def live_process(pid: int) -> markers.Marked | None:
-    """``pid`` with its start time and command line; None if it is gone or a zombie."""
-    ticks = markers.start_ticks(pid)
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            raw = fh.read().rstrip(b"\0")
-    except OSError:
-        return None
-    if ticks is None:
-        return None
-    return markers.Marked(pid, "", tuple(arg.decode(errors="replace") for arg in raw.split(b"\0")), ticks)
 
 
 def is_proxy(argv: tuple[str, ...]) -> bool:
@@ -2514,7 +2464,6 @@ class SlotWatch:
         self.command = command
         self.env = env
         self.cwd = cwd
-        self.every = every
         self.samples = 0
         self.peak = 0
         self.crowded: list[str] = []
@@ -2522,21 +2471,14 @@ class SlotWatch:
         self.holders: set[str] = set()
         """Every session seen holding a slot."""
         self.failures: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="slot-watch", daemon=True)
+        self._every = proctree.Every(every, self.sample, "slot-watch")
 
     def __enter__(self) -> SlotWatch:
-        self._thread.start()
+        self._every.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            self._stop.wait(self.every)
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._every.__exit__(kind, exc, tb)
 
     def sample(self) -> list[dict[str, Any]]:
         try:
