@@ -23,8 +23,8 @@ The checks, a table in ``checks``, one module per family:
 * ``acpx_checks``: acpx-exec-*, acpx-sessions-sdk-agent, acpx driving the SDK agent, the
   proxy's echo agent, codex-acp and claude-agent-acp;
 * ``raw_checks``: raw-*, JSON-RPC lines into each adapter, then stdin EOF, then SIGTERM;
-* ``session_checks``: sessions-*, sessions-acpx-*, the session pool with ``max_live = 1``;
-* ``spec_checks``: spec-*, session/close, session/delete and session/fork through the proxy;
+* ``session_checks``: sessions-*, sessions-acpx-*, the session pool with ``max_live = 1``, and
+  spec-*, session/close, session/delete and session/fork through the proxy;
 * ``install_checks``: install-acpx-*, the install's one pool across acpx's proxies, watched
   from /proc and ``acp-proxy status --json`` (``watches``);
 * ``matrix``: matrix-*, one scenario for every adapter of the ADAPTERS table, judged by

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-from . import acpx_checks, install_checks, matrix, raw_checks, sdk_checks, session_checks, spec_checks
+from . import acpx_checks, install_checks, matrix, raw_checks, sdk_checks, session_checks
 from .adapters import ADAPTERS, POOL_ADAPTERS
 from .harness import Peers
 from .report import CheckFailed
@@ -51,7 +51,7 @@ CHECKS: tuple[Check, ...] = (
     *each_adapter("raw", raw_checks.raw_adapter, POOL_ADAPTERS),
     *each_adapter("sessions", session_checks.sessions_raw, POOL_ADAPTERS),
     *each_adapter("sessions-acpx", session_checks.sessions_acpx, POOL_ADAPTERS),
-    *each_adapter("spec", spec_checks.spec_raw, POOL_ADAPTERS),
+    *each_adapter("spec", session_checks.spec_raw, POOL_ADAPTERS),
     *each_adapter("install-acpx", install_checks.install_acpx, POOL_ADAPTERS),
     *each_adapter("matrix", matrix.matrix, ADAPTERS),
 )

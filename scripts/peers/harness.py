@@ -27,7 +27,7 @@ from tests.kit.gateway import Closed, SyncGateway
 
 from .adapters import ADAPTERS
 from .report import CheckFailed, Report
-from .wire import CLIENT_INITIALIZE, short
+from .wire import CLIENT_INITIALIZE, foreign_session_ids, short
 
 PROGRAMS = Path(__file__).resolve().parent
 """Where the SDK agent and client are: run as files by the SDK venv's Python (``acp`` is not ours to import)."""
@@ -351,6 +351,14 @@ class Peers:
             raise CheckFailed(f"{what}: the proxy was still running 15s after its stdin closed")
         if gateway.process.returncode != 0:
             raise CheckFailed(f"{what}: the proxy exited {gateway.process.returncode} after stdin EOF")
+
+    def last_words(self, gateway: SyncGateway, what: str, known: set[str]) -> list[str]:
+        """Once the gateway has gone quiet: the session ids it was never given that reached it, then
+        its stdin EOF, which the proxy must exit 0 on (``end_gateway``)."""
+        gateway.drain(quiet=1.0, limit=10.0)
+        leaks = [f"{what}: {leak}" for leak in foreign_session_ids(gateway.received, known)]
+        self.end_gateway(gateway, what)
+        return leaks
 
     def acpx_session_id(self, command: list[str], session: str, env: dict[str, str], log: Path) -> str:
         rc, out = self.acpx(command, "--format", "json", "sessions", "show", session, env=env, log=log)

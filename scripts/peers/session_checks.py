@@ -9,13 +9,30 @@ with session/load through a fresh proxy. The adapters keep a session only once i
 and a turn fails without credentials only after the prompt is recorded, so the conversations
 checked are the users' prompts. No session id the gateway never got from session/new may reach
 it.
+
+spec-*: session/close, session/delete and session/fork through the proxy (raw JSON-RPC,
+``max_live = 1``, the sessions-* setup).
+
+A closed session is listed as closed, its process tree is gone, a prompt to it is -32002
+session_closed, and the gateway's session/load (or session/resume) brings it back, the load
+replaying its prompt; session/delete of a live and of a closed session is ``{}``, unlists them,
+and a later session/load is -32002 session_deleted, also for a second proxy on the same state
+dir. Where the adapter forks (claude-agent-acp), session/fork after a prompt: the fork gets its
+own id and row (``parentSessionId``) and the parent's process, and its prompt; the parent comes
+back on a process of its own, its load replaying only its own prompt. NOTE lines say whether the
+adapter itself advertises delete and still loads a session the proxy deleted, and what it
+answered to session/fork; those are the adapter's business, not failures.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
+from typing import Any
 
-from .harness import PROMPT_TIMEOUT, Peers, call, call_result, end, end_keeping, updates, wait_for_log
+from .harness import PROMPT_TIMEOUT, Peers, call, call_result, end, end_keeping, log_match, updates, wait_for_log
+from .probe import SessionProbe
 from .report import CheckFailed
 from .wire import (
     FIRST_WORDS,
@@ -23,6 +40,7 @@ from .wire import (
     PROXY_META,
     SECOND_WORDS,
     announced_modes,
+    checked_words,
     foreign_session_ids,
     history_reset,
     in_order,
@@ -69,9 +87,7 @@ def sessions_raw(peers: Peers, name: str, adapter: str) -> str:
         listed = call_result(gateway, "session/list", {}).get("sessions") or []
         if {s.get("sessionId") for s in listed} != {s1, s2}:
             raise CheckFailed(f"session/list gave {short(listed)}, expected S1 and S2")
-        gateway.drain(quiet=1.0, limit=10.0)
-        problems += [f"run 1: {leak}" for leak in foreign_session_ids(gateway.received, {s1, s2})]
-        peers.end_gateway(gateway, "run 1")
+        problems += peers.last_words(gateway, "run 1", {s1, s2})
     finally:
         end_keeping(gateway, peers.logs / f"{name}-run1.stdout")
     peers.check_leftovers(name, "proxy", marker, wait=3.0)
@@ -96,9 +112,7 @@ def sessions_raw(peers: Peers, name: str, adapter: str) -> str:
             )
         since = len(gateway.received)
         call_result(gateway, "session/load", {"sessionId": s2, **cwd}, timeout=PROMPT_TIMEOUT)
-        gateway.drain(quiet=1.0, limit=10.0)
-        problems += [f"run 2: {leak}" for leak in foreign_session_ids(gateway.received, {s1, s2})]
-        peers.end_gateway(gateway, "run 2")
+        problems += peers.last_words(gateway, "run 2", {s1, s2})
     finally:
         end_keeping(gateway, peers.logs / f"{name}-run2.stdout")
     peers.check_leftovers(name, "proxy", marker, wait=3.0)
@@ -175,4 +189,154 @@ def sessions_acpx(peers: Peers, name: str, adapter: str) -> str:
     return (
         "sessions new one/two, prompt one, two, one (each a new proxy): acpx kept its session ids, "
         "and session/load through a fresh proxy replayed each conversation whole and apart; nothing left running"
+    )
+
+
+def spec_raw(peers: Peers, name: str, adapter: str) -> str:
+    """close then load or resume, delete of a live and of a closed session, fork; raw JSON-RPC, ``max_live = 1``."""
+    command, env, marker = peers.session_setup(name, adapter)
+    logs = peers.fresh_logs(name, "run1.stderr", "run2.stderr")
+    problems: list[str] = []
+
+    gateway, init = peers.session_gateway(command, env, logs[0])
+    probe = SessionProbe(gateway, peers.ws, problems)
+    try:
+        served = (init.get("agentCapabilities") or {}).get("sessionCapabilities") or {}
+        missing = [key for key in ("close", "list", "delete", "resume") if not isinstance(served.get(key), dict)]
+        if missing:
+            problems.append(f"the initialize result lacks sessionCapabilities {missing}")
+
+        s1 = probe.new()
+        probe.prompt(s1, FIRST_WORDS, "S1")
+        if not probe.processes_but_proxy(marker, wait=0):
+            problems.append("live S1's processes were not found (the scan after session/close would prove nothing)")
+        probe.empty("session/close", s1, "S1")
+        left = probe.processes_but_proxy(marker)
+        if left:
+            problems.append(f"after session/close of S1 still running: {'; '.join(left)}")
+        probe.refused("session/prompt", prompt_params(s1, SECOND_WORDS), "session_closed", "closed S1")
+        if probe.states().get(s1) != "closed":
+            problems.append(f"after session/close, session/list gave {probe.states()}, expected S1 closed")
+        replay = probe.restore("session/load", s1, "closed S1")
+        if replay is not None and not in_order([FIRST_WORDS], replay):
+            problems.append(f"session/load of closed S1 replayed {replay}, not its prompt")
+        if probe.states().get(s1) != "live":
+            problems.append(f"after session/load of closed S1, session/list gave {probe.states()}")
+
+        s2 = probe.new()
+        probe.prompt(s2, OTHER_WORDS, "S2")
+        probe.empty("session/close", s2, "S2")
+        probe.restore("session/resume", s2, "closed S2")
+        if probe.states().get(s2) != "live":
+            problems.append(f"after session/resume of closed S2, session/list gave {probe.states()}")
+
+        # S2 is live; S1 was suspended for it (one slot), then is closed
+        probe.empty("session/delete", s2, "live S2")
+        left = probe.processes_but_proxy(marker)
+        if left:
+            problems.append(f"after session/delete of S2 still running: {'; '.join(left)}")
+        probe.empty("session/close", s1, "suspended S1")
+        probe.empty("session/delete", s1, "closed S1")
+        listed = probe.states()
+        if s1 in listed or s2 in listed:
+            problems.append(f"after session/delete, session/list still gave {listed}")
+        for sid, what in ((s1, "deleted S1"), (s2, "deleted S2")):
+            probe.refused("session/load", probe.load_params(sid), "session_deleted", what)
+        probe.empty("session/delete", s1, "deleted S1")
+        probe.empty("session/delete", "never-issued", "an unknown id")
+
+        fork_note = spec_fork(probe, adapter, served, logs[0])
+        problems += peers.last_words(gateway, "run 1", probe.known)
+    finally:
+        end_keeping(gateway, peers.logs / f"{name}-run1.stdout")
+    peers.check_leftovers(name, "proxy", marker, wait=3.0)
+
+    # a new proxy on the same state dir: the tombstones and the other rows last
+    gateway, _ = peers.session_gateway(command, env, logs[1])
+    try:
+        after = SessionProbe(gateway, peers.ws, problems)
+        listed = after.listing()
+        kept = probe.known - {s1, s2}
+        if listed.keys() != kept or any(meta.get("state") != "suspended" for meta in listed.values()):
+            problems.append(f"after a restart session/list gave {listed}, expected {sorted(kept)} suspended")
+        after.refused("session/load", after.load_params(s1), "session_deleted", "deleted S1 after a restart")
+        peers.end_gateway(gateway, "run 2")
+    finally:
+        end_keeping(gateway, peers.logs / f"{name}-run2.stdout")
+    peers.check_leftovers(name, "proxy", marker, wait=3.0)
+
+    peers.report.note(name, kept_by_adapter(peers, name, adapter, env, s1))
+    peers.report.note(name, fork_note)
+    peers.check_leftovers(name, "proxy", marker, wait=3.0)
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    return (
+        "closed S1 listed closed with its tree reaped, a prompt to it -32002 session_closed, session/load "
+        "restored it with its prompt; closed S2 restored by session/resume; session/delete of live S2 and "
+        "closed S1 {}, both unlisted, session/load -32002 session_deleted (also after a restart), a second "
+        "delete and an unknown id {}; no foreign session id reached the gateway; nothing left running"
+    )
+
+
+def spec_fork(probe: SessionProbe, adapter: str, served: dict[str, Any], log: Path) -> str:
+    """session/fork of a session that had a turn; a NOTE line on what the adapter did."""
+    problems = probe.problems
+    parent = probe.new()
+    if "fork" not in served:
+        answer = call(probe.gateway, "session/fork", probe.load_params(parent))
+        if "error" not in answer:
+            problems.append(f"session/fork, not advertised, answered {short(answer)}")
+        return f"{adapter} advertises no sessionCapabilities.fork, nor does the proxy; session/fork: {short(answer)}"
+    probe.prompt(parent, FIRST_WORDS, "the parent")
+    answer = call(probe.gateway, "session/fork", probe.load_params(parent), timeout=PROMPT_TIMEOUT)
+    fork = (answer.get("result") or {}).get("sessionId")
+    if not isinstance(fork, str):
+        if proxy_error(answer) or "error" not in answer:
+            problems.append(f"session/fork answered {short(answer)}")
+        return f"{adapter} could not fork without credentials: session/fork answered {short(answer)}"
+    probe.known.add(fork)
+    if fork == parent:
+        problems.append(f"session/fork answered the parent's own id {fork}")
+    forked_on = log_match(log, rf"session {re.escape(parent)} forked as {re.escape(fork)} on pid (\d+)")
+    listed = probe.listing()
+    if listed.get(fork, {}).get("parentSessionId") != parent or listed.get(parent, {}).get("state") != "suspended":
+        problems.append(f"after session/fork, session/list gave {listed}, expected the fork with its parent")
+    probe.prompt(fork, OTHER_WORDS, "the fork")
+    parent_replay = probe.restore("session/load", parent, "the parent") or []
+    if not in_order([FIRST_WORDS], parent_replay) or OTHER_WORDS in parent_replay:
+        problems.append(f"session/load of the parent replayed {parent_replay}")
+    back_on = log_match(log, rf"session {re.escape(parent)} resumed on pid (\d+)")
+    if forked_on is None or back_on is None or forked_on == back_on:
+        problems.append(f"the parent came back on pid {back_on}, the fork was made on pid {forked_on} (see {log})")
+    fork_replay = probe.restore("session/load", fork, "the fork") or []
+    if OTHER_WORDS not in fork_replay:
+        problems.append(f"session/load of the fork replayed {fork_replay}, not its own prompt")
+    final = probe.states()
+    if final.get(parent) != "suspended" or final.get(fork) != "live":
+        problems.append(f"at last session/list gave {final}, expected the parent suspended and the fork live")
+    return (
+        f"{adapter} forked offline: the fork made on the parent's pid {forked_on}, which then served its prompt; "
+        f"the parent back on pid {back_on}, its load replaying {checked_words(parent_replay)}; the fork's "
+        f"load replayed {checked_words(fork_replay)} (the parent's history, then its own prompt)"
+    )
+
+
+def kept_by_adapter(peers: Peers, name: str, adapter: str, env: dict[str, str], session_id: str) -> str:
+    """Whether the adapter itself still has a session the proxy deleted (its own load, straight)."""
+    log = peers.logs / f"{name}-direct.stderr"
+    log.unlink(missing_ok=True)
+    peer, init = peers.session_gateway(peers.command(adapter), env, log)
+    try:
+        deletes = isinstance(
+            ((init.get("agentCapabilities") or {}).get("sessionCapabilities") or {}).get("delete"), dict
+        )
+        params = {"sessionId": session_id, "cwd": str(peers.ws), "mcpServers": []}
+        answer = call(peer, "session/load", params, timeout=PROMPT_TIMEOUT)
+    finally:
+        end(peer)
+    kept = "still loads it (its storage kept the session)" if "result" in answer else f"answers {short(answer, 200)}"
+    return (
+        f"{adapter} {'advertises' if deletes else 'does not advertise'} session/delete "
+        f"({'sent' if deletes else 'so the proxy deleted its own record only'}); "
+        f"a session/load of deleted S1 straight on {adapter} {kept}"
     )
