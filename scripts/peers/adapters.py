@@ -10,11 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 PYPI_PACKAGES = ("agent-client-protocol",)
-
-
 PLACEHOLDER = "sk-check-peers-placeholder-not-a-key"
-
-
 UNREACHABLE_MODEL = "http://127.0.0.1:9/v1"  # the discard port: a model request fails at once
 
 
@@ -107,8 +103,6 @@ ADAPTERS = {
 
 # The adapters the sessions-*, spec-*, raw-* and acpx checks run (the matrix-* checks run them all).
 POOL_ADAPTERS = ("codex-acp", "claude-agent-acp")
-
-
 NPM_PACKAGES = (
     "acpx@latest",
     *(f"{adapter.package}@latest" for adapter in ADAPTERS.values()),

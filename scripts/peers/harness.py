@@ -32,8 +32,6 @@ from .wire import CLIENT_INITIALIZE, foreign_session_ids, short
 PROGRAMS = Path(__file__).resolve().parent
 """Where the SDK agent and client are: run as files by the SDK venv's Python (``acp`` is not ours to import)."""
 REPO = PROGRAMS.parent.parent
-
-
 MARKER_VAR = "ACP_CHECK_PEERS_RUN"
 
 
@@ -70,8 +68,6 @@ SCRUBBED_ENV = (
     "XDG_DATA_HOME",
     "XDG_CACHE_HOME",
 )
-
-
 PROMPT_TIMEOUT = 180.0  # codex-acp retries an unreachable model for about 30s
 
 

@@ -47,11 +47,7 @@ from .wire import (
 # over one state dir whose pool has one process slot. The queue owners must outlive the
 # check's steps (a codex-acp turn takes half a minute offline); they are stopped at the end.
 INSTALL_SESSIONS = ("one", "two", "three")
-
-
 INSTALL_TTL = 600
-
-
 INSTALL_POOL = 'acquire_timeout = "3m"  # three proxies may queue for the slot at once\n'
 
 

@@ -24,25 +24,13 @@ from .report import CheckFailed
 from .wire import PROXY_REASONS, checked_words, normalize_ids, short, strip_proxy_meta
 
 THEN_LOAD = "session/resume, then session/load"
-
-
 OWN_LIST = "the adapter's own session/list, straight, on the same HOME"
-
-
 PLAN = "plan"
-
-
 CANCELLED = "session/prompt, then session/cancel"
-
-
 CANCEL_AFTER = 2.0
 """Seconds between a prompt and its session/cancel: the turn is under way (its model call retrying)."""
-
-
 CANCEL_ANSWERED_WITHIN = 35.0
 """The proxy answers a cancelled turn itself after its cancel_timeout (30 s by default), if the adapter has not."""
-
-
 TIMER_UPDATES = frozenset({"available_commands_update"})
 """session/update kinds some adapters send on a timer: where they land varies from run to run."""
 

@@ -16,8 +16,6 @@ from .harness import MARKER_VAR
 from .wire import short
 
 TREE_SAMPLE_EVERY = 0.05
-
-
 SLOT_SAMPLE_EVERY = 1.0
 
 

@@ -14,8 +14,6 @@ from typing import Any
 from .report import CheckFailed
 
 PROXY_META = "acp-proxy"
-
-
 PROXY_REASONS = frozenset(
     {
         "spawn_failed",
@@ -33,24 +31,14 @@ PROXY_REASONS = frozenset(
         "proxy_shutdown",
     }
 )
-
-
 CLIENT_INITIALIZE = {
     "protocolVersion": 1,
     "clientInfo": {"name": "check-peers", "version": "1"},
     "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
 }
-
-
 FIRST_WORDS = "remember the word PELICAN"
-
-
 SECOND_WORDS = "which word did I ask you to remember?"
-
-
 OTHER_WORDS = "remember the word OTTER"
-
-
 THIRD_WORDS = "remember the word HERON"
 
 
@@ -175,11 +163,7 @@ def short(value: Any, limit: int = 400) -> str:
 
 
 PID_IN_ID = re.compile(r"\becho-\d+-")
-
-
 ECHO_ID = re.compile(r"\becho-[0-9a-f]{8}\b")
-
-
 UUID = re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
 
 
