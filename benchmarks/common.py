@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -37,28 +35,6 @@ def child_environment() -> dict[str, str]:
     env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
     env["ACP_PROXY_STATE_DIR"] = str(STATE)
     return env
-
-
-class Every:
-    """``action()`` every ``interval`` seconds on a thread of its own while the ``with`` block runs: how the
-    samplers here watch processes from outside."""
-
-    def __init__(self, interval: float, action: Callable[[], object]) -> None:
-        self._interval = interval
-        self._action = action
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> None:
-        self._thread.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self._action()
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -45,7 +45,7 @@ from acp_proxy.ownership.reaping import prepare_tombstone
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed, wrapper_grace
 from acp_proxy.state import StateDB
 from benchmarks import harness
-from benchmarks.common import ROOT, BenchError, Every, percentile, proc_status_kb
+from benchmarks.common import ROOT, BenchError, percentile, proc_status_kb
 from benchmarks.harness import (
     DIRECT,
     Case,
@@ -72,6 +72,7 @@ from benchmarks.harness import (
     with_baseline,
 )
 from tests.kit.markers import alive, start_ticks
+from tests.kit.proctree import Every
 from tests.kit.state import record_spawn
 
 TREE_ADAPTER = ROOT / "benchmarks" / "tree_adapter.py"
@@ -125,7 +126,7 @@ class GoneWatcher:
         self.ticks = {name: start_ticks(pid) for name, pid in pids.items()}
         self.gone_at: dict[str, float] = {}
         self._pending = dict(pids)
-        self._every = Every(POLL_INTERVAL, self._poll)
+        self._every = Every(POLL_INTERVAL, self._poll, "gone-watcher")
 
     def __enter__(self) -> GoneWatcher:
         self._every.__enter__()

@@ -28,7 +28,7 @@ of up to ``THINK_MAX`` s before each burst.
 Every run yields ``summarize``'s figures: turns/s, resumes/s and updates/s over the
 turn phase; p50/p99 of resumed and live turns (prompt sent -> answer read); the
 waits for a process slot; peak live adapter processes, sampled every
-``SAMPLE_INTERVAL`` s by ``TreeSampler`` and exactly from the agents' own records of
+``SAMPLE_INTERVAL`` s by ``tests.kit.proctree.Descendants`` and exactly from the agents' own records of
 when each started and exited; the peak sampled RSS of the whole tree; requests lost
 (every request must get exactly one answer). More than the cap of live adapters, a
 lost or duplicated answer, or a turn that did not stream all its updates make the
@@ -57,9 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from benchmarks.common import ROOT, BenchError, Every, cpu_seconds, percentile, proc_status_kb
+from benchmarks.common import ROOT, BenchError, cpu_seconds, percentile, proc_status_kb
 from benchmarks.harness import (
     Case,
     Column,
@@ -78,6 +76,7 @@ from benchmarks.harness import (
     with_baseline,
 )
 from tests.kit.gateway import Closed, SyncGateway
+from tests.kit.proctree import Descendants
 
 LOAD_AGENT = ROOT / "benchmarks" / "load_agent.py"
 LOAD_PROXY = ROOT / "benchmarks" / "load_proxy.py"
@@ -413,48 +412,6 @@ class DirectClient:
 
 
 # --- sampling the process tree -----------------------------------------------------------------
-
-
-class TreeSampler:
-    """Every ``SAMPLE_INTERVAL`` s: live adapters under this process and the RSS of its tree (peaks kept).
-
-    ``depth`` is how far below this process the adapters are: 1 for the client's own
-    agents, 3 under proxies (proxy -> wrapper -> adapter).
-    """
-
-    def __init__(self, depth: int) -> None:
-        self.root = os.getpid()
-        self.depth = depth
-        self.peak_adapters = 0
-        self.peak_rss = 0
-        self.samples = 0
-        self._every = Every(SAMPLE_INTERVAL, self.sample)
-
-    def __enter__(self) -> TreeSampler:
-        self._every.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._every.__exit__()
-
-    def sample(self) -> None:
-        try:
-            tree = psutil.Process(self.root).children(recursive=True)
-        except psutil.Error:
-            return
-        rss = 0
-        level = {self.root: 0}
-        adapters = 0
-        for process in tree:  # psutil lists parents before their children
-            with contextlib.suppress(psutil.Error):
-                level[process.pid] = level.get(process.ppid(), 0) + 1
-                if process.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                rss += process.memory_info().rss
-                adapters += level[process.pid] == self.depth
-        self.peak_adapters = max(self.peak_adapters, adapters)
-        self.peak_rss = max(self.peak_rss, rss)
-        self.samples += 1
 
 
 def peak_lifetimes(path: Path) -> tuple[int, int]:
@@ -841,7 +798,7 @@ def proxy_run(workload: Workload, backend: str, env: dict[str, str], workdir: Pa
         if len(fleet.clients) < workload.sessions:
             for client in fleet.clients:
                 fleet.initialize(client)
-        with TreeSampler(depth=3) as sampler:
+        with Descendants(os.getpid(), depth=3, count_root=False, seconds=SAMPLE_INTERVAL) as sampler:
             driven = drive(
                 workload.sessions,
                 fleet.open_session,
@@ -913,7 +870,7 @@ def direct_run(workload: Workload, mode: str, env: dict[str, str], workdir: Path
         return client.new_session()
 
     try:
-        with TreeSampler(depth=1) as sampler:
+        with Descendants(os.getpid(), depth=1, count_root=False, seconds=SAMPLE_INTERVAL) as sampler:
             who = f"{workload.name}: {workload.label(mode)}"
             driven = drive(workload.sessions, open_session, prompt, bursts, who)
             sampler.sample()

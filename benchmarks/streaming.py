@@ -34,7 +34,7 @@ import msgspec
 import psutil
 
 from benchmarks import harness
-from benchmarks.common import ROOT, BenchError, Every, child_environment, cpu_seconds, percentile, proc_status_kb
+from benchmarks.common import ROOT, BenchError, child_environment, cpu_seconds, percentile, proc_status_kb
 from benchmarks.harness import (
     DIRECT,
     Case,
@@ -58,6 +58,7 @@ from benchmarks.harness import (
     with_baseline,
 )
 from tests.kit.gateway import GatewayError, SyncGateway
+from tests.kit.proctree import Every
 
 AGENT = ROOT / "benchmarks" / "stream_agent.py"
 
@@ -231,7 +232,7 @@ class RssSampler:
     def __init__(self, pid: int) -> None:
         self.max_rss = 0
         self._process = psutil.Process(pid)
-        self._every = Every(RSS_SAMPLE_INTERVAL, self._sample)
+        self._every = Every(RSS_SAMPLE_INTERVAL, self._sample, "rss")
 
     def __enter__(self) -> RssSampler:
         self._sample()

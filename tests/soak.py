@@ -60,6 +60,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -68,7 +69,7 @@ import psutil
 
 from acp_proxy.pool.install import ALL, QUEUE, SLOTS_DIR, InstallSlots
 from tests.conformance import ConformanceError, Conversation
-from tests.kit import markers
+from tests.kit import markers, proctree
 from tests.kit.gateway import Closed, Gateway
 from tests.support import MARKER_VARIABLE, end_run, fake_command, marked_processes, scratch_run
 
@@ -700,12 +701,12 @@ class Decoys:
     def __init__(self) -> None:
         self.processes: list[subprocess.Popen[bytes]] = []
         self.identity: dict[int, float] = {}
-        self.forged: set[bytes] = set()
+        self.forged: set[str] = set()
         """Lease markers the decoys carry: no adapter tree of the install's."""
 
     def start(self, argv: list[str], env: dict[str, str]) -> None:
         if LEASE_VARIABLE in env:
-            self.forged.add(env[LEASE_VARIABLE].encode())
+            self.forged.add(env[LEASE_VARIABLE])
         process = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         self.processes.append(process)
         self.identity[process.pid] = psutil.Process(process.pid).create_time()
@@ -745,61 +746,35 @@ class InstallCap:
 
     A tree is every process carrying one lease marker (its wrapper, its adapter, their
     descendants): it holds its slot until the last of them is gone, even when the proxy that
-    started it was killed, so it counts until then. ``/proc`` is read one process at a time, so
-    a tree that ended during a read could be counted with the one that took its slot; a count
-    over the cap is therefore read again, and only the trees alive in both reads (hence alive
-    together at the moment between them) are held against the cap.
+    started it was killed, so it counts until then. A read is not an instant, so a count over
+    the cap is looked at again, and only the trees still alive then (hence alive together) are
+    held against the cap (``tests.kit.proctree``).
     """
 
     def __init__(self, marker: str, max_live: int, report: Report, decoys: Decoys) -> None:
-        self.needle = f"{MARKER_VARIABLE}={marker}".encode()
+        self.marker = marker
         self.max_live = max_live
         self.report = report
         self.decoys = decoys
-        self.available = os.path.isdir("/proc/self")
+        self.available = markers.PROC
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="soak-cap", daemon=True)
+        self._every = proctree.Every(SAMPLE_EVERY, lambda: self.check("between operations"), "soak-cap")
         self.over = 0
         """Reads over the cap (each a violation; only the first few are described)."""
 
-    def read(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
-        """Live adapter processes and adapter trees, each as {lease marker: a pid of it}."""
-        adapters: dict[bytes, int] = {}
-        trees: dict[bytes, int] = {}
-        prefix = LEASE_VARIABLE.encode() + b"="
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    environ = f.read()
-                if self.needle not in environ:
-                    continue
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:  # gone, or a zombie's
-                continue
-            entries = environ.split(b"\0")
-            lease = next((e[len(prefix) :] for e in entries if e.startswith(prefix)), None)
-            if self.needle not in entries or lease is None or lease in self.decoys.forged:
-                continue
-            pid = int(name)
-            trees.setdefault(lease, pid)
-            wrapper = any(arg.endswith(b"adapter_wrapper.py") for arg in argv)
-            if not wrapper and any(arg.endswith(b"fake_adapter.py") for arg in argv):
-                adapters.setdefault(lease, pid)
-        return adapters, trees
+    def read(self) -> dict[str, list[markers.Marked]]:
+        """The run's adapter trees, by lease; the decoys' forged leases left out."""
+        trees = proctree.adapter_trees(MARKER_VARIABLE, self.marker)
+        return {lease: found for lease, found in trees.items() if lease not in self.decoys.forged}
 
     def check(self, when: str) -> None:
         if not self.available:
             return
         with self._lock:
-            adapters, trees = self.read()
+            trees = self.read()
             if len(trees) > self.max_live:
-                again_adapters, again_trees = self.read()
-                adapters = {lease: pid for lease, pid in adapters.items() if lease in again_adapters}
-                trees = {lease: pid for lease, pid in trees.items() if lease in again_trees}
+                trees = proctree.alive_together(trees)
+            adapters = [lease for lease, found in trees.items() if any(map(_is_adapter, found))]
             self.report.cap_reads += 1
             self.report.peak_adapters = max(self.report.peak_adapters, len(adapters))
             self.report.peak_trees = max(self.report.peak_trees, len(trees))
@@ -807,37 +782,28 @@ class InstallCap:
                 return
             self.over += 1
             if self.over <= 5:
+                described = "; ".join(f"{lease} {found[0]}" for lease, found in trees.items())
                 self.report.violation(
                     f"{when}: {len(trees)} adapter trees alive at once ({len(adapters)} adapters), "
-                    f"max_live {self.max_live}: {self.describe(trees)}"
+                    f"max_live {self.max_live}: {described}"
                 )
-
-    def describe(self, trees: dict[bytes, int]) -> str:
-        described = []
-        for lease, pid in trees.items():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    command = f.read().replace(b"\0", b" ").decode(errors="replace")[:80]
-            except OSError:
-                command = "(gone)"
-            described.append(f"{lease.decode(errors='replace')} pid {pid} {command}")
-        return "; ".join(described)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(SAMPLE_EVERY):
-            self.check("between operations")
 
     def __enter__(self) -> InstallCap:
         if self.available:
-            self._thread.start()
+            self._every.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.available:
+            self._every.__exit__(kind, exc, tb)
         if self.over > 5:
             self.report.violation(f"{self.over - 5} more reads over the cap")
+
+
+def _is_adapter(process: markers.Marked) -> bool:
+    """The fake adapter itself, not the wrapper that execs it (whose argv names both)."""
+    wrapper = any(arg.endswith("adapter_wrapper.py") for arg in process.argv)
+    return not wrapper and any(arg.endswith("fake_adapter.py") for arg in process.argv)
 
 
 # --- the run ---------------------------------------------------------------------------------------

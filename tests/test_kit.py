@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 import pytest
 
-from tests.kit import markers
+from tests.kit import markers, proctree
 from tests.kit.gateway import Closed, Gateway, RpcError, SyncGateway
 from tests.support import MARKER_VARIABLE, fake_command
 
@@ -151,6 +152,9 @@ def test_markers_find_live_marked_processes_only(proc_env: dict[str, str], tmp_p
         found = markers.find(MARKER_VARIABLE, marker)
         assert set(found) == {lease.pid}
         assert found[lease.pid].argv == tuple(sleeper)
+        trees = proctree.adapter_trees(MARKER_VARIABLE, marker)
+        assert trees == {f"{marker}.lease-1.x": [found[lease.pid]]}
+        assert proctree.alive_together(trees) == trees
         assert set(markers.find("ACP_PROXY_LEASE", f"{marker}.", prefix=True)) == {lease.pid}
         assert markers.find("ACP_PROXY_LEASE", f"{marker}.") == {}
         assert markers.find(MARKER_VARIABLE, marker[:-1]) == {}
@@ -158,8 +162,44 @@ def test_markers_find_live_marked_processes_only(proc_env: dict[str, str], tmp_p
         markers.kill(found.values())
         assert lease.wait(10) == -signal.SIGKILL
         assert not markers.alive(lease.pid)
+        assert proctree.alive_together(trees) == {}, "a tree whose processes all ended is not counted"
     finally:
         for process in (lease, zombie):
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+def test_a_sampler_that_fails_fails_the_block() -> None:
+    calls: list[float] = []
+
+    def sample() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 3:
+            raise OSError("unreadable")
+
+    sampler = proctree.Every(0.01, sample, "failing").__enter__()
+    while len(calls) < 3:
+        time.sleep(0.01)
+    with pytest.raises(proctree.SamplerFailed, match="unreadable"):
+        sampler.__exit__(None, None, None)
+    assert len(calls) == 3, "sampling stops at the first error"
+
+
+def test_descendants_counts_the_live_processes_at_a_depth(proc_env: dict[str, str]) -> None:
+    sleep = "import time; time.sleep(60)"
+    script = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleep!r}]); {sleep}"
+    parent = subprocess.Popen([sys.executable, "-c", script], env=proc_env)
+    try:
+        with proctree.Descendants(parent.pid, depth=1, count_root=True, seconds=0.01) as tree:
+            deadline = time.monotonic() + 10
+            while tree.peak_adapters < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert tree.peak_adapters == 1
+        assert tree.peak_rss > 0
+        assert tree.samples > 0
+    finally:
+        for child in psutil.Process(parent.pid).children():
+            child.kill()
+        parent.kill()
+        parent.wait()

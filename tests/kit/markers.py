@@ -2,7 +2,8 @@
 
 Every process a run starts inherits a variable (``ACP_PROXY_TEST_MARKER=<token>``,
 a lease's ``ACP_PROXY_LEASE=<install>.<lease>.<random>``), even one that left its
-process group, so the environments of ``/proc`` find whatever a run left behind.
+process group, so the environments of ``/proc`` find whatever a run left behind; each process found says which
+lease's adapter tree it belongs to, if any (``tests.kit.proctree`` groups them).
 Zombies (exited, not yet reaped) do not count. Without ``/proc``, psutil reads the
 environments where it can.
 """
@@ -20,6 +21,7 @@ import psutil
 from acp_proxy.ownership.proctable import TableUnavailable, default_table
 
 PROC = os.path.isdir("/proc/self")
+LEASE_VARIABLE = b"ACP_PROXY_LEASE="
 _TABLE = default_table()
 
 
@@ -31,6 +33,8 @@ class Marked:
     argv: tuple[str, ...]
     ticks: int | None
     """Its start time (clock ticks since boot), so that a reused pid is never mistaken for it."""
+    lease: str | None = None
+    """Its ``ACP_PROXY_LEASE`` value: the adapter tree it belongs to (the wrapper sets it for the tree)."""
 
     @property
     def command(self) -> str:
@@ -66,7 +70,8 @@ def find(variable: str, value: str, *, prefix: bool = False) -> dict[int, Marked
     for pid, environ in _environments(needle):
         for entry in environ:
             if entry == needle or (prefix and entry.startswith(needle)):
-                marked = _marked(pid, entry[len(variable) + 1 :].decode(errors="replace"))
+                lease = next((e[len(LEASE_VARIABLE) :].decode() for e in environ if e.startswith(LEASE_VARIABLE)), None)
+                marked = _marked(pid, entry[len(variable) + 1 :].decode(errors="replace"), lease)
                 if marked is not None:
                     found[pid] = marked
                 break
@@ -103,7 +108,7 @@ def _environments(needle: bytes) -> Iterator[tuple[int, list[bytes]]]:
             yield int(name), data.split(b"\0")
 
 
-def _marked(pid: int, value: str) -> Marked | None:
+def _marked(pid: int, value: str, lease: str | None) -> Marked | None:
     ticks = start_ticks(pid)
     if ticks is None:
         return None
@@ -116,4 +121,4 @@ def _marked(pid: int, value: str) -> Marked | None:
             argv = tuple(psutil.Process(pid).cmdline())
     except (OSError, psutil.Error):
         return None
-    return Marked(pid, value, argv, ticks)
+    return Marked(pid, value, argv, ticks, lease)

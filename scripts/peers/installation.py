@@ -1,0 +1,72 @@
+"""The peers' install into WORKDIR (npm and the SDK's venv), and the versions found there."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from .adapters import ADAPTERS, NPM_PACKAGES, PYPI_PACKAGES
+from .harness import Peers
+
+
+def install(peers: Peers) -> None:
+    env = dict(os.environ)
+    if shutil.which("npm") is None:
+        raise SystemExit("check-peers: npm not found (Node 18+ with npm is needed)")
+    print(f"== installing peers into {peers.work}", flush=True)
+    subprocess.run(
+        [
+            "npm",
+            "install",
+            "--prefix",
+            str(peers.work / "npm"),
+            "--no-audit",
+            "--no-fund",
+            "--loglevel=error",
+            *NPM_PACKAGES,
+        ],
+        check=True,
+        env=env,
+    )
+    if not peers.venv_python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(peers.work / "venv")], check=True)
+    subprocess.run(
+        [
+            str(peers.venv_python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--upgrade",
+            "--disable-pip-version-check",
+            *PYPI_PACKAGES,
+        ],
+        check=True,
+        env=env,
+    )
+
+
+def print_versions(peers: Peers) -> None:
+    for package in (
+        "acpx",
+        *(adapter.package for adapter in ADAPTERS.values()),
+        "@anthropic-ai/claude-agent-sdk",
+        *(need.rpartition("@")[0] for adapter in ADAPTERS.values() for need in adapter.needs),
+    ):
+        manifest = peers.work / "npm" / "node_modules" / package / "package.json"
+        version = json.loads(manifest.read_text())["version"] if manifest.exists() else "missing"
+        print(f"   {package} {version}")
+    code = "import importlib.metadata as m; print(m.version('agent-client-protocol'))"
+    found = peers.venv_python.exists()
+    sdk = subprocess.run([str(peers.venv_python), "-c", code], capture_output=True, text=True) if found else None
+    print(f"   agent-client-protocol (PyPI) {(sdk.stdout.strip() if sdk else '') or 'missing'}")
+    proxy = subprocess.run([*peers.proxy, "--version"], capture_output=True, text=True, env=peers.runs.base_env)
+    print(f"   {shlex.join(peers.proxy)}: {proxy.stdout.strip() or proxy.stderr.strip()}")
+    print(
+        f"   node {subprocess.run(['node', '--version'], capture_output=True, text=True).stdout.strip()}",
+        flush=True,
+    )
