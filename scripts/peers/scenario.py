@@ -220,6 +220,8 @@ def matrix_problems(direct: Scenario, proxied: Scenario) -> list[str]:
                 except CheckFailed as exc:
                     problems.append(str(exc))
             sides.append(normalize_ids(replace_id(answer, sid[side])))
+        if step in SETTINGS and restored_after_cancel(direct, proxied, proxied.answers.get(step)):
+            continue
         if sides[0] != sides[1]:
             problems.append(f"{what} answered {short(sides[0])} straight, {short(sides[1])} through the proxy")
         if step != "initialize" and direct.notifications.get(step) != proxied.notifications.get(step):
@@ -245,6 +247,23 @@ def matrix_problems(direct: Scenario, proxied: Scenario) -> list[str]:
             problems += restore_problems(method, direct, proxied)
     problems += list_problems(proxied)
     return problems
+
+
+SETTINGS = ("session/set_mode", "session/set_config_option")
+
+
+def restored_after_cancel(direct: Scenario, proxied: Scenario, answer: Any) -> bool:
+    """Whether ``answer`` (through the proxy) is the adapter's own refusal to restore its session after the proxy
+    answered a cancel the adapter had not (cancel_timeout): the proxy then retires the process, and the next
+    request restores the session on a new one, which an adapter that never recorded it (gemini-cli offline)
+    refuses, as it refuses the same restore straight."""
+    if CANCELLED not in direct.answers or direct.cancel_seconds <= CANCEL_ANSWERED_WITHIN:
+        return False  # the adapter answered the cancel in time: the proxy kept its process
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if not isinstance(error, dict) or (error.get("data") or {}).get("reason") != "restore_failed":
+        return False
+    refused = [direct.answers[m]["error"] for m in direct.plan.restores if "error" in (direct.answers.get(m) or {})]
+    return any(kept_error(straight, error) is None for straight in refused)
 
 
 def replace_id(value: Any, session_id: str | None) -> Any:
