@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 
+from acp_proxy.ownership.leases import all_leases
 from acp_proxy.pool.learned import all_peaks
 from acp_proxy.pool.memory import ProcMemory
 from acp_proxy.sessions.registry import SessionState
@@ -284,7 +285,7 @@ async def test_one_proxy_with_many_sessions_and_others_share_both_caps(
 async def test_a_session_active_moments_ago_is_not_taken_while_another_idle_one_exists(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """`first` is least recently used by its turn's start, but its long turn has just ended: `second` goes."""
+    """`first`'s long turn started before `second`'s, but has just ended: `second` is the least recently used."""
     args = install_config(tmp_path, {"max_live": 2, "min_idle": "10s"})
     async with proxies(proc_env, tmp_path, 3, args) as (a, b, c):
         first = await a.new_session()
@@ -365,9 +366,13 @@ async def test_a_busy_session_over_the_memory_budget_is_left_alone(proc_env: dic
     args = install_config(tmp_path, {"max_live": 10, "max_memory": "100M"}, memory=150)
     async with proxies(proc_env, tmp_path, 2, args) as (a, b):
         first = await a.new_session()
-        pid = await adapter_pid(a, first)
+        # Busy from here on: idle for a moment (after a turn of its own), it would rightly be suspended.
         turn = await send_prompt(a, first, "sleep 5")
-        await wait_for_task(proc_env, "running")  # busy before the second start looks: not merely sent
+        await wait_for_task(proc_env, "running")  # running, not merely sent, before the second start looks
+        serving = registry(proc_env).get(first)
+        assert serving is not None
+        [pid] = [lease.adapter_pid for lease in all_leases(state_db(proc_env)) if lease.lease_id == serving.lease_id]
+        assert pid is not None
         second = await b.new_session()
         await until_state(proc_env, second, SessionState.SUSPENDED)  # idle, over budget: it goes
         assert pid_alive(pid)

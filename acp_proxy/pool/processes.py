@@ -423,6 +423,11 @@ class ProcessPool:
             )
         return slots
 
+    def _teardown_bound(self) -> float:
+        """How long a suspended session's tree may take to end: its close, then stdin EOF, then SIGTERM."""
+        shutdown = self.config.shutdown
+        return shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace + 1.0
+
     def install_slots(self, refused: dict[str, float] | None = None) -> list[Slot]:
         """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files.
 
@@ -505,6 +510,7 @@ class ProcessPool:
         depth = max(1, min(self.backend_cap(backend), self.config.pool.max_live))
         place: Ticket | None = None
         refused: dict[str, float] = {}
+        freeing_until = 0.0
         waiting_logged = waited = False
         outcome = "abandoned"
         try:
@@ -545,9 +551,16 @@ class ProcessPool:
                 if isinstance(decision, Admit):
                     if decision.evict is not None:
                         waited = True
+                        if time.monotonic() < freeing_until:
+                            # A suspension agreed to moments ago frees a slot once its tree is gone; the
+                            # records read meanwhile may not say so yet. Wait for that slot rather than
+                            # suspend a second session for the same start.
+                            await self._wait_for_change(changed, pause)
+                            continue
                         if await self._evict_anywhere(decision.evict):
                             # The slot comes free once its tree is gone: a wait bounded by the
                             # teardown's own graces, not by acquire_timeout (that is for busy sessions).
+                            freeing_until = time.monotonic() + self._teardown_bound()
                             await self._wait_for_change(changed, pause)
                             continue
                         # Not idle after all (its record was stale, or its session is mid-change):
@@ -1028,6 +1041,9 @@ class ProcessPool:
                 del self._turnarounds[next(iter(self._turnarounds))]  # the least recently active session's
         adapter.turnaround = None
         adapter.turn_ended_at = moment
+        # Its last use is the turn's end, not its start: a long turn just ended is not the least recently
+        # used session (the pool's order), nor idle since it began (idle_ttl).
+        adapter.last_active = moment
         adapter.recent_until = moment + self.protection(adapter.backend, session)
 
     def record_of(self, adapter: Adapter) -> SlotRecord:
