@@ -158,9 +158,7 @@ def _fits_at_once(
     held.publish(starting_record(owner.instance_id, backend, held))
     moment = time.monotonic()
     others = [slot_of_record(other, moment) for other in install.holders(skip={held.index})]
-    peaks = Peaks(Learned(owner.db))
-    live = counted_trees(others, measure_trees(roots_of(others)), peaks, moment)
-    plan = plan_spawn(live, backend.name, peaks.of(backend.name, command_hash(tuple(backend.command))), budget)
+    plan = plan_start(others, measure_trees(roots_of(others)), Peaks(Learned(owner.db)), backend, budget, moment)
     return not plan.suspend and not plan.overrun
 
 
@@ -215,9 +213,14 @@ def starting_record(instance_id: str, backend: BackendConfig, held: Held) -> Slo
         key=f"starting:{held.index}",
         since=time.time(),
         busy=True,
-        command=command_hash(tuple(backend.command)),
+        command=command_of(backend),
         starting=True,
     )
+
+
+def command_of(backend: BackendConfig) -> str:
+    """The hash a lease records of ``backend``'s command: what the install's facts of it are kept under."""
+    return command_hash(tuple(backend.command))
 
 
 class Peaks:
@@ -291,6 +294,25 @@ def counted_trees(slots: Sequence[Slot], trees: dict[int, TreeMemory], peaks: Pe
         memory_slot(slot, counted_size(figure, peak(slot.backend, slot.command), starting=slot.starting), moment)
         for slot, figure in zip(slots, figures, strict=True)
     ]
+
+
+def plan_start(
+    slots: Sequence[Slot],
+    trees: dict[int, TreeMemory],
+    peaks: Peaks,
+    backend: BackendConfig,
+    budget: MemoryBudget,
+    moment: float,
+    refused: frozenset[str] = frozenset(),
+) -> BudgetPlan:
+    """Whom to suspend so that a new tree of ``backend`` fits the budget: the install's trees counted as a
+    start counts them (``trees`` measured now), ``refused`` (their proxies would not suspend them) as busy,
+    the new tree as large as the largest its backend has had."""
+    live = [
+        dataclasses.replace(tree, busy=True) if tree.key in refused else tree
+        for tree in counted_trees(slots, trees, peaks, moment)
+    ]
+    return plan_spawn(live, backend.name, peaks.of(backend.name, command_of(backend)), budget)
 
 
 class ProcessPool:
@@ -737,12 +759,7 @@ class ProcessPool:
             self._others = None  # a start decides on the install as it is now
             slots = [*self.install_slots(), *self._own_starts(held, moment)]
             trees = await anyio.to_thread.run_sync(measure_trees, roots_of(slots))  # /proc reads block
-            live = [
-                dataclasses.replace(tree, busy=True) if tree.key in refused else tree
-                for tree in counted_trees(slots, trees, self.peaks, moment)
-            ]
-            expected = self.peaks.of(backend.name, command_hash(tuple(backend.command)))
-            plan = plan_spawn(live, backend.name, expected, self.budget)
+            plan = plan_start(slots, trees, self.peaks, backend, self.budget, moment, frozenset(refused))
             by_key = {budget_key(slot): slot for slot in slots}
             going = await self._carry_out(plan, by_key, f"room in the memory budget for a {backend.name} start")
             await self._until_gone([by_key[key] for key in going])
@@ -761,7 +778,7 @@ class ProcessPool:
                 busy=True,
                 index=held.index,
                 starting=True,
-                command=command_hash(tuple(self.config.backends[held.backend].command)),
+                command=command_of(self.config.backends[held.backend]),
             )
             for held in self._taking
             if held is not exclude and held.backend in self.config.backends

@@ -22,11 +22,10 @@ from msgspec import UNSET, Raw, UnsetType
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import Kind
 from acp_proxy.logs import ids
-from acp_proxy.ownership.leases import command_hash
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.learned import Learned
 from acp_proxy.pool.plan import falls_back, refused_as_unsupported, restore_order
-from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.processes import ProcessPool, command_of
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import history_reset_update, session_of
 from acp_proxy.protocol.errors import ProxyError
@@ -161,7 +160,7 @@ class Restorer:
         """Run the restoring requests in ``restore_order`` until one takes; its answer, the adapter's id
         for the session, and the method that restored it."""
         caps = adapter.capabilities
-        command = command_hash(backend.command)
+        command = command_of(backend)
         known = self.learned.facts(backend.name, command)
         order = restore_order(
             backend.resume,
