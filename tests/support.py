@@ -257,6 +257,35 @@ async def send_prompt(gw: Gateway, session: str, text: str, meta: dict[str, Any]
     return request_id
 
 
+def run_together(code: str, argvs: list[list[str]], timeout: float = 60) -> list[str]:
+    """Run ``python -c CODE ARGV`` once per argv, released together, and return what each printed.
+
+    Each child reads one line of stdin before its work, so all of them start it at once, as proxies
+    started together would. Each must exit 0. They import this checkout's package, nothing more
+    (a ``multiprocessing`` child would import the test module and pytest first, half a second each).
+    """
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *argv],
+            cwd=TESTS.parent,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for argv in argvs
+    ]
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    printed = []
+    for child in children:
+        out, _ = child.communicate(timeout=timeout)
+        assert child.returncode == 0, f"a child exited {child.returncode}"
+        printed.append(out)
+    return printed
+
+
 # --- the operator's CLI ------------------------------------------------------------------------
 
 

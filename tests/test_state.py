@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import multiprocessing
 import os
 import signal
 import sqlite3
@@ -14,7 +13,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -28,6 +26,7 @@ from acp_proxy.ownership.reaping import marker_index
 from acp_proxy.ownership.supervised import WrapperReport
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
 from acp_proxy.state import SCHEMA_VERSION, StateDB, StateError
+from tests.support import run_together
 from wrappers import adapter_wrapper
 
 
@@ -74,34 +73,38 @@ def test_a_corrupt_database_is_reported_with_a_way_out(tmp_path: Path) -> None:
     assert (tmp_path / "state.db").read_bytes().startswith(b"this is not sqlite"), "data must never be wiped"
 
 
-def _write_leases(state_dir: str, count: int) -> None:
-    db = StateDB(Path(state_dir))
-    instance = instances.start_instance(db, "boot")
-    for n in range(count):
-        lease = create_lease(db, instance_id=instance.instance_id, boot_id="boot", backend="b", argv=(str(n),))
-        set_state(db, lease.lease_id, LeaseState.OPEN)
-    instances.end_instance(db, instance)
+WRITE_LEASES = """
+import sys
+from pathlib import Path
+from acp_proxy.ownership import instances
+from acp_proxy.ownership.leases import LeaseState, create_lease, set_state
+from acp_proxy.state import StateDB
+sys.stdin.readline()
+db = StateDB(Path(sys.argv[1]))
+instance = instances.start_instance(db, "boot")
+for n in range(int(sys.argv[2])):
+    lease = create_lease(db, instance_id=instance.instance_id, boot_id="boot", backend="b", argv=(str(n),))
+    set_state(db, lease.lease_id, LeaseState.OPEN)
+instances.end_instance(db, instance)
+"""
 
-
-def _open_fresh(state_dir: str, start: Any, results: Any) -> None:
-    start.wait()
-    db = StateDB(Path(state_dir))
-    instances.start_instance(db, "boot")
-    results.put(db.install_id)
+OPEN_FRESH = """
+import sys
+from pathlib import Path
+from acp_proxy.ownership import instances
+from acp_proxy.state import StateDB
+sys.stdin.readline()
+db = StateDB(Path(sys.argv[1]))
+instances.start_instance(db, "boot")
+print(db.install_id)
+"""
 
 
 def test_proxies_creating_the_database_at_once_all_succeed(tmp_path: Path) -> None:
     """Several proxies started together on a new state dir: none fails, one install id."""
-    ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Event(), ctx.Queue()
-    openers = [ctx.Process(target=_open_fresh, args=(str(tmp_path / "new"), start, results)) for _ in range(6)]
-    for opener in openers:
-        opener.start()
-    start.set()
-    for opener in openers:
-        opener.join(60)
-        assert opener.exitcode == 0
-    assert len({results.get(timeout=5) for _ in openers}) == 1
+    install_ids = {printed.strip() for printed in run_together(OPEN_FRESH, [[str(tmp_path / "new")]] * 6)}
+    assert len(install_ids) == 1
+    assert "" not in install_ids
 
 
 def test_opening_waits_for_a_proxy_that_is_creating_the_database(tmp_path: Path) -> None:
@@ -148,13 +151,7 @@ def test_a_database_up_to_date_opens_while_another_process_holds_its_write_lock(
 
 def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
     StateDB(tmp_path).close()
-    ctx = multiprocessing.get_context("spawn")
-    writers = [ctx.Process(target=_write_leases, args=(str(tmp_path), 50)) for _ in range(4)]
-    for writer in writers:
-        writer.start()
-    for writer in writers:
-        writer.join(60)
-        assert writer.exitcode == 0
+    run_together(WRITE_LEASES, [[str(tmp_path), "50"]] * 4)
     db = StateDB(tmp_path)
     assert len(all_leases(db, limit=1000)) == 200
     assert db.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import sqlite3
 from pathlib import Path
@@ -42,6 +41,7 @@ from acp_proxy.tasks.records import (
 )
 from acp_proxy.tasks.turns import TurnBook, error_text
 from tests.kit.state import count_tasks
+from tests.support import run_together
 
 S = TaskStatus
 
@@ -324,31 +324,34 @@ def test_prune_deletes_only_old_finished_tasks_and_is_idempotent(db: StateDB) ->
     assert sorted(t.task_id for t in list_tasks(db)) == ["recent000000", "running00000"]
 
 
-def _write_tasks(state_dir: str, count: int) -> None:
-    db = StateDB(Path(state_dir))
-    instance = instances.start_instance(db, "boot")
-    registry = TaskRegistry(db, instance.instance_id)
-    for i in range(count):
-        turn = Turn(task_id=os.urandom(6).hex(), session_id=f"s{os.getpid()}", backend="b", request_id=str(i))
-        registry.create(turn)
-        turn.start(None, None)
-        registry.mark_running(turn)
-        turn.observe(_chunk("x") + b"\n", 1)
-        registry.save_progress(turn)
-        turn.finish(outcome_of(stop_reason="end_turn"))
-        assert registry.finish(turn)
+WRITE_TASKS = """
+import json, os, sys
+from pathlib import Path
+from acp_proxy.ownership import instances
+from acp_proxy.state import StateDB
+from acp_proxy.tasks.records import TaskRegistry, Turn, outcome_of
+sys.stdin.readline()
+db = StateDB(Path(sys.argv[1]))
+instance = instances.start_instance(db, "boot")
+registry = TaskRegistry(db, instance.instance_id)
+update = {"sessionUpdate": "agent_message_chunk", "content": {"type": "text", "text": "x"}}
+chunk = json.dumps({"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": "s", "update": update}})
+for i in range(int(sys.argv[2])):
+    turn = Turn(task_id=os.urandom(6).hex(), session_id=f"s{os.getpid()}", backend="b", request_id=str(i))
+    registry.create(turn)
+    turn.start(None, None)
+    registry.mark_running(turn)
+    turn.observe(chunk.encode() + b"\\n", 1)
+    registry.save_progress(turn)
+    turn.finish(outcome_of(stop_reason="end_turn"))
+    assert registry.finish(turn)
+"""
 
 
 def test_concurrent_writers_lose_no_task(tmp_path: Path) -> None:
     state = tmp_path / "state"
     StateDB(state).close()
-    context = multiprocessing.get_context("spawn")
-    writers = [context.Process(target=_write_tasks, args=(str(state), 150)) for _ in range(4)]
-    for writer in writers:
-        writer.start()
-    for writer in writers:
-        writer.join(120)
-        assert writer.exitcode == 0
+    run_together(WRITE_TASKS, [[str(state), "150"]] * 4, timeout=120)
     db = StateDB(state, create=False)
     assert count_tasks(db) == {"done": 600}
     assert db.conn.execute("SELECT COUNT(DISTINCT instance_id) FROM tasks").fetchone()[0] == 4
