@@ -24,6 +24,7 @@ from acp_proxy.pool.learned import all_peaks
 from acp_proxy.pool.memory import ProcMemory
 from acp_proxy.sessions.registry import SessionState
 from tests.support import (
+    GONE_WITHIN,
     MARKER_VARIABLE,
     Gateway,
     adapter_pid,
@@ -121,6 +122,14 @@ async def wait_until_gone(pid: int) -> None:
             await anyio.sleep(0.02)
 
 
+async def until_queued(env: dict[str, str], waiters: int) -> None:
+    """Until ``waiters`` proxies stand in the install's queue (a ticket is in place only once its lock is held)."""
+    queue = Path(env["ACP_PROXY_STATE_DIR"]) / "slots" / "queue"
+    with anyio.fail_after(GONE_WITHIN):
+        while sum(1 for name in (os.listdir(queue) if queue.exists() else ()) if name.endswith(".ticket")) < waiters:
+            await anyio.sleep(0.02)
+
+
 def reason_of(answer: dict[str, Any]) -> str | None:
     return (answer.get("error", {}).get("data") or {}).get("reason")
 
@@ -198,7 +207,7 @@ async def test_waiters_are_served_first_come_first_served_across_proxies(
     args = install_config(tmp_path, {"max_live": 1, "acquire_timeout": "60s"})
     async with proxies(proc_env, tmp_path, 4, args) as (holder, *waiters):
         session = await holder.new_session()
-        turn = await send_prompt(holder, session, "sleep 1.5")
+        turn = await send_prompt(holder, session, "sleep 3")  # busy until the three stand in the queue
         order: list[int] = []
 
         async def open_session(index: int, gw: Gateway) -> None:
@@ -209,7 +218,7 @@ async def test_waiters_are_served_first_come_first_served_across_proxies(
         async with anyio.create_task_group() as tasks:
             for index, gw in enumerate(waiters):
                 tasks.start_soon(open_session, index, gw)
-                await anyio.sleep(0.25)  # arrivals well apart: 0, then 1, then 2
+                await until_queued(proc_env, index + 1)  # arrivals in turn: 0, then 1, then 2
         assert turn_ok(await holder.response_to(turn))
     assert order == [0, 1, 2]
 
@@ -236,11 +245,11 @@ async def test_a_proxy_killed_while_waiting_does_not_hold_up_the_queue(
     args = install_config(tmp_path, {"max_live": 1, "acquire_timeout": "30s"})
     async with proxies(proc_env, tmp_path, 3, args) as (holder, doomed, later):
         session = await holder.new_session()
-        turn = await send_prompt(holder, session, "sleep 1")
+        turn = await send_prompt(holder, session, "sleep 2")  # busy until the doomed one stands in the queue
         await doomed.send(
             {"jsonrpc": "2.0", "id": 99, "method": "session/new", "params": {"cwd": str(tmp_path), "mcpServers": []}}
         )
-        await anyio.sleep(0.3)  # it stands first in the install's queue
+        await until_queued(proc_env, 1)  # it stands first in the install's queue
         doomed.kill()
         assert turn_ok(await holder.response_to(turn))
         with anyio.fail_after(15):
