@@ -6,6 +6,7 @@ adapter, so that the adapter's start-up overlaps ours.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -27,4 +28,5 @@ def run_proxy(config: Config, owner: Owner, backend: str | None, warm: WarmStart
 
     from acp_proxy.serve import serve_stdio
 
+    gc.enable()  # off while starting (acp_proxy.__main__)
     return anyio.run(serve_stdio, config, owner, backend, warm, backend=async_backend)

@@ -22,6 +22,7 @@ reached or did not act; from ``doctor``, that it found a problem with the host o
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sqlite3
 import sys
@@ -460,6 +461,8 @@ def main(argv: Sequence[str] | None, serve: Serve) -> int:
     """Run one command line; ``serve`` runs the proxy itself (the composition root, handed in from above)."""
     options, command = split_command(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(options)
+    if args.command not in (None, "serve"):
+        gc.enable()  # off while starting (acp_proxy.__main__); a proxy turns it on once it serves
     try:
         if args.command == "config":
             return _config_check(args)
