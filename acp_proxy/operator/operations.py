@@ -48,6 +48,7 @@ from acp_proxy.ownership import instances
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.sessions.intents import SessionIntents
+from acp_proxy.sessions.lifecycle import Phase
 from acp_proxy.sessions.table import Session
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TERMINAL, TaskStatus, Turn, get_task
@@ -80,8 +81,8 @@ def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
         state = "closing"
     elif adapter is not None:
         state = "live"
-    elif session.draining:
-        state = "resuming"
+    elif session.draining or session.phase in (Phase.RESUMING, Phase.REOPENING):
+        state = "resuming"  # a request waiting for its session restores it first
     else:
         state = "suspended"
     return {

@@ -43,6 +43,7 @@ from acp_proxy.protocol.acp import proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError, describe_exit
 from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method, is_setting
+from acp_proxy.sessions.lifecycle import Action, Event
 from acp_proxy.sessions.listing import session_info, title_changes, titles_listed
 from acp_proxy.sessions.registry import (
     LIST_PAGE_SIZE,
@@ -238,7 +239,7 @@ class SessionIntents:
             auth_method=self._auth_method(),
             ownership=ownership_from(proxy_meta(params)),
         )
-        self.table.bind(Session(self.registry.create(record)), adapter, session_id)
+        self.table.open(self.registry.create(record), adapter, session_id)
         return stable
 
     def _stable_for(self, issued: str) -> str:
@@ -272,7 +273,8 @@ class SessionIntents:
             return
         is_prompt = msg.method == Method.PROMPT
         adapter = session.live_adapter
-        if session.ready and adapter is not None:
+        sent = Action.SEND in self.table.must_advance(session, Event.REQUEST).actions
+        if sent and session.ready and adapter is not None:  # else behind what the session waits for
             lease = adapter.supervised.lease.lease_id
             turn = self.turns.open_turn(session_id, session.record.backend, msg, lease) if is_prompt else None
             await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
@@ -407,7 +409,10 @@ class SessionIntents:
         cancel is answered by the proxy (``_cut_short_after``).
         """
         if task is None:
-            session.cancel_epoch += 1
+            if self.table.advance(session, Event.CANCEL).refused is not None:
+                log.info("dropped session/cancel for session %s: nothing of it runs or waits", session.session_id)
+                return
+            session.cancel_epoch += 1  # Action.NEW_EPOCH
         elif task.status is TaskStatus.QUEUED:
             task.cancel_requested = True
             task.event("cancel_requested", f"by {by} (while queued)")
@@ -491,19 +496,25 @@ class SessionIntents:
 
     def _ending(self, session: Session, *, deleted: bool = False) -> None:
         """From now on nothing more is sent to the session: queued requests are answered, a resume is cut short."""
-        session.closed = True
-        session.deleted = session.deleted or deleted
-        session.cancel_epoch += 1
-        if session.resume_scope is not None:
+        done = self.table.must_advance(session, Event.DELETE if deleted else Event.CLOSE).actions
+        if Action.NEW_EPOCH in done:
+            session.cancel_epoch += 1
+        if Action.CUT_SHORT in done and session.resume_scope is not None:
             session.resume_scope.cancel()
 
     async def _reap_closed(self, session: Session, request: Message | None) -> None:
+        if session.deleted:  # a delete came after the close: its reap, queued behind this, does the work
+            if request is not None:
+                self.table.enqueue(session, lambda: self.gateway.answer(request.id, {}))
+            return
+        self.table.must_advance(session, Event.REAP)
         adapter, session.adapter = session.live_adapter, None
         if adapter is not None:
             await self._end_turns(session, adapter)
             await self.pool.stop(adapter)
         if session.stopping is not None:
             await session.stopping.wait()
+        self.table.must_advance(session, Event.REAPED)
         self.registry.mark_closed(session.session_id)
         self.table.forget(session)
         log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
@@ -552,6 +563,7 @@ class SessionIntents:
         self.table.enqueue(session, lambda: self._reap_deleted(session, msg))
 
     async def _reap_deleted(self, session: Session, request: Message) -> None:
+        self.table.must_advance(session, Event.REAP)
         adapter, session.adapter = session.live_adapter, None
         record = await self.registry.current(session.session_id) or session.record
         self.registry.mark_deleted(session.session_id)  # first: no list shows it from now on
@@ -563,6 +575,7 @@ class SessionIntents:
             if session.stopping is not None:
                 await session.stopping.wait()
             await self._delete_on_a_process_of(record)
+        self.table.must_advance(session, Event.REAPED)
         self.table.forget(session)
         log.info("session %s deleted", session.session_id, extra=ids(session=session.session_id))
         self.pool.journal.record(Kind.DELETED, backend=record.backend, session_id=session.session_id)
@@ -704,13 +717,14 @@ class SessionIntents:
             ownership=ownership,
             parent_session_id=parent.session_id,
         )
-        created = Session(self.registry.create(fork))
+        created = self.registry.create(fork)
         if parent.adapter is not adapter or adapter.gone:  # its process is going: the fork starts suspended
             self.registry.mark_suspended(created.session_id)
             return stable
+        self.table.must_advance(parent, Event.HANDED_OVER)
         parent.adapter = None
         self.registry.mark_suspended(parent.session_id)
-        self.table.bind(created, adapter, fork_id)
+        self.table.open(created, adapter, fork_id)
         log.info(
             "session %s forked as %s on pid %s, which serves the fork from now on; %s suspended, resumable",
             parent.session_id,
@@ -737,6 +751,8 @@ class SessionIntents:
         adapter = session.live_adapter
         if adapter is None or not (even_if_busy or session.idle):
             return False
+        if self.table.advance(session, Event.SUSPEND).refused is not None:
+            return False
         session.adapter = None
         self.registry.mark_suspended(session_id)
         log.info(
@@ -757,11 +773,16 @@ class SessionIntents:
         session = self.table.get(adapter.gateway_session) if adapter.gateway_session else None
         if session is None or session.adapter is not adapter:
             return
+        done = self.table.must_advance(session, Event.PROCESS_ENDED).actions
         session.adapter = None
-        if not self.stopping.begun and not session.closed:
+        if Action.JOURNAL in done and not self.stopping.begun:  # a shutdown suspends every session itself
             how = describe_exit(returncode)
-            log.warning("session %s: its process ended (%s); suspended, resumable", session.session_id, how)
-            self.registry.mark_suspended(session.session_id)
+            suspended = Action.WRITE_SUSPENDED in done  # else a restore is under way, and decides
+            log.warning(
+                "session %s: its process ended (%s)%s", session.session_id, how, "; suspended, resumable" * suspended
+            )
+            if suspended:
+                self.registry.mark_suspended(session.session_id)
             self.pool.journal.record(
                 Kind.CRASHED,
                 backend=session.record.backend,

@@ -32,6 +32,7 @@ from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.protocol.settings import reflect_setting
+from acp_proxy.sessions.lifecycle import Event
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.sessions.table import Session, SessionTable
 
@@ -83,8 +84,17 @@ class Restorer:
         """Bring ``session`` back on a fresh adapter; the answer of the restoring request.
 
         A timeout or any other failure stops the new process and leaves the session
-        suspended, mapping kept (``ProxyError``).
+        suspended (or closed, for a reopen), mapping kept (``ProxyError``).
         """
+        self.table.must_advance(session, Event.RESTORE)
+        try:
+            return await self._bring_back(session, gateway_asked)
+        except BaseException:
+            # Refused once it is live (a failure after it was bound is not the restore's to undo).
+            self.table.advance(session, Event.RESTORE_FAILED)
+            raise
+
+    async def _bring_back(self, session: Session, gateway_asked: str | None) -> Message:
         if session.stopping is not None:  # its previous process must be gone before another starts
             await session.stopping.wait()
         record = await self.registry.current(session.session_id) or session.record
@@ -122,9 +132,10 @@ class Restorer:
                 await self._release_claim(record.session_id, was)
                 await self.pool.stop(adapter)
             raise
+        # Bound in the same step as the row is written: a close from here on finds it live, and reaps it.
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
-        session.record = await self.registry.current(record.session_id) or record
         self.table.bind(session, adapter, adapter_session_id)
+        session.record = await self.registry.current(record.session_id) or record
         took = time.monotonic() - started
         log.info(
             "session %s %s on pid %s in %.0f ms",

@@ -20,6 +20,7 @@ import anyio
 from acp_proxy.concurrency import Background, Changes
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter
+from acp_proxy.sessions.lifecycle import Event, Phase, Step, step
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 
 log = logging.getLogger("acp_proxy.lifecycle")
@@ -29,9 +30,13 @@ Work = Callable[[], Coroutine[Any, Any, None]]
 
 @dataclass(slots=True, eq=False)
 class Session:
-    """A session this proxy has served, with the process (if any) behind it now."""
+    """A session this proxy has served, with the process (if any) behind it now.
+
+    ``phase`` is assigned only by ``SessionTable.advance``, as ``acp_proxy.sessions.lifecycle`` says.
+    """
 
     record: SessionRecord
+    phase: Phase
     adapter: Adapter | None = None
     queue: collections.deque[Work] = field(default_factory=collections.deque)
     """Work that must wait for the session (a resume, a close), in the order the gateway sent it."""
@@ -40,9 +45,6 @@ class Session:
     cancel_epoch: int = 0
     """Bumped by ``session/cancel`` and ``session/close``: a queued prompt that sees it changed is
     answered ``cancelled``."""
-    closed: bool = False
-    """Being closed (or deleted): nothing more is sent to it from this object."""
-    deleted: bool = False
     stopping: anyio.Event | None = None
     """Set once its last process is gone (a resume waits for that first)."""
     resume_scope: anyio.CancelScope | None = None
@@ -53,6 +55,19 @@ class Session:
     @property
     def session_id(self) -> str:
         return self.record.session_id
+
+    @property
+    def closed(self) -> bool:
+        """Being closed or deleted here, or done with: nothing more is sent to it from this object.
+
+        Not a session held as ``closed`` (found so in the registry, or whose reopening failed): the
+        gateway's own load or resume reopens that one.
+        """
+        return self.phase in (Phase.CLOSING, Phase.DELETING) or self.forgotten.is_set()
+
+    @property
+    def deleted(self) -> bool:
+        return self.phase in (Phase.DELETING, Phase.DELETED)
 
     @property
     def live_adapter(self) -> Adapter | None:
@@ -88,6 +103,29 @@ class SessionTable:
         self._on_bound = on_bound
         """The pool learns that a session now runs on a process (``ProcessPool.note_bound``)."""
         self.sessions: dict[str, Session] = {}
+
+    def advance(self, session: Session, event: Event) -> Step:
+        """Move ``session`` as the lifecycle table says ``event`` does (a refused step leaves it as it is)."""
+        result = step(session.phase, event)
+        if result.refused is None and result.phase is not session.phase:
+            log.debug("session %s: %s on %s: now %s", session.session_id, event, session.phase, result.phase)
+            session.phase = result.phase
+        return result
+
+    def must_advance(self, session: Session, event: Event) -> Step:
+        """``advance`` for an event the caller has checked applies: a refusal is a fault of the proxy, logged."""
+        result = self.advance(session, event)
+        if result.refused is not None:
+            log.error(
+                "session %s: %s refused in phase %s (%s)", session.session_id, event, session.phase, result.refused
+            )
+        return result
+
+    def open(self, record: SessionRecord, adapter: Adapter, adapter_session_id: str) -> Session:
+        """A session a process has just opened (new, adopted or forked): live on it from the start."""
+        session = Session(record, Phase.LIVE)
+        self._attach(session, adapter, adapter_session_id)
+        return session
 
     def get(self, session_id: str) -> Session | None:
         """A session held in memory (live, or suspended since this proxy served it)."""
@@ -127,12 +165,17 @@ class SessionTable:
             record = await self.registry.current(session_id) or record
         session = self.sessions.get(session_id)  # found by another request while this one waited
         if session is None:
-            session = Session(record)
+            session = Session(record, Phase.CLOSED if record.state is SessionState.CLOSED else Phase.SUSPENDED)
             self.sessions[session_id] = session
         return session
 
     def bind(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:
-        """From now on ``adapter`` serves ``session`` (its own id for it may differ from the stable one)."""
+        """A restore took: from now on ``adapter`` serves ``session`` (``Event.RESTORED``)."""
+        self.must_advance(session, Event.RESTORED)
+        self._attach(session, adapter, adapter_session_id)
+
+    def _attach(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:
+        """``adapter`` serves ``session`` (its own id for it may differ from the stable one)."""
         adapter.gateway_session = session.session_id
         adapter.adapter_session = adapter_session_id
         adapter.open_sessions = {adapter_session_id}
