@@ -17,7 +17,6 @@ same clock in every process), so that how many ran at once can be counted exactl
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -25,20 +24,17 @@ import time
 import uuid
 from typing import Any
 
-from stream_agent import update_line, write_all  # this script's own directory
+from stream_agent import (  # this script's own directory
+    answer,
+    initialized,
+    requested_updates,
+    serve,
+    unknown_method,
+    update_line,
+)
 
 DEFAULT_UPDATES = 20
-
-
-def line(message: dict[str, Any]) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":")).encode() + b"\n"
-
-
-def requested_updates(params: dict[str, Any]) -> int:
-    meta = params.get("_meta")
-    bench = meta.get("bench") if isinstance(meta, dict) else None
-    count = bench.get("updates") if isinstance(bench, dict) else None
-    return count if isinstance(count, int) and count >= 0 else DEFAULT_UPDATES
+CAPABILITIES = {"loadSession": True, "sessionCapabilities": {"resume": {}}}
 
 
 class Agent:
@@ -50,37 +46,24 @@ class Agent:
         self.opened_by[session_id] = method
         self.turns[session_id] = 0
 
-    def handle(self, msg: dict[str, Any]) -> bytes:
-        method, request_id = msg.get("method"), msg.get("id")
-        if method is None or "id" not in msg:
-            return b""  # responses and notifications need no answer here
-        params = msg.get("params") or {}
+    def handle(self, method: str, request_id: Any, params: dict[str, Any]) -> bytes:
         session_id = str(params.get("sessionId", ""))
-        result: Any
         if method == "initialize":
-            result = {
-                "protocolVersion": 1,
-                "agentCapabilities": {"loadSession": True, "sessionCapabilities": {"resume": {}}},
-                "agentInfo": {"name": "load-agent", "version": "1.0.0"},
-                "authMethods": [],
-            }
-        elif method == "session/new":
+            return initialized(request_id, "load-agent", CAPABILITIES)
+        if method == "session/new":
             session_id = f"load-{uuid.uuid4().hex[:12]}"
             self.open(session_id, method)
-            result = {"sessionId": session_id}
-        elif method in ("session/resume", "session/load"):
+            return answer(request_id, {"sessionId": session_id})
+        if method in ("session/resume", "session/load"):
             self.open(session_id, method)
-            result = {}
-        elif method == "session/prompt":
+            return answer(request_id, {})
+        if method == "session/prompt":
             turn = self.turns.get(session_id, 0)
             self.turns[session_id] = turn + 1
-            stream = b"".join(update_line(session_id, i) for i in range(requested_updates(params)))
+            stream = b"".join(update_line(session_id, i) for i in range(requested_updates(params, DEFAULT_UPDATES)))
             report = {"pid": os.getpid(), "openedBy": self.opened_by.get(session_id), "turn": turn}
-            answer = {"stopReason": "end_turn", "_meta": {"bench": report}}
-            return stream + line({"id": request_id, "result": answer})
-        else:
-            return line({"id": request_id, "error": {"code": -32601, "message": f"unknown method {method}"}})
-        return line({"id": request_id, "result": result})
+            return stream + answer(request_id, {"stopReason": "end_turn", "_meta": {"bench": report}})
+        return unknown_method(request_id, method)
 
 
 def record_lifetime(event: str) -> None:
@@ -97,23 +80,10 @@ def main() -> int:
     record_lifetime("start")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        serve(Agent())
+        serve(Agent().handle)
     finally:
         record_lifetime("end")
     return 0
-
-
-def serve(agent: Agent) -> None:
-    for raw in sys.stdin.buffer:
-        if not raw.strip():
-            continue
-        try:
-            msg = json.loads(raw)
-        except ValueError:
-            write_all(line({"id": None, "error": {"code": -32700, "message": "Parse error"}}))
-            continue
-        if isinstance(msg, dict) and (out := agent.handle(msg)):
-            write_all(out)
 
 
 if __name__ == "__main__":

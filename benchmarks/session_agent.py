@@ -21,19 +21,9 @@ import sys
 import uuid
 from typing import Any
 
+from stream_agent import answer, initialized, line, serve, unknown_method  # this script's own directory
+
 HISTORY_TEXT = "an earlier turn of this conversation, replayed from the adapter's storage " * 2
-
-OUT = sys.stdout.fileno()
-
-
-def write_all(data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(OUT, view) :]
-
-
-def line(message: dict[str, Any]) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":")).encode() + b"\n"
 
 
 def chunk(session_id: str, text: str) -> bytes:
@@ -53,37 +43,26 @@ class Agent:
             caps["sessionCapabilities"] = {"resume": {}}
         return caps
 
-    def handle(self, msg: dict[str, Any]) -> bytes:
-        method, request_id = msg.get("method"), msg.get("id")
-        if method is None or "id" not in msg:
-            return b""  # responses and notifications need no answer here
-        params = msg.get("params") or {}
+    def handle(self, method: str, request_id: Any, params: dict[str, Any]) -> bytes:
         session_id = str(params.get("sessionId", ""))
         if method == "initialize":
-            result: Any = {
-                "protocolVersion": 1,
-                "agentCapabilities": self.capabilities(),
-                "agentInfo": {"name": "session-agent", "version": "1.0.0"},
-                "authMethods": [],
-            }
-        elif method == "session/new":
+            return initialized(request_id, "session-agent", self.capabilities())
+        if method == "session/new":
             session_id = f"sess-{uuid.uuid4()}"
             self.opened_by[session_id] = method
-            result = {"sessionId": session_id}
-        elif method == "session/load":
+            return answer(request_id, {"sessionId": session_id})
+        if method == "session/load":
             self.opened_by[session_id] = method
             history = b"".join(chunk(session_id, f"{i:04d} {HISTORY_TEXT}") for i in range(self.replay))
-            return history + line({"id": request_id, "result": {}})
-        elif method == "session/resume" and self.restore == "resume":
+            return history + answer(request_id, {})
+        if method == "session/resume" and self.restore == "resume":
             self.opened_by[session_id] = method
-            result = {}
-        elif method == "session/prompt":
+            return answer(request_id, {})
+        if method == "session/prompt":
             report = {"sessionId": session_id, "restoredBy": self.opened_by.get(session_id), "pid": os.getpid()}
             text = json.dumps(report, sort_keys=True)
-            return chunk(session_id, text) + line({"id": request_id, "result": {"stopReason": "end_turn"}})
-        else:
-            return line({"id": request_id, "error": {"code": -32601, "message": f"unknown method {method}"}})
-        return line({"id": request_id, "result": result})
+            return chunk(session_id, text) + answer(request_id, {"stopReason": "end_turn"})
+        return unknown_method(request_id, method)
 
 
 def main() -> int:
@@ -92,17 +71,7 @@ def main() -> int:
     if restore not in ("resume", "load"):
         print(f"session_agent.py: expected resume or load, got {restore!r}", file=sys.stderr)
         return 2
-    agent = Agent(restore, replay)
-    for raw in sys.stdin.buffer:
-        if not raw.strip():
-            continue
-        try:
-            msg = json.loads(raw)
-        except ValueError:
-            write_all(line({"id": None, "error": {"code": -32700, "message": "Parse error"}}))
-            continue
-        if isinstance(msg, dict) and (out := agent.handle(msg)):
-            write_all(out)
+    serve(Agent(restore, replay).handle)
     return 0
 
 

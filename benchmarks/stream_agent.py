@@ -8,6 +8,9 @@ from the prompt's ``_meta.bench.updates`` (default ``$BENCH_UPDATES`` or 1000).
 The stream is built before the first write and written in blocks of
 ``LINES_PER_WRITE`` lines, so the producer is never what a benchmark measures.
 Every line is ``LINE_BYTES`` bytes long, newline included.
+
+The other fake agents (``load_agent.py``, ``session_agent.py``) import from here
+how an agent reads its requests (``serve``) and writes its answers and updates.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 LINE_BYTES = 180
@@ -31,9 +35,18 @@ def write_all(data: bytes) -> None:
         view = view[os.write(OUT, view) :]
 
 
-def send(message: dict[str, Any]) -> None:
-    body = json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":"))
-    write_all(body.encode() + b"\n")
+def line(message: dict[str, Any]) -> bytes:
+    """A JSON-RPC message as one compact line."""
+    return json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":")).encode() + b"\n"
+
+
+def answer(request_id: Any, result: Any) -> bytes:
+    """The line answering request ``request_id`` with ``result``."""
+    return line({"id": request_id, "result": result})
+
+
+def unknown_method(request_id: Any, method: str) -> bytes:
+    return line({"id": request_id, "error": {"code": -32601, "message": f"unknown method {method}"}})
 
 
 def update_line(session_id: str, index: int) -> bytes:
@@ -61,54 +74,55 @@ def stream(session_id: str, count: int) -> None:
         write_all(b"".join(lines[:rest]))
 
 
-def requested_updates(params: dict[str, Any]) -> int:
+def requested_updates(params: dict[str, Any], default: int = DEFAULT_UPDATES) -> int:
+    """How many updates a prompt asks for in ``_meta.bench.updates``."""
     meta = params.get("_meta")
     bench = meta.get("bench") if isinstance(meta, dict) else None
     count = bench.get("updates") if isinstance(bench, dict) else None
-    return count if isinstance(count, int) and count >= 0 else DEFAULT_UPDATES
+    return count if isinstance(count, int) and count >= 0 else default
 
 
-def handle(msg: dict[str, Any], sessions: list[str]) -> None:
-    method, request_id = msg.get("method"), msg.get("id")
-    if method is None or "id" not in msg:
-        return  # responses and notifications need no answer here
-    params = msg.get("params") or {}
+def initialized(request_id: Any, name: str, capabilities: dict[str, Any]) -> bytes:
+    """The answer to ``initialize`` of the agent called ``name``."""
+    info = {"name": name, "version": "1.0.0"}
+    result = {"protocolVersion": 1, "agentCapabilities": capabilities, "agentInfo": info, "authMethods": []}
+    return answer(request_id, result)
+
+
+def serve(handle: Callable[[str, Any, dict[str, Any]], bytes]) -> None:
+    """Answer every request read from stdin, until EOF: ``handle(method, id, params)`` is what to write.
+
+    Responses and notifications need no answer here; a line that is not JSON is answered with a parse error.
+    """
+    for raw in sys.stdin.buffer:
+        if not raw.strip():
+            continue
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            write_all(line({"id": None, "error": {"code": -32700, "message": "Parse error"}}))
+            continue
+        if isinstance(msg, dict) and msg.get("method") is not None and "id" in msg:
+            write_all(handle(msg["method"], msg["id"], msg.get("params") or {}))
+
+
+def handle(method: str, request_id: Any, params: dict[str, Any], sessions: list[str]) -> bytes:
     if method == "_bench/ping":
-        send({"id": request_id, "result": {}})
-    elif method == "initialize":
-        send(
-            {
-                "id": request_id,
-                "result": {
-                    "protocolVersion": 1,
-                    "agentCapabilities": {"loadSession": False},
-                    "agentInfo": {"name": "stream-agent", "version": "1.0.0"},
-                    "authMethods": [],
-                },
-            }
-        )
-    elif method == "session/new":
+        return answer(request_id, {})
+    if method == "initialize":
+        return initialized(request_id, "stream-agent", {"loadSession": False})
+    if method == "session/new":
         sessions.append(f"bench-{len(sessions) + 1}")
-        send({"id": request_id, "result": {"sessionId": sessions[-1]}})
-    elif method == "session/prompt":
+        return answer(request_id, {"sessionId": sessions[-1]})
+    if method == "session/prompt":
         stream(str(params.get("sessionId", "")), requested_updates(params))
-        send({"id": request_id, "result": {"stopReason": "end_turn"}})
-    else:
-        send({"id": request_id, "error": {"code": -32601, "message": f"unknown method {method}"}})
+        return answer(request_id, {"stopReason": "end_turn"})
+    return unknown_method(request_id, method)
 
 
 def main() -> int:
     sessions: list[str] = []
-    for line in sys.stdin.buffer:
-        if not line.strip():
-            continue
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            send({"id": None, "error": {"code": -32700, "message": "Parse error"}})
-            continue
-        if isinstance(msg, dict):
-            handle(msg, sessions)
+    serve(lambda method, request_id, params: handle(method, request_id, params, sessions))
     return 0
 
 
