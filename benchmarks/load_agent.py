@@ -28,6 +28,7 @@ from stream_agent import (  # this script's own directory
     answer,
     initialized,
     requested_updates,
+    run,
     serve,
     unknown_method,
     update_line,
@@ -87,7 +88,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (BrokenPipeError, KeyboardInterrupt):
-        sys.exit(0)
+    run(main)

@@ -21,7 +21,7 @@ import sys
 import uuid
 from typing import Any
 
-from stream_agent import answer, initialized, line, serve, unknown_method  # this script's own directory
+from stream_agent import answer, initialized, line, run, serve, unknown_method  # this script's own directory
 
 HISTORY_TEXT = "an earlier turn of this conversation, replayed from the adapter's storage " * 2
 
@@ -76,7 +76,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (BrokenPipeError, KeyboardInterrupt):
-        sys.exit(0)
+    run(main)

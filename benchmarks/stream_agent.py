@@ -19,7 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 LINE_BYTES = 180
 LINES_PER_WRITE = 1000
@@ -106,6 +106,14 @@ def serve(handle: Callable[[str, Any, dict[str, Any]], bytes]) -> None:
             write_all(handle(msg["method"], msg["id"], msg.get("params") or {}))
 
 
+def run(main: Callable[[], int]) -> NoReturn:
+    """Exit with ``main()``'s status; a closed pipe (the client went away) or an interrupt ends it with 0."""
+    try:
+        sys.exit(main())
+    except (BrokenPipeError, KeyboardInterrupt):
+        sys.exit(0)
+
+
 def handle(method: str, request_id: Any, params: dict[str, Any], sessions: list[str]) -> bytes:
     if method == "_bench/ping":
         return answer(request_id, {})
@@ -127,7 +135,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (BrokenPipeError, KeyboardInterrupt):
-        sys.exit(0)
+    run(main)
