@@ -1,10 +1,14 @@
-"""What every benchmark module measures with: paths, the children's environment, /proc readings, percentiles."""
+"""What every benchmark module measures with: paths, the children's environment, what a client sends first,
+/proc readings, and the figures made of what was timed (percentiles, rates)."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -16,6 +20,12 @@ STATE = ROOT / "bench-results" / "state"
 """The proxies' state dir where a section does not choose its own: never the user's own."""
 BENCH_MARKER = "ACP_PROXY_BENCH"
 """Every process a section starts carries ``ACP_PROXY_BENCH=<token>``; ``leftovers`` finds them."""
+INITIALIZE_PARAMS = {
+    "protocolVersion": 1,
+    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
+    "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
+}
+"""What every benchmark's client sends with ``initialize``."""
 
 
 class BenchError(Exception):
@@ -62,6 +72,38 @@ def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile of already sorted values."""
     index = max(0, min(len(sorted_values) - 1, round(q / 100 * len(sorted_values) + 0.5) - 1))
     return sorted_values[index]
+
+
+SUMMARIES: dict[str, Callable[[list[float]], float]] = {
+    "median": statistics.median,
+    "mean": statistics.fmean,
+    "min": lambda ordered: ordered[0],
+    "max": lambda ordered: ordered[-1],
+}
+
+
+def figures(unit: str, values: Iterable[float], *names: str) -> dict[str, float]:
+    """The named figures of some samples (at least one), as ``<name>_<unit>``: the columns ``figure_cols`` shows.
+
+    A name is ``pNN`` (the NNth percentile), ``median``, ``mean``, ``min`` or ``max``.
+    """
+    ordered = sorted(values)
+    return {
+        f"{name}_{unit}": percentile(ordered, int(name[1:])) if name[0] == "p" else SUMMARIES[name](ordered)
+        for name in names
+    }
+
+
+def ops_row(op: str, label: str, count: int, seconds: float) -> dict[str, Any]:
+    """The row of ``count`` operations that took ``seconds`` in all: how many a second, and each one's mean."""
+    return {
+        "op": op,
+        "label": label,
+        "ops": count,
+        "seconds": seconds,
+        "ops_per_s": count / seconds,
+        "us_per_op": seconds / count * 1e6,
+    }
 
 
 def leftovers(token: str, wait: float = 5.0) -> list[int]:

@@ -45,7 +45,7 @@ from acp_proxy.ownership.reaping import prepare_tombstone
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed, wrapper_grace
 from acp_proxy.state import StateDB
 from benchmarks import harness
-from benchmarks.common import ROOT, BenchError, percentile, proc_status_kb
+from benchmarks.common import ROOT, BenchError, figures, percentile, proc_status_kb
 from benchmarks.harness import (
     DIRECT,
     Case,
@@ -477,16 +477,13 @@ def measure_spawn(report: Report, owner: Owner, env: dict[str, str], args: argpa
     for (_, mode), samples in runs.items():
         if not samples:
             continue
-        ready = sorted(s["ready_ms"] for s in samples)
         rss = sorted(s["wrapper_rss_mb"] for s in samples if s["wrapper_rss_mb"] is not None)
         hwm = [s["wrapper_hwm_mb"] for s in samples if s["wrapper_hwm_mb"] is not None]
         rows.append(
             {
                 "mode": mode,
                 "runs": len(samples),
-                "median_ms": statistics.median(ready),
-                "min_ms": ready[0],
-                "p90_ms": percentile(ready, 90),
+                **figures("ms", (s["ready_ms"] for s in samples), "median", "min", "p90"),
                 "wrapper_rss_median_mb": statistics.median(rss) if rss else None,
                 "wrapper_rss_max_mb": rss[-1] if rss else None,
                 "wrapper_hwm_max_mb": max(hwm) if hwm else None,
@@ -608,16 +605,13 @@ def measure_reaping(report: Report, workdir: Path, args: argparse.Namespace) -> 
     for (case, _), samples in runs.items():
         if not samples:
             continue
-        times = sorted(s["ms"] for s in samples)
         rows.append(
             {
                 "case": case,
                 "label": reap_case_label(case, args.dead_leases),
                 "leases": args.dead_leases if case == "dead" else 0,
                 "runs": len(samples),
-                "median_ms": statistics.median(times),
-                "min_ms": times[0],
-                "p90_ms": percentile(times, 90),
+                **figures("ms", (s["ms"] for s in samples), "median", "min", "p90"),
                 "reaped": samples[-1]["reaped"],
                 "states": samples[-1]["states"],
                 "processes_median": statistics.median(s["processes"] for s in samples),

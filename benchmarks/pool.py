@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import ROOT, BenchError, cpu_seconds, percentile, proc_status_kb
+from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, cpu_seconds, percentile, proc_status_kb
 from benchmarks.harness import (
     Case,
     Column,
@@ -96,11 +96,6 @@ DIRECT_POOL = "direct-pool"
 DIRECT_ALL = "direct-all"
 RESTORES = ("session/resume", "session/load")
 
-INITIALIZE_PARAMS = {
-    "protocolVersion": 1,
-    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
-    "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
-}
 SESSION_PARAMS = {"cwd": str(ROOT), "mcpServers": []}
 
 

@@ -44,7 +44,6 @@ import itertools
 import json
 import random
 import secrets
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -54,7 +53,7 @@ from typing import Any
 from acp_proxy.sessions.registry import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
 from acp_proxy.state import StateDB
 from benchmarks import harness
-from benchmarks.common import ROOT, BenchError, percentile, proc_status_kb
+from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, figures, ops_row, proc_status_kb
 from benchmarks.harness import (
     DIRECT,
     Case,
@@ -101,12 +100,6 @@ TARGET_RSS_MB = 40.0
 
 RESUMED_LOG = b" resumed on pid "
 """What the proxy logs (at info) for every session it brings back."""
-
-INITIALIZE_PARAMS = {
-    "protocolVersion": 1,
-    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
-    "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
-}
 
 
 def mcp_servers(cwd: str) -> list[dict[str, Any]]:
@@ -359,19 +352,15 @@ def measure_resume(
     for case in cases:
         if case.label not in samples:
             continue
-        values = sorted(samples[case.label])
+        values = samples[case.label]
         rows.append(
             {
                 "restore": case.restore,
                 "mode": case.mode,
                 "replay": args.replay if case.restore == "load" else 0,
                 "resumes": len(values),
-                "p50_ms": percentile(values, 50),
-                "p90_ms": percentile(values, 90),
-                "min_ms": values[0],
-                "max_ms": values[-1],
-                "mean_ms": statistics.fmean(values),
-                "all_ms": samples[case.label],
+                **figures("ms", values, "p50", "p90", "min", "max", "mean"),
+                "all_ms": values,
             }
         )
     for restore in RESTORES:
@@ -526,17 +515,7 @@ def measure_registry(workdir: Path, args: argparse.Namespace) -> list[dict[str, 
         start = time.perf_counter()
         for i in range(count):
             action(i)
-        seconds = time.perf_counter() - start
-        rows.append(
-            {
-                "op": name,
-                "label": label,
-                "ops": count,
-                "seconds": seconds,
-                "ops_per_s": count / seconds,
-                "us_per_op": seconds / count * 1e6,
-            }
-        )
+        rows.append(ops_row(name, label, count, time.perf_counter() - start))
 
     db = StateDB(workdir / "state-registry")
     try:

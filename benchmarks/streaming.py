@@ -34,7 +34,15 @@ import msgspec
 import psutil
 
 from benchmarks import harness
-from benchmarks.common import ROOT, BenchError, child_environment, cpu_seconds, percentile, proc_status_kb
+from benchmarks.common import (
+    INITIALIZE_PARAMS,
+    ROOT,
+    BenchError,
+    child_environment,
+    cpu_seconds,
+    figures,
+    proc_status_kb,
+)
 from benchmarks.harness import (
     DIRECT,
     Case,
@@ -191,13 +199,6 @@ class Relay:
                     process.kill()
             except psutil.Error:
                 pass
-
-
-INITIALIZE_PARAMS = {
-    "protocolVersion": 1,
-    "clientCapabilities": {"fs": {"readTextFile": False, "writeTextFile": False}, "terminal": False},
-    "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
-}
 
 
 @contextlib.contextmanager
@@ -367,15 +368,7 @@ def latency_run(mode: str, round_trips: int, timeout: float) -> dict[str, Any]:
             check_response(conn, line, request_id)
             if i >= LATENCY_WARMUP:
                 samples.append(elapsed / 1000)
-    samples.sort()
-    return {
-        "round_trips": round_trips,
-        "p50_us": percentile(samples, 50),
-        "p90_us": percentile(samples, 90),
-        "p99_us": percentile(samples, 99),
-        "mean_us": statistics.fmean(samples),
-        "max_us": samples[-1],
-    }
+    return {"round_trips": round_trips, **figures("us", samples, "p50", "p90", "p99", "mean", "max")}
 
 
 # --- (c) cold start ----------------------------------------------------------------
@@ -456,17 +449,8 @@ def measure_cold_start(report: Report, args: argparse.Namespace) -> None:
     modes = relays(args, cat=False)
     cases = [Case(mode, mode_label(mode), functools.partial(cold_start_once, mode, 30)) for mode in modes]
     for mode, times in interleaved(report, "cold start", cases, args.cold_starts).items():
-        values = sorted(times)
         report.cold_start.append(
-            {
-                "mode": mode,
-                "runs": len(values),
-                "median_ms": statistics.median(values),
-                "min_ms": values[0],
-                "p90_ms": percentile(values, 90),
-                "max_ms": values[-1],
-                "all_ms": times,
-            }
+            {"mode": mode, "runs": len(times), **figures("ms", times, "median", "min", "p90", "max"), "all_ms": times}
         )
     direct = next((row for row in report.cold_start if row["mode"] == DIRECT), None)
     with_baseline(report.cold_start, direct, {"added_ms": ("median_ms", minus)}, base_too=True)

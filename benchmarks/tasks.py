@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import timeit
@@ -51,7 +50,7 @@ import msgspec
 
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, list_tasks, new_task_id, outcome_of
-from benchmarks.common import ROOT, BenchError, cpu_seconds, percentile
+from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, cpu_seconds, figures, ops_row
 from benchmarks.harness import (
     DIRECT,
     Column,
@@ -75,7 +74,7 @@ from benchmarks.harness import (
     standing_rounds,
     with_baseline,
 )
-from benchmarks.sessions import INITIALIZE_PARAMS, IO_TIMEOUT, call, connect, mode_label, stop
+from benchmarks.sessions import IO_TIMEOUT, call, connect, mode_label, stop
 from benchmarks.stream_agent import update_line
 from tests.kit.gateway import SyncGateway
 from tests.kit.state import count_tasks
@@ -269,18 +268,13 @@ def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argp
     for case in cases:
         if case.label not in samples:
             continue
-        values = sorted(samples[case.label])
+        values = samples[case.label]
         rows.append(
             {
                 "mode": case.mode,
                 "turns": len(values),
                 "updates_per_turn": TURN_UPDATES,
-                "p50_us": percentile(values, 50),
-                "p90_us": percentile(values, 90),
-                "p99_us": percentile(values, 99),
-                "mean_us": statistics.fmean(values),
-                "min_us": values[0],
-                "max_us": values[-1],
+                **figures("us", values, "p50", "p90", "p99", "mean", "min", "max"),
                 "middle_cpu_us_per_turn": case.cpu_s / len(values) * 1e6 if case.cpu_known else None,
             }
         )
@@ -409,18 +403,10 @@ def measure_writes(workdir: Path, args: argparse.Namespace) -> list[dict[str, An
             action(i)
             each.append((clock() - before) / 1000)
         seconds = (clock() - start) / 1e9
-        each.sort()
         rows.append(
             {
-                "op": name,
-                "label": label,
-                "ops": count,
-                "seconds": seconds,
-                "ops_per_s": count / seconds,
-                "us_per_op": seconds / count * 1e6,
-                "p50_us": percentile(each, 50),
-                "p99_us": percentile(each, 99),
-                "max_us": each[-1],
+                **ops_row(name, label, count, seconds),
+                **figures("us", each, "p50", "p99", "max"),
                 "over_1ms": sum(1 for us in each if us > 1000),
             }
         )
