@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from benchmarks.common import BENCH_MARKER, BenchError, child_environment, leftovers
-from tests.kit.gateway import GatewayError
+from benchmarks.common import BENCH_MARKER, INITIALIZE_PARAMS, ROOT, BenchError, child_environment, leftovers
+from tests.kit.gateway import GatewayError, RpcError, SyncGateway
 
 DIRECT = "direct"
 PROXY = "proxy-"
+IO_TIMEOUT = 30.0
+"""How long a case waits for an answer (or a turn's line) before it fails."""
+CLOSE_GRACE = 15.0
 
 K = TypeVar("K", bound=Hashable)
 Row = dict[str, Any]
@@ -214,6 +217,65 @@ def standing_rounds(
         for case in live:
             case.kill()
     return samples
+
+
+# --- one client connection ------------------------------------------------------------------
+
+
+def connect(argv: list[str], env: dict[str, str], who: str) -> SyncGateway:
+    """The kit's client to a child process: the proxy, a relay or the agent itself (its stderr kept)."""
+    return SyncGateway.launch(argv, env=env, cwd=ROOT, name=who)
+
+
+def call(conn: SyncGateway, method: str, params: object) -> tuple[Any, list[dict[str, Any]]]:
+    """A request's result and the updates before its answer; an error answer or any other message fails."""
+    try:
+        result = conn.call(method, params, timeout=IO_TIMEOUT)
+    except RpcError as exc:
+        raise BenchError(f"{conn.name}: {exc}") from None
+    notes = conn.take_updates()
+    if conn.stashed():
+        raise BenchError(f"{conn.name}: unexpected {str(conn.stashed()[0])[:300]}")
+    return result, notes
+
+
+def stop(conn: SyncGateway) -> int | None:
+    """Close its stdin and wait for it to exit (killing it after ``CLOSE_GRACE``); its exit status."""
+    return conn.close(CLOSE_GRACE)
+
+
+class Connected:
+    """A ``Standing`` case's connection to one child process at a time: ``connect`` starts and initializes it,
+    ``disconnect`` ends it (an exit status other than 0 fails the case), ``kill`` kills it where the case failed."""
+
+    label: str
+
+    def __init__(self) -> None:
+        self._conn: SyncGateway | None = None
+
+    @property
+    def conn(self) -> SyncGateway:
+        assert self._conn is not None
+        return self._conn
+
+    def connect(self, argv: list[str], env: dict[str, str]) -> SyncGateway:
+        self._conn = connect(argv, env, self.label)
+        call(self._conn, "initialize", INITIALIZE_PARAMS)
+        return self._conn
+
+    def disconnect(self) -> SyncGateway:
+        """Close its stdin and wait for it to exit; the closed connection (its stderr is kept)."""
+        conn, self._conn = self.conn, None
+        status = stop(conn)
+        if status != 0:
+            raise BenchError(f"{self.label}: exited with status {status}")
+        return conn
+
+    def kill(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.kill()
+            conn.close()
 
 
 @dataclass(frozen=True)

@@ -53,17 +53,28 @@ from typing import Any
 from acp_proxy.sessions.registry import LIST_PAGE_SIZE, Ownership, SessionRecord, SessionRegistry
 from acp_proxy.state import StateDB
 from benchmarks import harness
-from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, figures, ops_row, proc_status_kb
+from benchmarks.common import (
+    INITIALIZE_PARAMS,
+    ROOT,
+    BenchError,
+    figures,
+    ops_row,
+    proc_status_kb,
+)
 from benchmarks.harness import (
     DIRECT,
+    IO_TIMEOUT,
     Case,
     Column,
+    Connected,
     Report,
     Row,
     Section,
     Target,
     attempt,
+    call,
     col,
+    connect,
     figure_cols,
     fmt,
     interleaved,
@@ -81,15 +92,11 @@ from benchmarks.harness import (
     where,
     with_baseline,
 )
-from tests.kit.gateway import RpcError, SyncGateway
 
 SESSION_AGENT = ROOT / "benchmarks" / "session_agent.py"
 RESTORES = ("resume", "load")
 BACKEND = "bench"
 
-READ_SIZE = 1 << 16
-IO_TIMEOUT = 30.0
-CLOSE_GRACE = 15.0
 RESUME_WARMUP = 2
 RSS_SESSIONS = 1_000
 RSS_LIVE = 10
@@ -162,28 +169,6 @@ def write_config(path: Path, *, max_live: int, command: list[str]) -> Path:
 # --- the client ------------------------------------------------------------------------------
 
 
-def connect(argv: list[str], env: dict[str, str], who: str) -> SyncGateway:
-    """The kit's client to a child process: the proxy, or the agent itself (its stderr kept)."""
-    return SyncGateway.launch(argv, env=env, cwd=ROOT, name=who)
-
-
-def call(conn: SyncGateway, method: str, params: object) -> tuple[Any, list[dict[str, Any]]]:
-    """A request's result and the updates before its answer; an error answer or any other message fails."""
-    try:
-        result = conn.call(method, params, timeout=IO_TIMEOUT)
-    except RpcError as exc:
-        raise BenchError(f"{conn.name}: {exc}") from None
-    notes = conn.take_updates()
-    if conn.stashed():
-        raise BenchError(f"{conn.name}: unexpected {str(conn.stashed()[0])[:300]}")
-    return result, notes
-
-
-def stop(conn: SyncGateway) -> int | None:
-    """Close its stdin and wait for it to exit (killing it after ``CLOSE_GRACE``); its exit status."""
-    return conn.close(CLOSE_GRACE)
-
-
 def check_turn(who: str, result: Any, notes: list[dict[str, Any]], session_id: str, restored_by: str) -> int:
     """Check a prompt's answer and its one update; the pid of the agent process that served it."""
     if result != {"stopReason": "end_turn"}:
@@ -207,104 +192,89 @@ def prompt_params(session_id: str) -> dict[str, Any]:
 # --- (1) resume latency ----------------------------------------------------------------------
 
 
-class DirectResume:
-    """The baseline: the client runs one agent process at a time itself, as the proxy does with max_live = 1."""
+class Resume(Connected):
+    """Prompts alternating between two sessions, each of which must find its session restored in a process
+    other than the one that served the last prompt."""
 
-    def __init__(self, restore: str, replay: int, env: dict[str, str]) -> None:
-        self.mode = DIRECT
+    def __init__(self, mode: str, restore: str, replay: int) -> None:
+        super().__init__()
+        self.mode = mode
         self.restore = restore
-        self.replay = replay
-        self.env = env
-        self.label = f"{restore_label(restore, replay)}, {mode_label(DIRECT)}"
+        self.label = f"{restore_label(restore, replay)}, {mode_label(mode)}"
         self.method = f"session/{restore}"
-        self.current: SyncGateway | None = None
         self.sessions: list[str] = []
         self.next = 0
         self.last_pid = 0
         self.resumes = 0
 
-    def _stop_current(self) -> None:
-        current, self.current = self.current, None
-        if current is None:
-            return
-        status = stop(current)
-        if status != 0:
-            raise BenchError(f"{self.label}: the agent exited with status {status}")
+    def sample(self, count: int) -> list[float]:
+        return [self.resume_once() for _ in range(count)]
 
-    def _spawn(self) -> SyncGateway:
-        self.current = connect(agent_argv(self.restore, self.replay), self.env, self.label)
-        call(self.current, "initialize", INITIALIZE_PARAMS)
-        return self.current
+    def resume_once(self) -> float:
+        """One timed resume, in milliseconds."""
+        raise NotImplementedError
+
+    def served(self, session_id: str, result: Any, notes: list[dict[str, Any]], same_process: str) -> None:
+        """Check a prompt's answer: its session was restored in a process of its own (``same_process`` if not)."""
+        pid = check_turn(self.label, result, notes, session_id, self.method)
+        if pid == self.last_pid:
+            raise BenchError(f"{self.label}: {same_process}")
+        self.last_pid, self.next = pid, 1 - self.next
+        self.resumes += 1
+
+
+class DirectResume(Resume):
+    """The baseline: the client runs one agent process at a time itself, as the proxy does with max_live = 1."""
+
+    def __init__(self, restore: str, replay: int, env: dict[str, str]) -> None:
+        super().__init__(DIRECT, restore, replay)
+        self.argv = agent_argv(restore, replay)
+        self.replay = replay
+        self.env = env
+
+    def _stop_current(self) -> None:
+        if self._conn is not None:
+            self.disconnect()
 
     def open(self) -> None:
         for _ in range(2):
             self._stop_current()
-            self.sessions.append(self._spawn().new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT))
+            self.sessions.append(self.connect(self.argv, self.env).new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT))
         self.sample(RESUME_WARMUP)
-
-    def sample(self, count: int) -> list[float]:
-        return [self.resume_once() for _ in range(count)]
 
     def resume_once(self) -> float:
         session_id = self.sessions[self.next]
         self._stop_current()  # outside the timed part: the proxy stops it in the background too
         start = time.perf_counter()
-        conn = self._spawn()
+        conn = self.connect(self.argv, self.env)
         _, replayed = call(conn, self.method, {**SESSION_PARAMS, "sessionId": session_id})
         result, notes = call(conn, "session/prompt", prompt_params(session_id))
         elapsed = time.perf_counter() - start
         expected = self.replay if self.restore == "load" else 0
         if len(replayed) != expected:
             raise BenchError(f"{self.label}: {self.method} sent {len(replayed)} updates, not {expected}")
-        pid = check_turn(self.label, result, notes, session_id, self.method)
-        if pid == self.last_pid:
-            raise BenchError(f"{self.label}: the same process served two sessions")
-        self.last_pid, self.next = pid, 1 - self.next
-        self.resumes += 1
+        self.served(session_id, result, notes, "the same process served two sessions")
         return elapsed * 1000
 
     def finish(self) -> None:
         self._stop_current()
 
-    def kill(self) -> None:
-        if self.current is not None:
-            self.current.kill()
-            self.current.close()
-            self.current = None
 
-
-class ProxyResume:
+class ProxyResume(Resume):
     """Two sessions through a proxy with ``max_live = 1``: every prompt resumes its session."""
 
     def __init__(self, backend: str, restore: str, replay: int, env: dict[str, str], workdir: Path) -> None:
-        self.mode = proxy_mode(backend)
-        self.restore = restore
-        self.label = f"{restore_label(restore, replay)}, {mode_label(self.mode)}"
-        self.method = f"session/{restore}"
+        super().__init__(proxy_mode(backend), restore, replay)
         name = f"resume-{backend}-{restore}"
         config = write_config(workdir / f"{name}.toml", max_live=1, command=agent_argv(restore, replay))
         self.argv = proxy_argv(backend, config)
         self.env = {**env, "ACP_PROXY_STATE_DIR": str(workdir / f"state-{name}")}
-        self._conn: SyncGateway | None = None
-        self.sessions: list[str] = []
-        self.next = 0
-        self.last_pid = 0
-        self.resumes = 0
-
-    @property
-    def conn(self) -> SyncGateway:
-        assert self._conn is not None
-        return self._conn
 
     def open(self) -> None:
-        self._conn = connect(self.argv, self.env, self.label)
-        call(self.conn, "initialize", INITIALIZE_PARAMS)
+        self.connect(self.argv, self.env)
         # The second session/new suspends the first session (max_live = 1).
         self.sessions = [self.conn.new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT) for _ in range(2)]
         self.sample(RESUME_WARMUP)
-
-    def sample(self, count: int) -> list[float]:
-        return [self.resume_once() for _ in range(count)]
 
     def resume_once(self) -> float:
         session_id = self.sessions[self.next]
@@ -312,31 +282,17 @@ class ProxyResume:
         start = time.perf_counter()
         result, notes = call(self.conn, "session/prompt", params)
         elapsed = time.perf_counter() - start
-        pid = check_turn(self.label, result, notes, session_id, self.method)
-        if pid == self.last_pid:
-            raise BenchError(f"{self.label}: the prompt went to the process that served the other session")
-        self.last_pid, self.next = pid, 1 - self.next
-        self.resumes += 1
+        self.served(session_id, result, notes, "the prompt went to the process that served the other session")
         return elapsed * 1000
 
     def finish(self) -> None:
-        conn, self._conn = self.conn, None
-        status = stop(conn)
-        resumed = conn.stderr.count(RESUMED_LOG)
-        if status != 0:
-            raise BenchError(f"{self.label}: the proxy exited with status {status}")
+        resumed = self.disconnect().stderr.count(RESUMED_LOG)
         if resumed != self.resumes:
             raise BenchError(f"{self.label}: the proxy logged {resumed} resumes, the client counted {self.resumes}")
 
-    def kill(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.kill()
-            conn.close()
 
-
-def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[DirectResume | ProxyResume]:
-    cases: list[DirectResume | ProxyResume] = []
+def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[Resume]:
+    cases: list[Resume] = []
     for restore in RESTORES:
         cases.append(DirectResume(restore, args.replay, env))
         cases += [ProxyResume(backend, restore, args.replay, env, workdir) for backend in args.backends]

@@ -50,10 +50,18 @@ import msgspec
 
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, list_tasks, new_task_id, outcome_of
-from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, cpu_seconds, figures, ops_row
+from benchmarks.common import (
+    ROOT,
+    BenchError,
+    cpu_seconds,
+    figures,
+    ops_row,
+)
 from benchmarks.harness import (
     DIRECT,
+    IO_TIMEOUT,
     Column,
+    Connected,
     Report,
     Section,
     attempt,
@@ -74,9 +82,8 @@ from benchmarks.harness import (
     standing_rounds,
     with_baseline,
 )
-from benchmarks.sessions import IO_TIMEOUT, call, connect, mode_label, stop
+from benchmarks.sessions import mode_label
 from benchmarks.stream_agent import update_line
-from tests.kit.gateway import SyncGateway
 from tests.kit.state import count_tasks
 
 STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
@@ -143,10 +150,11 @@ def tool_call_block() -> bytes:
 # --- (1) per-turn overhead ---------------------------------------------------------------------
 
 
-class TurnCase:
+class TurnCase(Connected):
     """One connection serving short prompt turns on one session: to the agent, or through a proxy."""
 
     def __init__(self, mode: str, env: dict[str, str], workdir: Path) -> None:
+        super().__init__()
         self.mode = mode
         self.label = turn_label(mode)
         self.state: Path | None = None
@@ -158,21 +166,13 @@ class TurnCase:
             backend = mode.removeprefix("proxy-")
             self.state = workdir / f"state-turns-{backend}"
             self.argv, self.env = proxy_argv(backend), {**env, "ACP_PROXY_STATE_DIR": str(self.state)}
-        self._conn: SyncGateway | None = None
         self.session_id = ""
         self.turns = 0
         self.cpu_s = 0.0
         self.cpu_known = True
 
-    @property
-    def conn(self) -> SyncGateway:
-        assert self._conn is not None
-        return self._conn
-
     def open(self) -> None:
-        self._conn = connect(self.argv, self.env, self.label)
-        call(self.conn, "initialize", INITIALIZE_PARAMS)
-        self.session_id = self.conn.new_session(str(ROOT), timeout=IO_TIMEOUT)
+        self.session_id = self.connect(self.argv, self.env).new_session(str(ROOT), timeout=IO_TIMEOUT)
         for _ in range(TURN_WARMUP):
             self.turn_once()
 
@@ -227,10 +227,7 @@ class TurnCase:
         return samples
 
     def finish(self) -> None:
-        conn, self._conn = self.conn, None
-        status = stop(conn)
-        if status != 0:
-            raise BenchError(f"{self.label}: exited with status {status}")
+        self.disconnect()
         if self.state is not None:
             self.check_tasks(self.state)
 
@@ -251,12 +248,6 @@ class TurnCase:
                 f"{self.label}: {len(wrong)} task(s) recorded wrongly, e.g. {r.task_id}: "
                 f"{r.update_count} updates (expected {TURN_UPDATES}), stop reason {r.stop_reason!r}"
             )
-
-    def kill(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.kill()
-            conn.close()
 
 
 def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
