@@ -183,11 +183,14 @@ class Standing(Protocol):
     def kill(self) -> None: ...
 
 
+S = TypeVar("S", bound=Standing)
+
+
 def standing_rounds(
-    report: Report, what: str, cases: Sequence[Standing], rounds: Sequence[int], every: int = 10
-) -> dict[str, list[float]]:
+    report: Report, what: str, cases: Sequence[S], rounds: Sequence[int], every: int = 10
+) -> list[tuple[S, list[float]]]:
     """Open every case, run rounds over them side by side (``rounds[i]`` samples of each case in round
-    ``i``), then finish them: the samples of each case that never failed, by label. A case that fails is
+    ``i``), then finish them: each case that never failed, in order, with its samples. A case that fails is
     killed and dropped."""
     samples: dict[str, list[float]] = {case.label: [] for case in cases}
     live = list(cases)
@@ -216,7 +219,7 @@ def standing_rounds(
     finally:
         for case in live:
             case.kill()
-    return samples
+    return [(case, samples[case.label]) for case in cases if case.label in samples]
 
 
 # --- one client connection ------------------------------------------------------------------

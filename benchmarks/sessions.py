@@ -303,22 +303,17 @@ def measure_resume(
     report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     cases = resume_cases(env, workdir, args)
-    samples = standing_rounds(report, "sessions: resume", cases, [1] * args.resumes)
-    rows: list[dict[str, Any]] = []
-    for case in cases:
-        if case.label not in samples:
-            continue
-        values = samples[case.label]
-        rows.append(
-            {
-                "restore": case.restore,
-                "mode": case.mode,
-                "replay": args.replay if case.restore == "load" else 0,
-                "resumes": len(values),
-                **figures("ms", values, "p50", "p90", "min", "max", "mean"),
-                "all_ms": values,
-            }
-        )
+    rows = [
+        {
+            "restore": case.restore,
+            "mode": case.mode,
+            "replay": args.replay if case.restore == "load" else 0,
+            "resumes": len(values),
+            **figures("ms", values, "p50", "p90", "min", "max", "mean"),
+            "all_ms": values,
+        }
+        for case, values in standing_rounds(report, "sessions: resume", cases, [1] * args.resumes)
+    ]
     for restore in RESTORES:
         alike = [row for row in rows if row["restore"] == restore]
         direct = next((row for row in alike if row["mode"] == DIRECT), None)

@@ -254,21 +254,16 @@ def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argp
     modes = [DIRECT, *(BARE + b for b in args.backends), *(proxy_mode(b) for b in args.backends)]
     cases = [TurnCase(mode, env, workdir) for mode in modes]
     blocks = [min(TURN_BLOCK, args.turns - start) for start in range(0, args.turns, TURN_BLOCK)]
-    samples = standing_rounds(report, "tasks: turns", cases, blocks, every=5)
-    rows: list[dict[str, Any]] = []
-    for case in cases:
-        if case.label not in samples:
-            continue
-        values = samples[case.label]
-        rows.append(
-            {
-                "mode": case.mode,
-                "turns": len(values),
-                "updates_per_turn": TURN_UPDATES,
-                **figures("us", values, "p50", "p90", "p99", "mean", "min", "max"),
-                "middle_cpu_us_per_turn": case.cpu_s / len(values) * 1e6 if case.cpu_known else None,
-            }
-        )
+    rows = [
+        {
+            "mode": case.mode,
+            "turns": len(values),
+            "updates_per_turn": TURN_UPDATES,
+            **figures("us", values, "p50", "p90", "p99", "mean", "min", "max"),
+            "middle_cpu_us_per_turn": case.cpu_s / len(values) * 1e6 if case.cpu_known else None,
+        }
+        for case, values in standing_rounds(report, "tasks: turns", cases, blocks, every=5)
+    ]
     by_mode = {row["mode"]: row for row in rows}
     added = {"added_p50_us": ("p50_us", minus), "added_p99_us": ("p99_us", minus)}
     with_baseline(rows, by_mode.get(DIRECT), {**added, "vs_direct_p50": ("p50_us", ratio)})
