@@ -373,6 +373,18 @@ def figure_cols(unit: str, *names: str, digits: int = 1, when: Callable[[Row], b
     return [col(f"{name.replace('_', ' ')} {unit}", f"{name}_{unit}", digits, when=when) for name in names]
 
 
+def ops_cols(mean: str = "us/op") -> list[Column]:
+    """The columns of ``common.ops_row``'s figures: what was done, how often, in how long, how many a second, and
+    each one's mean (headed ``mean``)."""
+    return [
+        Column("operation", lambda row: str(row["label"])),
+        Column("ops", lambda row: f"{row['ops']:,}"),
+        col("total s", "seconds", 3),
+        col("ops/s", "ops_per_s", 0),
+        col(mean, "us_per_op"),
+    ]
+
+
 def target_col(header: str, key: str, limit: float, *, when: Callable[[Row], bool] | None = None) -> Column:
     """Whether each row's ``key`` met ``limit`` (blank where ``when`` says the row has no target)."""
     return Column(header, lambda row: verdict(row[key], limit) if when is None or when(row) else "")

@@ -82,6 +82,7 @@ from benchmarks.harness import (
     known,
     left_running,
     minus,
+    ops_cols,
     progress,
     proxy_mode,
     ratio,
@@ -572,13 +573,7 @@ RSS_COLUMNS = (
     col("added peak MB", "added_hwm_mb", when=known("added_hwm_mb")),
     target_col(f"target peak <= {TARGET_RSS_MB:g} MB", "hwm_mb", TARGET_RSS_MB, when=where("case", "registered")),
 )
-REGISTRY_COLUMNS = (
-    Column("operation", lambda row: str(row["label"])),
-    Column("ops", lambda row: f"{row['ops']:,}"),
-    col("total s", "seconds", 3),
-    col("ops/s", "ops_per_s", 0),
-    col("us/op", "us_per_op"),
-)
+REGISTRY_COLUMNS = ops_cols()
 
 
 def render(report: Report) -> list[str]:

@@ -74,6 +74,7 @@ from benchmarks.harness import (
     known,
     left_running,
     minus,
+    ops_cols,
     progress,
     proxy_mode,
     ratio,
@@ -475,11 +476,7 @@ OBSERVE_COLUMNS = (
     col("ns/line", "ns_per_line"),
 )
 WRITE_COLUMNS = (
-    Column("operation", lambda row: str(row["label"])),
-    Column("ops", lambda row: f"{row['ops']:,}"),
-    col("total s", "seconds", 3),
-    col("ops/s", "ops_per_s", 0),
-    col("us/op (mean)", "us_per_op"),
+    *ops_cols("us/op (mean)"),
     col("p50 us", "p50_us"),
     col("p99 us", "p99_us"),
     col("max us", "max_us", 0),
