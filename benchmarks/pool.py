@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -487,10 +487,10 @@ def eviction_figures(acquires: list[Acquire], *, peer: bool) -> dict[str, Any]:
     the yes to the slot held: the suspended session's tree ending)."""
     evicting = [(a, e) for a in acquires if a.ok and (e := a.suspended) is not None and e.peer == peer]
     return {
-        "eviction_ms": stats(sorted(a.seconds * 1000 for a, _ in evicting)),
-        "plan_ms": stats(sorted(e.asked * 1000 for _, e in evicting)),
-        "ask_ms": stats(sorted((e.answered - e.asked) * 1000 for _, e in evicting)),
-        "free_ms": stats(sorted((a.seconds - e.answered) * 1000 for a, e in evicting)),
+        "eviction_ms": stats_ms(a.seconds for a, _ in evicting),
+        "plan_ms": stats_ms(e.asked for _, e in evicting),
+        "ask_ms": stats_ms(e.answered - e.asked for _, e in evicting),
+        "free_ms": stats_ms(a.seconds - e.answered for a, e in evicting),
     }
 
 
@@ -543,6 +543,11 @@ def stats(values: list[float]) -> dict[str, float | None]:
         "max": values[-1],
         "mean": statistics.fmean(values),
     }
+
+
+def stats_ms(seconds: Iterable[float]) -> dict[str, float | None]:
+    """``stats`` of durations in seconds, in milliseconds."""
+    return stats(sorted(s * 1000 for s in seconds))
 
 
 def drive(
@@ -618,10 +623,7 @@ def summarize(
 ) -> dict[str, Any]:
     turns: list[Turn] = driven["turns"]
     ok = [t for t in turns if t.error is None]
-    resumed = sorted(t.seconds * 1000 for t in ok if t.resumed)
-    live = sorted(t.seconds * 1000 for t in ok if not t.resumed)
-    created = sorted(s * 1000 for s in driven["created"])
-    waits_ms = sorted(w * 1000 for w in waits)
+    resumed = [t.seconds for t in ok if t.resumed]
     errors = collections.Counter(t.error for t in turns if t.error is not None)
 
     return {
@@ -631,14 +633,14 @@ def summarize(
         "turns_ok": len(ok),
         "updates": len(ok) * UPDATES,
         "creation_s": driven["creation_s"],
-        "session_new_ms": stats(created),
+        "session_new_ms": stats_ms(driven["created"]),
         "turns_s": driven["turns_s"],
         "turns_per_s": len(ok) / driven["turns_s"],
         "resumes_per_s": len(resumed) / driven["turns_s"],
         "updates_per_s": len(ok) * UPDATES / driven["turns_s"],
-        "resumed_ms": stats(resumed),
-        "live_ms": stats(live),
-        "acquire_ms": stats(waits_ms),
+        "resumed_ms": stats_ms(resumed),
+        "live_ms": stats_ms(t.seconds for t in ok if not t.resumed),
+        "acquire_ms": stats_ms(waits),
         "turn_errors": dict(errors),
         "session_new_failures": driven["failures"],
         **extra,
@@ -666,7 +668,7 @@ class Workload:
     slot waits that began once every session was open (else every one, ``session/new``'s included).
     ``compared``: the turn latencies (``resumed_ms``, ``live_ms``) whose p50 is also given against the direct pool.
     ``proxy_figures`` (from each proxy's CPU seconds in the turn phase and its ``VmRSS`` and ``VmHWM`` in MB at
-    the end) and ``direct_figures`` (from the direct pool's stopping waits and starts, in seconds) add the
+    the end) and ``direct_figures`` (from the ``stats_ms`` of the direct pool's stopping waits and starts) add the
     workload's own figures to a row.
     """
 
@@ -680,7 +682,7 @@ class Workload:
     modes: tuple[str, ...]
     turn_phase_waits: bool
     proxy_figures: Callable[[list[float], dict[str, list[float]]], Row]
-    direct_figures: Callable[[list[float], list[float]], Row]
+    direct_figures: Callable[[dict[str, float | None], dict[str, float | None]], Row]
     compared: tuple[str, ...] = ()
     recorded: Row = field(default_factory=dict)
     """What the results record beside the rows, beyond what every workload records."""
@@ -888,7 +890,8 @@ def direct_run(workload: Workload, mode: str, env: dict[str, str], workdir: Path
             "samples": sampler.samples,
             "tree_peak_rss_mb": sampler.peak_rss / (1 << 20),
             **workload.direct_figures(
-                waits("evictions", client.pool.eviction_waits), waits("starts", client.pool.start_costs)
+                stats_ms(waits("evictions", client.pool.eviction_waits)),
+                stats_ms(waits("starts", client.pool.start_costs)),
             ),
         },
         sessions=workload.sessions,
