@@ -56,10 +56,8 @@ max over the ``SESSIONS`` proxies: what each acpx session costs in ``acp-proxy``
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks import pool
-from benchmarks.harness import Column, Report, Row, Section, col, fmt, proxied
+from benchmarks.harness import Column, Row, col, fmt, proxied
 from benchmarks.pool import (
     DIRECT_POOL,
     OUTCOME_COLUMNS,
@@ -96,10 +94,6 @@ INSTALL = Workload(
     proxy_figures=proxy_figures,
     direct_figures=direct_figures,
 )
-
-
-def measure_install(report: Report, args: argparse.Namespace) -> None:
-    report.install = pool.measure(report, args, INSTALL)
 
 
 # --- reporting -------------------------------------------------------------------------------
@@ -142,10 +136,6 @@ COLUMNS = (
     Column("proxy RSS p50 / max; HWM p50 / max MB", proxy_memory),
     *OUTCOME_COLUMNS,
 )
-
-
-def render(report: Report) -> list[str]:
-    return pool.render(INSTALL, report.install, heading, COLUMNS, row_summary)
 
 
 def heading(results: Row) -> list[str]:
@@ -194,4 +184,4 @@ def row_summary(row: Row) -> str:
     return line
 
 
-SECTION = Section(("install",), measure_install, render)
+SECTION = pool.section(INSTALL, heading, COLUMNS, row_summary)

@@ -16,10 +16,8 @@ client's own pool), the proxy's peak RSS (``VmHWM``) and its CPU in the turn pha
 
 from __future__ import annotations
 
-import argparse
-
 from benchmarks import pool
-from benchmarks.harness import Column, Report, Row, Section, col, fmt, proxied
+from benchmarks.harness import Column, Row, col, fmt, proxied
 from benchmarks.pool import (
     DIRECT_ALL,
     DIRECT_POOL,
@@ -60,10 +58,6 @@ LOAD = Workload(
 )
 
 
-def measure_load(report: Report, args: argparse.Namespace) -> None:
-    report.load = pool.measure(report, args, LOAD)
-
-
 # --- reporting -------------------------------------------------------------------------------
 
 
@@ -97,10 +91,6 @@ COLUMNS = (
     col("proxy peak RSS MB", "proxy_peak_rss_mb", when=proxied),
     *OUTCOME_COLUMNS,
 )
-
-
-def render(report: Report) -> list[str]:
-    return pool.render(LOAD, report.load, heading, COLUMNS, row_summary)
 
 
 def heading(results: Row) -> list[str]:
@@ -161,4 +151,4 @@ def row_summary(row: Row) -> str:
     return line
 
 
-SECTION = Section(("load",), measure_load, render)
+SECTION = pool.section(LOAD, heading, COLUMNS, row_summary)

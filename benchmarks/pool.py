@@ -63,6 +63,7 @@ from benchmarks.harness import (
     Column,
     Report,
     Row,
+    Section,
     fmt,
     is_proxy,
     isolated,
@@ -996,3 +997,21 @@ def render(
     out += render_table(columns, rows)
     out += [summary(row) + "." for row in rows]
     return [*out, "", *left_running(results, f" of the {workload.name} benchmark")]
+
+
+def section(
+    workload: Workload,
+    heading: Callable[[Row], list[str]],
+    columns: Sequence[Column],
+    summary: Callable[[Row], str],
+) -> Section:
+    """A pool benchmark's section: ``--only`` calls it by the workload's name, which is also the ``Report`` field
+    its results go to (``load``, ``install``); they are rendered as ``render`` says."""
+
+    def measure_workload(report: Report, args: argparse.Namespace) -> None:
+        setattr(report, workload.name, measure(report, args, workload))
+
+    def render_workload(report: Report) -> list[str]:
+        return render(workload, getattr(report, workload.name), heading, columns, summary)
+
+    return Section((workload.name,), measure_workload, render_workload)
