@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -26,6 +27,16 @@ INITIALIZE_PARAMS = {
     "clientInfo": {"name": "acp-proxy-bench", "version": "1"},
 }
 """What every benchmark's client sends with ``initialize``."""
+
+
+def script_argv(name: str, *args: str) -> list[str]:
+    """The command running the script ``benchmarks/<name>`` (a fake agent, a relay) with this interpreter."""
+    return [sys.executable, str(ROOT / "benchmarks" / name), *args]
+
+
+def proxy_argv(backend: str, *args: str) -> list[str]:
+    """The command running the proxy on the event loop ``backend`` (asyncio or trio), with more arguments."""
+    return [sys.executable, "-m", "acp_proxy", "--async-backend", backend, *args]
 
 
 class BenchError(Exception):

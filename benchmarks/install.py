@@ -58,14 +58,7 @@ from __future__ import annotations
 
 from benchmarks import pool
 from benchmarks.harness import Column, Row, col, fmt, proxied
-from benchmarks.pool import (
-    DIRECT_POOL,
-    OUTCOME_COLUMNS,
-    PROXIES,
-    Workload,
-    peak_adapters,
-    spread,
-)
+from benchmarks.pool import DIRECT_POOL, OUTCOME_COLUMNS, PROXIES, Workload, peak_adapters, spread
 
 
 def proxy_figures(cpu_turns: list[float], memory: dict[str, list[float]]) -> Row:

@@ -27,7 +27,6 @@ import select
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -45,7 +44,7 @@ from acp_proxy.ownership.reaping import prepare_tombstone
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed, wrapper_grace
 from acp_proxy.state import StateDB
 from benchmarks import harness
-from benchmarks.common import ROOT, BenchError, figures, percentile, proc_status_kb
+from benchmarks.common import BenchError, figures, percentile, proc_status_kb, script_argv
 from benchmarks.harness import (
     DIRECT,
     Case,
@@ -75,7 +74,6 @@ from tests.kit.markers import alive, start_ticks
 from tests.kit.proctree import Every
 from tests.kit.state import record_spawn
 
-TREE_ADAPTER = ROOT / "benchmarks" / "tree_adapter.py"
 COOPERATIVE = "cooperative"
 STUBBORN = "stubborn"
 
@@ -100,7 +98,7 @@ def mode_label(mode: str) -> str:
 
 
 def adapter_argv(kind: str) -> list[str]:
-    return [sys.executable, str(TREE_ADAPTER), kind]
+    return script_argv("tree_adapter.py", kind)
 
 
 # --- processes -------------------------------------------------------------------------

@@ -49,7 +49,6 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -57,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, cpu_seconds, percentile, proc_status_kb
+from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, cpu_seconds, percentile, proc_status_kb, script_argv
 from benchmarks.harness import (
     Case,
     Column,
@@ -79,8 +78,6 @@ from benchmarks.harness import (
 from tests.kit.gateway import Closed, SyncGateway
 from tests.kit.proctree import Descendants
 
-LOAD_AGENT = ROOT / "benchmarks" / "load_agent.py"
-LOAD_PROXY = ROOT / "benchmarks" / "load_proxy.py"
 BACKEND = "load"
 
 UPDATES = 20
@@ -101,7 +98,7 @@ SESSION_PARAMS = {"cwd": str(ROOT), "mcpServers": []}
 
 
 def agent_argv() -> list[str]:
-    return [sys.executable, str(LOAD_AGENT)]
+    return script_argv("load_agent.py")
 
 
 def prompt_params(session_id: str) -> dict[str, Any]:
@@ -713,7 +710,7 @@ class Fleet:
         self.clients: list[ProxyClient] = []
         try:
             for i, acquires in enumerate(self.acquire_files):
-                argv = [sys.executable, str(LOAD_PROXY), str(acquires), "--async-backend", backend]
+                argv = script_argv("load_proxy.py", str(acquires), "--async-backend", backend)
                 who = self.who if workload.proxies == 1 else f"{self.who} #{i}"
                 self.clients.append(ProxyClient([*argv, "--config", str(config)], env, who))
         except BaseException:

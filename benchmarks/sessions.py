@@ -44,7 +44,6 @@ import itertools
 import json
 import random
 import secrets
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +59,8 @@ from benchmarks.common import (
     figures,
     ops_row,
     proc_status_kb,
+    proxy_argv,
+    script_argv,
 )
 from benchmarks.harness import (
     DIRECT,
@@ -94,7 +95,6 @@ from benchmarks.harness import (
     with_baseline,
 )
 
-SESSION_AGENT = ROOT / "benchmarks" / "session_agent.py"
 RESTORES = ("resume", "load")
 BACKEND = "bench"
 
@@ -143,21 +143,12 @@ def restore_label(restore: str, replay: int) -> str:
 
 
 def agent_argv(restore: str, replay: int) -> list[str]:
-    return [sys.executable, str(SESSION_AGENT), restore, str(replay)]
+    return script_argv("session_agent.py", restore, str(replay))
 
 
-def proxy_argv(backend: str, config: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "acp_proxy",
-        "--async-backend",
-        backend,
-        "--log-level",
-        "info",
-        "--config",
-        str(config),
-    ]
+def configured_proxy_argv(backend: str, config: Path) -> list[str]:
+    """The proxy with ``config``, logging at info (where it says which sessions it resumed)."""
+    return proxy_argv(backend, "--log-level", "info", "--config", str(config))
 
 
 def write_config(path: Path, *, max_live: int, command: list[str]) -> Path:
@@ -268,7 +259,7 @@ class ProxyResume(Resume):
         super().__init__(proxy_mode(backend), restore, replay)
         name = f"resume-{backend}-{restore}"
         config = write_config(workdir / f"{name}.toml", max_live=1, command=agent_argv(restore, replay))
-        self.argv = proxy_argv(backend, config)
+        self.argv = configured_proxy_argv(backend, config)
         self.env = {**env, "ACP_PROXY_STATE_DIR": str(workdir / f"state-{name}")}
 
     def open(self) -> None:
@@ -394,7 +385,7 @@ def rss_once(backend: str, case: str, env: dict[str, str], workdir: Path, index:
     if suspended:
         populate(state, suspended)
     config = write_config(workdir / f"rss-{index}.toml", max_live=RSS_LIVE, command=agent_argv("resume", 0))
-    with connect(proxy_argv(backend, config), {**env, "ACP_PROXY_STATE_DIR": str(state)}, who) as conn:
+    with connect(configured_proxy_argv(backend, config), {**env, "ACP_PROXY_STATE_DIR": str(state)}, who) as conn:
         call(conn, "initialize", INITIALIZE_PARAMS)
         for _ in range(live):
             conn.new_session(**SESSION_PARAMS, timeout=IO_TIMEOUT)

@@ -22,7 +22,6 @@ import contextlib
 import functools
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -42,6 +41,8 @@ from benchmarks.common import (
     cpu_seconds,
     figures,
     proc_status_kb,
+    proxy_argv,
+    script_argv,
 )
 from benchmarks.harness import (
     DIRECT,
@@ -68,8 +69,6 @@ from benchmarks.harness import (
 from tests.kit.gateway import GatewayError, SyncGateway
 from tests.kit.proctree import Every
 
-AGENT = ROOT / "benchmarks" / "stream_agent.py"
-
 READ_SIZE = 1 << 20
 LATENCY_WARMUP = 200
 RSS_SAMPLE_INTERVAL = 0.05
@@ -95,11 +94,7 @@ def mode_label(mode: str) -> str:
 
 
 def agent_argv() -> list[str]:
-    return [sys.executable, str(AGENT)]
-
-
-def proxy_argv(backend: str) -> list[str]:
-    return [sys.executable, "-m", "acp_proxy", "--async-backend", backend, "--", *agent_argv()]
+    return script_argv("stream_agent.py")
 
 
 # --- the client ------------------------------------------------------------------
@@ -110,7 +105,7 @@ def open_connection(mode: str) -> SyncGateway:
     common: dict[str, Any] = {"cwd": ROOT, "env": child_environment()}
     options: dict[str, Any] = {"name": mode_label(mode), "read_size": READ_SIZE}
     if mode != CAT:
-        argv = agent_argv() if mode == DIRECT else proxy_argv(mode.removeprefix("proxy-"))
+        argv = agent_argv() if mode == DIRECT else proxy_argv(mode.removeprefix("proxy-"), "--", *agent_argv())
         return SyncGateway.launch(argv, **common, **options)
     log = tempfile.TemporaryFile()  # noqa: SIM115 - the connection closes it
     pipes: dict[str, Any] = {"stderr": log, "bufsize": 0, **common}

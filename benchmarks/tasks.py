@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import timeit
 from collections.abc import Callable
@@ -50,13 +49,7 @@ import msgspec
 
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, list_tasks, new_task_id, outcome_of
-from benchmarks.common import (
-    ROOT,
-    BenchError,
-    cpu_seconds,
-    figures,
-    ops_row,
-)
+from benchmarks.common import ROOT, BenchError, cpu_seconds, figures, ops_row, proxy_argv, script_argv
 from benchmarks.harness import (
     DIRECT,
     IO_TIMEOUT,
@@ -87,8 +80,6 @@ from benchmarks.sessions import mode_label
 from benchmarks.stream_agent import update_line
 from tests.kit.state import count_tasks
 
-STREAM_AGENT = ROOT / "benchmarks" / "stream_agent.py"
-LINE_RELAY = ROOT / "benchmarks" / "line_relay.py"
 BARE = "bare-"
 
 TURN_UPDATES = 10
@@ -123,15 +114,11 @@ TOOL_CALL_LINE = (
 
 
 def agent_argv() -> list[str]:
-    return [sys.executable, str(STREAM_AGENT)]
-
-
-def proxy_argv(backend: str) -> list[str]:
-    return [sys.executable, "-m", "acp_proxy", "--async-backend", backend, "--", *agent_argv()]
+    return script_argv("stream_agent.py")
 
 
 def bare_argv(backend: str) -> list[str]:
-    return [sys.executable, str(LINE_RELAY), "--async-backend", backend, "--", *agent_argv()]
+    return script_argv("line_relay.py", "--async-backend", backend, "--", *agent_argv())
 
 
 def turn_label(mode: str) -> str:
@@ -166,7 +153,8 @@ class TurnCase(Connected):
         else:
             backend = mode.removeprefix("proxy-")
             self.state = workdir / f"state-turns-{backend}"
-            self.argv, self.env = proxy_argv(backend), {**env, "ACP_PROXY_STATE_DIR": str(self.state)}
+            self.argv = proxy_argv(backend, "--", *agent_argv())
+            self.env = {**env, "ACP_PROXY_STATE_DIR": str(self.state)}
         self.session_id = ""
         self.turns = 0
         self.cpu_s = 0.0
