@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import IO, Any, Literal, Self
 
 import anyio
@@ -293,13 +293,20 @@ def _is_update(msg: Message, session_id: str | None) -> bool:
     return session_id is None or (msg.get("params") or {}).get("sessionId") == session_id
 
 
+@contextlib.contextmanager
 def _child_options(
     env: dict[str, str] | None, cwd: str | os.PathLike[str] | None, stderr: Stderr, start_new_session: bool
-) -> tuple[dict[str, Any], IO[bytes] | None]:
-    """How to start a child on two pipes, and the file that captures its stderr (closed with the connection)."""
+) -> Iterator[tuple[dict[str, Any], IO[bytes] | None]]:
+    """How to start a child on two pipes, and the file that captures its stderr: closed with the connection, or
+    on the way out of this block if the child could not be started in it."""
     log = tempfile.TemporaryFile() if stderr == "capture" else None  # noqa: SIM115
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": stderr if log is None else log}
-    return {**pipes, "env": env, "cwd": cwd, "start_new_session": start_new_session}, log
+    try:
+        yield {**pipes, "env": env, "cwd": cwd, "start_new_session": start_new_session}, log
+    except BaseException:
+        if log is not None:
+            log.close()
+        raise
 
 
 def _pipes(process: Any) -> tuple[Any, Any]:
@@ -360,13 +367,8 @@ class Gateway(_Connection):
         **options: Any,
     ) -> AsyncIterator[Self]:
         """Run ``argv`` and talk to it; on the way out, ``close(close_timeout)`` and reap it."""
-        child, log = _child_options(env, cwd, stderr, start_new_session)
-        try:
+        with _child_options(env, cwd, stderr, start_new_session) as (child, log):
             process = await anyio.open_process(list(argv), **child)
-        except BaseException:
-            if log is not None:
-                log.close()
-            raise
         gateway = cls(*_pipes(process), process=process, stderr_file=log, **options)
         try:
             async with gateway._serving(close_timeout):
@@ -621,13 +623,8 @@ class SyncGateway(_Connection):
         start_new_session: bool = False,
         **options: Any,
     ) -> Self:
-        child, log = _child_options(env, cwd, stderr, start_new_session)
-        try:
+        with _child_options(env, cwd, stderr, start_new_session) as (child, log):
             process = subprocess.Popen(list(argv), bufsize=0, **child)
-        except BaseException:
-            if log is not None:
-                log.close()
-            raise
         return cls(*_pipes(process), processes=[process], stderr_file=log, **options)
 
     def __enter__(self) -> Self:
