@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import IO, Any, Literal, Self
+from typing import IO, Any, Literal, Self, TypedDict, Unpack
 
 import anyio
 import anyio.abc
@@ -126,18 +126,29 @@ class _Slot:
         self.event = event
 
 
+class Options(TypedDict, total=False):
+    """What either face is made with beside its pipes (``_Connection``'s arguments, and their defaults there)."""
+
+    stderr_file: IO[bytes] | None
+    name: str
+    handler: Handler | None
+    observers: Iterable[Observer]
+    first_id: int
+    keep: bool
+
+
 class _Connection:
     """Ids, waiting requests, dispatch and the stash: everything but reading and writing."""
 
     def __init__(
         self,
         *,
-        name: str,
-        handler: Handler | None,
-        observers: Iterable[Observer],
-        first_id: int,
-        keep: bool,
-        stderr_file: IO[bytes] | None,
+        stderr_file: IO[bytes] | None = None,
+        name: str = "the agent",
+        handler: Handler | None = None,
+        observers: Iterable[Observer] = (),
+        first_id: int = 0,
+        keep: bool = True,
     ) -> None:
         self.name = name
         self.handler = handler
@@ -335,16 +346,9 @@ class Gateway(_Connection):
         receive: anyio.abc.ByteReceiveStream,
         *,
         process: anyio.abc.Process | None = None,
-        stderr_file: IO[bytes] | None = None,
-        name: str = "the agent",
-        handler: Handler | None = None,
-        observers: Iterable[Observer] = (),
-        first_id: int = 0,
-        keep: bool = True,
+        **options: Unpack[Options],
     ) -> None:
-        super().__init__(
-            name=name, handler=handler, observers=observers, first_id=first_id, keep=keep, stderr_file=stderr_file
-        )
+        super().__init__(**options)
         self.process = process
         self._send_stream, self._receive_stream = send, receive
         self._send_lock = anyio.Lock()
@@ -589,18 +593,11 @@ class SyncGateway(_Connection):
         read: IO[bytes],
         *,
         processes: Sequence[subprocess.Popen[bytes]] = (),
-        stderr_file: IO[bytes] | None = None,
-        name: str = "the agent",
-        handler: Handler | None = None,
-        observers: Iterable[Observer] = (),
-        first_id: int = 0,
-        keep: bool = True,
         read_size: int = READ_SIZE,
         reader_thread: bool = False,
+        **options: Unpack[Options],
     ) -> None:
-        super().__init__(
-            name=name, handler=handler, observers=observers, first_id=first_id, keep=keep, stderr_file=stderr_file
-        )
+        super().__init__(**options)
         self.processes = list(processes)
         self.read_size = read_size
         self._write_file, self._read_file = write, read
