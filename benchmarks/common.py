@@ -85,7 +85,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-SUMMARIES: dict[str, Callable[[list[float]], float]] = {
+_SUMMARIES: dict[str, Callable[[list[float]], float]] = {
     "median": statistics.median,
     "mean": statistics.fmean,
     "min": lambda ordered: ordered[0],
@@ -100,7 +100,7 @@ def figures(unit: str, values: Iterable[float], *names: str) -> dict[str, float]
     """
     ordered = sorted(values)
     return {
-        f"{name}_{unit}": percentile(ordered, int(name[1:])) if name[0] == "p" else SUMMARIES[name](ordered)
+        f"{name}_{unit}": percentile(ordered, int(name[1:])) if name[0] == "p" else _SUMMARIES[name](ordered)
         for name in names
     }
 

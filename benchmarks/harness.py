@@ -6,9 +6,12 @@ states. Inside, the work is a list of ``Case``s: a key naming the work and how i
 is run (``direct``, or ``proxy-<backend>`` through the proxy on that event loop) and
 the function that runs it once. ``run_each`` runs every case once (a load), and
 ``interleaved`` runs rounds over them all (short samples, so that drift on the
-machine hits every case alike). A case that fails is reported and dropped; the run
-goes on. The figures come back as rows (plain dicts: what ``bench.json`` holds), and
-every table is ``render_table`` over ``Column``s. A section's processes run
+machine hits every case alike); ``standing_rounds`` does that over cases that stay
+up between their samples (a connection, a proxy): ``Connected`` ones talk to one
+child process at a time through the kit's client. A case that fails is reported
+and dropped; the run goes on. The figures come back as rows (plain dicts: what
+``bench.json`` holds; ``common.figures`` makes a row's percentiles), and every
+table is ``render_table`` over ``Column``s. A section's processes run
 ``isolated``: each carries ``ACP_PROXY_BENCH=<token>`` in its environment, and one
 still found in ``/proc`` at the end is a failed run (and is killed).
 """
@@ -262,6 +265,7 @@ class Connected:
         return self._conn
 
     def connect(self, argv: list[str], env: dict[str, str]) -> SyncGateway:
+        """Start ``argv`` and ``initialize`` it: the connection, until ``disconnect``."""
         self._conn = connect(argv, env, self.label)
         call(self._conn, "initialize", INITIALIZE_PARAMS)
         return self._conn
