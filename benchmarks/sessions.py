@@ -283,8 +283,8 @@ class ProxyResume(Resume):
             raise BenchError(f"{self.label}: the proxy logged {resumed} resumes, the client counted {self.resumes}")
 
 
-def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[Resume]:
-    cases: list[Resume] = []
+def resume_cases(env: dict[str, str], workdir: Path, args: argparse.Namespace) -> list[DirectResume | ProxyResume]:
+    cases: list[DirectResume | ProxyResume] = []
     for restore in RESTORES:
         cases.append(DirectResume(restore, args.replay, env))
         cases += [ProxyResume(backend, restore, args.replay, env, workdir) for backend in args.backends]
@@ -295,7 +295,7 @@ def measure_resume(
     report: Report, env: dict[str, str], workdir: Path, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
     cases = resume_cases(env, workdir, args)
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "restore": case.restore,
             "mode": case.mode,

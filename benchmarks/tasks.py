@@ -243,7 +243,7 @@ def measure_turns(report: Report, env: dict[str, str], workdir: Path, args: argp
     modes = [DIRECT, *(BARE + b for b in args.backends), *(proxy_mode(b) for b in args.backends)]
     cases = [TurnCase(mode, env, workdir) for mode in modes]
     blocks = [min(TURN_BLOCK, args.turns - start) for start in range(0, args.turns, TURN_BLOCK)]
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "mode": case.mode,
             "turns": len(values),
