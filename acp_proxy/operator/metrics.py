@@ -38,9 +38,9 @@ from acp_proxy.operator.commands import open_existing, owned_tree
 from acp_proxy.operator.reports import Liveness, OperatorError, ask
 from acp_proxy.ownership.leases import active_leases
 from acp_proxy.pool.install import InstallSlots
-from acp_proxy.sessions.registry import SessionState
+from acp_proxy.sessions.registry import SessionState, backends_of_sessions, counts_by_state
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import ACTIVE, TaskStatus, effective_status
+from acp_proxy.tasks.records import ACTIVE, TaskStatus, active_by_holder, effective_status
 
 PREFIX: Final = "acp_proxy"
 
@@ -235,19 +235,16 @@ def _gather(
     for lease in active_leases(db):
         rss[lease.backend] += sum(proc["rssBytes"] for proc in owned_tree(lease))
     turns: Tally[tuple[str, str]] = Tally()
-    statuses = [status.value for status in ACTIVE]
-    for backend, status, instance_id in db.conn.execute(
-        f"SELECT backend, status, instance_id FROM tasks WHERE status IN ({', '.join('?' * len(statuses))})", statuses
-    ):
+    for backend, status, instance_id in active_by_holder(db):
         effective = effective_status(TaskStatus(status), alive(instance_id))
         if effective in ACTIVE:
             turns[(backend, effective.value)] += 1
     backends = set(config.backends) if config is not None else set()
-    backends |= {row[0] for row in db.conn.execute("SELECT DISTINCT backend FROM sessions")}
+    backends |= backends_of_sessions(db)
     waiting = {backend: count for backend in sorted(backends) if (count := install.waiters(backend))}
     return InstallFigures(
         proxies=len(running),
-        sessions=dict(db.conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state").fetchall()),
+        sessions=counts_by_state(db),
         live_adapters=dict(live),
         memory=dict(memory),
         rss=dict(rss),

@@ -51,6 +51,7 @@ from acp_proxy.tasks.records import (
     TaskStatus,
     effective_status,
     get_task,
+    recent_with_titles,
 )
 
 POLL_INTERVAL: Final = 0.25
@@ -171,13 +172,7 @@ def _status(record: TaskRecord, alive: Liveness) -> TaskStatus:
 
 
 def _recent(db: StateDB, session_id: str | None, window: float) -> list[sqlite3.Row]:
-    query = """SELECT tasks.*, sessions.title AS session_title FROM tasks LEFT JOIN sessions USING (session_id)
-               WHERE (tasks.status IN ('queued', 'running') OR tasks.ended_at >= ?)"""
-    args: list[object] = [time.time() - window]
-    if session_id is not None:
-        query += " AND tasks.session_id = ?"
-        args.append(session_id)
-    return db.conn.execute(query, args).fetchall()
+    return recent_with_titles(db, time.time() - window, session_id)
 
 
 def _line(notice: Notice, as_json: bool) -> str:

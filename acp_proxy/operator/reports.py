@@ -32,6 +32,7 @@ from acp_proxy.ownership.leases import Lease, active_leases, get_lease
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.verify import process_table
 from acp_proxy.pool.install import InstallSlots
+from acp_proxy.sessions import registry
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import (
@@ -40,8 +41,11 @@ from acp_proxy.tasks.records import (
     AmbiguousId,
     TaskRecord,
     TaskStatus,
+    active_by_session,
+    counts_since,
     effective_status,
     get_task,
+    has_tasks_of,
     list_tasks,
 )
 
@@ -438,22 +442,12 @@ def resolve_session(db: StateDB | None, state_dir: Path, session_id: str, *, mus
     """A session id, from itself or a unique prefix (at least 4 characters)."""
     if db is None:
         raise OperatorError(f"no session {session_id}: {_no_state(state_dir)}")
-    if db.conn.execute("SELECT 1 FROM sessions WHERE session_id = ?", (session_id,)).fetchone():
-        return session_id
-    matches: list[str] = []
-    if len(session_id) >= 4:
-        matches = [
-            row[0]
-            for row in db.conn.execute(
-                "SELECT session_id FROM sessions WHERE session_id >= ? AND session_id < ? ORDER BY session_id LIMIT 6",
-                (session_id, session_id + "\U0010ffff"),
-            )
-        ]
+    matches = registry.ids_matching(db, session_id)
     if len(matches) == 1:
         return matches[0]
     if len(matches) > 1:
         raise OperatorError(f"{session_id!r} matches {len(matches)} sessions ({', '.join(matches[:5])}); give more")
-    if not must_exist and db.conn.execute("SELECT 1 FROM tasks WHERE session_id = ?", (session_id,)).fetchone():
+    if not must_exist and has_tasks_of(db, session_id):
         return session_id
     raise OperatorError(f"no session {session_id} in {state_dir} (acp-proxy sessions list --all shows them)")
 
@@ -498,24 +492,10 @@ def sessions_list(state_dir: Path, *, states: Sequence[str], show_all: bool, as_
     views: list[dict[str, Any]] = []
     with opened(state_dir) as db:
         if db is not None:
-            query = "SELECT * FROM sessions"
-            args: list[object] = []
-            if states:
-                query += f" WHERE state IN ({', '.join('?' * len(states))})"
-                args += list(states)
-            elif show_all:
-                query += " WHERE state != 'deleted'"  # tombstones only when asked for by state
-            else:
-                query += " WHERE state NOT IN ('closed', 'deleted')"
-            query += " ORDER BY last_active_at DESC"
             alive = Liveness(db)
-            counts = dict(
-                db.conn.execute(
-                    "SELECT session_id, COUNT(*) FROM tasks WHERE status IN ('queued', 'running') GROUP BY session_id"
-                ).fetchall()
-            )
-            for row in db.conn.execute(query, args):
-                view = session_view(SessionRecord.from_row(row), alive)
+            counts = active_by_session(db)
+            for record in registry.listed(db, states, show_all=show_all):
+                view = session_view(record, alive)
                 view["activeTasks"] = counts.get(view["sessionId"], 0) if view["instanceAlive"] else 0
                 views.append(view)
     if as_json:
@@ -608,8 +588,8 @@ def act_on_session(state_dir: Path, session_id: str, *, action: str) -> Acted:
     with opened(state_dir) as db:
         session_id = resolve_session(db, state_dir, session_id)
         assert db is not None
-        registry = SessionRegistry(db, "")
-        record = registry.get(session_id)
+        rows = SessionRegistry(db, "")
+        record = rows.get(session_id)
         assert record is not None
         holder = record.instance_id
         holder_alive = Liveness(db)(holder)
@@ -639,14 +619,14 @@ def act_on_session(state_dir: Path, session_id: str, *, action: str) -> Acted:
                 return Acted(outcome, message, 0 if done else EXIT_UNREACHABLE)
         # No live proxy holds it: its process tree (if any) went with its proxy's lease.
         if action == "suspend":
-            if record.state in (SessionState.LIVE, SessionState.RESUMING) and not registry.take_over_if_orphaned(
+            if record.state in (SessionState.LIVE, SessionState.RESUMING) and not rows.take_over_if_orphaned(
                 session_id
             ):
                 outcome |= {"done": False, "state": record.state.value, "reason": "changed meanwhile"}
                 return Acted(outcome, f"session {session_id} changed meanwhile (a proxy took it); try again", 1)
             outcome |= {"done": True, "state": "suspended", "via": "database"}
             return Acted(outcome, f"session {session_id} is suspended (no proxy holds it)", 0)
-        if not registry.close_if_unchanged(record):
+        if not rows.close_if_unchanged(record):
             outcome |= {"done": False, "state": record.state.value, "reason": "changed meanwhile"}
             return Acted(outcome, f"session {session_id} changed meanwhile (a proxy took it); try again", 1)
         outcome |= {"done": True, "state": "closed", "via": "database"}
@@ -699,13 +679,10 @@ def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None
             except OperatorError as exc:
                 entry["controlError"] = str(exc)
         report["instances"].append(entry)
-    report["sessions"] = dict(db.conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state").fetchall())
+    report["sessions"] = registry.counts_by_state(db)
     report["liveSessions"] = [
-        {"sessionId": row[0], "backend": row[1], "state": row[2], "title": row[3]}
-        for row in db.conn.execute(
-            """SELECT session_id, backend, state, title FROM sessions WHERE state IN ('live', 'resuming')
-               ORDER BY last_active_at DESC"""
-        )
+        {"sessionId": session_id, "backend": backend, "state": state, "title": title}
+        for session_id, backend, state, title in registry.held(db)
     ]
     report["slots"] = install_slots_view(state_dir, alive)
     report["leases"] = dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())
@@ -717,12 +694,7 @@ def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None
         if view["status"] in ("running", "queued"):
             report["tasks"][view["status"]] += 1
             report["runningTasks"].append(view)
-    report["tasks"]["lastDay"] = {
-        status_: count
-        for status_, count in db.conn.execute(
-            "SELECT status, COUNT(*) FROM tasks WHERE created_at >= ? GROUP BY status", (moment - RECENT_WINDOW,)
-        )
-    }
+    report["tasks"]["lastDay"] = counts_since(db, moment - RECENT_WINDOW)
 
 
 def install_slots_view(state_dir: Path, alive: Callable[[str | None], bool]) -> list[dict[str, Any]]:

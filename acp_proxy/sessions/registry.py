@@ -392,3 +392,66 @@ class SessionRegistry:
     def counts(self) -> dict[str, int]:
         rows = self.db.conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state")
         return {state: count for state, count in rows}
+
+
+# --- reads for the operator: every statement on sessions lives in this module ------------------
+
+
+def counts_by_state(db: StateDB) -> dict[str, int]:
+    """How many sessions the install has in each state."""
+    return dict(db.conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state").fetchall())
+
+
+def backends_of_sessions(db: StateDB) -> set[str]:
+    """Every backend a session of the install has run on."""
+    return {row[0] for row in db.conn.execute("SELECT DISTINCT backend FROM sessions")}
+
+
+def held(db: StateDB) -> list[tuple[str, str, str, str | None]]:
+    """Sessions a proxy holds (live or resuming), most recently active first: id, backend, state, title."""
+    return db.conn.execute(
+        """SELECT session_id, backend, state, title FROM sessions WHERE state IN ('live', 'resuming')
+           ORDER BY last_active_at DESC"""
+    ).fetchall()
+
+
+def ids_matching(db: StateDB, text: str, *, at_most: int = 6) -> list[str]:
+    """``text`` if a session has that id, else the ids it begins (at least 4 characters), in order."""
+    if db.conn.execute("SELECT 1 FROM sessions WHERE session_id = ?", (text,)).fetchone():
+        return [text]
+    if len(text) < 4:
+        return []
+    return [
+        row[0]
+        for row in db.conn.execute(
+            "SELECT session_id FROM sessions WHERE session_id >= ? AND session_id < ? ORDER BY session_id LIMIT ?",
+            (text, text + "\U0010ffff", at_most),
+        )
+    ]
+
+
+def listed(db: StateDB, states: Sequence[str] = (), *, show_all: bool = False) -> list[SessionRecord]:
+    """Sessions in ``states`` (default: all but closed and deleted; ``show_all``: all but deleted), most recent
+    first."""
+    query = "SELECT * FROM sessions"
+    args: list[object] = []
+    if states:
+        query += f" WHERE state IN ({', '.join('?' * len(states))})"
+        args += list(states)
+    elif show_all:
+        query += " WHERE state != 'deleted'"  # tombstones only when asked for by state
+    else:
+        query += " WHERE state NOT IN ('closed', 'deleted')"
+    query += " ORDER BY last_active_at DESC"
+    return [SessionRecord.from_row(row) for row in db.conn.execute(query, args)]
+
+
+def recent_for_view(db: StateDB, closed_since: float, limit: int) -> list[tuple[Any, ...]]:
+    """What ``top`` shows of sessions: all but closed and deleted, and those closed since ``closed_since``
+    (wall clock), most recent first: id, backend, state, title, instance, lease, last active."""
+    return db.conn.execute(
+        """SELECT session_id, backend, state, title, instance_id, lease_id, last_active_at FROM sessions
+           WHERE state IN ('live', 'resuming', 'suspended') OR (state = 'closed' AND last_active_at >= ?)
+           ORDER BY last_active_at DESC LIMIT ?""",
+        (closed_since, limit),
+    ).fetchall()

@@ -702,3 +702,45 @@ def prune(db: StateDB, retention: float, *, at: float | None = None) -> int:
     cutoff = (now() if at is None else at) - retention
     sql = "DELETE FROM tasks WHERE status NOT IN ('queued', 'running') AND ended_at < ?"
     return db.call(functools.partial(_execute, sql, (cutoff,)))  # after this proxy's queued writes
+
+
+# --- reads for the operator: every statement on tasks lives in this module -----------------------
+
+
+def active_by_session(db: StateDB) -> dict[str, int]:
+    """How many tasks of each session are queued or running, as recorded."""
+    return dict(
+        db.conn.execute(
+            "SELECT session_id, COUNT(*) FROM tasks WHERE status IN ('queued', 'running') GROUP BY session_id"
+        ).fetchall()
+    )
+
+
+def has_tasks_of(db: StateDB, session_id: str) -> bool:
+    return db.conn.execute("SELECT 1 FROM tasks WHERE session_id = ?", (session_id,)).fetchone() is not None
+
+
+def active_by_holder(db: StateDB) -> list[tuple[str, str, str]]:
+    """Every task recorded as active: backend, status, the instance running it."""
+    statuses = [status.value for status in ACTIVE]
+    return db.conn.execute(
+        f"SELECT backend, status, instance_id FROM tasks WHERE status IN ({', '.join('?' * len(statuses))})", statuses
+    ).fetchall()
+
+
+def counts_since(db: StateDB, since: float) -> dict[str, int]:
+    """How many tasks created since ``since`` (wall clock) are in each status."""
+    return dict(
+        db.conn.execute("SELECT status, COUNT(*) FROM tasks WHERE created_at >= ? GROUP BY status", (since,)).fetchall()
+    )
+
+
+def recent_with_titles(db: StateDB, since: float, session_id: str | None = None) -> list[sqlite3.Row]:
+    """Task rows active or ended since ``since`` (wall clock), each with its session's title (``session_title``)."""
+    query = """SELECT tasks.*, sessions.title AS session_title FROM tasks LEFT JOIN sessions USING (session_id)
+               WHERE (tasks.status IN ('queued', 'running') OR tasks.ended_at >= ?)"""
+    args: list[object] = [since]
+    if session_id is not None:
+        query += " AND tasks.session_id = ?"
+        args.append(session_id)
+    return db.conn.execute(query, args).fetchall()

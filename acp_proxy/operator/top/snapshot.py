@@ -35,6 +35,7 @@ from acp_proxy.ownership.leases import active_leases
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
 from acp_proxy.pool.install import InstallSlots, SlotRecord
 from acp_proxy.pool.memory import measure_trees
+from acp_proxy.sessions import registry
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import ACTIVE, TaskRecord, TaskStatus, list_tasks
@@ -222,12 +223,7 @@ class Gatherer:
     def _sessions(
         self, db: StateDB, alive: reports.Liveness, by_session: dict[str, SlotRecord], moment: float
     ) -> tuple[SessionRow, ...]:
-        rows = db.conn.execute(
-            """SELECT session_id, backend, state, title, instance_id, lease_id, last_active_at FROM sessions
-               WHERE state IN ('live', 'resuming', 'suspended') OR (state = 'closed' AND last_active_at >= ?)
-               ORDER BY last_active_at DESC LIMIT ?""",
-            (moment - CLOSED_SHOWN_FOR, SESSIONS_READ),
-        ).fetchall()
+        rows = registry.recent_for_view(db, moment - CLOSED_SHOWN_FOR, SESSIONS_READ)
         unmeasured = {
             lease_id: session_id
             for session_id, _, state, _, instance_id, lease_id, _ in rows
