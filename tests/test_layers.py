@@ -64,3 +64,44 @@ def test_an_import_in_a_function_or_for_type_checking_is_not_module_level(tmp_pa
         "def run() -> None:\n    import psutil\n"
     )
     assert module_level_imports(source) == {"os", "typing"}
+
+
+def _adapter_fields() -> set[str]:
+    """The instance fields of ``pool.adapter.Adapter``: what ``__init__`` assigns on ``self``."""
+    tree = ast.parse((PACKAGE / "pool" / "adapter.py").read_text())
+    adapter = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Adapter")
+    init = next(node for node in adapter.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    return {
+        target.attr
+        for node in ast.walk(init)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+    }
+
+
+def test_no_module_outside_the_pool_assigns_a_field_of_an_adapter() -> None:
+    """An adapter is changed through its methods (``pool/adapter.py``), never field by field from above."""
+    fields = _adapter_fields()
+    assert {"gateway_session", "claimed", "swallow_updates", "upstream_pending"} <= fields  # the check sees them
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "pool":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                parts = target.elts if isinstance(target, ast.Tuple) else [target]  # a, b = ...
+                for part in parts:
+                    if (
+                        isinstance(part, ast.Attribute)
+                        and part.attr in fields
+                        and ast.unparse(part.value).endswith("adapter")
+                    ):
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(part)}")
+    assert found == []

@@ -140,11 +140,58 @@ class Adapter:
         self.on_turn_start: Callable[[Adapter], None] | None = None
         """Called when a turn starts here, so that the install's record of this slot says busy at once."""
 
+    # The rest of the proxy changes what a process is to it through these methods, never by
+    # assigning its fields (tests/test_layers.py holds every module outside pool/ to that).
+
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""
         self.gateway_session = self.adapter_session = None
         self.claimed = False
         self.swallow_updates = False
+
+    def assign(self, gateway_session: str | None, adapter_session: str | None = None) -> None:
+        """It is to serve ``gateway_session``, known to it as ``adapter_session`` (default: the same id)."""
+        self.gateway_session = gateway_session
+        self.adapter_session = gateway_session if adapter_session is None else adapter_session
+
+    def serve(self, gateway_session: str, adapter_session: str) -> None:
+        """From now on it serves ``gateway_session`` (its only open session): no longer claimed."""
+        self.assign(gateway_session, adapter_session)
+        self.open_sessions = {adapter_session}
+        self.claimed = False
+
+    def renamed(self, adapter_session: str) -> None:
+        """The adapter now knows its session under ``adapter_session`` (restored afresh)."""
+        self.adapter_session = adapter_session
+
+    def unclaim(self) -> None:
+        """The request it was taken for is answered: it serves the session it opened, or is a spare again."""
+        self.claimed = False
+
+    def swallow(self, replay: bool) -> None:
+        """Drop its ``session/update``s from now on (the replay of a load the gateway did not ask for), or stop."""
+        self.swallow_updates = replay
+
+    def mute(self) -> None:
+        """The proxy answered its turn for it: see ``muted``."""
+        self.muted = True
+
+    def asked_upstream(self) -> None:
+        """It sent the gateway a request."""
+        self.upstream_pending += 1
+
+    def answered_upstream(self) -> None:
+        """The gateway answered one of its requests."""
+        self.upstream_pending -= 1
+
+    def upstream_forgotten(self) -> None:
+        """Its requests to the gateway are given up (it has exited)."""
+        self.upstream_pending = 0
+
+    def turn_answered(self, turn: Turn) -> None:
+        """``turn`` has its answer: it runs here no more."""
+        if self.turn is turn:
+            self.turn = None
 
     @property
     def rewrites_session(self) -> bool:

@@ -1039,6 +1039,7 @@ class ProcessPool:
     def note_bound(self, adapter: Adapter) -> None:
         """A session now runs on ``adapter`` (opened or restored): learn the start cost, mark it recent."""
         moment = time.monotonic()
+        adapter.last_active = moment
         if adapter.started_at is not None:
             cost = moment - adapter.started_at
             adapter.started_at = None

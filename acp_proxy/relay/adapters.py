@@ -154,7 +154,7 @@ class AdapterRelay:
         adapter, adapter_id, method = route
         if method == Method.REQUEST_PERMISSION:
             self.turns.note(adapter.turn, "permission_answered", permission_choice(msg))
-        adapter.upstream_pending -= 1
+        adapter.answered_upstream()
         if not adapter.busy:
             self.pool.changed.notify()
         try:
@@ -298,7 +298,7 @@ class AdapterRelay:
         upstream_id = self._next_upstream_id
         self._next_upstream_id += 1
         self._upstream[upstream_id] = (adapter, msg.id, str(msg.method))  # type: ignore[assignment]
-        adapter.upstream_pending += 1
+        adapter.asked_upstream()
         if msg.method == Method.REQUEST_PERMISSION:
             self.turns.note(adapter.turn, "permission_asked", permission_subject(msg))
         return jsonrpc.with_id(msg, upstream_id)
@@ -314,10 +314,11 @@ class AdapterRelay:
         if call.internal is not None:
             # In stream order, so that what the adapter writes right after an answer is seen right:
             if call.method == Method.LOAD:
-                adapter.swallow_updates = False  # what follows the answer is not replay
+                adapter.swallow(False)  # what follows the answer is not replay
             elif call.method == Method.NEW and adapter.gateway_session is not None:
                 fresh = session_of(msg.result)  # a fallback: from now on its id is rewritten
-                adapter.adapter_session = fresh or adapter.adapter_session
+                if fresh:
+                    adapter.renamed(fresh)
             call.internal.response = msg
             call.internal.done.set()
             return None
@@ -336,8 +337,7 @@ class AdapterRelay:
                 log.error("could not record the answer to %s in the state database: %s", call.method, exc)
         if call.turn is not None:
             self.turns.settle_answer(call.turn, msg, write_later=True)
-            if adapter.turn is call.turn:
-                adapter.turn = None
+            adapter.turn_answered(call.turn)
             self.pool.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
         if not adapter.busy:
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
@@ -377,7 +377,7 @@ class AdapterRelay:
         for upstream_id in orphaned:
             del self._upstream[upstream_id]
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
-        adapter.upstream_pending = 0
+        adapter.upstream_forgotten()
         self.intents.process_ended(adapter, returncode)
         await self.pool.stop(adapter, drain=False)
 

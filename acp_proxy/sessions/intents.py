@@ -211,7 +211,7 @@ class SessionIntents:
         backend = adapter.backend
 
         def created(answer: Message) -> Message | None:
-            adapter.claimed = False
+            adapter.unclaim()
             session_id = session_of(answer.result) if answer.error is UNSET else None
             if session_id is None:
                 return None  # the error goes to the gateway; the process stays as a spare
@@ -838,7 +838,7 @@ class SessionIntents:
         call = adapter.take_call_of(turn)
         self.turns.settle(turn, stop_reason="cancelled", ended_by=ended_by)
         if session.adapter is adapter and not session.closed:
-            adapter.muted = True
+            adapter.mute()
             log.warning(
                 "session %s: pid %s did not end its cancelled turn (%s); stopping it (session suspended)",
                 session.session_id,
@@ -898,11 +898,11 @@ class SessionIntents:
         if adapter is None:
             return
         backend = adapter.backend
-        adapter.gateway_session = adapter.adapter_session = session_id
+        adapter.assign(session_id)
         caps = adapter.capabilities
         if msg.method == Method.RESUME and not caps.resume and caps.load:
             # The proxy advertised resume on the strength of load: load it, without the replay.
-            adapter.swallow_updates = True
+            adapter.swallow(True)
             try:
                 answer = await self.pool.call_answer(adapter, Method.LOAD, msg.params)
             except ProxyError as exc:

@@ -112,8 +112,7 @@ class Restorer:
         except BaseException:
             await self._release_claim(record.session_id, was)
             raise
-        adapter.gateway_session = record.session_id
-        adapter.adapter_session = record.adapter_session_id
+        adapter.assign(record.session_id, record.adapter_session_id)
         try:
             answer, adapter_session_id, restored_by = await self._restore(adapter, backend, record, gateway_asked)
             result = jsonrpc.decode_object(answer.result) or {}
@@ -128,7 +127,7 @@ class Restorer:
                     reflect_setting(result, method, setting_params, jsonrpc.decode_object(setting.result) or {})
         except BaseException:
             with anyio.CancelScope(shield=True):
-                adapter.gateway_session = adapter.adapter_session = None
+                adapter.assign(None)
                 await self._release_claim(record.session_id, was)
                 await self.pool.stop(adapter)
             raise
@@ -188,12 +187,12 @@ class Restorer:
         for method in order:
             if method == Method.NEW:
                 break
-            adapter.swallow_updates = not (method == Method.LOAD and gateway_asked == Method.LOAD)
+            adapter.swallow(not (method == Method.LOAD and gateway_asked == Method.LOAD))
             try:
                 restoring = {**params, "sessionId": record.adapter_session_id}
                 answer = await self.pool.call_answer(adapter, method, restoring)
             finally:
-                adapter.swallow_updates = False
+                adapter.swallow(False)
             if answer.error is UNSET:
                 if method != known.restore_method:
                     self.learned.restored_with(backend.name, command, method)
@@ -226,7 +225,7 @@ class Restorer:
         if new_id is None:
             raise ProxyError.no_session_id(Method.NEW, backend.name)
         self.registry.note_history_reset(record.session_id, new_id)
-        adapter.adapter_session = new_id
+        adapter.renamed(new_id)
         # The adapter could not restore the history: tell the gateway this session starts afresh.
         await self.gateway.send(jsonrpc.notification(Method.UPDATE, history_reset_update(record.session_id)))
         result = jsonrpc.decode_object(fresh.result) or {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +94,7 @@ class SessionTable:
         registry: SessionRegistry,
         background: Background,
         pool_changed: Changes,
-        on_bound: Callable[[Adapter], None] | None = None,
+        on_bound: Callable[[Adapter], None],
     ) -> None:
         self.registry = registry
         self.background = background
@@ -176,13 +175,8 @@ class SessionTable:
 
     def _attach(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:
         """``adapter`` serves ``session`` (its own id for it may differ from the stable one)."""
-        adapter.gateway_session = session.session_id
-        adapter.adapter_session = adapter_session_id
-        adapter.open_sessions = {adapter_session_id}
-        adapter.claimed = False
-        adapter.last_active = time.monotonic()
-        if self._on_bound is not None:
-            self._on_bound(adapter)
+        adapter.serve(session.session_id, adapter_session_id)
+        self._on_bound(adapter)
         session.adapter = adapter
         self.sessions[session.session_id] = session
         self.pool_changed.notify()
