@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.abc
+import msgspec
 
 log = logging.getLogger("acp_proxy.proxy")
 
@@ -45,8 +45,7 @@ class Changes:
             await self.next().wait()
 
 
-@dataclass(slots=True)
-class Stopping:
+class Stopping(msgspec.Struct):
     """How far the proxy's shutdown has got. Every layer reads it; the gateway connection sets it."""
 
     begun: bool = False

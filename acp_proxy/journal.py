@@ -23,8 +23,9 @@ import functools
 import logging
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 from acp_proxy.state import StateDB, now
 
@@ -107,8 +108,7 @@ class SuspendReason(enum.StrEnum):
     SHUTDOWN = "shutdown"
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(msgspec.Struct, frozen=True):
     kind: Kind
     backend: str
     label: str
@@ -180,8 +180,7 @@ def count_in(conn: sqlite3.Connection, kind: Kind, *, backend: str = "", label: 
 # --- reading, for the operator ------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(msgspec.Struct, frozen=True):
     event_id: int
     at: float
     instance_id: str | None
@@ -192,8 +191,7 @@ class Event:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
-class Counter:
+class Counter(msgspec.Struct, frozen=True):
     name: str
     backend: str
     label: str

@@ -80,12 +80,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import anyio
 import anyio.to_thread
+import msgspec
 
 from acp_proxy import __version__, releases
 
@@ -366,18 +366,16 @@ def connect(path: Path, *, check_same_thread: bool = True) -> sqlite3.Connection
     return conn
 
 
-@dataclass(slots=True, eq=False)
-class _Write:
+class _Write(msgspec.Struct, eq=False):
     statement: Statement
     key: Hashable | None = None
     done: Done | None = None
 
 
-@dataclass(slots=True, eq=False)
-class _Outcome:
+class _Outcome(msgspec.Struct, eq=False):
     """Where the writer thread leaves an awaited write's result for the waiting caller."""
 
-    finished: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = msgspec.field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
 

@@ -8,10 +8,10 @@ import select
 import signal
 import subprocess
 import sys
-from dataclasses import astuple
 from pathlib import Path
 
 import pytest
+from msgspec.structs import astuple
 
 from acp_proxy.config import validate
 from acp_proxy.ownership.leases import LeaseState, all_leases

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import sqlite3
 import sys
@@ -322,7 +323,8 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
         # its start-up then overlaps ours. Nearly every gateway's first request needs it.
         try:
             warm = launch_warm(config, owner, config.backend(backend))
-        except Exception:
+        except Exception:  # the first request starts one instead; a fault of the proxy is worth a trace
+            logging.getLogger("acp_proxy.pool").warning("could not launch the adapter ahead", exc_info=True)
             warm = None
         return serve(config, owner, backend, warm, async_backend)
     finally:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import sys
 from collections import Counter as Tally
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest, write_to_textfile
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -45,8 +45,7 @@ from acp_proxy.tasks.records import ACTIVE, TaskStatus, active_by_holder, effect
 PREFIX: Final = "acp_proxy"
 
 
-@dataclass(frozen=True, slots=True)
-class Counted:
+class Counted(msgspec.Struct, frozen=True):
     """How a journal counter is exported: its family, its help, and what its label means."""
 
     metric: str
@@ -97,24 +96,23 @@ COUNTED: Final[Mapping[journal.Kind, Counted]] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class InstallFigures:
+class InstallFigures(msgspec.Struct, frozen=True):
     """What ``families`` exports, gathered once."""
 
     proxies: int = 0
-    sessions: Mapping[str, int] = field(default_factory=dict)
+    sessions: Mapping[str, int] = msgspec.field(default_factory=dict)
     """by state"""
-    live_adapters: Mapping[str, int] = field(default_factory=dict)
+    live_adapters: Mapping[str, int] = msgspec.field(default_factory=dict)
     """install slots held, by backend"""
-    memory: Mapping[str, int] = field(default_factory=dict)
+    memory: Mapping[str, int] = msgspec.field(default_factory=dict)
     """the live trees' memory as the budget measures it (PSS, else RSS), by backend; only where measured"""
-    rss: Mapping[str, int] = field(default_factory=dict)
+    rss: Mapping[str, int] = msgspec.field(default_factory=dict)
     """the owned processes' resident memory, by backend"""
-    active_turns: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    active_turns: Mapping[tuple[str, str], int] = msgspec.field(default_factory=dict)
     """(backend, running|queued)"""
-    waiting: Mapping[str, int] = field(default_factory=dict)
+    waiting: Mapping[str, int] = msgspec.field(default_factory=dict)
     """starts waiting for a slot now, by backend"""
-    leases: Mapping[str, int] = field(default_factory=dict)
+    leases: Mapping[str, int] = msgspec.field(default_factory=dict)
     """by state"""
     max_live: int | None = None
     max_memory: int | None = None

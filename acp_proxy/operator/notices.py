@@ -22,9 +22,10 @@ import os
 import sqlite3
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, TextIO
+
+from msgspec.structs import replace
 
 from acp_proxy.operator.commands import open_existing
 from acp_proxy.operator.reports import (

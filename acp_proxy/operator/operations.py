@@ -24,10 +24,10 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
+import msgspec
 import sniffio
 
 from acp_proxy import __version__
@@ -98,8 +98,7 @@ def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class ServedProxy:
+class ServedProxy(msgspec.Struct, frozen=True):
     """The parts of a running proxy its operations read and act through."""
 
     config: Config

@@ -21,9 +21,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
+
+import msgspec
 
 from acp_proxy.operator import control
 from acp_proxy.operator.commands import _age, lease_view, open_existing, owned_tree
@@ -69,8 +70,7 @@ class OperatorError(Exception):
         self.exit_code = exit_code
 
 
-@dataclass(frozen=True, slots=True)
-class Acted:
+class Acted(msgspec.Struct, frozen=True):
     """What an acting command did: the JSON document, the sentence for people, the exit status."""
 
     document: dict[str, Any]

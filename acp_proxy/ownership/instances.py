@@ -13,14 +13,14 @@ import fcntl
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from acp_proxy.state import StateDB, ensure_private_dir, now
 
 
-@dataclass(slots=True)
-class Instance:
+class Instance(msgspec.Struct):
     instance_id: str
     lock_fd: int
     boot_id: str

@@ -20,8 +20,9 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 from acp_proxy.ownership.verify import Claim
 from acp_proxy.state import StateDB, now
@@ -41,8 +42,7 @@ class LeaseState(enum.StrEnum):
 ACTIVE_STATES: Final = (LeaseState.STARTING, LeaseState.OPEN, LeaseState.CLOSING)
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
+class Lease(msgspec.Struct, frozen=True):
     lease_id: str
     install_id: str
     instance_id: str

@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from acp_proxy.journal import Journal
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.proctable import ProcessTable
@@ -46,8 +48,7 @@ def wrapper_path() -> Path:
     raise WrapperMissing(f"the adapter wrapper is missing: expected {shipped} (or {checkout} in a checkout)")
 
 
-@dataclass(slots=True)
-class Platform:
+class Platform(msgspec.Struct):
     """Which ownership primitives this system has, for operators to see."""
 
     table: str

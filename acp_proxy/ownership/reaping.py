@@ -17,9 +17,10 @@ import contextlib
 import json
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+import msgspec
 
 from acp_proxy.journal import Journal, Kind
 from acp_proxy.ownership import instances
@@ -32,8 +33,7 @@ POLL_INTERVAL: Final = 0.02
 SWEEP_ROUNDS: Final = 10
 
 
-@dataclass(slots=True)
-class ReapAction:
+class ReapAction(msgspec.Struct):
     """What was (or, in a dry run, would be) done about one lease."""
 
     lease_id: str
@@ -42,8 +42,8 @@ class ReapAction:
     before: str
     after: str
     reason: str = ""
-    signalled: list[int] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
+    signalled: list[int] = msgspec.field(default_factory=list)
+    refused: list[str] = msgspec.field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -99,11 +99,10 @@ def marker_index(table: ProcessTable) -> dict[str, list[int]]:
     return index
 
 
-@dataclass(slots=True)
-class SweepResult:
-    signalled: list[int] = field(default_factory=list)
-    refused: list[str] = field(default_factory=list)
-    remaining: list[int] = field(default_factory=list)
+class SweepResult(msgspec.Struct):
+    signalled: list[int] = msgspec.field(default_factory=list)
+    refused: list[str] = msgspec.field(default_factory=list)
+    remaining: list[int] = msgspec.field(default_factory=list)
     unverifiable: str = ""
 
 

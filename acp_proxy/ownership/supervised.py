@@ -21,12 +21,12 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Final
 
 import anyio
 import anyio.to_thread
 import msgspec
+from msgspec.structs import replace
 
 from acp_proxy.journal import Kind
 from acp_proxy.ownership import leases

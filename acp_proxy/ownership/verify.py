@@ -29,7 +29,8 @@ import enum
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
+
+import msgspec
 
 from acp_proxy.ownership.proctable import ProcessTable, TableUnavailable, default_table
 
@@ -41,15 +42,13 @@ class Verdict(enum.Enum):
     UNVERIFIABLE = "unverifiable"
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(msgspec.Struct, frozen=True):
     verdict: Verdict
     reason: str = ""
     signalled: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Claim:
+class Claim(msgspec.Struct, frozen=True):
     """What a lease knows about a process it owns."""
 
     pid: int

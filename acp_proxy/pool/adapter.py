@@ -13,10 +13,10 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
 
 import anyio
 import anyio.abc
+import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Changes
@@ -48,16 +48,14 @@ class AdapterGone(Exception):
         super().__init__(f"adapter exited ({describe_exit(returncode)})")
 
 
-@dataclass(slots=True)
-class InternalCall:
+class InternalCall(msgspec.Struct):
     """A request the proxy itself made; the answer is parked here for the caller."""
 
-    done: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = msgspec.field(default_factory=anyio.Event)
     response: Message | None = None
 
 
-@dataclass(slots=True)
-class PendingCall:
+class PendingCall(msgspec.Struct):
     """A request sent to the adapter and not yet answered."""
 
     method: str

@@ -34,7 +34,6 @@ import hashlib
 import logging
 import os
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -89,8 +88,7 @@ _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(SlotRecord).decode
 
 
-@dataclass(frozen=True, slots=True)
-class HeldSlot:
+class HeldSlot(msgspec.Struct, frozen=True):
     """A slot file some process holds, as read by anyone."""
 
     scope: str
@@ -121,8 +119,7 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
-@dataclass(slots=True)
-class Held:
+class Held(msgspec.Struct):
     """The slot files one adapter process holds (the install's, and its backend's if capped)."""
 
     fds: list[int]
@@ -168,8 +165,7 @@ class Held:
             os.close(fd)
 
 
-@dataclass(slots=True)
-class Ticket:
+class Ticket(msgspec.Struct):
     """A waiter's place in the install's queue for one backend."""
 
     path: Path | None
@@ -186,14 +182,13 @@ class Ticket:
         self.fd = None
 
 
-@dataclass(slots=True)
-class InstallSlots:
+class InstallSlots(msgspec.Struct):
     """The slot files of one install (state dir) as this proxy sees them."""
 
     state_dir: Path
     instance_id: str
-    _seq: Iterator[int] = field(default_factory=lambda: iter(range(1 << 62)))
-    _made: set[str] = field(default_factory=set)
+    _seq: Iterator[int] = msgspec.field(default_factory=lambda: iter(range(1 << 62)))
+    _made: set[str] = msgspec.field(default_factory=set)
     _lead_fd: int | None = None
 
     @property

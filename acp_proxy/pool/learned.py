@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 from acp_proxy.state import StateDB, now
 
@@ -33,8 +34,7 @@ COMMAND: Final = "command"
 UNSUPPORTED_PREFIX: Final = "unsupported:"
 
 
-@dataclass(frozen=True, slots=True)
-class BackendFacts:
+class BackendFacts(msgspec.Struct, frozen=True):
     """What is known of one backend; empty for one never seen."""
 
     restore_method: str | None = None

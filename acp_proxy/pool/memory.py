@@ -42,9 +42,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
+
+import msgspec
 
 from acp_proxy.config import Config
 from acp_proxy.ownership.proctable import ProcessTable, TableUnavailable, default_table
@@ -140,8 +141,7 @@ def default_reader() -> MemoryReader:
     return PsutilMemory()
 
 
-@dataclass(frozen=True, slots=True)
-class TreeMemory:
+class TreeMemory(msgspec.Struct, frozen=True):
     """What one adapter tree uses: bytes and processes, split by how each process was read.
 
     The split rather than one method: a tree read partly by RSS is an overestimate of that
@@ -234,8 +234,7 @@ def measure_trees(
 # --- deciding ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class MemorySlot:
+class MemorySlot(msgspec.Struct, frozen=True):
     """One live adapter tree as the budget sees it (of any proxy of the install)."""
 
     key: str
@@ -267,12 +266,11 @@ def counted_size(measured: int | None, peak: int, *, starting: bool) -> int:
     return max(measured, peak) if starting else measured
 
 
-@dataclass(frozen=True, slots=True)
-class MemoryBudget:
+class MemoryBudget(msgspec.Struct, frozen=True):
     """``[pool] max_memory`` (all backends of the install together) and each backend's ``max_memory``."""
 
     total: int | None = None
-    per_backend: Mapping[str, int] = field(default_factory=dict)
+    per_backend: Mapping[str, int] = msgspec.field(default_factory=dict)
 
     @classmethod
     def of(cls, config: Config) -> MemoryBudget:
@@ -286,8 +284,7 @@ class MemoryBudget:
         return self.total is None and not self.per_backend
 
 
-@dataclass(frozen=True, slots=True)
-class Overrun:
+class Overrun(msgspec.Struct, frozen=True):
     """A budget still exceeded once everything that may be suspended is."""
 
     backend: str | None
@@ -304,8 +301,7 @@ class Overrun:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class BudgetPlan:
+class BudgetPlan(msgspec.Struct, frozen=True):
     suspend: tuple[MemorySlot, ...] = ()
     """Suspend these, in this order (one already ``stopping`` is only waited for)."""
     overrun: tuple[Overrun, ...] = ()

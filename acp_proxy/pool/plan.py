@@ -21,14 +21,14 @@ counts, and means a slot is coming free.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 from acp_proxy.protocol.methods import Method
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
+class Slot(msgspec.Struct, frozen=True):
     key: str
     """The session id, or ``spare:<backend>``."""
     backend: str
@@ -56,15 +56,13 @@ class Slot:
     """Its backend's command hash, under which the install learns how large the backend's trees get."""
 
 
-@dataclass(frozen=True, slots=True)
-class Admit:
+class Admit(msgspec.Struct, frozen=True):
     """Start the process, after suspending ``evict`` (if set) to make room."""
 
     evict: Slot | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Wait:
+class Wait(msgspec.Struct, frozen=True):
     """No room and nothing idle to suspend: wait for a slot to free up."""
 
     reason: str

@@ -13,7 +13,6 @@ the plan chose), ``attach`` (the relay, which reads a new adapter's output) and
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import logging
 import math
@@ -21,10 +20,10 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Final, Protocol
 
 import anyio
+import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Changes, Stopping
@@ -95,13 +94,12 @@ class Peers(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class WarmStart:
+class WarmStart(msgspec.Struct):
     """The adapter launched with the proxy, before the event loop, and the install slot it holds."""
 
     process: SupervisedProcess
     slot: Held
-    since: float = dataclasses.field(default_factory=time.time)
+    since: float = msgspec.field(default_factory=time.time)
 
     def record(self, instance_id: str, backend: str) -> SlotRecord:
         """A spare nobody has taken: the first to go when another start needs its slot."""
@@ -162,12 +160,11 @@ def _fits_at_once(
     return not plan.suspend and not plan.overrun
 
 
-@dataclass(eq=False, slots=True)
-class _Waiter:
+class _Waiter(msgspec.Struct, eq=False):
     """A request waiting for a process slot."""
 
     arrived: float
-    moved: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    moved: anyio.Event = msgspec.field(default_factory=anyio.Event)
     """Set when the line moves up to it (while it is too far back to do anything)."""
 
 
@@ -309,7 +306,7 @@ def plan_start(
     start counts them (``trees`` measured now), ``refused`` (their proxies would not suspend them) as busy,
     the new tree as large as the largest its backend has had."""
     live = [
-        dataclasses.replace(tree, busy=True) if tree.key in refused else tree
+        msgspec.structs.replace(tree, busy=True) if tree.key in refused else tree
         for tree in counted_trees(slots, trees, peaks, moment)
     ]
     return plan_spawn(live, backend.name, peaks.of(backend.name, command_of(backend)), budget)
@@ -458,7 +455,7 @@ class ProcessPool:
         moment = time.monotonic()
         refused = refused or {}
         return [
-            dataclasses.replace(slot, busy=True) if refused.get(slot.key, 0.0) > moment else slot
+            msgspec.structs.replace(slot, busy=True) if refused.get(slot.key, 0.0) > moment else slot
             for slot in [*self.slots(), *self._others_slots(moment)]
         ]
 

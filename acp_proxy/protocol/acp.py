@@ -9,7 +9,6 @@ else stays the bytes it arrived as.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
@@ -62,8 +61,7 @@ def proxy_meta(params: Raw | UnsetType) -> dict[str, Any]:
     return ours if isinstance(ours, dict) else {}
 
 
-@dataclass(frozen=True, slots=True)
-class AgentCapabilities:
+class AgentCapabilities(msgspec.Struct, frozen=True):
     """The session capabilities an ``initialize`` result advertises (absent = unsupported)."""
 
     load: bool = False

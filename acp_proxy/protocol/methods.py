@@ -9,8 +9,9 @@ not know (newer ones, ``_``-extensions) pass through untouched.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 
 class Method(enum.StrEnum):
@@ -62,8 +63,7 @@ class Effect(enum.Enum):
     """The session the request names is no longer open on the adapter."""
 
 
-@dataclass(frozen=True, slots=True)
-class MethodFacts:
+class MethodFacts(msgspec.Struct, frozen=True):
     direction: Direction
     notification: bool = False
     names_session: bool = False

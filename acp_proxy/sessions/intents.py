@@ -23,13 +23,13 @@ proxies): docs/architecture.md, "The states of a session".
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
 from typing import Any, Final, Literal
 
 import anyio
+import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Stopping
@@ -987,7 +987,7 @@ class SessionIntents:
             changes = title_changes(record, listed.get(record.backend, {}))
             if changes:
                 self.registry.record_title(record.session_id, changes)
-                record = dataclasses.replace(
+                record = msgspec.structs.replace(
                     record,
                     title=changes.get("title", record.title),
                     title_updated_at=changes.get("updatedAt", record.title_updated_at),

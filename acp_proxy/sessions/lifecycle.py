@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Final
+
+import msgspec
 
 
 class Phase(enum.StrEnum):
@@ -113,8 +114,7 @@ class Action(enum.StrEnum):
     """The gateway's request is answered once the row says so."""
 
 
-@dataclass(frozen=True, slots=True)
-class Step:
+class Step(msgspec.Struct, frozen=True):
     """The next phase and the actions to take, or a refusal: the event does not apply in this phase."""
 
     phase: Phase

@@ -28,7 +28,6 @@ import functools
 import json
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import msgspec
@@ -48,8 +47,7 @@ class SessionState(enum.StrEnum):
     DELETED = "deleted"
 
 
-@dataclass(frozen=True, slots=True)
-class Ownership:
+class Ownership(msgspec.Struct, frozen=True):
     """Who a session belongs to, from ``_meta["acp-proxy"]`` on ``session/new``."""
 
     session_key: str | None = None
@@ -59,8 +57,7 @@ class Ownership:
     agent_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SessionRecord:
+class SessionRecord(msgspec.Struct, frozen=True):
     session_id: str
     adapter_session_id: str
     backend: str
@@ -74,7 +71,7 @@ class SessionRecord:
     settings: tuple[tuple[str, str], ...] = ()
     """``(method, params JSON)`` of each setting request, latest per setting, oldest first."""
     auth_method: str | None = None
-    ownership: Ownership = field(default_factory=Ownership)
+    ownership: Ownership = msgspec.field(default_factory=Ownership)
     history_resets: int = 0
     created_at: float = 0.0
     last_active_at: float = 0.0
@@ -173,7 +170,7 @@ class SessionRegistry:
     def create(self, record: SessionRecord) -> SessionRecord:
         """Insert a row, or replace one of the same id (a tombstone, or an id the adapter issued afresh)."""
         at = now()
-        record = replace(record, instance_id=self.instance_id, created_at=at, last_active_at=at)
+        record = msgspec.structs.replace(record, instance_id=self.instance_id, created_at=at, last_active_at=at)
         owner = record.ownership
         self.db.write(
             functools.partial(

@@ -11,10 +11,10 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 
 from acp_proxy.concurrency import Background, Changes
 from acp_proxy.logs import ids
@@ -27,8 +27,7 @@ log = logging.getLogger("acp_proxy.lifecycle")
 Work = Callable[[], Coroutine[Any, Any, None]]
 
 
-@dataclass(slots=True, eq=False)
-class Session:
+class Session(msgspec.Struct, eq=False):
     """A session this proxy has served, with the process (if any) behind it now.
 
     ``phase`` is assigned only by ``SessionTable.advance``, as ``acp_proxy.sessions.lifecycle`` says.
@@ -37,7 +36,7 @@ class Session:
     record: SessionRecord
     phase: Phase
     adapter: Adapter | None = None
-    queue: collections.deque[Work] = field(default_factory=collections.deque)
+    queue: collections.deque[Work] = msgspec.field(default_factory=collections.deque)
     """Work that must wait for the session (a resume, a close), in the order the gateway sent it."""
     draining: bool = False
     """A task is working through ``queue``; requests that arrive meanwhile queue behind."""
@@ -48,7 +47,7 @@ class Session:
     """Set once its last process is gone (a resume waits for that first)."""
     resume_scope: anyio.CancelScope | None = None
     """The resume in progress, which a ``session/close`` cancels."""
-    forgotten: anyio.Event = field(default_factory=anyio.Event)
+    forgotten: anyio.Event = msgspec.field(default_factory=anyio.Event)
     """Set when a close has finished and the table no longer holds the session."""
 
     @property

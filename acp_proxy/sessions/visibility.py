@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
 from typing import Final, Literal, assert_never, get_args
+
+import msgspec
 
 Visibility = Literal["self", "tree", "agent", "all"]
 VISIBILITIES: Final[tuple[Visibility, ...]] = get_args(Visibility)
 
 
-@dataclass(frozen=True, slots=True)
-class SessionRow:
+class SessionRow(msgspec.Struct, frozen=True):
     """A registry row as visibility sees it: its own key, the keys it names, and its agent."""
 
     session_id: str
@@ -42,8 +42,7 @@ class SessionRow:
         return frozenset(k for k in (self.owner_session_key, self.spawned_by, self.parent_session_key) if k is not None)
 
 
-@dataclass(frozen=True, slots=True)
-class Requester:
+class Requester(msgspec.Struct, frozen=True):
     session_key: str | None = None
     agent_id: str | None = None
     visibility: Visibility = "self"
@@ -64,7 +63,7 @@ def with_lineage(rows: Iterable[SessionRow]) -> list[SessionRow]:
     for row in rows:
         if row.session_key is not None:
             relations_of_key.setdefault(row.session_key, set()).update(row.relations())
-    return [replace(row, lineage=_ancestors(row.relations(), relations_of_key)) for row in rows]
+    return [msgspec.structs.replace(row, lineage=_ancestors(row.relations(), relations_of_key)) for row in rows]
 
 
 def _ancestors(start: frozenset[str], relations_of_key: Mapping[str, set[str]]) -> frozenset[str]:

@@ -25,7 +25,6 @@ import re
 import sqlite3
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import msgspec
@@ -77,8 +76,7 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
 # --- the status table --------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(msgspec.Struct, frozen=True):
     status: TaskStatus
     stop_reason: str | None = None
     error: str | None = None
@@ -209,8 +207,7 @@ def agent_text(update: _Update) -> str:
 # --- a turn in progress -------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(msgspec.Struct, frozen=True):
     at: float
     kind: str
     detail: str = ""
@@ -233,8 +230,7 @@ def new_task_id() -> str:
     return os.urandom(6).hex()
 
 
-@dataclass(slots=True, eq=False)
-class Turn:
+class Turn(msgspec.Struct, eq=False):
     """One prompt turn this proxy is serving: its task row's fields, kept current in memory."""
 
     task_id: str
@@ -245,7 +241,7 @@ class Turn:
     prompt: str = ""
     traceparent: str | None = None
     status: TaskStatus = TaskStatus.QUEUED
-    created_at: float = field(default_factory=now)
+    created_at: float = msgspec.field(default_factory=now)
     started_at: float | None = None
     first_output_at: float | None = None
     ended_at: float | None = None
@@ -254,7 +250,7 @@ class Turn:
     update_count: int = 0
     tool_calls: int = 0
     summary: str = ""
-    events: list[Event] = field(default_factory=list)
+    events: list[Event] = msgspec.field(default_factory=list)
     events_dropped: int = 0
     lease_id: str | None = None
     dirty: bool = False
@@ -268,10 +264,10 @@ class Turn:
     """A ``session/cancel`` was sent for it and ``cancel_timeout`` counts from the first one."""
     notify: NotifyPolicy | None = None
     """The task's own notification policy, set by an operator; ``None``: the config's ``[tasks] notify``."""
-    _unread: list[tuple[bytes, bool]] = field(default_factory=list)
+    _unread: list[tuple[bytes, bool]] = msgspec.field(default_factory=list)
     """Blocks relayed since the last digest, each with whether its tool calls have been counted."""
     _unread_bytes: int = 0
-    session_info: dict[str, str | None] = field(default_factory=dict)
+    session_info: dict[str, str | None] = msgspec.field(default_factory=dict)
     """What ``session_info_update``s of this turn announced (``title``, ``updatedAt``) and is not
     yet recorded on the session: read where the tool calls are (small blocks at once, bursts at
     the next digest), so that titles cost the streaming path no pass of their own."""
@@ -353,8 +349,7 @@ class Turn:
 # --- rows ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class TaskRecord:
+class TaskRecord(msgspec.Struct, frozen=True):
     task_id: str
     session_id: str
     backend: str
@@ -626,8 +621,7 @@ def list_tasks(
 LOST_ERROR: Final = "the acp-proxy process serving it ended without recording an outcome"
 
 
-@dataclass(frozen=True, slots=True)
-class Swept:
+class Swept(msgspec.Struct, frozen=True):
     """A task ``sweep_lost`` marked lost, with what a notification of it needs."""
 
     record: TaskRecord
@@ -690,7 +684,7 @@ def _swept(row: Any, at: float) -> Swept | None:
         return None
     notify = row["notify"] if row["notify"] in NOTIFY_POLICIES else None
     return Swept(
-        replace(record, status=TaskStatus.LOST, ended_at=at, error=LOST_ERROR, updated_at=at),
+        msgspec.structs.replace(record, status=TaskStatus.LOST, ended_at=at, error=LOST_ERROR, updated_at=at),
         record.status,
         notify,
         row["session_title"],

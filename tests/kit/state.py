@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace
 
 from acp_proxy.ownership.leases import get_lease, spawned
 from acp_proxy.state import StateDB
