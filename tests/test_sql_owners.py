@@ -4,7 +4,7 @@ Every statement on ``sessions`` lives in the sessions registry, and every statem
 in the task records, so that the operator's views (``status``, ``sessions``, ``metrics``, ``top``,
 ``tasks``) read the same rows the same way. The state module's migrations are the exception: they
 rewrite every table once. The task records still read a session's title alongside its tasks (a
-join) and touch a session's last activity in the transaction that opens a turn: named below.
+join): named below.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "acp_proxy"
 
 OWNERS = {"sessions": "sessions/registry.py", "tasks": "tasks/records.py"}
 MIGRATIONS = "state.py"
-KNOWN = {("tasks/records.py", "sessions")}
+KNOWN = {("tasks/records.py", "sessions")}  # reads: a task's session title, joined
 """(module, table): statements outside the owner, named so that no new one slips in."""
 
 

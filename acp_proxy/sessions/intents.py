@@ -276,13 +276,19 @@ class SessionIntents:
         sent = Action.SEND in self.table.must_advance(session, Event.REQUEST).actions
         if sent and session.ready and adapter is not None:  # else behind what the session waits for
             lease = adapter.supervised.lease.lease_id
-            turn = self.turns.open_turn(session_id, session.record.backend, msg, lease) if is_prompt else None
+            turn = self._open_turn(session, msg, lease) if is_prompt else None
             await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
             return
-        queued_turn = self.turns.open_turn(session_id, session.record.backend, msg, None) if is_prompt else None
+        queued_turn = self._open_turn(session, msg, None) if is_prompt else None
         epoch = session.cancel_epoch
         self._queued_ids.add(msg.id)  # type: ignore[arg-type]
         self.table.enqueue(session, lambda: self._forward_when_live(session, msg, epoch, queued_turn))
+
+    def _open_turn(self, session: Session, msg: Message, lease: str | None) -> Turn:
+        """The prompt's task, its row queued for writing, and the session's last activity after it."""
+        turn = self.turns.open_turn(session.session_id, session.record.backend, msg, lease)
+        self.registry.note_prompt(session.session_id, turn.created_at)
+        return turn
 
     def withdraw(self, request_id: RequestId) -> bool:
         """``$/cancel_request`` for a request still queued: it is answered -32800 when its turn comes."""

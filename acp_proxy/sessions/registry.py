@@ -304,6 +304,10 @@ class SessionRegistry:
         sql = "DELETE FROM sessions WHERE state = 'deleted' AND deleted_at < ?"
         return self.db.call(functools.partial(_execute, sql, (now() - retention,)))
 
+    def note_prompt(self, session_id: str, at: float) -> None:
+        """A prompt for the session arrived at ``at`` (its task's creation): its last activity, which orders lists."""
+        self._update(session_id, "last_active_at = MAX(last_active_at, ?)", (at,))
+
     def record_title(self, session_id: str, changes: dict[str, str | None]) -> None:
         """What a ``session_info_update`` announced: ``title`` and/or ``updatedAt`` (``None`` clears)."""
         columns = {"title": "title", "updatedAt": "title_updated_at"}

@@ -449,7 +449,7 @@ class TaskRegistry:
         return self.db.write(statement, key=("progress", turn.task_id) if progress else None, done=done)
 
     def create(self, turn: Turn) -> None:
-        """The turn's row; the session's last activity is the prompt's, in the same transaction."""
+        """The turn's row (the session's last activity is the sessions registry's to note: ``note_prompt``)."""
         self.write_whole(turn)
 
     def mark_running(self, turn: Turn) -> None:
@@ -500,7 +500,7 @@ class TaskRegistry:
             turn.ended_at,
             *_progress_values(turn),
         )
-        self._write(turn, functools.partial(_upsert, turn.created_at, turn.session_id, values))
+        self._write(turn, functools.partial(_upsert, values))
 
     def record_notify(self, turn: Turn) -> None:
         """The task's own notification policy, on its row (for the sweep, should this proxy die)."""
@@ -548,10 +548,7 @@ def _execute(sql: str, values: tuple[object, ...], conn: sqlite3.Connection) -> 
     return conn.execute(sql, values).rowcount
 
 
-def _upsert(created_at: float, session_id: str, values: tuple[object, ...], conn: sqlite3.Connection) -> int:
-    conn.execute(
-        "UPDATE sessions SET last_active_at = MAX(last_active_at, ?) WHERE session_id = ?", (created_at, session_id)
-    )
+def _upsert(values: tuple[object, ...], conn: sqlite3.Connection) -> int:
     return conn.execute(
         """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
                stop_reason, error, traceparent, prompt, created_at, started_at, ended_at, first_output_at,
