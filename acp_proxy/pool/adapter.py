@@ -143,9 +143,9 @@ class Adapter:
 
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""
-        self.gateway_session = self.adapter_session = None
-        self.claimed = False
-        self.swallow_updates = False
+        self.assign(None)
+        self.unclaim()
+        self.swallow(False)
 
     def assign(self, gateway_session: str | None, adapter_session: str | None = None) -> None:
         """It is to serve ``gateway_session``, known to it as ``adapter_session`` (default: the same id)."""

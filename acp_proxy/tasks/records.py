@@ -568,6 +568,11 @@ def _upsert(values: tuple[object, ...], conn: sqlite3.Connection) -> int:
 
 # --- reading, for the CLI and the control socket ---------------------------------------------
 
+_WITH_SESSION_TITLE: Final = (
+    "SELECT tasks.*, sessions.title AS session_title FROM tasks LEFT JOIN sessions USING (session_id)"
+)
+"""Task rows, each with its session's title (the one statement here that reads ``sessions``)."""
+
 
 class AmbiguousId(Exception):
     def __init__(self, prefix: str, matches: Sequence[str]) -> None:
@@ -612,6 +617,43 @@ def list_tasks(
     return [TaskRecord.from_row(row) for row in db.conn.execute(query, args)]
 
 
+def active_by_session(db: StateDB) -> dict[str, int]:
+    """How many tasks of each session are queued or running, as recorded."""
+    return dict(
+        db.conn.execute(
+            "SELECT session_id, COUNT(*) FROM tasks WHERE status IN ('queued', 'running') GROUP BY session_id"
+        ).fetchall()
+    )
+
+
+def has_tasks_of(db: StateDB, session_id: str) -> bool:
+    return db.conn.execute("SELECT 1 FROM tasks WHERE session_id = ?", (session_id,)).fetchone() is not None
+
+
+def active_by_holder(db: StateDB) -> list[tuple[str, str, str]]:
+    """Every task recorded as active: backend, status, the instance running it."""
+    return db.conn.execute(
+        "SELECT backend, status, instance_id FROM tasks WHERE status IN ('queued', 'running')"
+    ).fetchall()
+
+
+def counts_since(db: StateDB, since: float) -> dict[str, int]:
+    """How many tasks created since ``since`` (wall clock) are in each status."""
+    return dict(
+        db.conn.execute("SELECT status, COUNT(*) FROM tasks WHERE created_at >= ? GROUP BY status", (since,)).fetchall()
+    )
+
+
+def recent_with_titles(db: StateDB, since: float, session_id: str | None = None) -> list[sqlite3.Row]:
+    """Task rows active or ended since ``since`` (wall clock), each with its session's title (``session_title``)."""
+    query = f"{_WITH_SESSION_TITLE} WHERE (tasks.status IN ('queued', 'running') OR tasks.ended_at >= ?)"
+    args: list[object] = [since]
+    if session_id is not None:
+        query += " AND tasks.session_id = ?"
+        args.append(session_id)
+    return db.conn.execute(query, args).fetchall()
+
+
 # --- maintenance ------------------------------------------------------------------
 
 
@@ -648,8 +690,7 @@ def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], No
         with db.transaction() as conn:
             if told is not None:
                 rows = conn.execute(
-                    """SELECT tasks.*, sessions.title AS session_title FROM tasks LEFT JOIN sessions USING (session_id)
-                       WHERE tasks.instance_id = ? AND tasks.status IN ('queued', 'running')""",
+                    f"{_WITH_SESSION_TITLE} WHERE tasks.instance_id = ? AND tasks.status IN ('queued', 'running')",
                     (instance_id,),
                 ).fetchall()
                 lost += filter(None, (_swept(row, at) for row in rows))
@@ -693,45 +734,3 @@ def prune(db: StateDB, retention: float, *, at: float | None = None) -> int:
     cutoff = (now() if at is None else at) - retention
     sql = "DELETE FROM tasks WHERE status NOT IN ('queued', 'running') AND ended_at < ?"
     return db.call(functools.partial(_execute, sql, (cutoff,)))  # after this proxy's queued writes
-
-
-# --- reads for the operator: every statement on tasks lives in this module -----------------------
-
-
-def active_by_session(db: StateDB) -> dict[str, int]:
-    """How many tasks of each session are queued or running, as recorded."""
-    return dict(
-        db.conn.execute(
-            "SELECT session_id, COUNT(*) FROM tasks WHERE status IN ('queued', 'running') GROUP BY session_id"
-        ).fetchall()
-    )
-
-
-def has_tasks_of(db: StateDB, session_id: str) -> bool:
-    return db.conn.execute("SELECT 1 FROM tasks WHERE session_id = ?", (session_id,)).fetchone() is not None
-
-
-def active_by_holder(db: StateDB) -> list[tuple[str, str, str]]:
-    """Every task recorded as active: backend, status, the instance running it."""
-    statuses = [status.value for status in ACTIVE]
-    return db.conn.execute(
-        f"SELECT backend, status, instance_id FROM tasks WHERE status IN ({', '.join('?' * len(statuses))})", statuses
-    ).fetchall()
-
-
-def counts_since(db: StateDB, since: float) -> dict[str, int]:
-    """How many tasks created since ``since`` (wall clock) are in each status."""
-    return dict(
-        db.conn.execute("SELECT status, COUNT(*) FROM tasks WHERE created_at >= ? GROUP BY status", (since,)).fetchall()
-    )
-
-
-def recent_with_titles(db: StateDB, since: float, session_id: str | None = None) -> list[sqlite3.Row]:
-    """Task rows active or ended since ``since`` (wall clock), each with its session's title (``session_title``)."""
-    query = """SELECT tasks.*, sessions.title AS session_title FROM tasks LEFT JOIN sessions USING (session_id)
-               WHERE (tasks.status IN ('queued', 'running') OR tasks.ended_at >= ?)"""
-    args: list[object] = [since]
-    if session_id is not None:
-        query += " AND tasks.session_id = ?"
-        args.append(session_id)
-    return db.conn.execute(query, args).fetchall()
