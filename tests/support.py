@@ -183,13 +183,16 @@ def write_config(
     backends: dict[str, dict[str, Any]] | None = None,
     default_backend: str | None = None,
     tasks: dict[str, str] | None = None,
+    shutdown: dict[str, str] | None = None,
 ) -> Path:
-    """A TOML config: fast shutdown, the given pool, backends (each a dict of fake adapter options, but
-    ``resume``, ``max_live``, ``start_timeout`` and ``cancel_timeout``, which are the backend's own)."""
+    """A TOML config: fast shutdown (unless ``shutdown`` says otherwise), the given pool, backends (each a
+    dict of fake adapter options, but ``resume``, ``max_live``, ``start_timeout`` and ``cancel_timeout``,
+    which are the backend's own)."""
     lines = []
     if default_backend:
         lines.append(f'default_backend = "{default_backend}"')
-    lines += ["[shutdown]", 'close_timeout = "500ms"', 'stdin_grace = "300ms"', 'term_grace = "1s"', "[pool]"]
+    graces = {"close_timeout": "500ms", "stdin_grace": "300ms", "term_grace": "1s", **(shutdown or {})}
+    lines += ["[shutdown]", *(f"{key} = {json.dumps(value)}" for key, value in graces.items()), "[pool]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in (pool or {}).items()]
     if tasks:
         lines += ["[tasks]", *(f"{key} = {json.dumps(value)}" for key, value in tasks.items())]

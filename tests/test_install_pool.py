@@ -94,9 +94,11 @@ def sampling(env: dict[str, str]) -> Iterator[LiveAdapters]:
     assert live.samples > 0
 
 
-def install_config(tmp_path: Path, pool: dict[str, Any], **backend: Any) -> list[str]:
+def install_config(
+    tmp_path: Path, pool: dict[str, Any], shutdown: dict[str, str] | None = None, **backend: Any
+) -> list[str]:
     backend.setdefault("store", str(tmp_path / "store"))
-    config = write_config(tmp_path, pool={"min_idle": "100ms", **pool}, backends={"fake": backend})
+    config = write_config(tmp_path, pool={"min_idle": "100ms", **pool}, backends={"fake": backend}, shutdown=shutdown)
     return ["--config", str(config)]
 
 
@@ -221,6 +223,26 @@ async def test_waiters_are_served_first_come_first_served_across_proxies(
                 await until_queued(proc_env, index + 1)  # arrivals in turn: 0, then 1, then 2
         assert turn_ok(await holder.response_to(turn))
     assert order == [0, 1, 2]
+
+
+async def test_a_line_of_waiters_drains_without_waiting_out_a_teardown_it_did_not_need(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Waiters of several proxies that read the same slot records may each be granted the same
+    session's suspension; one of them gets its slot. The others plan again as soon as that tree is
+    gone, not once the teardown's graces (here 20 s of ``term_grace``) have passed: every session
+    opens within ``acquire_timeout``, which is far shorter than those graces."""
+    args = install_config(tmp_path, {"max_live": 1, "acquire_timeout": "15s"}, shutdown={"term_grace": "20s"})
+    async with proxies(proc_env, tmp_path, 5, args) as (holder, *waiters):
+        await holder.new_session()
+
+        async def open_session(gw: Gateway) -> None:
+            answer = await gw.request("session/new", {"cwd": str(tmp_path), "mcpServers": []})
+            assert "result" in answer, answer
+
+        async with anyio.create_task_group() as tasks:
+            for gw in waiters:
+                tasks.start_soon(open_session, gw)
 
 
 async def test_a_proxy_killed_while_holding_a_slot_frees_it_once_its_tree_is_gone(

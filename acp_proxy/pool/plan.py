@@ -68,6 +68,8 @@ class Wait(msgspec.Struct, frozen=True):
     reason: str
     until: float | None = None
     """When a recently active session stops being so: plan again then."""
+    freeing: bool = False
+    """Slots being freed cover this waiter and every one ahead of it: it waits for one of them."""
 
 
 Decision = Admit | Wait
@@ -105,7 +107,8 @@ def plan_acquire(
     backend_room = max(0, backend_cap - in_backend) + sum(1 for s in live if s.backend == backend and s.stopping)
     global_room = max(0, global_cap - total) + sum(1 for s in live if s.stopping)
     if backend_room > ahead and global_room > ahead:
-        return Wait("a slot is being freed" if ahead == 0 else f"a slot is being freed for each of {ahead} ahead")
+        reason = "a slot is being freed" if ahead == 0 else f"a slot is being freed for each of {ahead} ahead"
+        return Wait(reason, freeing=True)
     backend_short = backend_room <= ahead
     scope = [slot for slot in live if slot.backend == backend] if backend_short else list(live)
     idle = [slot for slot in scope if not slot.busy and not slot.pinned and not slot.stopping]

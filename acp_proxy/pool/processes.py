@@ -34,6 +34,7 @@ from acp_proxy.ownership.leases import command_hash
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
+from acp_proxy.pool.admission import POLL, REFUSED_FOR, Ask, GiveUp, Granted, Take, Waiting, admit
 from acp_proxy.pool.install import Held, HeldSlot, InstallSlots, SlotRecord, Ticket
 from acp_proxy.pool.learned import Learned, all_peaks
 from acp_proxy.pool.memory import (
@@ -46,7 +47,7 @@ from acp_proxy.pool.memory import (
     plan_budget,
     plan_spawn,
 )
-from acp_proxy.pool.plan import Admit, Slot, expired, plan_acquire, protection
+from acp_proxy.pool.plan import Slot, expired, protection
 from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
@@ -56,16 +57,10 @@ log = logging.getLogger("acp_proxy.lifecycle")
 
 DRAIN_TIMEOUT: Final = 1.0
 """How long to keep relaying an exited adapter's last output before closing its stdout."""
-INSTALL_POLL: Final = 0.02
-"""How often a waiter for a slot looks at the install's slot files (other proxies free
-slots without telling us; within this proxy, waiters are woken at once)."""
 SNAPSHOT_FOR: Final = 0.01
 """How long one reading of the other proxies' slot files serves every plan made meanwhile."""
 ALIVE_FOR: Final = 1.0
 """How long a proxy found alive (or gone) is taken to be so before its lock is looked at again."""
-REFUSED_FOR: Final = 0.25
-"""A session whose proxy refused to suspend it is not asked again for this long (its record,
-which said it was idle, is rewritten by then)."""
 TURNAROUND_DECAY: Final = 0.8
 """Per turn, how much of the longest turnaround seen so far is still believed."""
 TURNAROUNDS_KEPT: Final = 10_000
@@ -447,17 +442,9 @@ class ProcessPool:
         shutdown = self.config.shutdown
         return shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace + 1.0
 
-    def install_slots(self, refused: dict[str, float] | None = None) -> list[Slot]:
-        """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files.
-
-        ``refused``: sessions whose proxy refused to suspend them moments ago count as busy.
-        """
-        moment = time.monotonic()
-        refused = refused or {}
-        return [
-            msgspec.structs.replace(slot, busy=True) if refused.get(slot.key, 0.0) > moment else slot
-            for slot in [*self.slots(), *self._others_slots(moment)]
-        ]
+    def install_slots(self) -> list[Slot]:
+        """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files."""
+        return [*self.slots(), *self._others_slots(time.monotonic())]
 
     def _others_slots(self, moment: float) -> list[Slot]:
         """The slots of the install this proxy does not hold, from their files (``slot_of_record``),
@@ -520,87 +507,86 @@ class ProcessPool:
         may each have a session suspended for the slot they will need (side by side, never
         more than there are waiters); the rest sleep until the line moves up to them.
         Within this proxy the first waiter stands in the install's queue under its own
-        arrival time.
+        arrival time. What a waiter does next is ``admission.admit``'s decision; this is its
+        driver: it reads the install, takes slot files, asks, and sleeps.
         """
-        deadline = anyio.current_time() + self.config.pool.acquire_timeout
+        arrived = time.monotonic()
+        deadline = arrived + self.config.pool.acquire_timeout
         queue = self._slot_queues.setdefault(backend.name, collections.deque())
-        waiter = _Waiter(time.monotonic())
+        waiter = _Waiter(arrived)
         queue.append(waiter)
         depth = max(1, min(self.backend_cap(backend), self.config.pool.max_live))
         place: Ticket | None = None
         refused: dict[str, float] = {}
-        freeing_until = 0.0
+        granted: list[Granted] = []
         waiting_logged = waited = False
         outcome = "abandoned"
         try:
             while True:
-                if self.stopping.refusing:
-                    raise ProxyError.proxy_shutdown()
-                position = queue.index(waiter)
-                if position >= depth:  # nothing it could do yet: asleep until the line moves
-                    waiter.moved = anyio.Event()
-                    remaining = deadline - anyio.current_time()
-                    if remaining <= 0:
-                        break
-                    waited = True
-                    await self._wait_for_change(waiter.moved, remaining)
-                    continue
                 changed = self.changed.next()
-                pause = INSTALL_POLL
+                position = queue.index(waiter)
                 if position == 0:
                     if place is None and self.install.waiting(backend.name):
                         place = self.install.enqueue(backend.name, waiter.arrived)
                     self._install_ahead[backend.name] = (
                         self.install.ahead_of(place, backend.name) if place is not None else 0
                     )
-                ahead = position + self._install_ahead.get(backend.name, 0)
-                held = self._take_install_slot(backend) if ahead == 0 else None
-                if held is not None:
-                    outcome = "admitted"
-                    return held
-                decision = plan_acquire(
-                    self.install_slots(refused),
-                    backend.name,
-                    backend_cap=self.backend_cap(backend),
-                    global_cap=self.config.pool.max_live,
-                    reserved=self._reserved,
-                    now=time.monotonic(),
-                    ahead=ahead,
+                planning = position < depth
+                moment = time.monotonic()
+                granted = [g for g in granted if g.until > moment and self._tree_there(g.slot)]
+                step = admit(
+                    Waiting(
+                        backend=backend.name,
+                        backend_cap=self.backend_cap(backend),
+                        global_cap=self.config.pool.max_live,
+                        now=moment,
+                        deadline=deadline,
+                        position=position,
+                        depth=depth,
+                        ahead=position + self._install_ahead.get(backend.name, 0),
+                        slots=self.install_slots() if planning else (),
+                        reserved=self._reserved,
+                        refused=refused,
+                        granted=granted,
+                        quiet_at=self._first_quiet_at(moment),
+                        refusing=self.stopping.refusing,
+                    )
                 )
-                if isinstance(decision, Admit):
-                    if decision.evict is not None:
-                        waited = True
-                        if time.monotonic() < freeing_until:
-                            # A suspension agreed to moments ago frees a slot once its tree is gone; the
-                            # records read meanwhile may not say so yet. Wait for that slot rather than
-                            # suspend a second session for the same start.
-                            await self._wait_for_change(changed, pause)
-                            continue
-                        if await self._evict_anywhere(decision.evict):
-                            # The slot comes free once its tree is gone: a wait bounded by the
-                            # teardown's own graces, not by acquire_timeout (that is for busy sessions).
-                            freeing_until = time.monotonic() + self._teardown_bound()
-                            await self._wait_for_change(changed, pause)
-                            continue
-                        # Not idle after all (its record was stale, or its session is mid-change):
-                        # the next candidate is planned for; this one not again for a while.
-                        refused[decision.evict.key] = time.monotonic() + REFUSED_FOR
-                        await anyio.lowlevel.checkpoint()
-                        continue
-                else:
-                    if decision.until is not None:
-                        pause = min(pause, max(0.0, decision.until - time.monotonic()) + 0.005)
-                    if not waiting_logged and position == 0:
-                        log.info("pool full for backend %s: %s; waiting", backend.name, decision.reason)
-                        waiting_logged = True
-                if position == 0 and place is None:
-                    place = self.install.enqueue(backend.name, waiter.arrived)
-                remaining = deadline - anyio.current_time()
-                if remaining <= 0:
+                if isinstance(step, Take):
+                    held = self._take_install_slot(backend)
+                    if held is not None:
+                        outcome = "admitted"
+                        return held
+                    step = step.otherwise
+                if isinstance(step, GiveUp):
+                    if step.reason == "shutdown":
+                        raise ProxyError.proxy_shutdown()
+                    outcome = "exhausted"
                     break
                 waited = True
-                await self._wait_for_change(changed, min(remaining, pause, self._until_a_session_quiets()))
-            outcome = "exhausted"
+                if isinstance(step, Ask):
+                    if await self._evict_anywhere(step.slot):
+                        # Its slot comes free once its tree is gone: a wait bounded by the teardown's
+                        # own graces, not by acquire_timeout (that is for busy sessions).
+                        granted.append(Granted(step.slot, time.monotonic() + self._teardown_bound()))
+                        await self._wait_for_change(changed, POLL)
+                    else:
+                        # Not idle after all (its record was stale, or its session is mid-change):
+                        # the next candidate is planned for; this one not again for a while.
+                        refused[step.slot.key] = time.monotonic() + REFUSED_FOR
+                        await anyio.lowlevel.checkpoint()
+                    continue
+                if step.line:
+                    waiter.moved = anyio.Event()
+                    await self._wait_for_change(waiter.moved, step.until - time.monotonic())
+                    continue
+                if position == 0:
+                    if not waiting_logged:
+                        log.info("pool full for backend %s: %s; waiting", backend.name, step.reason)
+                        waiting_logged = True
+                    if place is None:
+                        place = self.install.enqueue(backend.name, waiter.arrived)
+                await self._wait_for_change(changed, step.until - time.monotonic())
         finally:
             if waited:
                 seconds = time.monotonic() - waiter.arrived
@@ -645,12 +631,10 @@ class ProcessPool:
         self.journal.record(Kind.EVICT_ASKED, backend=slot.backend, label="yes" if evicted else "no")
         return evicted
 
-    def _until_a_session_quiets(self) -> float:
-        """Seconds until the first session busy only with background work counts as idle again
-        (no event marks that moment: a waiter for a slot plans again then)."""
-        moment = time.monotonic()
-        pending = [a.quiet_at - moment for a in self.running if a.quiet_at > moment]
-        return min(pending, default=math.inf) + 0.01
+    def _first_quiet_at(self, moment: float) -> float:
+        """When the first session busy only with background work counts as idle again (no event
+        marks that moment: a waiter for a slot plans again then)."""
+        return min((a.quiet_at for a in self.running if a.quiet_at > moment), default=math.inf)
 
     def _release_reservation(self, backend: BackendConfig, held: Held) -> None:
         self._reserved[backend.name] -= 1
@@ -794,7 +778,7 @@ class ProcessPool:
                 waiting = [slot for slot in waiting if self._tree_there(slot)]
                 if not waiting:
                     return
-                await self._wait_for_change(changed, INSTALL_POLL)
+                await self._wait_for_change(changed, POLL)
         log.warning(
             "memory budget: %d suspended trees still there after %gs; starting anyway",
             len(waiting),

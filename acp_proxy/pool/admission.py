@@ -1,0 +1,227 @@
+"""Admission: what one waiter for a process slot does next, decided over a snapshot of the install.
+
+A request for a session with no process waits for a slot (``ProcessPool._acquire_slot``).
+Each time something may have changed, its driver reads the install (the slot files, the
+install's queue, the clocks) into a ``Waiting`` and asks ``admit`` what to do; ``admit``
+does no I/O and keeps no state, and the driver does what it says:
+
+* ``Take``: try to take a free slot file (only the first in line does); if none is free,
+  do ``otherwise``.
+* ``Ask``: have that slot's session suspended (or its spare stopped), by this proxy or by
+  the proxy that holds it. A yes is ``Granted``: the slot comes free once its tree is gone.
+* ``Sleep``: until something changes (or, far back in line, until the line moves), at the
+  latest ``until``.
+* ``GiveUp``: the proxy is shutting down, or ``acquire_timeout`` has passed.
+
+Whom to suspend is ``plan.plan_acquire``'s choice (the least recently used idle session,
+spares first, never a session active moments ago); this module adds the waiter's own
+history: the suspensions it was granted whose trees are not gone yet, and the sessions whose
+proxies refused it moments ago.
+
+A granted suspension is waited for until its tree is gone, not for a fixed time: once
+it is gone, its slot went to whoever was first in line, and a waiter that still has no
+slot plans again at once. (Several waiters that read the same records may ask for the same
+session; its proxy says yes to each, since its slot is coming free, and only one of them
+gets that slot.) A tree that outlives ``Granted.until`` (its session's close and the
+teardown's graces) is no longer counted on.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from typing import Final, Literal
+
+import msgspec
+
+from acp_proxy.pool.plan import Admit, Slot, plan_acquire
+
+POLL: Final = 0.02
+"""How often a waiter looks at the install's slot files: other proxies free slots without
+telling it (within a proxy, waiters are woken at once)."""
+REFUSED_FOR: Final = 0.25
+"""A session whose proxy refused to suspend it is not asked again for this long (its record,
+which said it was idle, is rewritten by then)."""
+QUIET_MARGIN: Final = 0.01
+RECENT_MARGIN: Final = 0.005
+
+
+class Rule(enum.StrEnum):
+    """Which rule of ``RULES`` a step follows."""
+
+    SHUTDOWN = "shutdown"
+    BACK = "back of the line"
+    ROOM = "room"
+    ENDING = "granted, ending"
+    EVICT = "evict"
+    FREEING = "being freed"
+    RECENT = "recent"
+    BUSY = "busy"
+    DEADLINE = "deadline"
+
+
+RULES: Final[tuple[tuple[Rule, str, str], ...]] = (
+    (Rule.SHUTDOWN, "the proxy is shutting down", "give up: `proxy_shutdown`"),
+    (
+        Rule.BACK,
+        "`depth` or more of this proxy's waiters for the backend are before it",
+        "sleep until the line moves up to it",
+    ),
+    (
+        Rule.ROOM,
+        "the install has room for one more process of the backend",
+        "the first in line takes a slot file; the others look again at the next poll",
+    ),
+    (
+        Rule.ENDING,
+        "no room, and a suspension it was granted is still ending",
+        "wait for that tree to be gone, at most its teardown's graces; suspend nothing more",
+    ),
+    (
+        Rule.EVICT,
+        "no room, and an idle session not active moments ago (spares first, then the least recently used)",
+        "ask for its suspension, here or of the proxy that holds it; a refusal counts it busy for `REFUSED_FOR`",
+    ),
+    (
+        Rule.FREEING,
+        "no room, but slots being freed cover it and every waiter ahead of it",
+        "wait for one of them",
+    ),
+    (
+        Rule.RECENT,
+        "no room, and every idle session was active moments ago",
+        "sleep until the first stops being so (at most a poll)",
+    ),
+    (
+        Rule.BUSY,
+        "no room, and every session is busy",
+        "look again at the next poll, or when a session busy with background work turns quiet",
+    ),
+    (
+        Rule.DEADLINE,
+        "`acquire_timeout` has passed",
+        "give up: `pool_exhausted` (the first in line tries one last take)",
+    ),
+)
+"""The rules ``admit`` follows, in the order it applies them (``docs/architecture.md`` shows them)."""
+
+
+def markdown_table() -> str:
+    """``RULES`` as the Markdown table in ``docs/architecture.md``."""
+    rows = ["| rule | when | the waiter |", "| --- | --- | --- |"]
+    rows += [f"| `{rule.value}` | {when} | {does} |" for rule, when, does in RULES]
+    return "\n".join(rows)
+
+
+class Granted(msgspec.Struct, frozen=True):
+    """A suspension this waiter asked for and got: its slot comes free once its tree is gone."""
+
+    slot: Slot
+    until: float
+    """By then its tree should be gone (its session's close, then the teardown's graces)."""
+
+
+class Waiting(msgspec.Struct, frozen=True, kw_only=True):
+    """One waiter for a slot of ``backend``, and the install as it sees it now."""
+
+    backend: str
+    backend_cap: int
+    global_cap: int
+    now: float
+    """``time.monotonic()``: the clock of ``deadline``, the slots' times and ``Granted.until``."""
+    deadline: float
+    position: int
+    """Its place in this proxy's line for the backend (0: first)."""
+    depth: int
+    """How many of a line plan at once; the others sleep until the line moves up to them."""
+    ahead: int = 0
+    """Waiters of the install before it: ``position`` and the other proxies' waiters before this
+    proxy's first."""
+    slots: Sequence[Slot] = ()
+    """The install's live slots (``ProcessPool.install_slots``); read only when ``position < depth``."""
+    reserved: Mapping[str, int] = msgspec.field(default_factory=dict)
+    """Slots this proxy took for starts that are not running yet, per backend."""
+    refused: Mapping[str, float] = msgspec.field(default_factory=dict)
+    """Sessions whose proxy refused to suspend them, and until when that counts (they count as busy)."""
+    granted: Sequence[Granted] = ()
+    """Its granted suspensions whose trees are still there."""
+    quiet_at: float = math.inf
+    """When the first of this proxy's sessions busy only with background work counts as idle."""
+    refusing: bool = False
+    """The proxy is shutting down: waiters fail fast."""
+
+
+class Take(msgspec.Struct, frozen=True):
+    """Take a free slot file now; if none is free (the snapshot was a moment stale), do ``otherwise``."""
+
+    otherwise: Ask | Sleep | GiveUp
+
+
+class Ask(msgspec.Struct, frozen=True):
+    """Have ``slot`` suspended (a spare stopped) to make room: by this proxy, or by its holder."""
+
+    slot: Slot
+    rule: Rule = Rule.EVICT
+
+
+class Sleep(msgspec.Struct, frozen=True):
+    """Wait for a change until ``until`` at the latest (``line``: for the line to move instead)."""
+
+    until: float
+    reason: str
+    rule: Rule
+    line: bool = False
+
+
+class GiveUp(msgspec.Struct, frozen=True):
+    reason: Literal["shutdown", "exhausted"]
+    rule: Rule
+
+
+Step = Take | Ask | Sleep | GiveUp
+
+
+def admit(waiting: Waiting) -> Step:
+    """What the waiter does next (see the module's docstring)."""
+    w = waiting
+    if w.refusing:
+        return GiveUp("shutdown", Rule.SHUTDOWN)
+    if w.position >= w.depth:
+        if w.now >= w.deadline:
+            return GiveUp("exhausted", Rule.DEADLINE)
+        return Sleep(w.deadline, f"{w.position} ahead of it in this proxy's line", Rule.BACK, line=True)
+    then: Ask | Sleep | GiveUp = _plan(w)
+    if w.now >= w.deadline:
+        then = GiveUp("exhausted", Rule.DEADLINE)
+    return Take(then) if w.ahead == 0 else then
+
+
+def _plan(w: Waiting) -> Ask | Sleep:
+    slots = [
+        msgspec.structs.replace(slot, busy=True) if w.refused.get(slot.key, -math.inf) > w.now else slot
+        for slot in w.slots
+    ]
+    decision = plan_acquire(
+        slots,
+        w.backend,
+        backend_cap=w.backend_cap,
+        global_cap=w.global_cap,
+        reserved=w.reserved,
+        now=w.now,
+        ahead=w.ahead,
+    )
+    poll = min(w.deadline, w.now + POLL, w.quiet_at + QUIET_MARGIN)
+    if not isinstance(decision, Admit):
+        if decision.freeing:
+            return Sleep(poll, decision.reason, Rule.FREEING)
+        if decision.until is not None:
+            return Sleep(min(poll, max(w.now, decision.until) + RECENT_MARGIN), decision.reason, Rule.RECENT)
+        return Sleep(poll, decision.reason, Rule.BUSY)
+    if decision.evict is None:
+        return Sleep(poll, "a slot is free: taken at the front of the line", Rule.ROOM)
+    if any(granted.until > w.now for granted in w.granted):
+        # The records read may not show the suspension it was granted yet: its slot is coming
+        # free, and suspending a second session for the same start would take one too many.
+        return Sleep(poll, "a session suspended for it is ending", Rule.ENDING)
+    return Ask(decision.evict)

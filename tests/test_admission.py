@@ -1,0 +1,271 @@
+"""Admission, as a table: what a waiter for a process slot does next, for every case the driver meets.
+
+``admit`` is pure: each row builds a ``Waiting`` and asserts the step, its target and its
+deadline. The driver (``ProcessPool._acquire_slot``) is exercised with real processes by
+``test_install_pool.py`` and ``test_pool_budget*.py``; these rows are the rules it carries out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from acp_proxy.pool.admission import (
+    POLL,
+    QUIET_MARGIN,
+    RECENT_MARGIN,
+    RULES,
+    Ask,
+    GiveUp,
+    Granted,
+    Rule,
+    Sleep,
+    Take,
+    Waiting,
+    admit,
+    markdown_table,
+)
+from acp_proxy.pool.plan import Slot
+
+NOW = 100.0
+DEADLINE = NOW + 30.0
+
+
+def slot(key: str, last_active: float = 0.0, backend: str = "a", **flags: Any) -> Slot:
+    return Slot(key=key, backend=backend, last_active=last_active, **flags)
+
+
+FULL_IDLE = (slot("old", 1.0), slot("mid", 2.0), slot("new", 3.0), slot("newest", 4.0))
+FULL_BUSY = tuple(slot(f"b{i}", float(i), busy=True) for i in range(4))
+
+
+def waiting(**fields: Any) -> Waiting:
+    base: dict[str, Any] = {
+        "backend": "a",
+        "backend_cap": 4,
+        "global_cap": 4,
+        "now": NOW,
+        "deadline": DEADLINE,
+        "position": 0,
+        "depth": 4,
+        "ahead": 0,
+        "slots": (),
+    }
+    return Waiting(**(base | fields))
+
+
+def describe(step: object) -> str:
+    """A step as a short string: ``take/<then>``, ``ask:<key>``, ``sleep[line]@<until-now>``, ``give-up:<why>``,
+    each with the rule it follows."""
+    if isinstance(step, Take):
+        return "take/" + describe(step.otherwise)
+    if isinstance(step, Ask):
+        return f"ask:{step.slot.key} ({step.rule})"
+    if isinstance(step, Sleep):
+        return f"sleep{'[line]' if step.line else ''}@{step.until - NOW:g} ({step.rule})"
+    assert isinstance(step, GiveUp)
+    return f"give-up:{step.reason} ({step.rule})"
+
+
+# (sentence, Waiting fields, expected step, the rule it follows)
+CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
+    (
+        "shutting down: every waiter fails fast",
+        {"refusing": True, "slots": FULL_IDLE},
+        "give-up:shutdown",
+        Rule.SHUTDOWN,
+    ),
+    (
+        "shutting down beats being far back in line",
+        {"refusing": True, "position": 6},
+        "give-up:shutdown",
+        Rule.SHUTDOWN,
+    ),
+    (
+        "far back in line: asleep until the line moves, at most until its deadline",
+        {"position": 4, "ahead": 4},
+        f"sleep[line]@{DEADLINE - NOW:g}",
+        Rule.BACK,
+    ),
+    (
+        "far back in line past its deadline: exhausted",
+        {"position": 5, "now": DEADLINE},
+        "give-up:exhausted",
+        Rule.DEADLINE,
+    ),
+    (
+        "first in line with room: take a slot file (polling if the snapshot was stale)",
+        {"slots": FULL_IDLE[:3]},
+        f"take/sleep@{POLL:g}",
+        Rule.ROOM,
+    ),
+    (
+        "first in line, install full: take if one just came free, else suspend the least recently used",
+        {"slots": FULL_IDLE},
+        "take/ask:old",
+        Rule.EVICT,
+    ),
+    (
+        "first in line, every session busy: take if one came free, else look again soon",
+        {"slots": FULL_BUSY},
+        f"take/sleep@{POLL:g}",
+        Rule.BUSY,
+    ),
+    (
+        "first in line, the idle ones recent: sleep until the first stops being recent",
+        {"slots": tuple(slot(f"r{i}", float(i), recent_until=NOW + 0.01 * (i + 1)) for i in range(4))},
+        f"take/sleep@{0.01 + RECENT_MARGIN:g}",
+        Rule.RECENT,
+    ),
+    (
+        "recent for longer than a poll: look again at the next poll anyway",
+        {"slots": tuple(slot(f"r{i}", float(i), recent_until=NOW + 5.0) for i in range(4))},
+        f"take/sleep@{POLL:g}",
+        Rule.RECENT,
+    ),
+    (
+        "a spare goes before any session, however recent the session",
+        {"slots": (*FULL_IDLE[:3], slot("spare:a:9", 50.0, spare=True))},
+        "take/ask:spare:a:9",
+        Rule.EVICT,
+    ),
+    (
+        "a session whose proxy refused moments ago counts as busy: the next one is asked",
+        {"slots": FULL_IDLE, "refused": {"old": NOW + 0.1}},
+        "take/ask:mid",
+        Rule.EVICT,
+    ),
+    (
+        "a refusal long enough ago is forgotten",
+        {"slots": FULL_IDLE, "refused": {"old": NOW - 0.1}},
+        "take/ask:old",
+        Rule.EVICT,
+    ),
+    (
+        "a suspension it was granted is still ending: wait for that slot, suspend nothing more",
+        {"slots": FULL_IDLE, "granted": (Granted(slot("gone-soon"), NOW + 6.0),)},
+        f"take/sleep@{POLL:g}",
+        Rule.ENDING,
+    ),
+    (
+        "its granted suspension outlived its teardown bound: no longer counted on, the next is asked",
+        {"slots": FULL_IDLE, "granted": (Granted(slot("stuck"), NOW - 0.5),)},
+        "take/ask:old",
+        Rule.EVICT,
+    ),
+    (
+        "second in the install's line with one slot being freed: that slot is the first's, suspend another",
+        {"ahead": 1, "position": 1, "slots": (*FULL_IDLE[1:], slot("going", 0.5, stopping=True))},
+        "ask:mid",
+        Rule.EVICT,
+    ),
+    (
+        "second in line, two slots being freed: one of them is its own, wait",
+        {
+            "ahead": 1,
+            "position": 1,
+            "slots": (*FULL_IDLE[2:], slot("g1", 0.5, stopping=True), slot("g2", 0.6, stopping=True)),
+        },
+        f"sleep@{POLL:g}",
+        Rule.FREEING,
+    ),
+    (
+        "behind waiters of other proxies: never takes a slot file, plans for its own",
+        {"ahead": 2, "position": 0, "slots": FULL_IDLE},
+        "ask:old",
+        Rule.EVICT,
+    ),
+    (
+        "at its deadline, first in line: one last take, then exhausted",
+        {"slots": FULL_IDLE, "now": DEADLINE},
+        "take/give-up:exhausted",
+        Rule.DEADLINE,
+    ),
+    (
+        "at its deadline, not first: exhausted without asking anyone",
+        {"slots": FULL_IDLE, "now": DEADLINE, "ahead": 1, "position": 1},
+        "give-up:exhausted",
+        Rule.DEADLINE,
+    ),
+    (
+        "a poll never sleeps past the deadline",
+        {"slots": FULL_BUSY, "deadline": NOW + 0.005},
+        "take/sleep@0.005",
+        Rule.BUSY,
+    ),
+    (
+        "a session busy only with background work turns idle before the poll: plan again then",
+        {"slots": FULL_BUSY, "quiet_at": NOW + 0.004},
+        f"take/sleep@{0.004 + QUIET_MARGIN:g}",
+        Rule.BUSY,
+    ),
+    (
+        "backend capped below the install: its own least recently used goes, not another backend's",
+        {
+            "backend_cap": 2,
+            "slots": (slot("x-old", 0.5, backend="b"), slot("a-old", 1.0), slot("a-new", 2.0)),
+        },
+        "take/ask:a-old",
+        Rule.EVICT,
+    ),
+    (
+        "starts this proxy reserved fill the install: suspend for this one too",
+        {"slots": FULL_IDLE[:3], "reserved": {"a": 1}},
+        "take/ask:old",
+        Rule.EVICT,
+    ),
+]
+
+
+@pytest.mark.parametrize(("sentence", "fields", "expected", "rule"), CASES, ids=[case[0] for case in CASES])
+def test_admit(sentence: str, fields: dict[str, Any], expected: str, rule: Rule) -> None:
+    assert describe(admit(waiting(**fields))) == f"{expected} ({rule})", sentence
+
+
+def test_every_rule_of_the_table_is_met_by_a_case() -> None:
+    assert {case[3] for case in CASES} == set(Rule) == {rule for rule, _, _ in RULES}
+
+
+def test_architecture_md_shows_the_rules_as_the_code_has_them() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
+    assert markdown_table() in doc, (
+        "docs/architecture.md's admission table differs from acp_proxy/pool/admission.py's RULES; regenerate it: "
+        "python -c 'from acp_proxy.pool.admission import markdown_table; print(markdown_table())'"
+    )
+
+
+def test_waiters_that_read_the_same_records_do_not_stall_once_the_shared_slot_is_gone() -> None:
+    """Several waiters asked for the same session and were all told yes; the first in line took its
+    slot. The others, whose granted suspension is gone, plan again at once: the next session is
+    asked, rather than a fixed teardown's length waited out (what once cost 6.5 s per slot)."""
+    after = (*FULL_IDLE[1:], slot("first-in-line", 9.0))
+    for position in (1, 2, 3):
+        step = admit(waiting(position=position, ahead=position, slots=after, granted=()))
+        assert describe(step) == f"ask:mid ({Rule.EVICT})", position
+
+
+@pytest.mark.parametrize(("position", "depth", "refusing"), list(itertools.product(range(6), (1, 2, 4), (False, True))))
+def test_every_step_is_bounded_by_the_deadline(position: int, depth: int, refusing: bool) -> None:
+    """Whatever the line and the install, a waiter never sleeps past its deadline or asks past it."""
+    for slots in (FULL_IDLE, FULL_BUSY, FULL_IDLE[:2]):
+        for now in (NOW, DEADLINE - 0.001, DEADLINE, DEADLINE + 1):
+            step = admit(
+                waiting(position=position, ahead=position, depth=depth, slots=slots, now=now, refusing=refusing)
+            )
+            inner = step.otherwise if isinstance(step, Take) else step
+            if isinstance(step, Take):
+                assert position == 0, "only the first in line takes a slot file"
+            if refusing:
+                assert inner == GiveUp("shutdown", Rule.SHUTDOWN)
+            elif now >= DEADLINE:
+                assert isinstance(inner, GiveUp), (slots, now)
+            elif isinstance(inner, Sleep):
+                assert now <= inner.until <= DEADLINE
+            else:
+                assert isinstance(inner, Ask)
+                assert position < depth
+            assert not math.isnan(getattr(inner, "until", 0.0))
