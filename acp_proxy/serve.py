@@ -100,7 +100,7 @@ async def serve_gateway(
             attach=attach,
             peers=InstallPeers(owner.db),
         )
-        table = SessionTable(registry, background, pool.changed, on_bound=pool.note_bound)
+        table = SessionTable(registry, background, pool.changed, on_bound=pool.recency.note_bound)
         intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
         relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping)
         gateway = GatewayConnection(
@@ -118,7 +118,7 @@ async def serve_gateway(
         tasks.start_soon(stop_on_signals, gateway)
         tasks.start_soon(pool.suspend_idle)
         tasks.start_soon(pool.publish_slots)
-        tasks.start_soon(pool.keep_memory_budget)
+        tasks.start_soon(pool.memory.keep)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)
         tasks.start_soon(operations.serve)
         if notifier is not None:

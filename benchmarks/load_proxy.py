@@ -6,7 +6,7 @@ Runs the proxy's own command line unchanged, except that the pool's
 ``ProcessPool._acquire_slot`` (the one place a request waits for room to
 start a process: suspending the least recently used idle session, here or in
 another proxy of the install, and waiting for its process to exit, or waiting for
-a busy one to become idle) is wrapped, and so is ``ProcessPool._evict_anywhere``
+a busy one to become idle) is wrapped, and so is ``ProcessPool.evict_anywhere``
 (the one place an acquire suspends what the plan chose). Each acquire appends one
 line to ACQUIRES_FILE::
 
@@ -25,7 +25,7 @@ in every process of the host).
 Beside it, ``ACQUIRES_FILE.windows`` gets ``start <seconds>`` for every start the pool
 learns its backend's start cost from (slot held -> session bound), and ``protect
 <seconds>`` for every protection it grants a session just active
-(``ProcessPool.protection``: ``[pool] min_idle``, at most the start cost and twice the
+(``Recency.protection``: ``[pool] min_idle``, at most the start cost and twice the
 session's gateway turnaround). At exit it
 adds ``wakeups <woken> <timed out>``: how often a waiter for a slot woke up
 (``ProcessPool._wait_for_change``), because something changed or because its pause
@@ -50,6 +50,7 @@ from typing import Any
 
 from acp_proxy.main import main
 from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.recency import Recency
 
 _acquire: contextvars.ContextVar[tuple[float, list[str]] | None] = contextvars.ContextVar("acquire", default=None)
 """The acquire this task is in: when it began, and the evictions it asked for so far."""
@@ -58,7 +59,7 @@ _acquire: contextvars.ContextVar[tuple[float, list[str]] | None] = contextvars.C
 def time_acquires(path: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     acquire = ProcessPool._acquire_slot
-    evict = ProcessPool._evict_anywhere
+    evict = ProcessPool.evict_anywhere
 
     @functools.wraps(acquire)
     async def timed(self: ProcessPool, backend: Any) -> Any:
@@ -91,17 +92,17 @@ def time_acquires(path: str) -> None:
             evictions.append(f"{where},{asked:.6f},{time.monotonic() - start:.6f},{int(ok)}")
 
     windows = os.open(f"{path}.windows", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    protection = ProcessPool.protection
-    note_bound = ProcessPool.note_bound
+    protection = Recency.protection
+    note_bound = Recency.note_bound
 
     @functools.wraps(protection)
-    def timed_protection(self: ProcessPool, backend: Any, session: str | None = None) -> float:
+    def timed_protection(self: Recency, backend: Any, session: str | None = None) -> float:
         seconds = protection(self, backend, session)
         os.write(windows, f"protect {seconds:.6f}\n".encode())
         return seconds
 
     @functools.wraps(note_bound)
-    def timed_note_bound(self: ProcessPool, adapter: Any) -> None:
+    def timed_note_bound(self: Recency, adapter: Any) -> None:
         started = adapter.started_at
         if started is not None:
             os.write(windows, f"start {time.monotonic() - started:.6f}\n".encode())
@@ -135,9 +136,9 @@ def time_acquires(path: str) -> None:
 
     ProcessPool._acquire_slot = timed  # type: ignore[method-assign]
     ProcessPool._wait_for_change = staticmethod(counted_wait)  # type: ignore[method-assign]
-    ProcessPool.protection = timed_protection  # type: ignore[method-assign]
-    ProcessPool.note_bound = timed_note_bound  # type: ignore[method-assign]
-    ProcessPool._evict_anywhere = timed_evict  # type: ignore[method-assign,assignment]
+    Recency.protection = timed_protection  # type: ignore[method-assign]
+    Recency.note_bound = timed_note_bound  # type: ignore[method-assign]
+    ProcessPool.evict_anywhere = timed_evict  # type: ignore[method-assign,assignment]
 
 
 if __name__ == "__main__":

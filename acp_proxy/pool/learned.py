@@ -24,6 +24,8 @@ from typing import Final
 
 import msgspec
 
+from acp_proxy.config import BackendConfig
+from acp_proxy.ownership.leases import command_hash
 from acp_proxy.state import StateDB, now
 
 log = logging.getLogger("acp_proxy.pool.learned")
@@ -32,6 +34,11 @@ RESTORE_METHOD: Final = "restore_method"
 PEAK_MEMORY: Final = "peak_memory"
 COMMAND: Final = "command"
 UNSUPPORTED_PREFIX: Final = "unsupported:"
+
+
+def command_of(backend: BackendConfig) -> str:
+    """The hash a lease records of ``backend``'s command: what the install's facts of it are kept under."""
+    return command_hash(tuple(backend.command))
 
 
 class BackendFacts(msgspec.Struct, frozen=True):

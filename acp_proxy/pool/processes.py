@@ -17,9 +17,8 @@ import functools
 import logging
 import math
 import os
-import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Final, Protocol
 
 import anyio
@@ -30,24 +29,17 @@ from acp_proxy.concurrency import Background, Changes, Stopping
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import Kind, SuspendReason
 from acp_proxy.logs import ids
-from acp_proxy.ownership.leases import command_hash
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
 from acp_proxy.pool.admission import POLL, REFUSED_FOR, Ask, GiveUp, Granted, Take, Waiting, admit
-from acp_proxy.pool.install import Held, HeldSlot, InstallSlots, SlotRecord, Ticket
-from acp_proxy.pool.learned import Learned, all_peaks
-from acp_proxy.pool.memory import (
-    BudgetPlan,
-    MemoryBudget,
-    MemorySlot,
-    TreeMemory,
-    counted_size,
-    measure_trees,
-    plan_budget,
-    plan_spawn,
-)
-from acp_proxy.pool.plan import Slot, expired, protection
+from acp_proxy.pool.budget import MemoryKeeper, Peaks, fits_at_once
+from acp_proxy.pool.install import Held, InstallSlots, SlotRecord, Ticket
+from acp_proxy.pool.learned import Learned
+from acp_proxy.pool.memory import MemoryBudget
+from acp_proxy.pool.plan import Slot
+from acp_proxy.pool.publishing import WARM_KEY, record_of, slot_key, slot_of_adapter, slot_of_record, starting_record
+from acp_proxy.pool.recency import Recency, sweep_idle
 from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
@@ -61,15 +53,6 @@ SNAPSHOT_FOR: Final = 0.01
 """How long one reading of the other proxies' slot files serves every plan made meanwhile."""
 ALIVE_FOR: Final = 1.0
 """How long a proxy found alive (or gone) is taken to be so before its lock is looked at again."""
-TURNAROUND_DECAY: Final = 0.8
-"""Per turn, how much of the longest turnaround seen so far is still believed."""
-TURNAROUNDS_KEPT: Final = 10_000
-START_COST_WEIGHT: Final = 0.3
-"""Weight of the newest start in the running estimate of a backend's start cost."""
-WARM_KEY: Final = "spare:warm"
-MEMORY_EVERY: Final = 2.0
-"""With a memory budget, how often each proxy measures its trees (and the keeper checks the install)."""
-BUDGET_ROLE: Final = "memory-budget"
 
 Answer = Callable[[Message], Message | None]
 """Called with the adapter's answer to a gateway request before it is forwarded (``PendingCall.on_answer``)."""
@@ -126,7 +109,7 @@ def launch_warm(config: Config, owner: Owner, backend: BackendConfig) -> WarmSta
     if slot is None:
         return None
     try:
-        if not _fits_at_once(MemoryBudget.of(config), owner, backend, install, slot):
+        if not fits_at_once(MemoryBudget.of(config), owner, backend, install, slot):
             slot.release()
             return None
         process = Adapter.launch(backend, owner=owner, shutdown=config.shutdown, hold=slot.descriptors)
@@ -138,173 +121,12 @@ def launch_warm(config: Config, owner: Owner, backend: BackendConfig) -> WarmSta
     return warm
 
 
-def _fits_at_once(
-    budget: MemoryBudget, owner: Owner, backend: BackendConfig, install: InstallSlots, held: Held
-) -> bool:
-    """Whether a tree of ``backend`` started now fits the memory budget with no session suspended.
-
-    Counted as a start made for a request counts (``counted_trees``), measuring here: this runs
-    before the event loop.
-    """
-    if budget.empty:
-        return True
-    held.publish(starting_record(owner.instance_id, backend, held))
-    moment = time.monotonic()
-    others = [slot_of_record(other, moment) for other in install.holders(skip={held.index})]
-    plan = plan_start(others, measure_trees(roots_of(others)), Peaks(Learned(owner.db)), backend, budget, moment)
-    return not plan.suspend and not plan.overrun
-
-
 class _Waiter(msgspec.Struct, eq=False):
     """A request waiting for a process slot."""
 
     arrived: float
     moved: anyio.Event = msgspec.field(default_factory=anyio.Event)
     """Set when the line moves up to it (while it is too far back to do anything)."""
-
-
-def slot_key(adapter: Adapter) -> str:
-    return adapter.gateway_session or f"spare:{adapter.backend.name}:{adapter.pid}"
-
-
-def slot_of_record(held: HeldSlot, moment: float, *, alive: bool = True) -> Slot:
-    """Another proxy's slot as its file describes it (``alive``: whether its holder is).
-
-    A slot whose holder is a proxy that is gone is being freed (its wrapper holds it until the
-    tree is gone); one not described yet is a start in progress.
-    """
-    record = held.record
-    if record is None:
-        return Slot(
-            key=f"starting:{held.index}", backend="", last_active=moment, busy=True, index=held.index, starting=True
-        )
-    return Slot(
-        key=record.key,
-        backend=record.backend,
-        last_active=record.last_active,
-        busy=record.busy,
-        spare=record.session is None,
-        pinned=record.pinned,
-        recent_until=record.recent_until,
-        stopping=record.stopping or not alive,
-        instance=record.instance,
-        memory=record.memory,
-        index=held.index,
-        root=record.wrapper_pid,
-        starting=record.starting,
-        command=record.command,
-    )
-
-
-def starting_record(instance_id: str, backend: BackendConfig, held: Held) -> SlotRecord:
-    """A slot taken for a start that has no process yet: counted as its backend's largest tree."""
-    return SlotRecord(
-        instance=instance_id,
-        pid=os.getpid(),
-        backend=backend.name,
-        key=f"starting:{held.index}",
-        since=time.time(),
-        busy=True,
-        command=command_of(backend),
-        starting=True,
-    )
-
-
-def command_of(backend: BackendConfig) -> str:
-    """The hash a lease records of ``backend``'s command: what the install's facts of it are kept under."""
-    return command_hash(tuple(backend.command))
-
-
-class Peaks:
-    """The largest tree each backend has had: what the install has learned (``pool.learned``), and
-    what this proxy has measured since (its writes are queued: the database may not have them yet)."""
-
-    def __init__(self, learned: Learned) -> None:
-        self.learned = learned
-        self._seen: dict[tuple[str, str], int] = {}
-
-    def of(self, backend: str, command: str | None) -> int:
-        """The largest tree of ``backend`` under ``command`` (0: none measured). With no backend (a
-        start not described yet), the largest of any backend; with no command, the largest seen here."""
-        if not backend:
-            try:
-                learned = max(all_peaks(self.learned.db.conn).values(), default=0)
-            except sqlite3.Error:
-                learned = 0
-            return max(learned, max(self._seen.values(), default=0))
-        if command is None:
-            return max((size for (name, _), size in self._seen.items() if name == backend), default=0)
-        return max(self._seen.get((backend, command), 0), self.learned.facts(backend, command).peak_memory)
-
-    def saw(self, backend: str, command: str | None, size: int) -> None:
-        """A tree of ``backend`` measured ``size`` bytes: the install learns it if it is the largest seen here."""
-        if not backend or command is None or size <= self._seen.get((backend, command), 0):
-            return
-        self._seen[(backend, command)] = size
-        self.learned.peak(backend, command, size)
-
-
-def roots_of(slots: Sequence[Slot]) -> list[int]:
-    return [slot.root for slot in slots if slot.root is not None]
-
-
-def budget_key(slot: Slot) -> str:
-    """A slot's key for the memory budget's plan: unique across the install (a key is unique in its proxy)."""
-    return slot.key if slot.instance is None else f"{slot.instance}/{slot.key}"
-
-
-def memory_slot(slot: Slot, memory: int, moment: float) -> MemorySlot:
-    return MemorySlot(
-        key=budget_key(slot),
-        backend=slot.backend,
-        memory=memory,
-        last_active=slot.last_active,
-        busy=slot.busy,
-        pinned=slot.pinned,
-        recent=not slot.spare and slot.recent_until > moment,
-        spare=slot.spare,
-        stopping=slot.stopping,
-    )
-
-
-def counted_trees(slots: Sequence[Slot], trees: dict[int, TreeMemory], peaks: Peaks, moment: float) -> list[MemorySlot]:
-    """The install's live trees as a start counts them (``counted_size``), ``trees`` measured now by root.
-
-    What was measured is learned first: a tree measured here raises its backend's peak before
-    any tree of that backend is counted against it.
-    """
-    figures: list[int | None] = []
-    for slot in slots:
-        tree = trees.get(slot.root) if slot.root is not None else None
-        if tree is not None and tree.processes:
-            peaks.saw(slot.backend, slot.command, tree.total)
-            figures.append(tree.total)
-        else:
-            figures.append(slot.memory)  # not there to measure: its holder's figure, if any
-    peak = functools.cache(peaks.of)
-    return [
-        memory_slot(slot, counted_size(figure, peak(slot.backend, slot.command), starting=slot.starting), moment)
-        for slot, figure in zip(slots, figures, strict=True)
-    ]
-
-
-def plan_start(
-    slots: Sequence[Slot],
-    trees: dict[int, TreeMemory],
-    peaks: Peaks,
-    backend: BackendConfig,
-    budget: MemoryBudget,
-    moment: float,
-    refused: frozenset[str] = frozenset(),
-) -> BudgetPlan:
-    """Whom to suspend so that a new tree of ``backend`` fits the budget: the install's trees counted as a
-    start counts them (``trees`` measured now), ``refused`` (their proxies would not suspend them) as busy,
-    the new tree as large as the largest its backend has had."""
-    live = [
-        msgspec.structs.replace(tree, busy=True) if tree.key in refused else tree
-        for tree in counted_trees(slots, trees, peaks, moment)
-    ]
-    return plan_spawn(live, backend.name, peaks.of(backend.name, command_of(backend)), budget)
 
 
 class ProcessPool:
@@ -334,17 +156,11 @@ class ProcessPool:
         self.peers = peers
         self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
         self.journal = owner.journal
-        self.budget = MemoryBudget.of(config)
         self.peaks = Peaks(Learned(owner.db))
-        self._measure_due = Changes()
-        """Notified when a new adapter has answered: measure it now, rather than at the next round."""
-        self._overruns: set[str | None] = set()
-        """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
-        self._start_costs: dict[str, float] = {}
-        self._turnarounds: dict[str, float] = {}
-        """Per session, the longest recent gap between a turn's end and the gateway's next prompt
-        (least recently active first)."""
-        """Per backend, a running estimate of how long a start takes (slot taken -> session bound)."""
+        self.memory = MemoryKeeper(self, self.peaks)
+        """The memory budget (``[pool] max_memory``): measuring, keeping it, making room before a start."""
+        self.recency = Recency(config.pool.min_idle)
+        """Start costs and gateway turnarounds learned, and how long a session just active is not taken."""
         self.running: set[Adapter] = set()
         """Every adapter process started and not yet stopped."""
         self.changed = Changes()
@@ -404,23 +220,7 @@ class ProcessPool:
             stopping = adapter in self._evicting
             if adapter.returncode is not None or (adapter.gone and not stopping):
                 continue  # its tree is gone: the wrapper exits only once it has ended it
-            slots.append(
-                Slot(
-                    key=slot_key(adapter),
-                    backend=adapter.backend.name,
-                    last_active=adapter.last_active,
-                    busy=adapter.busy,
-                    spare=adapter.gateway_session is None,
-                    pinned=adapter.backend.resume == "never" and adapter.gateway_session is not None,
-                    recent_until=adapter.recent_until,
-                    stopping=stopping,
-                    memory=adapter.memory,
-                    index=adapter.slot.index if adapter.slot is not None else None,
-                    root=adapter.supervised.process.pid,
-                    starting=adapter.starting,
-                    command=adapter.supervised.lease.command_hash,
-                )
-            )
+            slots.append(slot_of_adapter(adapter, stopping=stopping))
         if self._warm is not None:  # launched with the proxy, not taken yet: the first spare to go
             warm = self._warm
             slots.append(
@@ -442,9 +242,29 @@ class ProcessPool:
         shutdown = self.config.shutdown
         return shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace + 1.0
 
-    def install_slots(self) -> list[Slot]:
-        """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files."""
+    def install_slots(self, *, fresh: bool = False) -> list[Slot]:
+        """The plan's snapshot for the whole install: ours as we know them, the others' from their slot files
+        (``fresh``: read now, not the reading of moments ago that every waiter's plan shares)."""
+        if fresh:
+            self._others = None
         return [*self.slots(), *self._others_slots(time.monotonic())]
+
+    def starts_in_progress(self) -> list[Held]:
+        """The install slots this proxy took for starts that are not running yet."""
+        return list(self._taking)
+
+    def tree_there(self, slot: Slot) -> bool:
+        """Whether the tree that held ``slot`` still holds its slot file (its wrapper lets go once it is gone)."""
+        if slot.index is None:
+            return False
+        held = self.install.holder(slot.index)
+        if held is None:
+            return False
+        record = held.record
+        if record is None:
+            return True  # let go of by its proxy, still held by its wrapper: the tree is ending
+        same_tree = record.wrapper_pid == slot.root if slot.root is not None else record.key == slot.key
+        return record.instance == (slot.instance or self.owner.instance_id) and same_tree
 
     def _others_slots(self, moment: float) -> list[Slot]:
         """The slots of the install this proxy does not hold, from their files (``slot_of_record``),
@@ -465,14 +285,6 @@ class ProcessPool:
             known = (moment, self.peers.alive(instance_id) if self.peers is not None else True)
             self._instances_alive[instance_id] = known
         return known[1]
-
-    def _memory_slots(self) -> tuple[list[MemorySlot], dict[str, Slot]]:
-        """The install's live trees for the budget (being stopped: already on their way out), and
-        each one's plan slot, to suspend it by."""
-        moment = time.monotonic()
-        slots = [slot for slot in self.install_slots() if not slot.stopping and not slot.key.startswith("starting:")]
-        measured = [memory_slot(slot, slot.memory or 0, moment) for slot in slots]
-        return measured, {budget_key(slot): slot for slot in slots}
 
     def _own_install_indexes(self) -> set[int]:
         held = [a.slot for a in self.running if a.slot is not None]
@@ -533,7 +345,7 @@ class ProcessPool:
                     )
                 planning = position < depth
                 moment = time.monotonic()
-                granted = [g for g in granted if g.until > moment and self._tree_there(g.slot)]
+                granted = [g for g in granted if g.until > moment and self.tree_there(g.slot)]
                 step = admit(
                     Waiting(
                         backend=backend.name,
@@ -565,7 +377,7 @@ class ProcessPool:
                     break
                 waited = True
                 if isinstance(step, Ask):
-                    if await self._evict_anywhere(step.slot):
+                    if await self.evict_anywhere(step.slot):
                         # Its slot comes free once its tree is gone: a wait bounded by the teardown's
                         # own graces, not by acquire_timeout (that is for busy sessions).
                         granted.append(Granted(step.slot, time.monotonic() + self._teardown_bound()))
@@ -608,7 +420,7 @@ class ProcessPool:
         if held is not None:
             self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
             self._taking.append(held)
-            if not self.budget.empty:  # other proxies' starts count it from now on
+            if not self.memory.budget.empty:  # other proxies' starts count it from now on
                 held.publish(starting_record(self.owner.instance_id, backend, held))
         return held
 
@@ -617,7 +429,7 @@ class ProcessPool:
         with anyio.move_on_after(timeout):
             await changed.wait()
 
-    async def _evict_anywhere(
+    async def evict_anywhere(
         self, slot: Slot, why: str = "least recently used of the install", reason: SuspendReason = SuspendReason.POOL
     ) -> bool:
         """Suspend what the plan chose, in this proxy or (through its control socket) in another."""
@@ -684,146 +496,6 @@ class ProcessPool:
             return self.evict(slot, why, reason)
         return False
 
-    # --- the memory budget -----------------------------------------------------------------------
-
-    async def keep_memory_budget(self) -> None:
-        """With ``max_memory`` set: measure this proxy's trees every few seconds (for its slot records),
-        and, if this proxy keeps the install's budget, suspend idle sessions until the install fits.
-
-        One proxy of the install keeps the budget at a time (``InstallSlots.lead``): two keepers
-        reading the same records would suspend twice what is needed. A budget is not a kill
-        switch: busy sessions are never suspended; an overrun nothing can relieve is logged once.
-        """
-        if self.budget.empty:
-            return
-        while not self.stopping.begun:
-            due = self._measure_due.next()
-            await self._measure()
-            if self.install.lead(BUDGET_ROLE):
-                measured, by_key = self._memory_slots()
-                await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
-            await self._wait_for_change(due, MEMORY_EVERY)
-
-    async def _measure(self) -> None:
-        """Measure this proxy's trees, for its slot records; what they measure is learned by the install."""
-        adapters = [a for a in self.running if not a.gone]
-        roots = {a.supervised.process.pid: a for a in adapters}
-        trees = await anyio.to_thread.run_sync(measure_trees, list(roots))  # /proc reads block
-        for root, tree in trees.items():
-            adapter = roots[root]
-            adapter.memory, adapter.memory_kind = tree.total, tree.method
-            if tree.processes:
-                self.peaks.saw(adapter.backend.name, adapter.supervised.lease.command_hash, tree.total)
-        self.changed.notify()  # the slot records carry the figures
-
-    def _came_up(self, adapter: Adapter) -> None:
-        """A new adapter has answered its first request: loaded, it counts as measured from now on."""
-        if adapter.starting:
-            adapter.starting = False
-            self._measure_due.notify()
-            self.changed.notify()
-
-    async def _make_room_in_memory(self, backend: BackendConfig, held: Held) -> None:
-        """Before a start (``held``: its slot): suspend idle sessions until the new tree fits the budget,
-        and wait until their trees are gone.
-
-        Every live tree of the install counts, measured now, and every other start in progress too
-        (``counted_trees``); the new tree is expected to be as large as the largest its backend has
-        had. A spawn waits for the budget only while the trees it counted on end (at most
-        ``acquire_timeout``): with nothing left to suspend it goes ahead, and the overrun is logged.
-        """
-        if self.budget.empty:
-            return
-        refused: set[str] = set()
-        while True:
-            moment = time.monotonic()
-            self._others = None  # a start decides on the install as it is now
-            slots = [*self.install_slots(), *self._own_starts(held, moment)]
-            trees = await anyio.to_thread.run_sync(measure_trees, roots_of(slots))  # /proc reads block
-            plan = plan_start(slots, trees, self.peaks, backend, self.budget, moment, frozenset(refused))
-            by_key = {budget_key(slot): slot for slot in slots}
-            going = await self._carry_out(plan, by_key, f"room in the memory budget for a {backend.name} start")
-            await self._until_gone([by_key[key] for key in going])
-            declined = {chosen.key for chosen in plan.suspend} - set(going)
-            if not declined:
-                return
-            refused |= declined  # not idle after all: plan again without them
-
-    def _own_starts(self, exclude: Held, moment: float) -> list[Slot]:
-        """This proxy's other starts in progress (slots taken, no process yet), as the plan's slots."""
-        return [
-            Slot(
-                key=f"starting:{held.index}",
-                backend=held.backend,
-                last_active=moment,
-                busy=True,
-                index=held.index,
-                starting=True,
-                command=command_of(self.config.backends[held.backend]),
-            )
-            for held in self._taking
-            if held is not exclude and held.backend in self.config.backends
-        ]
-
-    async def _until_gone(self, slots: list[Slot]) -> None:
-        """Wait until the trees of ``slots`` are gone: their slot files let go of, or held for another tree.
-
-        A tree's wrapper holds its slot until the whole tree has ended. At most ``acquire_timeout``:
-        a tree that will not end is left to its own proxy, and the start goes ahead.
-        """
-        waiting = [slot for slot in slots if slot.index is not None]
-        with anyio.move_on_after(self.config.pool.acquire_timeout):
-            while True:
-                changed = self.changed.next()
-                waiting = [slot for slot in waiting if self._tree_there(slot)]
-                if not waiting:
-                    return
-                await self._wait_for_change(changed, POLL)
-        log.warning(
-            "memory budget: %d suspended trees still there after %gs; starting anyway",
-            len(waiting),
-            self.config.pool.acquire_timeout,
-        )
-
-    def _tree_there(self, slot: Slot) -> bool:
-        assert slot.index is not None
-        held = self.install.holder(slot.index)
-        if held is None:
-            return False
-        record = held.record
-        if record is None:
-            return True  # let go of by its proxy, still held by its wrapper: the tree is ending
-        same_tree = record.wrapper_pid == slot.root if slot.root is not None else record.key == slot.key
-        return record.instance == (slot.instance or self.owner.instance_id) and same_tree
-
-    async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> list[str]:
-        """Suspend what the plan chose; the keys of the trees now on their way out (those refused are not)."""
-        going = []
-        for chosen in plan.suspend:
-            slot = by_key[chosen.key]
-            if not chosen.stopping:
-                log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
-                if not await self._evict_anywhere(slot, why, SuspendReason.MEMORY):
-                    continue
-            going.append(chosen.key)
-        exceeded = {overrun.backend for overrun in plan.overrun}
-        for overrun in plan.overrun:
-            if overrun.backend not in self._overruns:
-                log.warning("memory budget: %s; serving on", overrun)
-        self._overruns = exceeded
-        return going
-
-    async def suspend_idle(self) -> None:
-        """The idle TTL sweeper: suspend sessions (and stop spares) idle longer than ``idle_ttl``."""
-        ttl = self.config.pool.idle_ttl
-        interval = max(0.05, min(ttl / 4, 30.0))
-        while True:
-            await anyio.sleep(interval)
-            if self.stopping.begun:
-                return
-            for slot in expired(self.slots(), time.monotonic(), ttl):
-                self.evict(slot, f"idle for {ttl:g}s", SuspendReason.IDLE_TTL)
-
     # --- starting ------------------------------------------------------------------------------
 
     async def start(self, backend: BackendConfig, *, prepare: bool, session_key: str | None = None) -> Adapter:
@@ -843,7 +515,7 @@ class ProcessPool:
         else:
             held = await self._acquire_slot(backend)
             try:
-                await self._make_room_in_memory(backend, held)
+                await self.memory.make_room(backend, held)
             except BaseException:
                 self._release_reservation(backend, held)
                 held.release()
@@ -1009,66 +681,23 @@ class ProcessPool:
         except AdapterGone as exc:
             raise ProxyError.adapter_exited(exc.returncode, adapter.backend.name, during=method) from None
 
+    def _came_up(self, adapter: Adapter) -> None:
+        """A new adapter has answered its first request: loaded, it counts as measured from now on."""
+        if adapter.starting:
+            adapter.starting = False
+            self.memory.measure_soon()
+            self.changed.notify()
+
     # --- what the install sees -------------------------------------------------------------------
 
-    def protection(self, backend: BackendConfig, session: str | None = None) -> float:
-        """How long a session just active is not taken (``plan.protection``: ``min_idle``, a start's
-        cost, twice its gateway's turnaround)."""
-        turnaround = self._turnarounds.get(session) if session is not None else None
-        return protection(self.config.pool.min_idle, self._start_costs.get(backend.name), turnaround)
-
-    def note_bound(self, adapter: Adapter) -> None:
-        """A session now runs on ``adapter`` (opened or restored): learn the start cost, mark it recent."""
-        moment = time.monotonic()
-        adapter.last_active = moment
-        if adapter.started_at is not None:
-            cost = moment - adapter.started_at
-            adapter.started_at = None
-            old = self._start_costs.get(adapter.backend.name)
-            name = adapter.backend.name
-            self._start_costs[name] = cost if old is None else old + START_COST_WEIGHT * (cost - old)
-        adapter.recent_until = moment + self.protection(adapter.backend, adapter.gateway_session)
-
-    def note_turn_ended(self, adapter: Adapter) -> None:
-        """A turn has ended: learn how fast the gateway came back after the one before, mark it recent."""
-        moment = time.monotonic()
-        session = adapter.gateway_session
-        if session is not None and adapter.turnaround is not None:
-            known = self._turnarounds.pop(session, 0.0)
-            self._turnarounds[session] = max(adapter.turnaround, known * TURNAROUND_DECAY)
-            if len(self._turnarounds) > TURNAROUNDS_KEPT:
-                del self._turnarounds[next(iter(self._turnarounds))]  # the least recently active session's
-        adapter.turnaround = None
-        adapter.turn_ended_at = moment
-        # Its last use is the turn's end, not its start: a long turn just ended is not the least recently
-        # used session (the pool's order), nor idle since it began (idle_ttl).
-        adapter.last_active = moment
-        adapter.recent_until = moment + self.protection(adapter.backend, session)
-
-    def record_of(self, adapter: Adapter) -> SlotRecord:
-        return SlotRecord(
-            instance=self.owner.instance_id,
-            pid=os.getpid(),
-            backend=adapter.backend.name,
-            key=slot_key(adapter),
-            session=adapter.gateway_session,
-            adapter_pid=adapter.pid,
-            since=adapter.slot_since,
-            last_active=adapter.last_active,
-            recent_until=adapter.recent_until,
-            busy=adapter.busy,
-            pinned=adapter.backend.resume == "never" and adapter.gateway_session is not None,
-            stopping=adapter in self._evicting or adapter.stopping,
-            memory=adapter.memory,
-            memory_kind=adapter.memory_kind,
-            wrapper_pid=adapter.supervised.process.pid,
-            command=adapter.supervised.lease.command_hash,
-            starting=adapter.starting,
-        )
+    async def suspend_idle(self) -> None:
+        """Suspend sessions (and stop spares) idle longer than ``idle_ttl`` (``recency.sweep_idle``)."""
+        await sweep_idle(self.config.pool.idle_ttl, self.slots, self.evict, self.stopping)
 
     def _publish(self, adapter: Adapter) -> None:
         if adapter.slot is not None:
-            adapter.slot.publish(self.record_of(adapter))
+            stopping = adapter in self._evicting or adapter.stopping
+            adapter.slot.publish(record_of(adapter, self.owner.instance_id, stopping=stopping))
 
     async def publish_slots(self) -> None:
         """Keep this proxy's slot records current: who holds each, for which session, how idle."""

@@ -338,7 +338,7 @@ class AdapterRelay:
         if call.turn is not None:
             self.turns.settle_answer(call.turn, msg, write_later=True)
             adapter.turn_answered(call.turn)
-            self.pool.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
+            self.pool.recency.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
         if not adapter.busy:
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
         if call.method == Method.INITIALIZE and msg.result is not UNSET:

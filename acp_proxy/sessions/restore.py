@@ -23,9 +23,9 @@ from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import Kind
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter
-from acp_proxy.pool.learned import Learned
+from acp_proxy.pool.learned import Learned, command_of
 from acp_proxy.pool.plan import falls_back, refused_as_unsupported, restore_order
-from acp_proxy.pool.processes import ProcessPool, command_of
+from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import history_reset_update, session_of
 from acp_proxy.protocol.errors import ProxyError

@@ -99,7 +99,7 @@ class SessionTable:
         self.background = background
         self.pool_changed = pool_changed
         self._on_bound = on_bound
-        """The pool learns that a session now runs on a process (``ProcessPool.note_bound``)."""
+        """The pool learns that a session now runs on a process (``Recency.note_bound``, pool/recency.py)."""
         self.sessions: dict[str, Session] = {}
 
     def advance(self, session: Session, event: Event) -> Step:

@@ -1,0 +1,305 @@
+"""The memory budget (``[pool] max_memory``): what a start counts, and the keeper that holds the install to it.
+
+The decisions are pure (``pool.memory``: ``plan_budget`` for the install as it is,
+``plan_spawn`` for a start); here they meet the install. Every proxy measures its own trees
+for its slot records; one proxy of the install (``InstallSlots.lead``) keeps the budget; and a
+start first makes room (``MemoryKeeper.make_room``): the install's trees measured now, starts
+in progress counted as large as their backend's largest tree (``counted_trees``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sqlite3
+import time
+from collections.abc import Sequence
+from typing import Final, Protocol
+
+import anyio
+import msgspec
+
+from acp_proxy.concurrency import Changes, Stopping
+from acp_proxy.config import BackendConfig, Config
+from acp_proxy.journal import SuspendReason
+from acp_proxy.ownership.owner import Owner
+from acp_proxy.pool.adapter import Adapter
+from acp_proxy.pool.admission import POLL
+from acp_proxy.pool.install import Held, InstallSlots
+from acp_proxy.pool.learned import Learned, all_peaks, command_of
+from acp_proxy.pool.memory import (
+    BudgetPlan,
+    MemoryBudget,
+    MemorySlot,
+    TreeMemory,
+    counted_size,
+    measure_trees,
+    plan_budget,
+    plan_spawn,
+)
+from acp_proxy.pool.plan import Slot
+from acp_proxy.pool.publishing import slot_of_record, starting_record, starting_slot
+
+log = logging.getLogger("acp_proxy.lifecycle")
+
+MEMORY_EVERY: Final = 2.0
+"""With a memory budget, how often each proxy measures its trees (and the keeper checks the install)."""
+BUDGET_ROLE: Final = "memory-budget"
+
+
+async def _wait_for_change(changed: anyio.Event, timeout: float) -> None:
+    with anyio.move_on_after(timeout):
+        await changed.wait()
+
+
+class Peaks:
+    """The largest tree each backend has had: what the install has learned (``pool.learned``), and
+    what this proxy has measured since (its writes are queued: the database may not have them yet)."""
+
+    def __init__(self, learned: Learned) -> None:
+        self.learned = learned
+        self._seen: dict[tuple[str, str], int] = {}
+
+    def of(self, backend: str, command: str | None) -> int:
+        """The largest tree of ``backend`` under ``command`` (0: none measured). With no backend (a
+        start not described yet), the largest of any backend; with no command, the largest seen here."""
+        if not backend:
+            try:
+                learned = max(all_peaks(self.learned.db.conn).values(), default=0)
+            except sqlite3.Error:
+                learned = 0
+            return max(learned, max(self._seen.values(), default=0))
+        if command is None:
+            return max((size for (name, _), size in self._seen.items() if name == backend), default=0)
+        return max(self._seen.get((backend, command), 0), self.learned.facts(backend, command).peak_memory)
+
+    def saw(self, backend: str, command: str | None, size: int) -> None:
+        """A tree of ``backend`` measured ``size`` bytes: the install learns it if it is the largest seen here."""
+        if not backend or command is None or size <= self._seen.get((backend, command), 0):
+            return
+        self._seen[(backend, command)] = size
+        self.learned.peak(backend, command, size)
+
+
+def roots_of(slots: Sequence[Slot]) -> list[int]:
+    return [slot.root for slot in slots if slot.root is not None]
+
+
+def budget_key(slot: Slot) -> str:
+    """A slot's key for the memory budget's plan: unique across the install (a key is unique in its proxy)."""
+    return slot.key if slot.instance is None else f"{slot.instance}/{slot.key}"
+
+
+def memory_slot(slot: Slot, memory: int, moment: float) -> MemorySlot:
+    return MemorySlot(
+        key=budget_key(slot),
+        backend=slot.backend,
+        memory=memory,
+        last_active=slot.last_active,
+        busy=slot.busy,
+        pinned=slot.pinned,
+        recent=not slot.spare and slot.recent_until > moment,
+        spare=slot.spare,
+        stopping=slot.stopping,
+    )
+
+
+def counted_trees(slots: Sequence[Slot], trees: dict[int, TreeMemory], peaks: Peaks, moment: float) -> list[MemorySlot]:
+    """The install's live trees as a start counts them (``counted_size``), ``trees`` measured now by root.
+
+    What was measured is learned first: a tree measured here raises its backend's peak before
+    any tree of that backend is counted against it.
+    """
+    figures: list[int | None] = []
+    for slot in slots:
+        tree = trees.get(slot.root) if slot.root is not None else None
+        if tree is not None and tree.processes:
+            peaks.saw(slot.backend, slot.command, tree.total)
+            figures.append(tree.total)
+        else:
+            figures.append(slot.memory)  # not there to measure: its holder's figure, if any
+    peak = functools.cache(peaks.of)
+    return [
+        memory_slot(slot, counted_size(figure, peak(slot.backend, slot.command), starting=slot.starting), moment)
+        for slot, figure in zip(slots, figures, strict=True)
+    ]
+
+
+def plan_start(
+    slots: Sequence[Slot],
+    trees: dict[int, TreeMemory],
+    peaks: Peaks,
+    backend: BackendConfig,
+    budget: MemoryBudget,
+    moment: float,
+    refused: frozenset[str] = frozenset(),
+) -> BudgetPlan:
+    """Whom to suspend so that a new tree of ``backend`` fits the budget: the install's trees counted as a
+    start counts them (``trees`` measured now), ``refused`` (their proxies would not suspend them) as busy,
+    the new tree as large as the largest its backend has had."""
+    live = [
+        msgspec.structs.replace(tree, busy=True) if tree.key in refused else tree
+        for tree in counted_trees(slots, trees, peaks, moment)
+    ]
+    return plan_spawn(live, backend.name, peaks.of(backend.name, command_of(backend)), budget)
+
+
+def fits_at_once(budget: MemoryBudget, owner: Owner, backend: BackendConfig, install: InstallSlots, held: Held) -> bool:
+    """Whether a tree of ``backend`` started now fits the memory budget with no session suspended.
+
+    Counted as a start made for a request counts (``counted_trees``), measuring here: this runs
+    before the event loop.
+    """
+    if budget.empty:
+        return True
+    held.publish(starting_record(owner.instance_id, backend, held))
+    moment = time.monotonic()
+    others = [slot_of_record(other, moment) for other in install.holders(skip={held.index})]
+    plan = plan_start(others, measure_trees(roots_of(others)), Peaks(Learned(owner.db)), backend, budget, moment)
+    return not plan.suspend and not plan.overrun
+
+
+class Pool(Protocol):
+    """What the keeper needs of the process pool."""
+
+    config: Config
+    install: InstallSlots
+    stopping: Stopping
+    changed: Changes
+
+    def live(self) -> list[Adapter]: ...
+
+    def install_slots(self, *, fresh: bool = False) -> list[Slot]: ...
+
+    def starts_in_progress(self) -> list[Held]: ...
+
+    def tree_there(self, slot: Slot) -> bool: ...
+
+    async def evict_anywhere(self, slot: Slot, why: str, reason: SuspendReason) -> bool: ...
+
+
+class MemoryKeeper:
+    """Holds the install to ``max_memory``: measures this proxy's trees, keeps the budget while this proxy
+    leads it, and makes room before each start."""
+
+    def __init__(self, pool: Pool, peaks: Peaks) -> None:
+        self.pool = pool
+        self.budget = MemoryBudget.of(pool.config)
+        self.peaks = peaks
+        self._measure_due = Changes()
+        """Notified when a new adapter has answered: measure it now, rather than at the next round."""
+        self._overruns: set[str | None] = set()
+        """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
+
+    async def keep(self) -> None:
+        """With ``max_memory`` set: measure this proxy's trees every few seconds (for its slot records),
+        and, if this proxy keeps the install's budget, suspend idle sessions until the install fits.
+
+        One proxy of the install keeps the budget at a time (``InstallSlots.lead``): two keepers
+        reading the same records would suspend twice what is needed. A budget is not a kill
+        switch: busy sessions are never suspended; an overrun nothing can relieve is logged once.
+        """
+        if self.budget.empty:
+            return
+        while not self.pool.stopping.begun:
+            due = self._measure_due.next()
+            await self._measure()
+            if self.pool.install.lead(BUDGET_ROLE):
+                measured, by_key = self._memory_slots()
+                await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
+            await _wait_for_change(due, MEMORY_EVERY)
+
+    async def _measure(self) -> None:
+        """Measure this proxy's trees, for its slot records; what they measure is learned by the install."""
+        adapters = self.pool.live()
+        roots = {a.supervised.process.pid: a for a in adapters}
+        trees = await anyio.to_thread.run_sync(measure_trees, list(roots))  # /proc reads block
+        for root, tree in trees.items():
+            adapter = roots[root]
+            adapter.memory, adapter.memory_kind = tree.total, tree.method
+            if tree.processes:
+                self.peaks.saw(adapter.backend.name, adapter.supervised.lease.command_hash, tree.total)
+        self.pool.changed.notify()  # the slot records carry the figures
+
+    def measure_soon(self) -> None:
+        """A new adapter has answered: measure it now, rather than at the next round."""
+        self._measure_due.notify()
+
+    async def make_room(self, backend: BackendConfig, held: Held) -> None:
+        """Before a start (``held``: its slot): suspend idle sessions until the new tree fits the budget,
+        and wait until their trees are gone.
+
+        Every live tree of the install counts, measured now, and every other start in progress too
+        (``counted_trees``); the new tree is expected to be as large as the largest its backend has
+        had. A spawn waits for the budget only while the trees it counted on end (at most
+        ``acquire_timeout``): with nothing left to suspend it goes ahead, and the overrun is logged.
+        """
+        if self.budget.empty:
+            return
+        refused: set[str] = set()
+        while True:
+            moment = time.monotonic()
+            # A start decides on the install as it is now, this proxy's other starts in progress too.
+            slots = [*self.pool.install_slots(fresh=True), *self._own_starts(held, moment)]
+            trees = await anyio.to_thread.run_sync(measure_trees, roots_of(slots))  # /proc reads block
+            plan = plan_start(slots, trees, self.peaks, backend, self.budget, moment, frozenset(refused))
+            by_key = {budget_key(slot): slot for slot in slots}
+            going = await self._carry_out(plan, by_key, f"room in the memory budget for a {backend.name} start")
+            await self._until_gone([by_key[key] for key in going])
+            declined = {chosen.key for chosen in plan.suspend} - set(going)
+            if not declined:
+                return
+            refused |= declined  # not idle after all: plan again without them
+
+    def _own_starts(self, exclude: Held, moment: float) -> list[Slot]:
+        """This proxy's other starts in progress (slots taken, no process yet), as the plan's slots."""
+        backends = self.pool.config.backends
+        return [
+            starting_slot(held.index, held.backend, moment, command_of(backends[held.backend]))
+            for held in self.pool.starts_in_progress()
+            if held is not exclude and held.backend in backends
+        ]
+
+    async def _until_gone(self, slots: list[Slot]) -> None:
+        """Wait until the trees of ``slots`` are gone: their slot files let go of, or held for another tree.
+
+        A tree's wrapper holds its slot until the whole tree has ended. At most ``acquire_timeout``:
+        a tree that will not end is left to its own proxy, and the start goes ahead.
+        """
+        waiting = [slot for slot in slots if slot.index is not None]
+        timeout = self.pool.config.pool.acquire_timeout
+        with anyio.move_on_after(timeout):
+            while True:
+                changed = self.pool.changed.next()
+                waiting = [slot for slot in waiting if self.pool.tree_there(slot)]
+                if not waiting:
+                    return
+                await _wait_for_change(changed, POLL)
+        log.warning("memory budget: %d suspended trees still there after %gs; starting anyway", len(waiting), timeout)
+
+    async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> list[str]:
+        """Suspend what the plan chose; the keys of the trees now on their way out (those refused are not)."""
+        going = []
+        for chosen in plan.suspend:
+            slot = by_key[chosen.key]
+            if not chosen.stopping:
+                log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
+                if not await self.pool.evict_anywhere(slot, why, SuspendReason.MEMORY):
+                    continue
+            going.append(chosen.key)
+        exceeded = {overrun.backend for overrun in plan.overrun}
+        for overrun in plan.overrun:
+            if overrun.backend not in self._overruns:
+                log.warning("memory budget: %s; serving on", overrun)
+        self._overruns = exceeded
+        return going
+
+    def _memory_slots(self) -> tuple[list[MemorySlot], dict[str, Slot]]:
+        """The install's live trees for the budget (being stopped: already on their way out), and
+        each one's plan slot, to suspend it by."""
+        moment = time.monotonic()
+        slots = [
+            slot for slot in self.pool.install_slots() if not slot.stopping and not slot.key.startswith("starting:")
+        ]
+        measured = [memory_slot(slot, slot.memory or 0, moment) for slot in slots]
+        return measured, {budget_key(slot): slot for slot in slots}
