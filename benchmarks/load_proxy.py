@@ -103,7 +103,7 @@ def time_acquires(path: str) -> None:
 
     @functools.wraps(note_bound)
     def timed_note_bound(self: Recency, adapter: Any) -> None:
-        started = adapter.started_at
+        started = adapter.usage.started_at
         if started is not None:
             os.write(windows, f"start {time.monotonic() - started:.6f}\n".encode())
         note_bound(self, adapter)

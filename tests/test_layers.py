@@ -80,10 +80,28 @@ def _adapter_fields() -> set[str]:
     }
 
 
+def _usage_fields() -> set[str]:
+    """The fields of ``pool.usage.Usage``: the pool's account of one process."""
+    tree = ast.parse((PACKAGE / "pool" / "usage.py").read_text())
+    usage = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Usage")
+    return {
+        node.target.id for node in usage.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+
+
+def test_an_adapter_is_a_connection_and_the_pool_keeps_the_account_of_its_process() -> None:
+    """``Adapter`` holds its process, pipes, pending calls and id maps; the slot, the clocks and the memory
+    figures are the pool's (``Usage``), assigned by no module outside pool/ (the test below)."""
+    accounting = {"slot", "started_at", "recent_until", "memory", "last_active", "turnaround", "quiet_at"}
+    assert accounting <= _usage_fields()
+    assert not accounting & _adapter_fields()
+
+
 def test_no_module_outside_the_pool_assigns_a_field_of_an_adapter() -> None:
-    """An adapter is changed through its methods (``pool/adapter.py``), never field by field from above."""
-    fields = _adapter_fields()
-    assert {"gateway_session", "claimed", "swallow_updates", "upstream_pending"} <= fields  # the check sees them
+    """An adapter is changed through its methods (``pool/adapter.py``), never field by field from above;
+    the pool's account of its process (``adapter.usage``) likewise."""
+    fields = _adapter_fields() | _usage_fields()
+    assert {"gateway_session", "claimed", "swallow_updates", "upstream_pending", "last_active"} <= fields
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.parent.name == "pool":
@@ -101,7 +119,7 @@ def test_no_module_outside_the_pool_assigns_a_field_of_an_adapter() -> None:
                     if (
                         isinstance(part, ast.Attribute)
                         and part.attr in fields
-                        and ast.unparse(part.value).endswith("adapter")
+                        and ast.unparse(part.value).endswith(("adapter", "adapter.usage"))
                     ):
                         found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(part)}")
     assert found == []

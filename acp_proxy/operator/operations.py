@@ -92,7 +92,7 @@ def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
         "pid": adapter.pid if adapter is not None else None,
         "lease": adapter.supervised.lease.lease_id if adapter is not None else None,
         "busy": adapter.busy if adapter is not None else False,
-        "idleSeconds": round(now_monotonic - adapter.last_active, 3) if adapter is not None else None,
+        "idleSeconds": round(now_monotonic - adapter.usage.last_active, 3) if adapter is not None else None,
         "queued": len(session.queue),
         "taskId": turn.task_id if turn is not None and turn.status is TaskStatus.RUNNING else None,
     }

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 
@@ -25,7 +24,7 @@ from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import TableUnavailable
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
-from acp_proxy.pool.install import Held
+from acp_proxy.pool.usage import Usage
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import AgentCapabilities, rewrite_session_id, session_of
 from acp_proxy.protocol.errors import describe_exit
@@ -109,32 +108,12 @@ class Adapter:
         answers to requests still pending are relayed (its late updates and requests are dropped)."""
         self.upstream_pending = 0
         """Agent->client requests of this adapter the gateway has not answered yet."""
-        self.last_active = 0.0
         self.stopping = False
         """``stop`` has begun: if it exits now, it is because we are ending it."""
         self.turn: Turn | None = None
         """The prompt turn running on this process, whose streamed updates are counted against it."""
-        self.quiet_at = 0.0
-        """Monotonic time until which it counts as busy: it reported work after its turn ended
-        (``[pool] quiet_after`` from its last such update)."""
-        self.start_deadline: float | None = None
-        """By when it must answer the request it was started (or, a spare, taken) for: ``start_timeout``."""
-        self.slot: Held | None = None
-        """The install's slot it holds (its wrapper holds it too, until the tree is gone)."""
-        self.slot_since = time.time()
-        self.started_at: float | None = None
-        """Monotonic time its slot was had, until its first session is bound (what a start costs)."""
-        self.recent_until = 0.0
-        """Monotonic time until which it was active moments ago (``[pool] min_idle``): not taken."""
-        self.starting = True
-        """It has not answered the request it was started for yet: still loading (the memory budget
-        counts it as at least the largest tree its backend has had)."""
-        self.memory: int | None = None
-        """Its tree's memory when last measured (bytes), and how (``pss`` or ``rss``)."""
-        self.memory_kind: str | None = None
-        self.turn_ended_at: float | None = None
-        self.turnaround: float | None = None
-        """How long the gateway took to send this turn's prompt after the previous turn ended."""
+        self.usage = Usage()
+        """The pool's account of this process (``pool.usage``): only the pool assigns its fields."""
         self.on_turn_start: Callable[[Adapter], None] | None = None
         """Called when a turn starts here, so that the install's record of this slot says busy at once."""
 
@@ -217,13 +196,11 @@ class Adapter:
 
     @property
     def working_in_background(self) -> bool:
-        return self.quiet_at > 0 and time.monotonic() < self.quiet_at
+        return self.usage.working_in_background
 
     def heard_working(self, quiet_after: float) -> None:
         """It reported work with no turn running: busy until ``quiet_after`` passes without more."""
-        moment = time.monotonic()
-        self.quiet_at = moment + quiet_after
-        self.last_active = moment
+        self.usage.heard_working(quiet_after)
 
     @property
     def pid(self) -> int:
@@ -332,11 +309,10 @@ class Adapter:
         call_id = self.register(msg.method, msg.id, msg.params)
         call = self.pending[call_id]
         call.on_answer = on_answer
-        self.last_active = time.monotonic()
+        self.usage.used()
         if turn is not None:
             call.turn = self.turn = turn
-            if self.turn_ended_at is not None:
-                self.turnaround, self.turn_ended_at = self.last_active - self.turn_ended_at, None
+            self.usage.turn_started()
             if self.on_turn_start is not None:
                 self.on_turn_start(self)
         out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))

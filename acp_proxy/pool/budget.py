@@ -216,7 +216,7 @@ class MemoryKeeper:
         trees = await anyio.to_thread.run_sync(measure_trees, list(roots))  # /proc reads block
         for root, tree in trees.items():
             adapter = roots[root]
-            adapter.memory, adapter.memory_kind = tree.total, tree.method
+            adapter.usage.memory, adapter.usage.memory_kind = tree.total, tree.method
             if tree.processes:
                 self.peaks.saw(adapter.backend.name, adapter.supervised.lease.command_hash, tree.total)
         self.pool.changed.notify()  # the slot records carry the figures

@@ -204,7 +204,7 @@ class ProcessPool:
         if spare is not None:
             return spare
         candidates = [a for a in self.running if not a.gone and a not in self._evicting]
-        return max(candidates, key=lambda a: a.last_active, default=None)
+        return max(candidates, key=lambda a: a.usage.last_active, default=None)
 
     def live(self) -> list[Adapter]:
         return [a for a in self.running if not a.gone]
@@ -287,7 +287,7 @@ class ProcessPool:
         return known[1]
 
     def _own_install_indexes(self) -> set[int]:
-        held = [a.slot for a in self.running if a.slot is not None]
+        held = [a.usage.slot for a in self.running if a.usage.slot is not None]
         if self._warm is not None:
             held.append(self._warm.slot)
         held.extend(self._taking)
@@ -446,7 +446,7 @@ class ProcessPool:
     def _first_quiet_at(self, moment: float) -> float:
         """When the first session busy only with background work counts as idle again (no event
         marks that moment: a waiter for a slot plans again then)."""
-        return min((a.quiet_at for a in self.running if a.quiet_at > moment), default=math.inf)
+        return min((a.usage.quiet_at for a in self.running if a.usage.quiet_at > moment), default=math.inf)
 
     def _release_reservation(self, backend: BackendConfig, held: Held) -> None:
         self._reserved[backend.name] -= 1
@@ -541,12 +541,12 @@ class ProcessPool:
             except BaseException:
                 held.release()  # a launched wrapper keeps it until its tree is gone
                 raise
-            adapter.last_active = time.monotonic()
-            adapter.started_at = started
-            adapter.slot = held
+            adapter.usage.last_active = time.monotonic()
+            adapter.usage.started_at = started
+            adapter.usage.slot = held
             adapter.on_turn_start = self._publish
             adapter.claimed = prepare
-            adapter.start_deadline = deadline
+            adapter.usage.start_deadline = deadline
             self.running.add(adapter)
             self.journal.record(Kind.ADAPTER_STARTED, backend=backend.name, label="warm" if warm else "started")
         finally:
@@ -587,7 +587,7 @@ class ProcessPool:
         adapter = self.spare(backend)
         if adapter is not None:
             adapter.claimed = True
-            adapter.start_deadline = anyio.current_time() + self.start_timeout(backend)
+            adapter.usage.start_deadline = anyio.current_time() + self.start_timeout(backend)
             return adapter
         return await self.start(backend, prepare=True, session_key=session_key)
 
@@ -608,7 +608,7 @@ class ProcessPool:
         ``start_timeout`` raised, for the caller to answer with. Answered in time, the
         process is like any other from then on.
         """
-        deadline, adapter.start_deadline = adapter.start_deadline, None
+        deadline, adapter.usage.start_deadline = adapter.usage.start_deadline, None
         call_id = await adapter.forward(msg, on_answer)
         with anyio.CancelScope(deadline=math.inf if deadline is None else deadline):
             await adapter.answered.until(lambda: adapter.gone or call_id not in adapter.pending)
@@ -644,7 +644,7 @@ class ProcessPool:
         """
         init = self.client_init if self.client_init is not UNSET else {"protocolVersion": PROTOCOL_VERSION}
         method = Method.INITIALIZE
-        deadline = math.inf if adapter.start_deadline is None else adapter.start_deadline
+        deadline = math.inf if adapter.usage.start_deadline is None else adapter.usage.start_deadline
         with anyio.CancelScope(deadline=deadline) as scope:
             answer = await self.call(adapter, method, init)
             adapter.capabilities = AgentCapabilities.from_initialize(answer.result)
@@ -683,8 +683,8 @@ class ProcessPool:
 
     def _came_up(self, adapter: Adapter) -> None:
         """A new adapter has answered its first request: loaded, it counts as measured from now on."""
-        if adapter.starting:
-            adapter.starting = False
+        if adapter.usage.starting:
+            adapter.usage.starting = False
             self.memory.measure_soon()
             self.changed.notify()
 
@@ -695,9 +695,9 @@ class ProcessPool:
         await sweep_idle(self.config.pool.idle_ttl, self.slots, self.evict, self.stopping)
 
     def _publish(self, adapter: Adapter) -> None:
-        if adapter.slot is not None:
+        if adapter.usage.slot is not None:
             stopping = adapter in self._evicting or adapter.stopping
-            adapter.slot.publish(record_of(adapter, self.owner.instance_id, stopping=stopping))
+            adapter.usage.slot.publish(record_of(adapter, self.owner.instance_id, stopping=stopping))
 
     async def publish_slots(self) -> None:
         """Keep this proxy's slot records current: who holds each, for which session, how idle."""
@@ -717,9 +717,9 @@ class ProcessPool:
         ``drain``: keep relaying what it wrote last (briefly) before closing its stdout.
         """
         await adapter.stop(self.config.shutdown)
-        if adapter.slot is not None:
-            adapter.slot.release()  # its wrapper has exited: the install's slot is free now
-            adapter.slot = None
+        if adapter.usage.slot is not None:
+            adapter.usage.slot.release()  # its wrapper has exited: the install's slot is free now
+            adapter.usage.slot = None
         if drain:
             with anyio.move_on_after(DRAIN_TIMEOUT):
                 await adapter.drained.wait()

@@ -50,30 +50,30 @@ class Recency:
     def note_bound(self, adapter: Adapter) -> None:
         """A session now runs on ``adapter`` (opened or restored): learn the start cost, mark it recent."""
         moment = time.monotonic()
-        adapter.last_active = moment
+        adapter.usage.last_active = moment
         name = adapter.backend.name
-        if adapter.started_at is not None:
-            cost = moment - adapter.started_at
-            adapter.started_at = None
+        if adapter.usage.started_at is not None:
+            cost = moment - adapter.usage.started_at
+            adapter.usage.started_at = None
             old = self._start_costs.get(name)
             self._start_costs[name] = cost if old is None else old + START_COST_WEIGHT * (cost - old)
-        adapter.recent_until = moment + self.protection(name, adapter.gateway_session)
+        adapter.usage.recent_until = moment + self.protection(name, adapter.gateway_session)
 
     def note_turn_ended(self, adapter: Adapter) -> None:
         """A turn has ended: learn how fast the gateway came back after the one before, mark it recent."""
         moment = time.monotonic()
         session = adapter.gateway_session
-        if session is not None and adapter.turnaround is not None:
+        if session is not None and adapter.usage.turnaround is not None:
             known = self._turnarounds.pop(session, 0.0)
-            self._turnarounds[session] = max(adapter.turnaround, known * TURNAROUND_DECAY)
+            self._turnarounds[session] = max(adapter.usage.turnaround, known * TURNAROUND_DECAY)
             if len(self._turnarounds) > TURNAROUNDS_KEPT:
                 del self._turnarounds[next(iter(self._turnarounds))]  # the least recently active session's
-        adapter.turnaround = None
-        adapter.turn_ended_at = moment
+        adapter.usage.turnaround = None
+        adapter.usage.turn_ended_at = moment
         # Its last use is the turn's end, not its start: a long turn just ended is not the least recently
         # used session (the pool's order), nor idle since it began (idle_ttl).
-        adapter.last_active = moment
-        adapter.recent_until = moment + self.protection(adapter.backend.name, session)
+        adapter.usage.last_active = moment
+        adapter.usage.recent_until = moment + self.protection(adapter.backend.name, session)
 
 
 async def sweep_idle(

@@ -137,10 +137,6 @@ class AdapterRelay:
         self._upstream: dict[int, tuple[Adapter, RequestId, str]] = {}
         """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
         self._next_upstream_id = 0
-        self._record_first = False
-        """The batch being translated answered a request with bookkeeping (``on_answer``): a session's
-        row, a setting a resume re-applies. Sent once what it queued is written, so that a proxy
-        killed right after answering cannot lose it. Prompts have none: a turn never waits here."""
 
     # --- the gateway's side of agent->client requests -----------------------------------------
 
@@ -212,12 +208,13 @@ class AdapterRelay:
                     await self.writer.send(batch.block)
                     continue
                 out: list[bytes] = []
-                self._record_first = False
+                record_first = False
                 for line, decoded in decoded_lines(batch):
-                    data = self._translate(adapter, line, decoded)
+                    data, recorded = self._translate(adapter, line, decoded)
+                    record_first = record_first or recorded
                     if data is not None:
                         out.append(data)
-                if self._record_first:
+                if record_first:
                     # The session's row is on record before the gateway can use its id, a setting
                     # before the gateway counts on it (a crash right after the answer must not
                     # lose what a resume needs).
@@ -231,14 +228,21 @@ class AdapterRelay:
                 await self._adapter_gone(adapter)
                 adapter.drained.set()
 
-    def _translate(self, adapter: Adapter, line: bytes, decoded: tuple[Message, Kind] | BadLine) -> bytes | None:
-        """What to send the gateway for one adapter line (``None``: nothing)."""
+    def _translate(
+        self, adapter: Adapter, line: bytes, decoded: tuple[Message, Kind] | BadLine
+    ) -> tuple[bytes | None, bool]:
+        """What to send the gateway for one adapter line (``None``: nothing), and whether it answers a
+        request with bookkeeping (``on_answer``: a session's row, a setting a resume re-applies).
+
+        Such an answer is sent once what its bookkeeping queued is written, so that a proxy killed
+        right after answering cannot lose it. Prompts have none: a turn never waits for a write.
+        """
         if isinstance(decoded, BadLine):
             log.warning("adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s", adapter.pid, preview(line))
-            return None
+            return None, False
         msg, kind = decoded
         if adapter.muted and kind is not Kind.RESPONSE:
-            return None  # the proxy has answered its turn for it: what it says now is too late
+            return None, False  # the proxy has answered its turn for it: what it says now is too late
         if kind is not Kind.RESPONSE and adapter.rewrites_session:
             assert adapter.adapter_session is not None
             assert adapter.gateway_session is not None
@@ -247,9 +251,9 @@ class AdapterRelay:
                 msg.params = rewritten
                 line = jsonrpc.encode(msg).rstrip(b"\n")
         if kind is Kind.NOTIFICATION:
-            return self._notification(adapter, msg, line)
+            return self._notification(adapter, msg, line), False
         if kind is Kind.REQUEST:
-            return self._request(adapter, msg)
+            return self._request(adapter, msg), False
         return self._response(adapter, msg)
 
     def _notification(self, adapter: Adapter, msg: Message, line: bytes) -> bytes | None:
@@ -303,14 +307,15 @@ class AdapterRelay:
             self.turns.note(adapter.turn, "permission_asked", permission_subject(msg))
         return jsonrpc.with_id(msg, upstream_id)
 
-    def _response(self, adapter: Adapter, msg: Message) -> bytes | None:
+    def _response(self, adapter: Adapter, msg: Message) -> tuple[bytes | None, bool]:
+        """What to send for an answer, and whether it had bookkeeping (see ``_translate``)."""
         call = adapter.take_pending(msg.id)
         if call is None and adapter.muted:
             log.info("adapter pid=%d answered request id %r after the proxy had: dropped", adapter.pid, msg.id)
-            return None
+            return None, False
         if call is None:
             log.warning("adapter pid=%d answered unknown request id %r: dropped", adapter.pid, msg.id)
-            return None
+            return None, False
         if call.internal is not None:
             # In stream order, so that what the adapter writes right after an answer is seen right:
             if call.method == Method.LOAD:
@@ -321,7 +326,7 @@ class AdapterRelay:
                     adapter.renamed(fresh)
             call.internal.response = msg
             call.internal.done.set()
-            return None
+            return None, False
         if adapter.rewrites_session and msg.result is not UNSET:
             assert adapter.adapter_session is not None
             assert adapter.gateway_session is not None
@@ -330,7 +335,6 @@ class AdapterRelay:
                 msg.result = rewritten
         adapter.note_answer(call, msg)
         if call.on_answer is not None:
-            self._record_first = True
             try:
                 msg = call.on_answer(msg) or msg
             except sqlite3.Error as exc:  # the state database failed: the answer is still relayed
@@ -344,7 +348,7 @@ class AdapterRelay:
         if call.method == Method.INITIALIZE and msg.result is not UNSET:
             self.pool.known_capabilities[adapter.backend.name] = adapter.capabilities
             msg.result = annotate_initialize(msg.result, adapter.backend.name)
-        return jsonrpc.with_id(msg, call.gateway_id)
+        return jsonrpc.with_id(msg, call.gateway_id), call.on_answer is not None
 
     def _find_upstream(self, adapter: Adapter, adapter_id: RequestId) -> int | None:
         for upstream_id, (owner, their_id, _) in self._upstream.items():
