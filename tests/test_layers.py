@@ -123,3 +123,37 @@ def test_no_module_outside_the_pool_assigns_a_field_of_an_adapter() -> None:
                     ):
                         found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(part)}")
     assert found == []
+
+
+def _session_fields() -> set[str]:
+    """The fields of ``sessions.table.Session``."""
+    tree = ast.parse((PACKAGE / "sessions" / "table.py").read_text())
+    session = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Session")
+    return {
+        node.target.id for node in session.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+
+
+def test_only_the_session_table_assigns_a_field_of_a_session() -> None:
+    """A session's phase, epoch, process, queue and restore in progress change only through ``SessionTable``
+    (sessions/table.py): its ``advance`` carries out the lifecycle's steps. No other module assigns any of
+    them, whatever the variable is called (no other object of the package has a field of these names
+    assigned from outside its own methods)."""
+    fields = _session_fields()
+    assert {"phase", "adapter", "cancel_epoch", "queue", "resume_scope", "record"} <= fields
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "sessions" / "table.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(part, ast.Attribute) and part.attr in fields and ast.unparse(part.value) != "self":
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(part)}")
+    assert found == []

@@ -9,10 +9,15 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
+from typing import Any, cast
 
+import anyio
 import pytest
 
+from acp_proxy.concurrency import Changes
 from acp_proxy.sessions.lifecycle import STEPS, Action, Event, Phase, markdown_table, step
+from acp_proxy.sessions.registry import SessionRecord
+from acp_proxy.sessions.table import Session, SessionTable
 
 EXPECTED = """
 suspended + request        -> suspended : queue
@@ -160,3 +165,71 @@ def test_the_architecture_document_shows_this_table() -> None:
     assert markdown_table() in document, (
         "regenerate it: python -c 'from acp_proxy.sessions.lifecycle import markdown_table; print(markdown_table())'"
     )
+
+
+# --- the table carries out each step's effects in memory, in the same step ------------------------
+
+
+class _Process:
+    """A stand-in for the process serving a session: the table reads only whether it has exited."""
+
+    def __init__(self, gone: bool = False) -> None:
+        self.gone = gone
+
+
+def _table() -> SessionTable:
+    return SessionTable(cast(Any, None), cast(Any, None), Changes(), on_bound=lambda adapter: None)
+
+
+def _session(phase: Phase, process: _Process | None = None) -> Session:
+    record = SessionRecord(session_id="s1", adapter_session_id="s1", backend="fake", cwd="/")
+    return Session(record, phase, adapter=cast(Any, process))
+
+
+@pytest.mark.parametrize(("phase", "event"), [(p, e) for p in Phase for e in Event])
+def test_advance_does_in_memory_what_the_step_says_and_nothing_on_a_refusal(phase: Phase, event: Event) -> None:
+    table, process = _table(), _Process()
+    session = _session(phase, process)
+    moved = table.advance(session, event)
+    expected = step(phase, event)
+    assert moved.step == expected
+    if expected.refused is not None:
+        assert (session.phase, session.cancel_epoch, session.adapter) == (phase, 0, process)
+        assert moved.released is None
+        return
+    assert session.phase is expected.phase
+    assert session.cancel_epoch == (1 if Action.NEW_EPOCH in expected.actions else 0)
+    unbinds = Action.UNBIND in expected.actions
+    assert session.adapter is (None if unbinds else process)
+    assert moved.released is (process if unbinds else None)
+
+
+def test_an_unbound_process_that_has_exited_is_not_handed_back() -> None:
+    session = _session(Phase.LIVE, _Process(gone=True))
+    moved = _table().advance(session, Event.PROCESS_ENDED)
+    assert (moved.released, session.adapter, session.phase) == (None, None, Phase.SUSPENDED)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("event", [Event.CLOSE, Event.DELETE])
+async def test_closing_or_deleting_a_session_being_restored_cancels_the_restore(event: Event) -> None:
+    table = _table()
+    session = _session(Phase.RESUMING)
+    with anyio.CancelScope() as scope:
+        table.restoring(session, scope)
+        table.advance(session, event)
+        await anyio.sleep_forever()  # the restore, cut short by the step
+    assert scope.cancelled_caught
+    assert session.cancel_epoch == 1
+
+
+@pytest.mark.anyio
+async def test_a_cancel_does_not_cut_a_restore_short() -> None:
+    table = _table()
+    session = _session(Phase.RESUMING)
+    with anyio.CancelScope() as scope:
+        table.restoring(session, scope)
+        table.advance(session, Event.CANCEL)
+        await anyio.lowlevel.checkpoint()  # a cancelled scope would end here
+    assert not scope.cancel_called
+    assert session.cancel_epoch == 1

@@ -415,10 +415,9 @@ class SessionIntents:
         cancel is answered by the proxy (``_cut_short_after``).
         """
         if task is None:
-            if self.table.advance(session, Event.CANCEL).refused is not None:
+            if self.table.advance(session, Event.CANCEL).refused is not None:  # else a new epoch
                 log.info("dropped session/cancel for session %s: nothing of it runs or waits", session.session_id)
                 return
-            session.cancel_epoch += 1  # Action.NEW_EPOCH
         elif task.status is TaskStatus.QUEUED:
             task.cancel_requested = True
             task.event("cancel_requested", f"by {by} (while queued)")
@@ -501,20 +500,16 @@ class SessionIntents:
         return session
 
     def _ending(self, session: Session, *, deleted: bool = False) -> None:
-        """From now on nothing more is sent to the session: queued requests are answered, a resume is cut short."""
-        done = self.table.must_advance(session, Event.DELETE if deleted else Event.CLOSE).actions
-        if Action.NEW_EPOCH in done:
-            session.cancel_epoch += 1
-        if Action.CUT_SHORT in done and session.resume_scope is not None:
-            session.resume_scope.cancel()
+        """From now on nothing more is sent to the session: queued requests are answered, a resume is cut short
+        (the table's step does both: ``NEW_EPOCH``, ``CUT_SHORT``)."""
+        self.table.must_advance(session, Event.DELETE if deleted else Event.CLOSE)
 
     async def _reap_closed(self, session: Session, request: Message | None) -> None:
         if session.deleted:  # a delete came after the close: its reap, queued behind this, does the work
             if request is not None:
                 self.table.enqueue(session, lambda: self.gateway.answer(request.id, {}))
             return
-        self.table.must_advance(session, Event.REAP)
-        adapter, session.adapter = session.live_adapter, None
+        adapter = self.table.must_advance(session, Event.REAP).released
         if adapter is not None:
             await self._end_turns(session, adapter)
             await self.pool.stop(adapter)
@@ -569,8 +564,7 @@ class SessionIntents:
         self.table.enqueue(session, lambda: self._reap_deleted(session, msg))
 
     async def _reap_deleted(self, session: Session, request: Message) -> None:
-        self.table.must_advance(session, Event.REAP)
-        adapter, session.adapter = session.live_adapter, None
+        adapter = self.table.must_advance(session, Event.REAP).released
         record = await self.registry.current(session.session_id) or session.record
         self.registry.mark_deleted(session.session_id)  # first: no list shows it from now on
         if adapter is not None:
@@ -668,7 +662,7 @@ class SessionIntents:
 
         call_id: int | None = None
         with anyio.CancelScope() as scope:
-            parent.resume_scope = scope  # a close or delete of the parent cuts the fork short
+            self.table.restoring(parent, scope)  # a close or delete of the parent cuts the fork short
             try:
                 await adapter.until_answered()  # the parent's turn ends before its process changes hands
                 if not (adapter.gone or parent.closed or parent.adapter is not adapter):
@@ -677,7 +671,7 @@ class SessionIntents:
                         lambda: answered.is_set() or adapter.gone or call_id not in adapter.pending
                     )
             finally:
-                parent.resume_scope = None
+                self.table.restoring(parent, None)
         if answered.is_set():
             return
         if call_id is not None and adapter.take_pending(call_id) is None:
@@ -727,8 +721,7 @@ class SessionIntents:
         if parent.adapter is not adapter or adapter.gone:  # its process is going: the fork starts suspended
             self.registry.mark_suspended(created.session_id)
             return stable
-        self.table.must_advance(parent, Event.HANDED_OVER)
-        parent.adapter = None
+        self.table.must_advance(parent, Event.HANDED_OVER)  # unbinds the parent
         self.registry.mark_suspended(parent.session_id)
         self.table.open(created, adapter, fork_id)
         log.info(
@@ -759,7 +752,6 @@ class SessionIntents:
             return False
         if self.table.advance(session, Event.SUSPEND).refused is not None:
             return False
-        session.adapter = None
         self.registry.mark_suspended(session_id)
         log.info(
             "session %s suspended (%s): stopping pid %s",
@@ -771,7 +763,7 @@ class SessionIntents:
         self.pool.journal.record(
             Kind.SUSPENDED, backend=session.record.backend, label=reason, session_id=session_id, detail=why
         )
-        session.stopping = self.pool.stop_in_background(adapter)
+        self.table.stopping(session, self.pool.stop_in_background(adapter))
         return True
 
     def process_ended(self, adapter: Adapter, returncode: int | None) -> None:
@@ -780,7 +772,6 @@ class SessionIntents:
         if session is None or session.adapter is not adapter:
             return
         done = self.table.must_advance(session, Event.PROCESS_ENDED).actions
-        session.adapter = None
         if Action.JOURNAL in done and not self.stopping.begun:  # a shutdown suspends every session itself
             how = describe_exit(returncode)
             suspended = Action.WRITE_SUSPENDED in done  # else a restore is under way, and decides

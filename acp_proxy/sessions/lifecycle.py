@@ -3,7 +3,8 @@
 One table, ``STEPS``, maps every (phase, event) pair to the next phase and the actions the
 step takes, or to a refusal that says why the event does not apply. ``step`` reads it; it
 does no I/O and keeps no state. ``SessionTable.advance`` is the only code that assigns a
-session's phase, and it does so only as this table says; the intents perform the actions.
+session's phase, and it does so only as this table says; it also carries out the actions that
+are memory alone (``NEW_EPOCH``, ``CUT_SHORT``, ``UNBIND``), and the intents perform the rest.
 ``docs/architecture.md`` shows the same table (``markdown_table`` renders it; a test checks
 that the two agree).
 

@@ -73,11 +73,11 @@ class Restorer:
     async def restore_cancellable(self, session: Session, gateway_asked: str | None) -> Message | None:
         """``restore``, cut short (``None``) if a ``session/close`` arrives meanwhile."""
         with anyio.CancelScope() as scope:
-            session.resume_scope = scope
+            self.table.restoring(session, scope)
             try:
                 return await self.restore(session, gateway_asked)
             finally:
-                session.resume_scope = None
+                self.table.restoring(session, None)
         return None
 
     async def restore(self, session: Session, gateway_asked: str | None = None) -> Message:
@@ -98,7 +98,7 @@ class Restorer:
         if session.stopping is not None:  # its previous process must be gone before another starts
             await session.stopping.wait()
         record = await self.registry.current(session.session_id) or session.record
-        session.record = record
+        self.table.refresh(session, record)
         backend = self.config.backends.get(record.backend)
         if backend is None:
             raise ProxyError.backend_gone(record.session_id, record.backend)
@@ -134,7 +134,7 @@ class Restorer:
         # Bound in the same step as the row is written: a close from here on finds it live, and reaps it.
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
         self.table.bind(session, adapter, adapter_session_id)
-        session.record = await self.registry.current(record.session_id) or record
+        self.table.refresh(session, await self.registry.current(record.session_id) or record)
         took = time.monotonic() - started
         log.info(
             "session %s %s on pid %s in %.0f ms",

@@ -19,7 +19,7 @@ import msgspec
 from acp_proxy.concurrency import Background, Changes
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter
-from acp_proxy.sessions.lifecycle import Event, Phase, Step, step
+from acp_proxy.sessions.lifecycle import Action, Event, Phase, Step, step
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 
 log = logging.getLogger("acp_proxy.lifecycle")
@@ -30,7 +30,8 @@ Work = Callable[[], Coroutine[Any, Any, None]]
 class Session(msgspec.Struct, eq=False):
     """A session this proxy has served, with the process (if any) behind it now.
 
-    ``phase`` is assigned only by ``SessionTable.advance``, as ``acp_proxy.sessions.lifecycle`` says.
+    Every field is assigned by ``SessionTable`` alone (``tests/test_layers.py``): ``phase``, the
+    epoch and the process by ``advance``, as ``acp_proxy.sessions.lifecycle`` says.
     """
 
     record: SessionRecord
@@ -85,6 +86,22 @@ class Session(msgspec.Struct, eq=False):
         return adapter is not None and not adapter.busy and not self.queue and not self.draining
 
 
+class Moved(msgspec.Struct, frozen=True):
+    """What ``SessionTable.advance`` did: the lifecycle's step, and the process it unbound (if any)."""
+
+    step: Step
+    released: Adapter | None = None
+    """The process that served the session until this step (``UNBIND``), if it had one that still runs."""
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return self.step.actions
+
+    @property
+    def refused(self) -> str | None:
+        return self.step.refused
+
+
 class SessionTable:
     """The sessions of this proxy by stable id, and the queue each runs its waiting work from."""
 
@@ -102,22 +119,49 @@ class SessionTable:
         """The pool learns that a session now runs on a process (``Recency.note_bound``, pool/recency.py)."""
         self.sessions: dict[str, Session] = {}
 
-    def advance(self, session: Session, event: Event) -> Step:
-        """Move ``session`` as the lifecycle table says ``event`` does (a refused step leaves it as it is)."""
+    def advance(self, session: Session, event: Event) -> Moved:
+        """Move ``session`` as the lifecycle table says ``event`` does (a refused step leaves it as it is).
+
+        The step's effects in memory happen here, in the same step: a new epoch (``NEW_EPOCH``),
+        the restore in progress cut short (``CUT_SHORT``), the process unbound (``UNBIND``: handed
+        back in ``Moved.released``). The caller performs the rest of ``Moved.actions`` (the writes,
+        the answers, stopping the process).
+        """
         result = step(session.phase, event)
-        if result.refused is None and result.phase is not session.phase:
+        if result.refused is not None:
+            return Moved(result)
+        if result.phase is not session.phase:
             log.debug("session %s: %s on %s: now %s", session.session_id, event, session.phase, result.phase)
             session.phase = result.phase
-        return result
+        if Action.NEW_EPOCH in result.actions:
+            session.cancel_epoch += 1
+        if Action.CUT_SHORT in result.actions and session.resume_scope is not None:
+            session.resume_scope.cancel()
+        released = None
+        if Action.UNBIND in result.actions:
+            released, session.adapter = session.live_adapter, None
+        return Moved(result, released)
 
-    def must_advance(self, session: Session, event: Event) -> Step:
+    def must_advance(self, session: Session, event: Event) -> Moved:
         """``advance`` for an event the caller has checked applies: a refusal is a fault of the proxy, logged."""
-        result = self.advance(session, event)
-        if result.refused is not None:
+        moved = self.advance(session, event)
+        if moved.refused is not None:
             log.error(
-                "session %s: %s refused in phase %s (%s)", session.session_id, event, session.phase, result.refused
+                "session %s: %s refused in phase %s (%s)", session.session_id, event, session.phase, moved.refused
             )
-        return result
+        return moved
+
+    def refresh(self, session: Session, record: SessionRecord) -> None:
+        """The session's row as just read."""
+        session.record = record
+
+    def restoring(self, session: Session, scope: anyio.CancelScope | None) -> None:
+        """The restore (or fork) in progress (``None``: over), which a close or delete cuts short (``CUT_SHORT``)."""
+        session.resume_scope = scope
+
+    def stopping(self, session: Session, stopped: anyio.Event) -> None:
+        """Its last process is being stopped; ``stopped`` is set once it is gone (a restore waits for it)."""
+        session.stopping = stopped
 
     def open(self, record: SessionRecord, adapter: Adapter, adapter_session_id: str) -> Session:
         """A session a process has just opened (new, adopted or forked): live on it from the start."""
