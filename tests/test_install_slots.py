@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from acp_proxy.operator.reports import install_slots_view
+from acp_proxy.operator.reports import slot_view
 from acp_proxy.pool.install import InstallSlots, SlotRecord
 
 
@@ -147,6 +147,6 @@ def test_status_shows_a_slot_taken_for_a_start_with_no_process_yet_as_a_start_in
     held = proxy(tmp_path, "a").try_take("fake", global_cap=4, backend_cap=None)
     assert held is not None
     held.publish(SlotRecord(instance="a", pid=os.getpid(), backend="fake", key="starting:0", starting=True))
-    [view] = install_slots_view(tmp_path / "state", lambda instance: True)
+    [view] = [slot_view(slot, lambda instance: True, time.monotonic()) for slot in proxy(tmp_path, "b").holders()]
     assert view == {"slot": held.index, "holder": None}
     held.release()

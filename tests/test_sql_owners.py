@@ -1,8 +1,9 @@
 """Which module states SQL on which table, checked from the source.
 
-Every statement on ``sessions`` lives in the sessions registry, and every statement on ``tasks``
-in the task records, so that the operator's views (``status``, ``sessions``, ``metrics``, ``top``,
-``tasks``) read the same rows the same way. The state module's migrations are the exception: they
+Every statement on ``sessions`` lives in the sessions registry, every statement on ``tasks`` in
+the task records, and so on for every table (``OWNERS``), so that the operator's views
+(``status``, ``sessions``, ``metrics``, ``top``, ``tasks``, all read through
+``operator/install_view.py``) read the same rows the same way. The state module's migrations are the exception: they
 rewrite every table once. The task records still read a session's title alongside its tasks (a
 join): named below.
 """
@@ -16,9 +17,20 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "acp_proxy"
 
-OWNERS = {"sessions": "sessions/registry.py", "tasks": "tasks/records.py"}
+OWNERS = {
+    "sessions": "sessions/registry.py",
+    "tasks": "tasks/records.py",
+    "leases": "ownership/leases.py",
+    "instances": "ownership/instances.py",
+    "backend_facts": "pool/learned.py",
+    "events": "journal.py",
+    "counters": "journal.py",
+}
 MIGRATIONS = "state.py"
-KNOWN = {("tasks/records.py", "sessions")}  # reads: a task's session title, joined
+KNOWN = {
+    ("tasks/records.py", "sessions"),  # reads: a task's session title, joined
+    ("ownership/instances.py", "leases"),  # an instance ends once none of its leases is active
+}
 """(module, table): statements outside the owner, named so that no new one slips in."""
 
 

@@ -31,8 +31,11 @@ from rich.console import Console
 from rich.text import Text
 
 from acp_proxy.journal import Event
+from acp_proxy.operator import reports
 from acp_proxy.operator.control import socket_path
+from acp_proxy.operator.install_view import ProxyFacts
 from acp_proxy.operator.top.snapshot import (
+    PROXY_TIMEOUT,
     EventRow,
     Gatherer,
     PoolUsage,
@@ -42,6 +45,7 @@ from acp_proxy.operator.top.snapshot import (
     TurnRow,
     event_row,
     last_line,
+    proxy_facts_row,
     proxy_row,
     snapshot_json,
     turn_row,
@@ -652,13 +656,12 @@ async def test_top_quits_at_once_while_a_proxy_never_finishes_its_answer(
 
 
 def test_a_proxy_that_does_not_listen_is_shown_so(tmp_path: Path) -> None:
-    gatherer = Gatherer(tmp_path)
-    try:
-        note = gatherer._ask_status("a1b2c3d4e5f0")
-    finally:
-        gatherer.close()
-    assert isinstance(note, str)
-    assert note.startswith("cannot be reached: no proxy listens on "), note
+    answer = reports.status_answers(tmp_path, PROXY_TIMEOUT)(["a1b2c3d4e5f0"])["a1b2c3d4e5f0"]
+    assert isinstance(answer, str)
+    row = proxy_facts_row(ProxyFacts("a1b2c3d4e5f0", 41000, T0, True, answer))
+    assert not row.answered
+    assert row.problem is not None
+    assert row.problem.startswith("cannot be reached: no proxy listens on "), row.problem
 
 
 def test_a_poke_after_the_wakeup_is_closed_does_nothing() -> None:

@@ -13,7 +13,8 @@ Two kinds of figures, read when the command runs:
   database, they never go backwards when a proxy exits, so ``rate()`` works on them
   for an install of short-lived proxies (one per session, as acpx runs them).
 
-The families are built from a gathered ``InstallFigures`` by a pure function and
+The install is read as every operator command reads it (``install_view.read_install``); the
+families are built from the ``InstallFigures`` made of that by pure functions, and
 written by the Prometheus client library (its exposition format and its atomic
 ``write_to_textfile``, for node_exporter's textfile collector). Nothing here is
 imported by the relay.
@@ -25,7 +26,7 @@ import sys
 from collections import Counter as Tally
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,13 +35,11 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from acp_proxy import __version__, journal
 from acp_proxy.config import Config
-from acp_proxy.operator.commands import open_existing, owned_tree
-from acp_proxy.operator.reports import Liveness, OperatorError, ask
-from acp_proxy.ownership.leases import active_leases
-from acp_proxy.pool.install import InstallSlots
-from acp_proxy.sessions.registry import SessionState, backends_of_sessions, counts_by_state
-from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import ACTIVE, TaskStatus, active_by_holder, effective_status
+from acp_proxy.operator.commands import open_existing
+from acp_proxy.operator.install_view import InstallView, read_install
+from acp_proxy.operator.reports import Liveness, OperatorError, status_answers
+from acp_proxy.sessions.registry import SessionState
+from acp_proxy.tasks.records import ACTIVE, effective_status
 
 PREFIX: Final = "acp_proxy"
 
@@ -204,66 +203,54 @@ def gather(state_dir: Path, config: Config | None) -> InstallFigures:
     if db is None:
         return InstallFigures(max_live=max_live, max_memory=max_memory)
     try:
-        return _gather(db, state_dir, config, max_live, max_memory)
+        view = read_install(
+            db,
+            state_dir,
+            alive=Liveness(db),
+            answers=status_answers(state_dir) if config is None else None,  # the caps the proxies enforce
+            trees=True,
+            waiting_for=config.backends if config is not None else (),
+        )
     finally:
         db.close()
+    return figures_of(view, max_live, max_memory)
 
 
-def _gather(
-    db: StateDB, state_dir: Path, config: Config | None, max_live: int | None, max_memory: int | None
-) -> InstallFigures:
-    alive = Liveness(db)
-    running = [
-        row[0] for row in db.conn.execute("SELECT instance_id FROM instances WHERE ended_at IS NULL") if alive(row[0])
-    ]
-    if config is None:  # the caps the running proxies enforce
-        for pool in _pools(state_dir, running):
-            max_live = max(max_live or 0, pool.get("maxLive") or 0) or max_live
-            max_memory = max(max_memory or 0, pool.get("maxMemory") or 0) or max_memory
+def figures_of(view: InstallView, max_live: int | None, max_memory: int | None) -> InstallFigures:
+    """What ``families`` exports, from the install as read (the caps: the config's, else the largest
+    a running proxy says it enforces)."""
+    for proxy in view.proxies:
+        max_live = max(max_live or 0, proxy.pool.get("maxLive") or 0) or max_live
+        max_memory = max(max_memory or 0, proxy.pool.get("maxMemory") or 0) or max_memory
     live: Tally[str] = Tally()
     memory: Tally[str] = Tally()
-    install = InstallSlots(state_dir, "reader")
-    for held in install.holders():
+    for held in view.slots:
         if held.record is None or held.record.launching:
             continue
         live[held.record.backend] += 1
         if held.record.memory is not None:
             memory[held.record.backend] += held.record.memory
     rss: Tally[str] = Tally()
-    for lease in active_leases(db):
-        rss[lease.backend] += sum(proc["rssBytes"] for proc in owned_tree(lease))
+    for lease in view.active_leases:
+        rss[lease.backend] += sum(proc["rssBytes"] for proc in view.trees.get(lease.lease_id, ()))
     turns: Tally[tuple[str, str]] = Tally()
-    for backend, status, instance_id in active_by_holder(db):
-        effective = effective_status(TaskStatus(status), alive(instance_id))
+    for task in view.active_tasks:
+        effective = effective_status(task.status, view.alive(task.instance_id))
         if effective in ACTIVE:
-            turns[(backend, effective.value)] += 1
-    backends = set(config.backends) if config is not None else set()
-    backends |= backends_of_sessions(db)
-    waiting = {backend: count for backend in sorted(backends) if (count := install.waiters(backend))}
+            turns[(task.backend, effective.value)] += 1
     return InstallFigures(
-        proxies=len(running),
-        sessions=counts_by_state(db),
+        proxies=sum(1 for proxy in view.proxies if proxy.alive),
+        sessions=dict(view.sessions),
         live_adapters=dict(live),
         memory=dict(memory),
         rss=dict(rss),
         active_turns=dict(turns),
-        waiting=waiting,
-        leases=dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall()),
+        waiting=dict(view.waiting),
+        leases=dict(view.leases),
         max_live=max_live,
         max_memory=max_memory,
-        counters=tuple(journal.counters(db.conn)),
+        counters=view.counters,
     )
-
-
-def _pools(state_dir: Path, instance_ids: Iterable[str]) -> Iterator[dict[str, Any]]:
-    """The pool part of each running proxy's own status (one that does not answer is left out)."""
-    for instance_id in instance_ids:
-        try:
-            pool = ask(state_dir, instance_id, "status", {}).get("pool")
-        except OperatorError:
-            continue
-        if isinstance(pool, dict):
-            yield pool
 
 
 # --- the command -------------------------------------------------------------------------------------

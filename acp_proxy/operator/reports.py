@@ -15,9 +15,11 @@ input (an unknown id, a bad ``--status``). Nothing here is imported by the relay
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -27,12 +29,13 @@ from typing import Any, Final, TextIO
 import msgspec
 
 from acp_proxy.operator import control
-from acp_proxy.operator.commands import _age, lease_view, open_existing, owned_tree
+from acp_proxy.operator.commands import _age, lease_view, open_existing
+from acp_proxy.operator.install_view import Answers, InstallView, read_install
 from acp_proxy.ownership import instances
-from acp_proxy.ownership.leases import Lease, active_leases, get_lease
+from acp_proxy.ownership.leases import Lease, get_lease
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.verify import process_table
-from acp_proxy.pool.install import InstallSlots
+from acp_proxy.pool.install import HeldSlot
 from acp_proxy.sessions import registry
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.state import StateDB
@@ -43,7 +46,6 @@ from acp_proxy.tasks.records import (
     TaskRecord,
     TaskStatus,
     active_by_session,
-    counts_since,
     effective_status,
     get_task,
     has_tasks_of,
@@ -55,7 +57,8 @@ EXIT_USAGE: Final = 2
 FOLLOW_INTERVAL: Final = 0.5
 STATUS_TIMEOUT: Final = 2.0
 """How long ``status`` waits for each live proxy's own report."""
-RECENT_WINDOW: Final = 86400.0
+ASK_GRACE: Final = 0.5
+"""How much longer than their timeout a command waits for ``status_answers``'s askers (whose timeouts are their own)."""
 
 
 class FinishedMeanwhile(Exception):
@@ -652,7 +655,8 @@ def status(state_dir: Path, *, as_json: bool) -> int:
     }
     with opened(state_dir) as db:
         if db is not None:
-            _gather_status(db, state_dir, report)
+            view = read_install(db, state_dir, alive=Liveness(db), answers=status_answers(state_dir), trees=True)
+            report.update(status_report(view))
     if as_json:
         _print_json(report)
         return 0
@@ -660,69 +664,102 @@ def status(state_dir: Path, *, as_json: bool) -> int:
     return 0
 
 
-def _gather_status(db: StateDB, state_dir: Path, report: dict[str, Any]) -> None:
-    alive = Liveness(db)
-    moment = time.time()
-    rows = db.conn.execute(
-        "SELECT instance_id, pid, started_at FROM instances WHERE ended_at IS NULL ORDER BY started_at"
-    ).fetchall()
-    for instance_id, pid, started_at in rows:
-        entry: dict[str, Any] = {
-            "instance": instance_id,
-            "pid": pid,
-            "startedAt": started_at,
-            "alive": alive(instance_id),
+def status_answers(state_dir: Path, timeout: float = STATUS_TIMEOUT) -> Answers:
+    """Asks proxies for their ``status``, all at once: each one's answer, or why there is none.
+
+    The askers are daemon threads, not a pool's: a pool's workers are joined when the interpreter
+    exits, so one proxy that does not answer would hold the command (or ``top`` after ``q``) up.
+    Each ask ends by its own timeout; the wait for them all has one deadline besides.
+    """
+
+    def settle(future: concurrent.futures.Future[dict[str, Any] | str], instance_id: str) -> None:
+        try:
+            future.set_result(ask(state_dir, instance_id, "status", {}, timeout=timeout))
+        except OperatorError as exc:
+            future.set_result(str(exc))
+        except Exception as exc:  # raised by the caller, as a failure of its own would be
+            future.set_exception(exc)
+
+    def answers(instance_ids: Sequence[str]) -> dict[str, dict[str, Any] | str]:
+        asked: dict[str, concurrent.futures.Future[dict[str, Any] | str]] = {}
+        for instance_id in instance_ids:
+            future: concurrent.futures.Future[dict[str, Any] | str] = concurrent.futures.Future()
+            asked[instance_id] = future
+            threading.Thread(
+                target=settle, args=(future, instance_id), name="acp-proxy status ask", daemon=True
+            ).start()
+        concurrent.futures.wait(asked.values(), timeout=timeout + ASK_GRACE)
+        return {
+            instance_id: future.result()
+            if future.done()
+            else f"the proxy (instance {instance_id}): no answer within {timeout:g}s"
+            for instance_id, future in asked.items()
         }
-        if entry["alive"]:
-            try:
-                entry["proxy"] = ask(state_dir, instance_id, "status", {})
-            except OperatorError as exc:
-                entry["controlError"] = str(exc)
-        report["instances"].append(entry)
-    report["sessions"] = registry.counts_by_state(db)
-    report["liveSessions"] = [
-        {"sessionId": session_id, "backend": backend, "state": state, "title": title}
-        for session_id, backend, state, title in registry.held(db)
-    ]
-    report["slots"] = install_slots_view(state_dir, alive)
-    report["leases"] = dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())
-    for lease in active_leases(db):
-        for proc in owned_tree(lease):
-            report["processes"].append({"lease": lease.lease_id, "backend": lease.backend, **proc})
-    for record in list_tasks(db, statuses=sorted(ACTIVE), limit=None):
-        view = task_view(record, alive, events=False)
-        if view["status"] in ("running", "queued"):
-            report["tasks"][view["status"]] += 1
-            report["runningTasks"].append(view)
-    report["tasks"]["lastDay"] = counts_since(db, moment - RECENT_WINDOW)
+
+    return answers
 
 
-def install_slots_view(state_dir: Path, alive: Callable[[str | None], bool]) -> list[dict[str, Any]]:
-    """The install's held slots: who holds each (proxy, session, backend), how idle, how much memory."""
-    moment = time.monotonic()
-    views: list[dict[str, Any]] = []
-    for held in InstallSlots(state_dir, "reader").holders():
-        record = held.record
-        if record is None or record.launching:
-            views.append({"slot": held.index, "holder": None})
-            continue
-        views.append(
-            {
-                "slot": held.index,
-                "holder": {"instance": record.instance, "pid": record.pid, "alive": alive(record.instance)},
-                "sessionId": record.session,
-                "backend": record.backend,
-                "adapterPid": record.adapter_pid,
-                "since": record.since,
-                "idleSeconds": round(max(0.0, moment - record.last_active), 3),
-                "busy": record.busy,
-                "recent": record.recent_until > moment,
-                "stopping": record.stopping,
-                "memoryBytes": record.memory,
-                "memoryKind": record.memory_kind,
-            }
-        )
-    return views
+def status_report(view: InstallView) -> dict[str, Any]:
+    """``status --json`` but for the state dir and the ownership mode: the view as the document shows it."""
+    instances_ = []
+    for proxy in view.proxies:
+        entry: dict[str, Any] = {
+            "instance": proxy.instance_id,
+            "pid": proxy.pid,
+            "startedAt": proxy.started_at,
+            "alive": proxy.alive,
+        }
+        if isinstance(proxy.answer, dict):
+            entry["proxy"] = proxy.answer
+        elif isinstance(proxy.answer, str):
+            entry["controlError"] = proxy.answer
+        instances_.append(entry)
+    tasks: dict[str, Any] = {"running": 0, "queued": 0, "lastDay": dict(view.tasks_last_day)}
+    running = []
+    for record in view.active_tasks:
+        task = task_view(record, view.alive, events=False)
+        if task["status"] in ("running", "queued"):
+            tasks[task["status"]] += 1
+            running.append(task)
+    return {
+        "instances": instances_,
+        "sessions": dict(view.sessions),
+        "liveSessions": [
+            {"sessionId": session_id, "backend": backend, "state": state, "title": title}
+            for session_id, backend, state, title in view.held_sessions
+        ],
+        "slots": [slot_view(held, view.alive, view.clock) for held in view.slots],
+        "leases": dict(view.leases),
+        "processes": [
+            {"lease": lease.lease_id, "backend": lease.backend, **proc}
+            for lease in view.active_leases
+            for proc in view.trees.get(lease.lease_id, ())
+        ],
+        "tasks": tasks,
+        "runningTasks": running,
+    }
+
+
+def slot_view(held: HeldSlot, alive: Callable[[str | None], bool], moment: float) -> dict[str, Any]:
+    """A held slot as ``status`` shows it: who holds it (proxy, session, backend), how idle, how much memory
+    (``moment``: ``time.monotonic()``, the records' clock)."""
+    record = held.record
+    if record is None or record.launching:
+        return {"slot": held.index, "holder": None}
+    return {
+        "slot": held.index,
+        "holder": {"instance": record.instance, "pid": record.pid, "alive": alive(record.instance)},
+        "sessionId": record.session,
+        "backend": record.backend,
+        "adapterPid": record.adapter_pid,
+        "since": record.since,
+        "idleSeconds": round(max(0.0, moment - record.last_active), 3),
+        "busy": record.busy,
+        "recent": record.recent_until > moment,
+        "stopping": record.stopping,
+        "memoryBytes": record.memory,
+        "memoryKind": record.memory_kind,
+    }
 
 
 def _slot_line(view: dict[str, Any]) -> str:

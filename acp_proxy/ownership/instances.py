@@ -122,6 +122,13 @@ def lock_if_dead(db: StateDB, instance_id: str) -> Iterator[bool]:
         os.close(fd)
 
 
+def unended(db: StateDB) -> list[tuple[str, int, float]]:
+    """Every instance not recorded as ended (alive, or dead and not yet reaped), oldest first: id, pid, start."""
+    return db.conn.execute(
+        "SELECT instance_id, pid, started_at FROM instances WHERE ended_at IS NULL ORDER BY started_at"
+    ).fetchall()
+
+
 def other_instances(db: StateDB, own_id: str | None) -> list[str]:
     """Instances of this install that have not been marked ended, except ``own_id``."""
     rows = db.conn.execute(

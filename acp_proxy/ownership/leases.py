@@ -253,6 +253,11 @@ def prune_ended(db: StateDB, retention: float, *, at: float | None = None) -> in
     return db.call(delete)  # on the state writer's thread when there is one
 
 
+def counts_by_state(db: StateDB) -> dict[str, int]:
+    """How many leases the install has in each state."""
+    return dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())
+
+
 def active_leases(db: StateDB) -> list[Lease]:
     """Every lease whose processes may be running (``ACTIVE_STATES``), of any instance."""
     states = [state.value for state in ACTIVE_STATES]

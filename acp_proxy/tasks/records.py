@@ -630,13 +630,6 @@ def has_tasks_of(db: StateDB, session_id: str) -> bool:
     return db.conn.execute("SELECT 1 FROM tasks WHERE session_id = ?", (session_id,)).fetchone() is not None
 
 
-def active_by_holder(db: StateDB) -> list[tuple[str, str, str]]:
-    """Every task recorded as active: backend, status, the instance running it."""
-    return db.conn.execute(
-        "SELECT backend, status, instance_id FROM tasks WHERE status IN ('queued', 'running')"
-    ).fetchall()
-
-
 def counts_since(db: StateDB, since: float) -> dict[str, int]:
     """How many tasks created since ``since`` (wall clock) are in each status."""
     return dict(

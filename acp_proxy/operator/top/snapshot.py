@@ -1,8 +1,9 @@
 """The snapshot ``acp-proxy top`` shows, as plain data, and how it is gathered.
 
-``Gatherer.gather`` reads one ``Snapshot`` from the state database, the install's slot
-records and each running proxy's control socket (all asked at once, each with a short
-timeout: a proxy that does not answer is shown so, it never holds the view up). Trees no
+``Gatherer.gather`` makes one ``Snapshot`` of the install as ``install_view.read_install`` reads
+it for every operator command: the state database, the install's slot records and each running
+proxy's control socket (all asked at once, each with a short timeout: a proxy that does not
+answer is shown so, it never holds the view up). Trees no
 slot record has measured are measured here, at most every ``MEASURE_EVERY`` seconds.
 
 Whatever a gather waits on (a proxy that does not answer, a database another process holds
@@ -18,32 +19,27 @@ Ids are kept as they are (they are what an act names); the view prints them thro
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from acp_proxy.journal import Event, recent_events
+from acp_proxy.journal import Event
 from acp_proxy.operator import reports
 from acp_proxy.operator.commands import open_existing
-from acp_proxy.ownership.leases import active_leases
+from acp_proxy.operator.install_view import InstallView, ProxyFacts, read_install
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
-from acp_proxy.pool.install import InstallSlots, SlotRecord
+from acp_proxy.pool.install import SlotRecord
 from acp_proxy.pool.memory import measure_trees
-from acp_proxy.sessions import registry
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import ACTIVE, TaskRecord, TaskStatus, list_tasks
+from acp_proxy.tasks.records import TaskRecord, TaskStatus
 
 PROXY_TIMEOUT: Final = 1.0
 """How long each proxy has to answer ``status`` before it is shown as not answering."""
-ASK_GRACE: Final = 0.5
-"""How much longer than ``PROXY_TIMEOUT`` a gather waits for the askers, whose timeouts are their own."""
 MEASURE_EVERY: Final = 5.0
 """Trees no slot record has measured are measured here at most this often (a walk of the process table)."""
 EVENTS_READ: Final = 50
@@ -190,56 +186,44 @@ class Gatherer:
         db = self._db
         if db is None:
             return Snapshot(str(self.state_dir), moment, False, PoolUsage(0, self.max_live, None, self.max_memory))
-        alive = reports.Liveness(db)
-        proxies = self._proxies(db, alive)
-        slot_records = [held.record for held in InstallSlots(self.state_dir, "reader").holders()]
-        held = len(slot_records)
+        view = read_install(
+            db,
+            self.state_dir,
+            alive=reports.Liveness(db),
+            answers=reports.status_answers(self.state_dir, self.proxy_timeout),
+            recent_sessions=(moment - CLOSED_SHOWN_FOR, SESSIONS_READ),
+            events=EVENTS_READ,
+        )
+        proxies = tuple(proxy_facts_row(proxy) for proxy in view.proxies)
+        slot_records = [held.record for held in view.slots]
         by_session = {record.session: record for record in slot_records if record is not None and record.session}
-        sessions = self._sessions(db, alive, by_session, moment)
+        sessions = self._sessions(view, by_session)
         answered = [p for p in proxies if p.answered]
         max_live = self.max_live or max((p.max_live for p in answered if p.max_live), default=None)
         max_memory = self.max_memory or max((p.max_memory for p in answered if p.max_memory), default=None)
         spares = [r.memory for r in slot_records if r is not None and not r.session and r.memory is not None]
         measured = [s.memory for s in sessions if s.state == "live" and s.memory is not None] + spares
-        pool = PoolUsage(held, max_live, sum(measured) if measured else None, max_memory)
-        events = tuple(event_row(event) for event in recent_events(db.conn, EVENTS_READ))
-        return Snapshot(
-            str(self.state_dir), moment, True, pool, proxies, sessions, self._turns(db, alive, moment), events
-        )
+        pool = PoolUsage(len(slot_records), max_live, sum(measured) if measured else None, max_memory)
+        events = tuple(event_row(event) for event in view.events)
+        return Snapshot(str(self.state_dir), view.taken_at, True, pool, proxies, sessions, _turns(view), events)
 
-    def _proxies(self, db: StateDB, alive: reports.Liveness) -> tuple[ProxyRow, ...]:
-        rows = db.conn.execute(
-            "SELECT instance_id, pid, started_at FROM instances WHERE ended_at IS NULL ORDER BY started_at"
-        ).fetchall()
-        answers = self._ask_all([instance_id for instance_id, _, _ in rows if alive(instance_id)])
-        proxies = []
-        for instance_id, pid, started_at in rows:
-            if instance_id in answers:
-                proxies.append(proxy_row(instance_id, pid, started_at, answers[instance_id]))
-            else:
-                proxies.append(ProxyRow(instance_id, pid, started_at, False, problem="gone, not yet reaped"))
-        return tuple(proxies)
-
-    def _sessions(
-        self, db: StateDB, alive: reports.Liveness, by_session: dict[str, SlotRecord], moment: float
-    ) -> tuple[SessionRow, ...]:
-        rows = registry.recent_for_view(db, moment - CLOSED_SHOWN_FOR, SESSIONS_READ)
+    def _sessions(self, view: InstallView, by_session: dict[str, SlotRecord]) -> tuple[SessionRow, ...]:
+        rows = view.recent_sessions
         unmeasured = {
             lease_id: session_id
             for session_id, _, state, _, instance_id, lease_id, _ in rows
-            if state == SessionState.LIVE and lease_id and alive(instance_id)
+            if state == SessionState.LIVE and lease_id and view.alive(instance_id)
             if by_session.get(session_id) is None or by_session[session_id].memory is None
         }
-        self._measure(db, list(unmeasured))
-        now_monotonic = time.monotonic()
+        self._measure(view, list(unmeasured))
         sessions = []
         for session_id, backend, state, title, instance_id, lease_id, last_active_at in rows:
             record = by_session.get(session_id)
             live = state in (SessionState.LIVE, SessionState.RESUMING)
-            idle = max(0.0, moment - last_active_at) if last_active_at else None
+            idle = max(0.0, view.taken_at - last_active_at) if last_active_at else None
             memory, kind = None, None
             if live and record is not None:
-                idle = max(0.0, now_monotonic - record.last_active)
+                idle = max(0.0, view.clock - record.last_active)
                 memory, kind = record.memory, record.memory_kind
             if state == SessionState.LIVE and memory is None and lease_id in self._measured:
                 memory, kind = self._measured[lease_id]
@@ -250,7 +234,7 @@ class Gatherer:
                     state,
                     None if title is None else reports.printable(title),
                     instance_id,
-                    alive(instance_id) if live else True,
+                    view.alive(instance_id) if live else True,
                     idle,
                     bool(record is not None and live and record.busy),
                     memory,
@@ -260,14 +244,14 @@ class Gatherer:
         order = {SessionState.LIVE: 0, SessionState.RESUMING: 0, SessionState.SUSPENDED: 1}
         return tuple(sorted(sessions, key=lambda s: order.get(SessionState(s.state), 2)))
 
-    def _measure(self, db: StateDB, lease_ids: Sequence[str]) -> None:
+    def _measure(self, view: InstallView, lease_ids: Sequence[str]) -> None:
         """Measure the trees of ``lease_ids`` (the wrapper proved the lease's own first), every few seconds."""
         if not lease_ids or time.monotonic() - self._measured_at < MEASURE_EVERY:
             return
         self._measured_at = time.monotonic()
         table = process_table()
         roots: dict[int, str] = {}
-        active = {lease.lease_id: lease for lease in active_leases(db)}
+        active = {lease.lease_id: lease for lease in view.active_leases}
         for lease_id in lease_ids:
             lease = active.get(lease_id)
             claim = lease.wrapper_claim() if lease is not None else None
@@ -276,46 +260,20 @@ class Gatherer:
         measured = measure_trees(roots, table=table)
         self._measured = {roots[pid]: (tree.total, tree.method) for pid, tree in measured.items() if tree.processes}
 
-    def _turns(self, db: StateDB, alive: reports.Liveness, moment: float) -> tuple[TurnRow, ...]:
-        turns = []
-        for record in list_tasks(db, statuses=sorted(ACTIVE), limit=None):
-            if not alive(record.instance_id):
-                continue  # lost with its proxy
-            turns.append(turn_row(record, moment))
-        return tuple(sorted(turns, key=lambda t: (t.status != TaskStatus.RUNNING, -(t.elapsed_seconds or 0.0))))
 
-    def _ask_all(self, instance_ids: Sequence[str]) -> dict[str, dict[str, Any] | str]:
-        """Each proxy's answer to ``status`` (or why there is none), all asked at once.
+def proxy_facts_row(proxy: ProxyFacts) -> ProxyRow:
+    """A proxy's row: gone, or from its answer to ``status`` (or why it gave none)."""
+    if not proxy.alive:
+        return ProxyRow(proxy.instance_id, proxy.pid, proxy.started_at, False, problem="gone, not yet reaped")
+    answer = proxy.answer
+    if isinstance(answer, str):  # the row names the proxy already
+        answer = answer.removeprefix(f"the proxy (instance {proxy.instance_id})").removeprefix(":").strip()
+    return proxy_row(proxy.instance_id, proxy.pid, proxy.started_at, answer if answer is not None else "not asked")
 
-        The askers are daemon threads, not a pool's: a pool's workers are joined when the
-        interpreter exits, so one proxy that does not answer would hold ``top`` up after ``q``.
-        Each ask ends by its own timeout; the wait for them all has one deadline besides.
-        """
-        asked: dict[str, concurrent.futures.Future[dict[str, Any] | str]] = {}
-        for instance_id in instance_ids:
-            future: concurrent.futures.Future[dict[str, Any] | str] = concurrent.futures.Future()
-            asked[instance_id] = future
-            threading.Thread(
-                target=self._settle_ask, args=(future, instance_id), name="acp-proxy top ask", daemon=True
-            ).start()
-        concurrent.futures.wait(asked.values(), timeout=self.proxy_timeout + ASK_GRACE)
-        return {
-            instance_id: future.result() if future.done() else f"no answer within {self.proxy_timeout:g}s"
-            for instance_id, future in asked.items()
-        }
 
-    def _settle_ask(self, future: concurrent.futures.Future[dict[str, Any] | str], instance_id: str) -> None:
-        try:
-            future.set_result(self._ask_status(instance_id))
-        except Exception as exc:  # raised by the gather, as a failure of its own would be
-            future.set_exception(exc)
-
-    def _ask_status(self, instance_id: str) -> dict[str, Any] | str:
-        """A proxy's answer to ``status``, or why there is none (for its row, which names the proxy already)."""
-        try:
-            return reports.ask(self.state_dir, instance_id, "status", {}, timeout=self.proxy_timeout)
-        except reports.OperatorError as exc:
-            return str(exc).removeprefix(f"the proxy (instance {instance_id})").removeprefix(":").strip()
+def _turns(view: InstallView) -> tuple[TurnRow, ...]:
+    turns = [turn_row(record, view.taken_at) for record in view.active_tasks if view.alive(record.instance_id)]
+    return tuple(sorted(turns, key=lambda t: (t.status != TaskStatus.RUNNING, -(t.elapsed_seconds or 0.0))))
 
 
 # --- rows from what was read (pure) ------------------------------------------------------------
