@@ -48,7 +48,9 @@ from typing import Any
 import msgspec
 
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import TaskRegistry, TaskStatus, Turn, list_tasks, new_task_id, outcome_of
+from acp_proxy.tasks.records import TaskRegistry, list_tasks
+from acp_proxy.tasks.status import TaskStatus, outcome_of
+from acp_proxy.tasks.turn import Turn, new_task_id
 from benchmarks.common import ROOT, BenchError, cpu_seconds, figures, ops_row, proxy_argv, script_argv
 from benchmarks.harness import (
     DIRECT,

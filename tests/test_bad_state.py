@@ -34,7 +34,8 @@ from acp_proxy.config import validate
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import TaskRegistry, TaskStatus, get_task
+from acp_proxy.tasks.records import TaskRegistry, get_task
+from acp_proxy.tasks.status import TaskStatus
 from acp_proxy.tasks.turns import TurnBook
 from tests.support import Gateway, fake_command
 

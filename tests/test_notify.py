@@ -23,7 +23,8 @@ from anyio.abc import Process
 from acp_proxy.config import ConfigError, NotifyPolicy, validate
 from acp_proxy.journal import counters
 from acp_proxy.tasks.notify import LANE_LIMIT, Notifier, notice_of, wanted
-from acp_proxy.tasks.records import SUMMARY_CHARS, TaskStatus, Turn, outcome_of
+from acp_proxy.tasks.status import TaskStatus, outcome_of
+from acp_proxy.tasks.turn import SUMMARY_CHARS, Turn
 from tests.support import (
     RESUME_AND_LOAD,
     Gateway,

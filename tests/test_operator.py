@@ -669,7 +669,9 @@ async def test_cancelling_a_task_whose_end_is_being_written_says_it_ended(tmp_pa
     from acp_proxy.config import validate
     from acp_proxy.operator.control import ControlError
     from acp_proxy.operator.operations import Operations
-    from acp_proxy.tasks.records import TaskRegistry, Turn, outcome_of
+    from acp_proxy.tasks.records import TaskRegistry
+    from acp_proxy.tasks.status import outcome_of
+    from acp_proxy.tasks.turn import Turn
     from acp_proxy.tasks.turns import TurnBook
 
     turn = Turn(task_id="0123456789ab", session_id="s", backend="b", request_id="1")

@@ -17,28 +17,9 @@ from acp_proxy.config import ConfigError, validate
 from acp_proxy.ownership import instances
 from acp_proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, ErrorObject
 from acp_proxy.state import StateDB, now
-from acp_proxy.tasks.records import (
-    MAX_EVENTS,
-    SCAN_LIMIT,
-    SUMMARY_CHARS,
-    UNREAD_LIMIT,
-    AmbiguousId,
-    Event,
-    Outcome,
-    Swept,
-    TaskRegistry,
-    TaskStatus,
-    Turn,
-    effective_status,
-    get_task,
-    keep_recent,
-    list_tasks,
-    outcome_of,
-    prompt_preview,
-    prune,
-    sweep_lost,
-    traceparent_of,
-)
+from acp_proxy.tasks.records import AmbiguousId, Swept, TaskRegistry, get_task, list_tasks, prune, sweep_lost
+from acp_proxy.tasks.status import Outcome, TaskStatus, effective_status, outcome_of, prompt_preview, traceparent_of
+from acp_proxy.tasks.turn import MAX_EVENTS, SCAN_LIMIT, SUMMARY_CHARS, UNREAD_LIMIT, Event, Turn, keep_recent
 from acp_proxy.tasks.turns import TurnBook, error_text
 from tests.kit.state import count_tasks
 from tests.support import run_together
@@ -329,7 +310,9 @@ import json, os, sys
 from pathlib import Path
 from acp_proxy.ownership import instances
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import TaskRegistry, Turn, outcome_of
+from acp_proxy.tasks.records import TaskRegistry
+from acp_proxy.tasks.status import outcome_of
+from acp_proxy.tasks.turn import Turn
 sys.stdin.readline()
 db = StateDB(Path(sys.argv[1]))
 instance = instances.start_instance(db, "boot")

@@ -54,7 +54,8 @@ from acp_proxy.operator.top.terminal import _screen, _Wakeup, decode_keys
 from acp_proxy.operator.top.view import Focus, Pending, ViewState, allot, on_key, render, short_id
 from acp_proxy.operator.top.view import _Panel as Panel
 from acp_proxy.sessions.registry import SessionState
-from acp_proxy.tasks.records import TaskRecord, TaskStatus
+from acp_proxy.tasks.records import TaskRecord
+from acp_proxy.tasks.status import TaskStatus
 from tests.support import (
     RESUME_AND_LOAD,
     Gateway,

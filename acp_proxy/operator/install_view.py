@@ -26,7 +26,8 @@ from acp_proxy.ownership.leases import Lease
 from acp_proxy.pool.install import HeldSlot, InstallSlots
 from acp_proxy.sessions import registry
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import ACTIVE, TaskRecord, counts_since, list_tasks
+from acp_proxy.tasks.records import TaskRecord, counts_since, list_tasks
+from acp_proxy.tasks.status import ACTIVE
 
 RECENT_WINDOW = 24 * 3600.0
 """How far back ``tasks_last_day`` counts (wall clock)."""

@@ -39,7 +39,7 @@ from acp_proxy.operator.commands import open_existing
 from acp_proxy.operator.install_view import InstallView, read_install
 from acp_proxy.operator.reports import Liveness, OperatorError, status_answers
 from acp_proxy.sessions.registry import SessionState
-from acp_proxy.tasks.records import ACTIVE, effective_status
+from acp_proxy.tasks.status import ACTIVE, effective_status
 
 PREFIX: Final = "acp_proxy"
 

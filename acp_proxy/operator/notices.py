@@ -44,16 +44,8 @@ from acp_proxy.operator.reports import (
 )
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.notify import Notice, encode_notice, notice_of
-from acp_proxy.tasks.records import (
-    ACTIVE,
-    LOST_ERROR,
-    TERMINAL,
-    TaskRecord,
-    TaskStatus,
-    effective_status,
-    get_task,
-    recent_with_titles,
-)
+from acp_proxy.tasks.records import LOST_ERROR, TaskRecord, get_task, recent_with_titles
+from acp_proxy.tasks.status import ACTIVE, TERMINAL, TaskStatus, effective_status
 
 POLL_INTERVAL: Final = 0.25
 LATE_WRITES: Final = 60.0

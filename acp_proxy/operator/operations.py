@@ -51,7 +51,9 @@ from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.lifecycle import Phase
 from acp_proxy.sessions.table import Session
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import TERMINAL, TaskStatus, Turn, get_task
+from acp_proxy.tasks.records import get_task
+from acp_proxy.tasks.status import TERMINAL, TaskStatus
+from acp_proxy.tasks.turn import Turn
 from acp_proxy.tasks.turns import TurnBook
 
 log = logging.getLogger("acp_proxy.operations")

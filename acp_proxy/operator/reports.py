@@ -39,18 +39,8 @@ from acp_proxy.pool.install import HeldSlot
 from acp_proxy.sessions import registry
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import (
-    ACTIVE,
-    TERMINAL,
-    AmbiguousId,
-    TaskRecord,
-    TaskStatus,
-    active_by_session,
-    effective_status,
-    get_task,
-    has_tasks_of,
-    list_tasks,
-)
+from acp_proxy.tasks.records import AmbiguousId, TaskRecord, active_by_session, get_task, has_tasks_of, list_tasks
+from acp_proxy.tasks.status import ACTIVE, TERMINAL, TaskStatus, effective_status
 
 EXIT_UNREACHABLE: Final = 1
 EXIT_USAGE: Final = 2

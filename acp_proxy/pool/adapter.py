@@ -30,7 +30,7 @@ from acp_proxy.protocol.acp import AgentCapabilities, rewrite_session_id, sessio
 from acp_proxy.protocol.errors import describe_exit
 from acp_proxy.protocol.jsonrpc import LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Effect, Method, facts
-from acp_proxy.tasks.records import Turn
+from acp_proxy.tasks.turn import Turn
 
 log = logging.getLogger("acp_proxy.adapter")
 

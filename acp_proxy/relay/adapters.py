@@ -39,7 +39,7 @@ from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
-from acp_proxy.tasks.records import TaskStatus
+from acp_proxy.tasks.status import TaskStatus
 from acp_proxy.tasks.turns import TurnBook
 
 log = logging.getLogger("acp_proxy.proxy")

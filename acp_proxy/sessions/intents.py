@@ -57,7 +57,8 @@ from acp_proxy.sessions.registry import (
 from acp_proxy.sessions.restore import GatewayPort, Restorer
 from acp_proxy.sessions.table import Session, SessionTable
 from acp_proxy.sessions.visibility import SessionRow, parse_requester, visible_rows
-from acp_proxy.tasks.records import TERMINAL, TaskStatus, Turn
+from acp_proxy.tasks.status import TERMINAL, TaskStatus
+from acp_proxy.tasks.turn import Turn
 from acp_proxy.tasks.turns import TurnBook, turn_ids
 
 log = logging.getLogger("acp_proxy.lifecycle")

@@ -40,7 +40,9 @@ from acp_proxy.ownership.verify import kill_child_group
 from acp_proxy.protocol.errors import describe_exit
 from acp_proxy.state import now
 from acp_proxy.stdio import FdSendStream
-from acp_proxy.tasks.records import TERMINAL, Swept, TaskStatus, Turn
+from acp_proxy.tasks.records import Swept
+from acp_proxy.tasks.status import TERMINAL, TaskStatus
+from acp_proxy.tasks.turn import Turn
 
 log = logging.getLogger("acp_proxy.notify")
 

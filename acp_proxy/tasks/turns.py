@@ -35,18 +35,9 @@ from acp_proxy.ownership.leases import prune_ended
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.tasks.notify import Notifier
-from acp_proxy.tasks.records import (
-    TERMINAL,
-    TaskRegistry,
-    TaskStatus,
-    Turn,
-    new_task_id,
-    outcome_of,
-    prompt_preview,
-    prune,
-    sweep_lost,
-    traceparent_of,
-)
+from acp_proxy.tasks.records import TaskRegistry, prune, sweep_lost
+from acp_proxy.tasks.status import TERMINAL, TaskStatus, outcome_of, prompt_preview, traceparent_of
+from acp_proxy.tasks.turn import Turn, new_task_id
 
 log = logging.getLogger("acp_proxy.tasks")
 

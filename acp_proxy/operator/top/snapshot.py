@@ -36,7 +36,8 @@ from acp_proxy.pool.install import SlotRecord
 from acp_proxy.pool.memory import measure_trees
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
-from acp_proxy.tasks.records import TaskRecord, TaskStatus
+from acp_proxy.tasks.records import TaskRecord
+from acp_proxy.tasks.status import TaskStatus
 
 PROXY_TIMEOUT: Final = 1.0
 """How long each proxy has to answer ``status`` before it is shown as not answering."""

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from acp_proxy.operator import reports
 from acp_proxy.operator.top.snapshot import Snapshot
-from acp_proxy.tasks.records import TaskStatus
+from acp_proxy.tasks.status import TaskStatus
 
 Action = Literal["suspend", "close", "cancel"]
 
