@@ -119,10 +119,10 @@ def time_acquires(path: str) -> None:
     plans = {"count": 0, "seconds": 0.0}
 
     @functools.wraps(install_slots)
-    def timed_install_slots(self: ProcessPool, *args: Any) -> Any:
+    def timed_install_slots(self: ProcessPool, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return install_slots(self, *args)
+            return install_slots(self, *args, **kwargs)
         finally:
             plans["count"] += 1
             plans["seconds"] += time.perf_counter() - start

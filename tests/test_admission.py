@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from acp_proxy.pool.admission import (
@@ -22,6 +23,7 @@ from acp_proxy.pool.admission import (
     Ask,
     GiveUp,
     Granted,
+    Look,
     Rule,
     Sleep,
     Take,
@@ -58,11 +60,20 @@ def waiting(**fields: Any) -> Waiting:
     return Waiting(**(base | fields))
 
 
+def decide(w: Waiting) -> str:
+    """What ``admit`` says for ``w``, followed through the steps that need no wait as the driver follows
+    them: a ``Take`` that finds no slot file free (``take/...``), a ``Look`` that reads ``slots``."""
+    step = admit(w)
+    if isinstance(step, Take):
+        return "take/" + decide(msgspec.structs.replace(w, tried_take=True))
+    if isinstance(step, Look):
+        return "look/" + decide(msgspec.structs.replace(w, slots=FULL_BUSY))
+    return describe(step)
+
+
 def describe(step: object) -> str:
     """A step as a short string: ``take/<then>``, ``ask:<key>``, ``sleep[line]@<until-now>``, ``give-up:<why>``,
     each with the rule it follows."""
-    if isinstance(step, Take):
-        return "take/" + describe(step.otherwise)
     if isinstance(step, Ask):
         return f"ask:{step.slot.key} ({step.rule})"
     if isinstance(step, Sleep):
@@ -223,7 +234,7 @@ CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
 
 @pytest.mark.parametrize(("sentence", "fields", "expected", "rule"), CASES, ids=[case[0] for case in CASES])
 def test_admit(sentence: str, fields: dict[str, Any], expected: str, rule: Rule) -> None:
-    assert describe(admit(waiting(**fields))) == f"{expected} ({rule})", sentence
+    assert decide(waiting(**fields)) == f"{expected} ({rule})", sentence
 
 
 def test_every_rule_of_the_table_is_met_by_a_case() -> None:
@@ -244,8 +255,7 @@ def test_waiters_that_read_the_same_records_do_not_stall_once_the_shared_slot_is
     asked, rather than a fixed teardown's length waited out (what once cost 6.5 s per slot)."""
     after = (*FULL_IDLE[1:], slot("first-in-line", 9.0))
     for position in (1, 2, 3):
-        step = admit(waiting(position=position, ahead=position, slots=after, granted=()))
-        assert describe(step) == f"ask:mid ({Rule.EVICT})", position
+        assert decide(waiting(position=position, ahead=position, slots=after, granted=())) == f"ask:mid ({Rule.EVICT})"
 
 
 @pytest.mark.parametrize(("position", "depth", "refusing"), list(itertools.product(range(6), (1, 2, 4), (False, True))))
@@ -253,12 +263,12 @@ def test_every_step_is_bounded_by_the_deadline(position: int, depth: int, refusi
     """Whatever the line and the install, a waiter never sleeps past its deadline or asks past it."""
     for slots in (FULL_IDLE, FULL_BUSY, FULL_IDLE[:2]):
         for now in (NOW, DEADLINE - 0.001, DEADLINE, DEADLINE + 1):
-            step = admit(
-                waiting(position=position, ahead=position, depth=depth, slots=slots, now=now, refusing=refusing)
-            )
-            inner = step.otherwise if isinstance(step, Take) else step
+            w = waiting(position=position, ahead=position, depth=depth, slots=slots, now=now, refusing=refusing)
+            step = admit(w)
             if isinstance(step, Take):
                 assert position == 0, "only the first in line takes a slot file"
+                step = admit(msgspec.structs.replace(w, tried_take=True))
+            inner = step
             if refusing:
                 assert inner == GiveUp("shutdown", Rule.SHUTDOWN)
             elif now >= DEADLINE:
@@ -269,3 +279,13 @@ def test_every_step_is_bounded_by_the_deadline(position: int, depth: int, refusi
                 assert isinstance(inner, Ask)
                 assert position < depth
             assert not math.isnan(getattr(inner, "until", 0.0))
+
+
+def test_the_first_in_line_takes_a_slot_file_before_it_reads_the_install() -> None:
+    """Reading every slot file's record is for planning: the first in line tries a slot file first,
+    and the others, or the first once it found none free, are told to look before they plan."""
+    first = waiting(slots=None)
+    assert admit(first) == Take()
+    assert admit(msgspec.structs.replace(first, tried_take=True)) == Look()
+    assert admit(waiting(slots=None, ahead=1, position=1)) == Look()
+    assert admit(waiting(slots=None, position=4, ahead=4)).rule is Rule.BACK  # far back: reads nothing

@@ -23,6 +23,7 @@ EXPECTED = """
 suspended + request        -> suspended : queue
 suspended + cancel         -> suspended : new_epoch
 suspended + restore        -> resuming  : wait_for_stop, claim
+suspended + process_ended  -> suspended : unbind, journal
 suspended + close          -> closing   : new_epoch, queue_reap
 suspended + delete         -> deleting  : new_epoch, queue_reap
 resuming  + request        -> resuming  : queue

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -29,7 +29,7 @@ from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRecord, counts_since, list_tasks
 from acp_proxy.tasks.status import ACTIVE
 
-RECENT_WINDOW = 24 * 3600.0
+RECENT_WINDOW: Final = 24 * 3600.0
 """How far back ``tasks_last_day`` counts (wall clock)."""
 
 Answers = Callable[[Sequence[str]], Mapping[str, "dict[str, Any] | str"]]
@@ -85,10 +85,17 @@ class InstallView(msgspec.Struct, frozen=True, kw_only=True):
     counters: tuple[journal.Counter, ...] = ()
     events: tuple[journal.Event, ...] = ()
     """The latest events, newest first, when asked for."""
+    liveness: Callable[[str], bool] = lambda instance_id: False
+    """Whether a proxy instance is alive, for one that started after ``proxies`` was read."""
 
     def alive(self, instance_id: str | None) -> bool:
-        """Whether that proxy was alive when the view was read (an unknown one was not)."""
-        return any(proxy.alive for proxy in self.proxies if proxy.instance_id == instance_id)
+        """Whether that proxy is alive: as ``proxies`` says, else asked now (one that started since)."""
+        if instance_id is None:
+            return False
+        for proxy in self.proxies:
+            if proxy.instance_id == instance_id:
+                return proxy.alive
+        return self.liveness(instance_id)
 
 
 def read_install(
@@ -110,13 +117,13 @@ def read_install(
     those of the install's sessions) whose waiters to count. ``recent_sessions``: (closed since,
     at most) for ``top``'s list. ``events``: how many of the latest events.
     """
-    taken_at, clock = time.time(), time.monotonic()
     unended = [(instance_id, pid, started, alive(instance_id)) for instance_id, pid, started in instances.unended(db)]
     asked = answers([row[0] for row in unended if row[3]]) if answers is not None else {}
     proxies = tuple(
         ProxyFacts(instance_id, pid, started, live, asked.get(instance_id))
         for instance_id, pid, started, live in unended
     )
+    taken_at, clock = time.time(), time.monotonic()  # after the asks (they may take seconds): what follows is now
     install = InstallSlots(state_dir, "reader")
     backends = frozenset(registry.backends_of_sessions(db))
     active = tuple(leases.active_leases(db))
@@ -140,4 +147,5 @@ def read_install(
         tasks_last_day=counts_since(db, taken_at - RECENT_WINDOW),
         counters=tuple(journal.counters(db.conn)),
         events=tuple(journal.recent_events(db.conn, events)) if events else (),
+        liveness=alive,
     )

@@ -5,8 +5,9 @@ Each time something may have changed, its driver reads the install (the slot fil
 install's queue, the clocks) into a ``Waiting`` and asks ``admit`` what to do; ``admit``
 does no I/O and keeps no state, and the driver does what it says:
 
-* ``Take``: try to take a free slot file (only the first in line does); if none is free,
-  do ``otherwise``.
+* ``Take``: try to take a free slot file (only the first in line does, and before it reads
+  anything else of the install); if none is free, ask again with ``tried_take``.
+* ``Look``: read the install's slots (every slot file's record) into ``slots``, and ask again.
 * ``Ask``: have that slot's session suspended (or its spare stopped), by this proxy or by
   the proxy that holds it. A yes is ``Granted``: the slot comes free once its tree is gone.
 * ``Sleep``: until something changes (or, far back in line, until the line moves), at the
@@ -138,8 +139,8 @@ class Waiting(msgspec.Struct, frozen=True, kw_only=True):
     ahead: int = 0
     """Waiters of the install before it: ``position`` and the other proxies' waiters before this
     proxy's first."""
-    slots: Sequence[Slot] = ()
-    """The install's live slots (``ProcessPool.install_slots``); read only when ``position < depth``."""
+    slots: Sequence[Slot] | None = None
+    """The install's live slots (``ProcessPool.install_slots``); ``None``: not read yet (``Look``)."""
     reserved: Mapping[str, int] = msgspec.field(default_factory=dict)
     """Slots this proxy took for starts that are not running yet, per backend."""
     refused: Mapping[str, float] = msgspec.field(default_factory=dict)
@@ -150,12 +151,16 @@ class Waiting(msgspec.Struct, frozen=True, kw_only=True):
     """When the first of this proxy's sessions busy only with background work counts as idle."""
     refusing: bool = False
     """The proxy is shutting down: waiters fail fast."""
+    tried_take: bool = False
+    """It is first in line and has just found no slot file free: what now (``slots`` are read for this)."""
 
 
 class Take(msgspec.Struct, frozen=True):
-    """Take a free slot file now; if none is free (the snapshot was a moment stale), do ``otherwise``."""
+    """Take a free slot file now; if none is free, ask ``admit`` again with ``tried_take``."""
 
-    otherwise: Ask | Sleep | GiveUp
+
+class Look(msgspec.Struct, frozen=True):
+    """Read the install's slots into ``Waiting.slots``, and ask ``admit`` again."""
 
 
 class Ask(msgspec.Struct, frozen=True):
@@ -179,7 +184,7 @@ class GiveUp(msgspec.Struct, frozen=True):
     rule: Rule
 
 
-Step = Take | Ask | Sleep | GiveUp
+Step = Take | Look | Ask | Sleep | GiveUp
 
 
 def admit(waiting: Waiting) -> Step:
@@ -191,16 +196,19 @@ def admit(waiting: Waiting) -> Step:
         if w.now >= w.deadline:
             return GiveUp("exhausted", Rule.DEADLINE)
         return Sleep(w.deadline, f"{w.position} ahead of it in this proxy's line", Rule.BACK, line=True)
-    then: Ask | Sleep | GiveUp = _plan(w)
+    if w.ahead == 0 and not w.tried_take:
+        return Take()  # the first in line tries a slot file first, even at its deadline
     if w.now >= w.deadline:
-        then = GiveUp("exhausted", Rule.DEADLINE)
-    return Take(then) if w.ahead == 0 else then
+        return GiveUp("exhausted", Rule.DEADLINE)
+    if w.slots is None:
+        return Look()
+    return _plan(w.slots, w)
 
 
-def _plan(w: Waiting) -> Ask | Sleep:
+def _plan(live: Sequence[Slot], w: Waiting) -> Ask | Sleep:
     slots = [
         msgspec.structs.replace(slot, busy=True) if w.refused.get(slot.key, -math.inf) > w.now else slot
-        for slot in w.slots
+        for slot in live
     ]
     decision = plan_acquire(
         slots,

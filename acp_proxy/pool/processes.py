@@ -32,7 +32,7 @@ from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
-from acp_proxy.pool.admission import POLL, REFUSED_FOR, Ask, GiveUp, Granted, Take, Waiting, admit
+from acp_proxy.pool.admission import POLL, REFUSED_FOR, Ask, GiveUp, Granted, Look, Rule, Take, Waiting, admit
 from acp_proxy.pool.budget import MemoryKeeper, Peaks, fits_at_once
 from acp_proxy.pool.install import Held, InstallSlots, SlotRecord, Ticket
 from acp_proxy.pool.learned import Learned
@@ -343,33 +343,34 @@ class ProcessPool:
                     self._install_ahead[backend.name] = (
                         self.install.ahead_of(place, backend.name) if place is not None else 0
                     )
-                planning = position < depth
                 moment = time.monotonic()
                 granted = [g for g in granted if g.until > moment and self.tree_there(g.slot)]
-                step = admit(
-                    Waiting(
-                        backend=backend.name,
-                        backend_cap=self.backend_cap(backend),
-                        global_cap=self.config.pool.max_live,
-                        now=moment,
-                        deadline=deadline,
-                        position=position,
-                        depth=depth,
-                        ahead=position + self._install_ahead.get(backend.name, 0),
-                        slots=self.install_slots() if planning else (),
-                        reserved=self._reserved,
-                        refused=refused,
-                        granted=granted,
-                        quiet_at=self._first_quiet_at(moment),
-                        refusing=self.stopping.refusing,
-                    )
+                waiting = Waiting(
+                    backend=backend.name,
+                    backend_cap=self.backend_cap(backend),
+                    global_cap=self.config.pool.max_live,
+                    now=moment,
+                    deadline=deadline,
+                    position=position,
+                    depth=depth,
+                    ahead=position + self._install_ahead.get(backend.name, 0),
+                    reserved=self._reserved,
+                    refused=refused,
+                    granted=granted,
+                    quiet_at=self._first_quiet_at(moment),
+                    refusing=self.stopping.refusing,
                 )
-                if isinstance(step, Take):
-                    held = self._take_install_slot(backend)
-                    if held is not None:
-                        outcome = "admitted"
-                        return held
-                    step = step.otherwise
+                step = admit(waiting)
+                while isinstance(step, Take | Look):  # steps that need no wait: then it decides again
+                    if isinstance(step, Take):
+                        held = self._take_install_slot(backend)
+                        if held is not None:
+                            outcome = "admitted"
+                            return held
+                        waiting = msgspec.structs.replace(waiting, tried_take=True)
+                    else:
+                        waiting = msgspec.structs.replace(waiting, slots=self.install_slots())
+                    step = admit(waiting)
                 if isinstance(step, GiveUp):
                     if step.reason == "shutdown":
                         raise ProxyError.proxy_shutdown()
@@ -393,7 +394,7 @@ class ProcessPool:
                     await self._wait_for_change(waiter.moved, step.until - time.monotonic())
                     continue
                 if position == 0:
-                    if not waiting_logged:
+                    if not waiting_logged and step.rule in (Rule.FREEING, Rule.RECENT, Rule.BUSY):
                         log.info("pool full for backend %s: %s; waiting", backend.name, step.reason)
                         waiting_logged = True
                     if place is None:
@@ -420,8 +421,10 @@ class ProcessPool:
         if held is not None:
             self._reserved[backend.name] = self._reserved.get(backend.name, 0) + 1
             self._taking.append(held)
-            if not self.memory.budget.empty:  # other proxies' starts count it from now on
-                held.publish(starting_record(self.owner.instance_id, backend, held))
+            # Described at once: other proxies' plans count it for its backend, their starts count it
+            # for the memory budget, and a waiter that was granted this slot's last tree sees that
+            # tree gone (``tree_there``) rather than a file being let go of.
+            held.publish(starting_record(self.owner.instance_id, backend, held))
         return held
 
     @staticmethod

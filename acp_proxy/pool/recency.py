@@ -1,7 +1,7 @@
 """How recently each process was used: what a start costs, how fast a gateway comes back, and the idle TTL.
 
 A session active moments ago (just opened or restored, a turn just ended) is *recent* until
-``Adapter.recent_until`` and is not taken for another start meanwhile (``plan.protection`` says
+``Usage.recent_until`` and is not taken for another start meanwhile (``plan.protection`` says
 for how long). ``Recency`` learns what that takes: per backend, a running estimate of what a
 start costs (slot had -> session bound), and per session, how long its gateway took to come
 back after a turn. ``sweep_idle`` suspends what has not been used for ``[pool] idle_ttl``.
@@ -37,9 +37,6 @@ class Recency:
         self._turnarounds: dict[str, float] = {}
         """Per session, the longest recent gap between a turn's end and the gateway's next prompt
         (least recently active first)."""
-
-    def start_cost(self, backend: str) -> float | None:
-        return self._start_costs.get(backend)
 
     def protection(self, backend: str, session: str | None = None) -> float:
         """How long a session just active is not taken (``plan.protection``: ``min_idle``, a start's

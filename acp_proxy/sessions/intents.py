@@ -722,7 +722,10 @@ class SessionIntents:
         if parent.adapter is not adapter or adapter.gone:  # its process is going: the fork starts suspended
             self.registry.mark_suspended(created.session_id)
             return stable
-        self.table.must_advance(parent, Event.HANDED_OVER)  # unbinds the parent
+        if self.table.advance(parent, Event.HANDED_OVER).refused is not None:
+            # The parent is being closed or deleted: its reap ends this process, so the fork starts suspended.
+            self.registry.mark_suspended(created.session_id)
+            return stable
         self.registry.mark_suspended(parent.session_id)
         self.table.open(created, adapter, fork_id)
         log.info(
