@@ -26,7 +26,10 @@ from acp_proxy.operator.doctor import Finding, Report, Severity
 from acp_proxy.ownership.leases import all_leases
 from acp_proxy.ownership.owner import Platform
 from acp_proxy.ownership.reaping import ReapAction
-from acp_proxy.state import SCHEMA_VERSION, StateDB, StateError, check_private_dir
+from acp_proxy.state import StateDB
+from acp_proxy.state.connection import StateError
+from acp_proxy.state.directory import check_private_dir
+from acp_proxy.state.migrations import SCHEMA_VERSION
 from tests.support import FAKE_ADAPTER, Gateway, cli, survivors
 
 UID = os.getuid()

@@ -19,7 +19,7 @@ import pytest
 
 import acp_proxy
 from acp_proxy.ownership.owner import WRAPPER_NAME
-from acp_proxy.state import SCHEMA_VERSION
+from acp_proxy.state.migrations import SCHEMA_VERSION
 from tests.support import Gateway
 
 pytestmark = pytest.mark.slow

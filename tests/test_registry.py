@@ -187,7 +187,8 @@ def test_schema_4_keeps_sessions_and_turns_the_old_closed_ones_into_tombstones(t
     """Before schema 4 "closed" meant gone for good (a delete was recorded so too): nothing comes back."""
     import sqlite3
 
-    from acp_proxy.state import DB_NAME, MIGRATIONS
+    from acp_proxy.state import DB_NAME
+    from acp_proxy.state.migrations import MIGRATIONS
 
     tmp_path.chmod(0o700)
     conn = sqlite3.connect(tmp_path / DB_NAME)

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from acp_proxy import __version__, releases
-from acp_proxy.state import SCHEMA_VERSION, StateDB, StateError, schema_written_by
+from acp_proxy.state import StateDB
+from acp_proxy.state.connection import StateError
+from acp_proxy.state.migrations import SCHEMA_VERSION, schema_written_by
 from tests.kit.gateway import Gateway as KitGateway
 from tests.support import Gateway, cli_json, fake_command
 

@@ -28,7 +28,8 @@ from acp_proxy.config import ConfigError
 from acp_proxy.operator import control
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases
 from acp_proxy.ownership.proctable import ProcFS
-from acp_proxy.state import StateDB, StateError
+from acp_proxy.state import StateDB
+from acp_proxy.state.connection import StateError
 from tests.support import Gateway, fake_command, pid_alive
 
 IS_ROOT = os.geteuid() == 0

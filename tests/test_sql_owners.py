@@ -26,7 +26,7 @@ OWNERS = {
     "events": "journal.py",
     "counters": "journal.py",
 }
-MIGRATIONS = "state.py"
+MIGRATIONS = "state/migrations.py"
 KNOWN = {
     ("tasks/records.py", "sessions"),  # reads: a task's session title, joined
     ("ownership/instances.py", "leases"),  # an instance ends once none of its leases is active

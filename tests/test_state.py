@@ -25,7 +25,9 @@ from acp_proxy.ownership.proctable import ProcFS, PsutilTable
 from acp_proxy.ownership.reaping import marker_index
 from acp_proxy.ownership.supervised import WrapperReport
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
-from acp_proxy.state import SCHEMA_VERSION, StateDB, StateError
+from acp_proxy.state import StateDB
+from acp_proxy.state.connection import StateError
+from acp_proxy.state.migrations import SCHEMA_VERSION
 from tests.support import run_together
 from wrappers import adapter_wrapper
 

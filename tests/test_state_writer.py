@@ -19,7 +19,8 @@ import anyio
 import anyio.abc
 import pytest
 
-from acp_proxy.state import StateDB, StateWriter
+from acp_proxy.state import StateDB
+from acp_proxy.state.writer import StateWriter
 from tests.kit.gateway import is_answer_to, request_message
 from tests.support import RESUME_AND_LOAD, Gateway, cli, start, state_of, write_config
 

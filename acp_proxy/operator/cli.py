@@ -34,7 +34,10 @@ from typing import TYPE_CHECKING, NoReturn
 from acp_proxy import __version__, logs
 from acp_proxy import config as configuration
 from acp_proxy.config import Config, ConfigError
-from acp_proxy.state import DB_NAME, SCHEMA_VERSION, StateError, explain_failure
+from acp_proxy.state import DB_NAME
+from acp_proxy.state.connection import StateError
+from acp_proxy.state.directory import explain_failure
+from acp_proxy.state.migrations import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from acp_proxy.ownership.owner import Owner

@@ -21,7 +21,8 @@ from acp_proxy.ownership.leases import ACTIVE_STATES, Lease, all_leases
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.reaping import marked_pids, reap_dead_instances
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
-from acp_proxy.state import StateDB, StateError
+from acp_proxy.state import StateDB
+from acp_proxy.state.connection import StateError
 
 
 def open_existing(state_dir: Path) -> StateDB | None:

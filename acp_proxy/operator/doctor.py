@@ -80,7 +80,10 @@ from acp_proxy.operator.reports import EXIT_UNREACHABLE, EXIT_USAGE
 from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, wrapper_path
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
-from acp_proxy.state import DB_NAME, SCHEMA_VERSION, StateDB, StateError, explain_failure, schema_written_by
+from acp_proxy.state import DB_NAME, StateDB
+from acp_proxy.state.connection import StateError
+from acp_proxy.state.directory import explain_failure
+from acp_proxy.state.migrations import SCHEMA_VERSION, schema_written_by
 
 EXIT_OK: Final = 0
 EXIT_PROBLEM: Final = EXIT_UNREACHABLE

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import msgspec
 
-from acp_proxy.state import StateDB, ensure_private_dir, now
+from acp_proxy.state import StateDB, now
+from acp_proxy.state.directory import ensure_private_dir
 
 
 class Instance(msgspec.Struct):

@@ -27,7 +27,8 @@ from acp_proxy.ownership import instances
 from acp_proxy.ownership.leases import Lease, LeaseState, leases_of_instance, set_state
 from acp_proxy.ownership.proctable import ProcessTable, TableUnavailable
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, process_table, send_verified_signal
-from acp_proxy.state import StateDB, ensure_private_dir
+from acp_proxy.state import StateDB
+from acp_proxy.state.directory import ensure_private_dir
 
 POLL_INTERVAL: Final = 0.02
 SWEEP_ROUNDS: Final = 10

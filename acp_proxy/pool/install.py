@@ -40,7 +40,7 @@ from typing import Final
 import msgspec
 
 from acp_proxy.ownership.instances import locked
-from acp_proxy.state import ensure_private_dir
+from acp_proxy.state.directory import ensure_private_dir
 
 log = logging.getLogger("acp_proxy.pool")
 

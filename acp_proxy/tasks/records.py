@@ -28,7 +28,8 @@ import msgspec
 from acp_proxy.config import NOTIFY_POLICIES, NotifyPolicy
 from acp_proxy.journal import Kind, count_in
 from acp_proxy.ownership import instances
-from acp_proxy.state import StateDB, Statement, now
+from acp_proxy.state import StateDB, now
+from acp_proxy.state.writer import Statement
 from acp_proxy.tasks.status import TaskStatus
 from acp_proxy.tasks.turn import Event, Turn
 

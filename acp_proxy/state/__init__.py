@@ -1,0 +1,303 @@
+"""The state database: one SQLite file per state dir, shared by every proxy of an install.
+
+WAL mode lets readers (the operator CLI) run beside writers (proxies); a busy
+timeout serialises concurrent writers instead of failing them; ``BEGIN
+IMMEDIATE`` takes the write lock up front so read-modify-write sequences cannot
+interleave. The schema carries a version and is brought up to date by ordered
+migrations, each in its own transaction. The state dir is created ``0700`` and
+the database ``0600``: it names processes and commands, never secrets.
+
+Writes happen at lifecycle events (spawn, close, reap) and a prompt's milestones
+(its task created and settled; its progress at most once a second), never per
+streamed message. A serving proxy makes them off its event loop: another proxy of
+the install holding the write lock, or a checkpoint's fsync, must not stall the
+relay. One ``StateWriter`` thread (``StateDB.start_writer``, called by ``serve.py``
+once the start-up sweeps are done; drained by ``GatewayConnection._shutdown``), with
+a connection of its own and one queue, applies them in the order they were made,
+whatever table they touch. What is queued when the thread comes round (up to
+``BATCH_LIMIT``) is committed in one transaction; if one write of it fails, the
+batch is run again with each write in a savepoint, so the failing one costs only
+itself. Each kind of write is made one way:
+
+* **queued, nobody waits** (``StateDB.write``): task rows (create, ``mark_running``,
+  progress, finish, the retry of a failed one; a queued progress write of a task is
+  replaced by a newer one), a session's activity, title, suspension, close,
+  deletion, ``live``, history reset and new row, the journal, what the install
+  learns of a backend, a lease's teardown steps (``closing``, ``closed``, ``lost``).
+  The relay must not wait; the order of one row's writes is the queue's; a proxy
+  that dies before a lease's step lands leaves the lease to the next one's
+  startup reaping.
+* **queued, then an answer waits for it** (``StateDB.caught_up``): a new session's
+  row before the gateway gets the session's id, and a setting (``set_mode``,
+  ``set_config_option``, ``set_model``) before the gateway gets its answer
+  (``AdapterRelay._relay`` waits for every answer with bookkeeping, ``on_answer``;
+  prompts have none). A proxy that crashes after answering must not lose the
+  mapping a resume needs, nor a setting a resume re-applies.
+* **queued and awaited for its outcome** (``StateDB.run``, off the event loop):
+  the compare-and-set claims (``SessionRegistry.mark_resuming``,
+  ``claim_orphaned``), ``suspend_all_of_this_instance`` at shutdown, and a lease's
+  process identities with its opening (``SupervisedProcess.ready``). The outcome
+  decides what the proxy does next, and lands after every earlier write.
+* **queued and waited for by a worker thread** (``StateDB.call``): a lease before
+  its spawn (``ProcessPool._launch`` runs ``Adapter.launch`` in the thread that
+  spawns), so that no process exists before its lease and a lock held elsewhere
+  delays that start, not the relay; pruning of tasks, leases and tombstones
+  (hourly), so that deletes come after the rows they judge.
+* **made at once**, before the writer starts and after it is drained: the instance
+  rows (start, end) and startup reaping, when nothing is relayed. Without a writer
+  (the CLI, the tests of the layers, start-up) every write is made at once on the
+  caller's thread, as one transaction.
+
+Reads stay on the event loop's connection, which WAL lets read beside any writer.
+A read that must see this proxy's own writes first waits until the queue has been
+applied (``StateDB.caught_up``; nothing to wait for when it is empty):
+``SessionRegistry.current`` (every session lookup that misses memory, restores,
+closes, deletes), ``session/list``, the ``session/new``, fork and adoption paths
+(their rows are read in an answer's callback, so the wait is before the request is
+sent), the control socket's ``cancel_task``.
+
+Bounds and failures. The queue holds ``QUEUE_LIMIT`` writes and never drops one
+(a task's create or finish must never be lost): while it is full the gateway reader
+stops taking requests (``StateDB.room``), so the queue exceeds the limit only by
+what the requests already read add (each prompt at most a create, a start, a
+progress and a finish). A write that fails is logged and reported to whoever queued
+it (the task book keeps the turn and writes it whole again each second until it
+takes). A database locked by another process is waited for, the batch kept in
+order, in attempts of ``WRITER_BUSY_WAIT_MS``, so that closing is bounded. On
+shutdown the queue is applied within ``CLOSE_TIMEOUT``; what is left is logged. The
+WAL checkpoint (an fsync) is run from a worker thread on a connection of its own
+(``defer_checkpoints``).
+
+The package: this module is the facade (``StateDB``, through which every write is made one of
+the ways above); ``writer`` is the writer thread, ``migrations`` the schema, ``directory`` the
+state dir's checks, ``connection`` how a connection is opened and ``StateError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
+from typing import Final
+
+import anyio
+import anyio.to_thread
+
+from acp_proxy import __version__, releases
+from acp_proxy.state.connection import BUSY_TIMEOUT_MS, StateError, is_locked, retry_while_locked
+from acp_proxy.state.directory import check_private_dir, ensure_private_dir, explain_failure
+from acp_proxy.state.migrations import MIGRATIONS, SCHEMA_VERSION, schema_written_by
+from acp_proxy.state.writer import CLOSE_TIMEOUT, QUEUE_LIMIT, Done, Statement, StateWriter, T
+
+DB_NAME: Final = "state.db"
+DEFERRED_AUTOCHECKPOINT_PAGES: Final = 10_000
+"""A backstop: with checkpoints deferred, a commit still checkpoints past this many WAL pages."""
+
+
+class StateDB:
+    """A connection to the state database, with the install's identity.
+
+    Its write methods are how each kind of write is made; which kind a write is, and why,
+    is stated once in this module's docstring.
+    """
+
+    def __init__(self, state_dir: Path, *, create: bool = True, read_only: bool = False) -> None:
+        """Open (``create``: and make) the install's database and bring its schema up to date.
+
+        ``read_only``: open an existing database as it is, for inspection (``acp-proxy doctor``):
+        never created, migrated or written, whatever its schema version, which the caller reads.
+        """
+        self.state_dir = state_dir
+        self.path = state_dir / DB_NAME
+        self._checkpointer: sqlite3.Connection | None = None
+        self.writer: StateWriter | None = None
+        """The thread that makes this proxy's writes, once ``start_writer`` is called; else they are made inline."""
+        if create and not read_only:
+            ensure_private_dir(state_dir)
+        elif not self.path.exists():
+            raise StateError(f"no state database at {self.path}")
+        else:
+            check_private_dir(state_dir)
+        if read_only:
+            self._open_read_only()
+            return
+        old_umask = os.umask(0o077)
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StateError(explain_failure(self.path, exc)) from None
+        finally:
+            os.umask(old_umask)
+        self.conn.row_factory = sqlite3.Row
+        try:
+            self.conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            # Changing the journal mode does not wait on the busy handler: when several
+            # proxies create the database at once, the losers are told "locked" at once.
+            retry_while_locked(lambda: self.conn.execute("PRAGMA journal_mode = WAL"))
+            self.conn.execute("PRAGMA synchronous = NORMAL")
+            self._migrate()
+            self.install_id = self._install_id()
+        except sqlite3.OperationalError as exc:
+            self.conn.close()
+            if is_locked(exc):
+                raise StateError(
+                    f"{self.path} stayed locked for {BUSY_TIMEOUT_MS // 1000} s ({exc}); "
+                    "another process holds a long write transaction on it"
+                ) from None
+            raise StateError(explain_failure(self.path, exc)) from None
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            raise StateError(explain_failure(self.path, exc)) from None
+
+    def _open_read_only(self) -> None:
+        # SQLite may leave an empty -wal and a -shm file beside the database (mode as the database's):
+        # a reader of a WAL database needs them, and the next proxy uses them as its own.
+        uri = f"{self.path.absolute().as_uri()}?mode=ro"
+        try:
+            self.conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StateError(explain_failure(self.path, exc)) from None
+        self.conn.row_factory = sqlite3.Row
+        try:
+            row = self.conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()
+        except sqlite3.Error as exc:
+            self.conn.close()
+            raise StateError(explain_failure(self.path, exc)) from None
+        self.install_id = str(row[0]) if row else ""
+
+    def close(self) -> None:
+        self.stop_writer()
+        self.conn.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+
+    # --- writes, made by the writer thread when there is one -------------------------------
+
+    def start_writer(self, *, limit: int = QUEUE_LIMIT) -> StateWriter:
+        """From now on writes go through one thread of their own, off the caller's (the event loop's)."""
+        if self.writer is None:
+            self.writer = StateWriter(self.path, limit=limit)
+        return self.writer
+
+    def stop_writer(self, timeout: float = CLOSE_TIMEOUT) -> int:
+        """Apply what is queued (at most ``timeout`` seconds) and make later writes inline; how many were left."""
+        writer, self.writer = self.writer, None
+        return writer.close(timeout) if writer is not None else 0
+
+    async def drain_writer(self, timeout: float = CLOSE_TIMEOUT) -> int:
+        """``stop_writer`` without blocking the event loop: later writes are made inline, on the loop."""
+        writer, self.writer = self.writer, None
+        if writer is None:
+            return 0
+        return await anyio.to_thread.run_sync(writer.close, timeout)
+
+    def write(self, statement: Statement, *, key: Hashable | None = None, done: Done | None = None) -> object:
+        """A write nobody waits for: queued for the writer (``key``: replaces a queued one of that key).
+
+        Without a writer it is made now: its result is returned (and given to ``done``), and
+        a failure is raised instead.
+        """
+        if self.writer is not None:
+            self.writer.submit(statement, key=key, done=done)
+            return None
+        with self.transaction() as conn:
+            result = statement(conn)
+        if done is not None:
+            done(result, None)
+        return result
+
+    def call(self, statement: Callable[[sqlite3.Connection], T]) -> T:
+        """A write whose result the caller needs, made after every queued one; blocks the calling thread."""
+        if self.writer is not None:
+            return self.writer.wait(statement)
+        with self.transaction() as conn:
+            return statement(conn)
+
+    async def run(self, statement: Callable[[sqlite3.Connection], T]) -> T:
+        """A write whose result the caller needs, made after every queued one; awaited off the event loop."""
+        if self.writer is not None:
+            return await self.writer.run(statement)
+        with self.transaction() as conn:
+            return statement(conn)
+
+    async def caught_up(self) -> None:
+        """Wait until this proxy's queued writes are applied, so that a read sees them."""
+        if self.writer is not None:
+            await self.writer.caught_up()
+
+    async def room(self) -> None:
+        """Wait while the writer's queue is full (the backpressure on whoever makes the writes)."""
+        if self.writer is not None:
+            await self.writer.wait_for_room()
+
+    def defer_checkpoints(self) -> None:
+        """Stop this connection's commits from running WAL checkpoints; ``checkpoint`` does them instead.
+
+        SQLite checkpoints from whichever commit crosses ``wal_autocheckpoint`` pages, and
+        a checkpoint (with its fsync) takes milliseconds: a serving proxy's commits run on
+        its event loop, so it calls ``checkpoint`` from a worker thread instead. The
+        automatic checkpoint is kept, much higher, as a backstop.
+        """
+        self.conn.execute(f"PRAGMA wal_autocheckpoint = {DEFERRED_AUTOCHECKPOINT_PAGES}")
+        self._checkpointer = sqlite3.connect(
+            self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+        )
+
+    def checkpoint(self) -> None:
+        """A passive WAL checkpoint on a connection of its own (blocks no reader or writer); any thread."""
+        if self._checkpointer is not None:
+            self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """A write transaction that holds the database's write lock from its start."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.conn
+        except BaseException:
+            # After some errors (a full disk) SQLite has rolled back already; a ROLLBACK then
+            # fails and would hide the error that matters.
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        # Read first: a database already up to date is opened without its write lock, so that a
+        # reader (the operator's commands) is not held up by a proxy that holds it (a long write, or
+        # a proxy stopped mid-transaction).
+        if self._schema_version(self.conn) == SCHEMA_VERSION:
+            return
+        with self.transaction() as conn:
+            version = self._schema_version(conn)  # again, under the lock: another process may have migrated it
+            for number, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                for statement in filter(str.strip, script.split(";")):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {number}")
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (releases.WRITTEN_BY_KEY, __version__)
+            )
+
+    def _schema_version(self, conn: sqlite3.Connection) -> int:
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            written_by = schema_written_by(conn)
+            raise StateError(
+                f"{releases.newer_schema(self.path, version, SCHEMA_VERSION, written_by)}: upgrade acp-proxy"
+            )
+        return version
+
+    def _install_id(self) -> str:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()
+        if row is not None:
+            return str(row[0])
+        with self.transaction() as conn:
+            conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('install_id', ?)", (os.urandom(8).hex(),))
+            return str(conn.execute("SELECT value FROM meta WHERE key = 'install_id'").fetchone()[0])
+
+
+def now() -> float:
+    return time.time()
