@@ -190,6 +190,13 @@ def test_instance_lock_proves_liveness(tmp_path: Path) -> None:
     finally:
         os.close(probe)
     assert set(instances.other_instances(db, mine.instance_id)) == {other_id}
+    with instances.lock_if_dead(db, other_id) as dead:
+        assert dead
+        # While it is reaped, it reads as dead to every other proxy (which then takes over its sessions),
+        # and a second reaper keeps off.
+        assert not instances.instance_alive(db, other_id)
+        with instances.lock_if_dead(db, other_id) as again:
+            assert not again
     instances.end_instance(db, mine)
 
 

@@ -74,8 +74,9 @@ def instance_alive(db: StateDB, instance_id: str) -> bool:
 
     Probed with a shared lock: a live proxy's exclusive lock refuses it, but two proxies
     probing the same dead instance at once do not (an exclusive probe would make one of them
-    read the other's probe as a live proxy). A reaper holding a dead instance's lock (see
-    ``lock_if_dead``) still reads as alive for the moment it reaps.
+    read the other's probe as a live proxy). Only the proxy itself ever holds it exclusively:
+    a reaper holds a lock of its own (``lock_if_dead``), so a dead instance reads as dead for
+    as long as it is reaped too.
     """
     return locked(lock_path(db, instance_id)) is True  # no lock file: nobody can be holding it
 
@@ -99,24 +100,30 @@ def locked(path: Path) -> bool | None:
     return False
 
 
+def reaping_path(db: StateDB, instance_id: str) -> Path:
+    return instances_dir(db) / f"{instance_id}.reaping"
+
+
 @contextmanager
 def lock_if_dead(db: StateDB, instance_id: str) -> Iterator[bool]:
-    """Hold a dead instance's lock for the block (``True``), or ``False`` if it is alive.
+    """The right to reap a dead instance, held for the block (``True``); ``False`` if it is alive, or
+    another reaper holds that right.
 
-    Holding the lock while reaping keeps two reapers from working on the same
-    dead instance at once.
+    The right is a lock of its own (``<id>.reaping``), never the instance's: a reaper that took
+    the dead instance's lock would make it read as alive (``instance_alive``) for as long as it
+    reaps, which may be seconds (a tree's graces), and meanwhile another proxy would refuse to
+    take over its sessions (``session_in_use``) and count its slots as held. An instance found
+    dead stays dead (its id is never used again), so the check and the lock need not be one step.
     """
-    path = lock_path(db, instance_id)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        yield True  # no lock file: nobody can be holding it
+    if instance_alive(db, instance_id):
+        yield False
         return
+    fd = os.open(reaping_path(db, instance_id), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
+            yield False  # another proxy is reaping it
             return
         yield True
     finally:
@@ -145,3 +152,4 @@ def mark_reaped(db: StateDB, instance_id: str) -> None:
             (now(), instance_id),
         )
     lock_path(db, instance_id).unlink(missing_ok=True)
+    reaping_path(db, instance_id).unlink(missing_ok=True)  # a reaper that opens it afresh finds nothing left to reap

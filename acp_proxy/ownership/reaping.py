@@ -233,9 +233,9 @@ def reap_dead_instances(
 ) -> list[ReapAction]:
     """Reap the active leases of every dead instance of this install.
 
-    An instance is dead when its lock can be taken; it is held while its leases
-    are reaped, so two proxies starting together never reap the same one. An
-    instance whose lock is held is alive and is never touched.
+    An instance is dead when its lock can be taken. Its reaper holds the right to reap it
+    (``instances.lock_if_dead``) while its leases are reaped, so two proxies starting together
+    never reap the same one. An instance whose lock is held is alive and is never touched.
     """
     actions: list[ReapAction] = []
     index: dict[str, list[int]] | None = None
@@ -252,6 +252,8 @@ def reap_dead_instances(
                 actions.append(reap_lease(db, lease, grace=grace, table=table, dry_run=dry_run, index=index))
             if not dry_run:
                 instances.mark_reaped(db, instance_id)
+            else:  # nothing was done: leave no trace of the look
+                instances.reaping_path(db, instance_id).unlink(missing_ok=True)
     if not dry_run:
         _journal_reaping(Journal(db, own_instance_id), actions, "startup" if own_instance_id else "operator")
     return actions
