@@ -33,6 +33,7 @@ from acp_proxy.ownership.proctable import ProcessInfo, ProcFS, TableUnavailable
 from acp_proxy.ownership.reaping import reap_lease
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verified_signal
+from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
 from tests.kit.state import record_spawn
 from tests.support import (
@@ -42,6 +43,7 @@ from tests.support import (
     fake_command,
     marked_processes,
     pid_alive,
+    registry,
     survivors,
 )
 
@@ -158,8 +160,19 @@ TEARDOWN = [
 ]
 
 
-async def assert_resumed_on_a_new_process(gw: Gateway, session: str, dead_pid: int) -> None:
-    """A session whose process died is suspended, not lost: the next prompt resumes it elsewhere."""
+async def assert_resumed_on_a_new_process(gw: Gateway, env: dict[str, str], session: str, dead_pid: int) -> None:
+    """A session whose process died is suspended, not lost: the next prompt resumes it elsewhere.
+
+    The prompt is sent once the proxy has seen the death (its row says suspended): a prompt that
+    races the death itself is answered as the process's other requests are (``adapter_exited``).
+    """
+    rows = registry(env)
+    try:
+        with anyio.fail_after(GONE_WITHIN):
+            while (found := rows.get(session)) is None or found.state is not SessionState.SUSPENDED:
+                await anyio.sleep(0.02)
+    finally:
+        rows.db.close()
     assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
     assert (await gw.request("_fake/pids"))["result"]["adapter"] != dead_pid
 
@@ -187,7 +200,7 @@ async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys
             crashed = await gw.prompt(session, "crash 0")
             assert crashed["error"]["data"]["reason"] == "adapter_exited"
             assert await survivors(tree) == []
-            await assert_resumed_on_a_new_process(gw, session, pids["adapter"])
+            await assert_resumed_on_a_new_process(gw, proc_env, session, pids["adapter"])
         elif row.ending == "sigterm":
             gw.signal(signal.SIGTERM)
             with anyio.fail_after(GONE_WITHIN):
@@ -199,7 +212,7 @@ async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys
             assert lease.wrapper_pid is not None
             os.kill(lease.wrapper_pid, signal.SIGKILL)
             assert await survivors(tree) == []
-            await assert_resumed_on_a_new_process(gw, session, pids["adapter"])
+            await assert_resumed_on_a_new_process(gw, proc_env, session, pids["adapter"])
         elif row.ending == "kill-wrapper-and-proxy":
             assert lease.wrapper_pid is not None
             gw.signal(signal.SIGSTOP)  # so that it cannot sweep before it dies
