@@ -28,7 +28,7 @@ learns its backend's start cost from (slot held -> session bound), and ``protect
 (``Recency.protection``: ``[pool] min_idle``, at most the start cost and twice the
 session's gateway turnaround). At exit it
 adds ``wakeups <woken> <timed out>``: how often a waiter for a slot woke up
-(``ProcessPool._wait_for_change``), because something changed or because its pause
+(``ProcessPool.wait_for_change``), because something changed or because its pause
 (the install poll, or a protection ending) ran out, and ``plans <count> <seconds>``: how
 often a waiter read the install's slots to plan (``ProcessPool.install_slots``) and the
 time that took in all.
@@ -108,7 +108,7 @@ def time_acquires(path: str) -> None:
             os.write(windows, f"start {time.monotonic() - started:.6f}\n".encode())
         note_bound(self, adapter)
 
-    wait_for_change = ProcessPool._wait_for_change
+    wait_for_change = ProcessPool.wait_for_change
     wakeups = {"woken": 0, "timed_out": 0}
 
     async def counted_wait(changed: Any, timeout: float) -> None:
@@ -135,7 +135,7 @@ def time_acquires(path: str) -> None:
     ProcessPool.install_slots = timed_install_slots  # type: ignore[method-assign,assignment]
 
     ProcessPool._acquire_slot = timed  # type: ignore[method-assign]
-    ProcessPool._wait_for_change = staticmethod(counted_wait)  # type: ignore[method-assign]
+    ProcessPool.wait_for_change = staticmethod(counted_wait)  # type: ignore[method-assign]
     Recency.protection = timed_protection  # type: ignore[method-assign]
     Recency.note_bound = timed_note_bound  # type: ignore[method-assign]
     ProcessPool.evict_anywhere = timed_evict  # type: ignore[method-assign,assignment]

@@ -47,11 +47,6 @@ MEMORY_EVERY: Final = 2.0
 BUDGET_ROLE: Final = "memory-budget"
 
 
-async def _wait_for_change(changed: anyio.Event, timeout: float) -> None:
-    with anyio.move_on_after(timeout):
-        await changed.wait()
-
-
 class Peaks:
     """The largest tree each backend has had: what the install has learned (``pool.learned``), and
     what this proxy has measured since (its writes are queued: the database may not have them yet)."""
@@ -175,6 +170,10 @@ class Pool(Protocol):
 
     def tree_there(self, slot: Slot) -> bool: ...
 
+    async def wait_for_change(self, changed: anyio.Event, timeout: float) -> None:
+        """Until ``changed`` is set, or ``timeout`` seconds have passed."""
+        ...
+
     async def evict_anywhere(self, slot: Slot, why: str, reason: SuspendReason) -> bool: ...
 
 
@@ -207,7 +206,7 @@ class MemoryKeeper:
             if self.pool.install.lead(BUDGET_ROLE):
                 measured, by_key = self._memory_slots()
                 await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
-            await _wait_for_change(due, MEMORY_EVERY)
+            await self.pool.wait_for_change(due, MEMORY_EVERY)
 
     async def _measure(self) -> None:
         """Measure this proxy's trees, for its slot records; what they measure is learned by the install."""
@@ -274,7 +273,7 @@ class MemoryKeeper:
                 waiting = [slot for slot in waiting if self.pool.tree_there(slot)]
                 if not waiting:
                     return
-                await _wait_for_change(changed, POLL)
+                await self.pool.wait_for_change(changed, POLL)
         log.warning("memory budget: %d suspended trees still there after %gs; starting anyway", len(waiting), timeout)
 
     async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> list[str]:

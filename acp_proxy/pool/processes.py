@@ -382,7 +382,7 @@ class ProcessPool:
                         # Its slot comes free once its tree is gone: a wait bounded by the teardown's
                         # own graces, not by acquire_timeout (that is for busy sessions).
                         granted.append(Granted(step.slot, time.monotonic() + self._teardown_bound()))
-                        await self._wait_for_change(changed, POLL)
+                        await self.wait_for_change(changed, POLL)
                     else:
                         # Not idle after all (its record was stale, or its session is mid-change):
                         # the next candidate is planned for; this one not again for a while.
@@ -391,7 +391,7 @@ class ProcessPool:
                     continue
                 if step.line:
                     waiter.moved = anyio.Event()
-                    await self._wait_for_change(waiter.moved, step.until - time.monotonic())
+                    await self.wait_for_change(waiter.moved, step.until - time.monotonic())
                     continue
                 if position == 0:
                     if not waiting_logged and step.rule in (Rule.FREEING, Rule.RECENT, Rule.BUSY):
@@ -399,7 +399,7 @@ class ProcessPool:
                         waiting_logged = True
                     if place is None:
                         place = self.install.enqueue(backend.name, waiter.arrived)
-                await self._wait_for_change(changed, step.until - time.monotonic())
+                await self.wait_for_change(changed, step.until - time.monotonic())
         finally:
             if waited:
                 seconds = time.monotonic() - waiter.arrived
@@ -428,7 +428,8 @@ class ProcessPool:
         return held
 
     @staticmethod
-    async def _wait_for_change(changed: anyio.Event, timeout: float) -> None:
+    async def wait_for_change(changed: anyio.Event, timeout: float) -> None:
+        """Until ``changed`` is set, or ``timeout`` seconds have passed (the pool's every wait: a slot, the budget)."""
         with anyio.move_on_after(timeout):
             await changed.wait()
 
