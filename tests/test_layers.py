@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -85,13 +86,37 @@ def _adapter_fields() -> set[str]:
     }
 
 
+def _struct_fields(module: str, name: str) -> set[str]:
+    """The declared fields of the class ``name`` in ``acp_proxy/<module>``."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    found = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
+    return {
+        node.target.id for node in found.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+    }
+
+
 def _usage_fields() -> set[str]:
     """The fields of ``pool.usage.Usage``: the pool's account of one process."""
-    tree = ast.parse((PACKAGE / "pool" / "usage.py").read_text())
-    usage = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Usage")
-    return {
-        node.target.id for node in usage.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-    }
+    return _struct_fields("pool/usage.py", "Usage")
+
+
+def _assigned_attributes(skip: Callable[[Path], bool]) -> Iterator[tuple[str, ast.Attribute]]:
+    """Every attribute assigned (``x.a = ``, ``x.a += ``, ``x.a, y.b = ``) in the package's modules but
+    those ``skip`` names: where (``path:line``), and the attribute."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if skip(path):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(part, ast.Attribute):
+                        yield f"{path.relative_to(PACKAGE)}:{node.lineno}", part
 
 
 def test_an_adapter_is_a_connection_and_the_pool_keeps_the_account_of_its_process() -> None:
@@ -107,36 +132,17 @@ def test_no_module_outside_the_pool_assigns_a_field_of_an_adapter() -> None:
     the pool's account of its process (``adapter.usage``) likewise."""
     fields = _adapter_fields() | _usage_fields()
     assert {"gateway_session", "claimed", "swallow_updates", "upstream_pending", "last_active"} <= fields
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.parent.name == "pool":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Assign):
-                targets = node.targets
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                targets = [node.target]
-            else:
-                continue
-            for target in targets:
-                parts = target.elts if isinstance(target, ast.Tuple) else [target]  # a, b = ...
-                for part in parts:
-                    if (
-                        isinstance(part, ast.Attribute)
-                        and part.attr in fields
-                        and ast.unparse(part.value).endswith(("adapter", "adapter.usage"))
-                    ):
-                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(part)}")
+    found = [
+        f"{where}: {ast.unparse(part)}"
+        for where, part in _assigned_attributes(lambda path: path.parent.name == "pool")
+        if part.attr in fields and ast.unparse(part.value).endswith(("adapter", "adapter.usage"))
+    ]
     assert found == []
 
 
 def _session_fields() -> set[str]:
     """The fields of ``sessions.table.Session``."""
-    tree = ast.parse((PACKAGE / "sessions" / "table.py").read_text())
-    session = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Session")
-    return {
-        node.target.id for node in session.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-    }
+    return _struct_fields("sessions/table.py", "Session")
 
 
 def test_only_the_session_table_assigns_a_field_of_a_session() -> None:
@@ -146,19 +152,9 @@ def test_only_the_session_table_assigns_a_field_of_a_session() -> None:
     assigned from outside its own methods)."""
     fields = _session_fields()
     assert {"phase", "adapter", "cancel_epoch", "queue", "resume_scope", "record"} <= fields
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "sessions" / "table.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Assign):
-                targets = node.targets
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                targets = [node.target]
-            else:
-                continue
-            for target in targets:
-                for part in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if isinstance(part, ast.Attribute) and part.attr in fields and ast.unparse(part.value) != "self":
-                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(part)}")
+    found = [
+        f"{where}: {ast.unparse(part)}"
+        for where, part in _assigned_attributes(lambda path: path == PACKAGE / "sessions" / "table.py")
+        if part.attr in fields and ast.unparse(part.value) != "self"
+    ]
     assert found == []
