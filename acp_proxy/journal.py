@@ -145,9 +145,16 @@ class Journal:
         shown = kind in SHOWN if shown is None else shown
         record = Record(kind, backend or "", str(label), session_id, detail, count, seconds, shown)
         try:
-            self.db.write(functools.partial(_apply, record, self.instance_id, now()))
-        except sqlite3.Error as exc:  # made inline (no writer thread): what it records goes on regardless
+            self.db.write(
+                functools.partial(_apply, record, self.instance_id, now()), done=functools.partial(_told, kind)
+            )
+        except sqlite3.Error as exc:  # the database is closed: what it records goes on regardless
             log.warning("could not record %s in the journal: %s", kind.value, exc)
+
+
+def _told(kind: Kind, result: object, error: BaseException | None) -> None:
+    if error is not None:  # the writer has logged the failure; say what it was
+        log.warning("could not record %s in the journal: %s", kind.value, error)
 
 
 def _apply(record: Record, instance_id: str | None, at: float, conn: sqlite3.Connection) -> None:

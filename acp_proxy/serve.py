@@ -69,7 +69,6 @@ async def serve_gateway(
         notifier=notifier,
     )
     turns.maintain()
-    owner.db.start_writer()  # from here on the database is written off the event loop
     async with anyio.create_task_group() as tasks:
         background = Background(tasks, owner.db.path)
         gateway: GatewayConnection | None = None

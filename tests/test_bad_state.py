@@ -292,12 +292,19 @@ def test_turns_opened_on_a_full_database_stay_pending_and_are_written_once_there
     """A real SQLITE_FULL (the database may not grow): every turn is kept, its row written later."""
     db = StateDB(tmp_path / "state")
     keeper = task_book(db)
-    pages = db.conn.execute("PRAGMA page_count").fetchone()[0]
-    db.conn.execute(f"PRAGMA max_page_count = {pages + 2}")
+
+    def written_so_far() -> None:
+        db.settle()
+        keeper.take_outcomes()  # what the writer said of the writes
+
+    # The limit is the connection's own: the writer's, which makes every write.
+    pages = db.call(lambda conn: conn.execute("PRAGMA page_count").fetchone()[0])
+    db.call(lambda conn: conn.execute(f"PRAGMA max_page_count = {pages + 2}").fetchone())
     caplog.set_level(logging.INFO, logger="acp_proxy.tasks")
     written = []
     for request_id in range(10_000):
         turn = keeper.open_turn("s-1", "fake", prompt_message(request_id), None)
+        written_so_far()
         if keeper.unwritten:
             break
         written.append(turn)
@@ -305,12 +312,15 @@ def test_turns_opened_on_a_full_database_stay_pending_and_are_written_once_there
     assert get_task(db, turn.task_id) is None
     assert "database or disk is full" in caplog.text, "the log says what failed"
     keeper.settle(turn, stop_reason="end_turn")
+    written_so_far()
     assert turn.task_id in keeper.unwritten
     assert get_task(db, turn.task_id) is None
     keeper.retry_unwritten()
+    written_so_far()
     assert turn.task_id in keeper.unwritten, "still full: still pending"
-    db.conn.execute("PRAGMA max_page_count = 1073741823")  # room again
+    db.call(lambda conn: conn.execute("PRAGMA max_page_count = 1073741823").fetchone())  # room again
     keeper.retry_unwritten()
+    written_so_far()
     assert keeper.unwritten == {}
     row = get_task(db, turn.task_id)
     assert row is not None

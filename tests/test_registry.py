@@ -43,6 +43,7 @@ def test_a_row_keeps_everything_a_resume_needs(tmp_path: Path) -> None:
     registry.record_setting("s1", "session/set_config_option", {"sessionId": "s1", "configId": "effort", "value": "hi"})
     registry.record_setting("s1", "session/set_config_option", {"sessionId": "s1", "configId": "model", "value": "b"})
     registry.record_setting("s1", "session/set_mode", {"sessionId": "s1", "modeId": "code"})
+    registry.db.settle()
     got = registry.get("s1")
     assert got is not None
     assert got.state is SessionState.LIVE
@@ -84,7 +85,7 @@ def test_sessions_of_a_dead_proxy_become_suspended_those_of_a_live_one_stay(tmp_
             "from acp_proxy.ownership import instances; "
             "from acp_proxy.sessions.registry import SessionRecord, SessionRegistry; "
             "db = StateDB(Path(sys.argv[1])); i = instances.start_instance(db, 'boot'); "
-            "SessionRegistry(db, i.instance_id).create(SessionRecord('kept', 'kept', 'fake', '/w')); "
+            "SessionRegistry(db, i.instance_id).create(SessionRecord('kept', 'kept', 'fake', '/w')); db.settle(); "
             "print('ready', flush=True); time.sleep(60)",
             str(tmp_path),
         ],
@@ -122,6 +123,7 @@ def test_paging_is_stable_lists_closed_sessions_and_skips_deleted_ones(tmp_path:
         registry.create(record(f"s{n}", cwd="/a" if n % 2 else "/b"))
     registry.mark_deleted("s3")
     registry.mark_closed("s4")
+    registry.db.settle()
     first = registry.page(limit=3)
     assert [r.session_id for r in first] == ["s0", "s1", "s2"]
     rest = registry.page(cursor=decode_cursor(encode_cursor(first[-1])))
@@ -137,6 +139,7 @@ async def test_a_tombstone_forgets_what_restored_it_and_is_pruned_after_the_rete
     registry.create(record("kept"))
     registry.record_title("gone", {"title": "Secret plans"})
     registry.mark_deleted("gone")
+    registry.db.settle()
     tomb = registry.get("gone")
     assert tomb is not None
     assert tomb.state is SessionState.DELETED
@@ -152,14 +155,17 @@ def test_titles_are_recorded_as_announced_and_null_clears(tmp_path: Path) -> Non
     registry = SessionRegistry(StateDB(tmp_path), "me")
     registry.create(record("s"))
     registry.record_title("s", {"title": "Fix the build", "updatedAt": "2026-11-24T03:00:00Z"})
+    registry.db.settle()
     got = registry.get("s")
     assert got is not None
     assert (got.title, got.title_updated_at) == ("Fix the build", "2026-11-24T03:00:00Z")
     registry.record_title("s", {"updatedAt": "2026-11-24T04:00:00Z"})
+    registry.db.settle()
     got = registry.get("s")
     assert got is not None
     assert (got.title, got.title_updated_at) == ("Fix the build", "2026-11-24T04:00:00Z")
     registry.record_title("s", {"title": None})
+    registry.db.settle()
     got = registry.get("s")
     assert got is not None
     assert got.title is None
@@ -172,6 +178,7 @@ async def test_a_closed_session_can_be_claimed_for_the_gateways_own_resume(tmp_p
     registry.mark_closed("s")
     assert await registry.mark_resuming("s")
     registry.release_claim("s", SessionState.CLOSED)
+    registry.db.settle()
     got = registry.get("s")
     assert got is not None
     assert got.state is SessionState.CLOSED, "a resume that did not take leaves it closed"

@@ -66,7 +66,7 @@ def blocked(writer: StateWriter) -> Gate:
 
 
 def test_writes_are_applied_in_the_order_they_were_made(db: StateDB) -> None:
-    writer = db.start_writer()
+    writer = db.writer
     for n in range(500):
         writer.submit(insert(n))  # type: ignore[arg-type]
     assert db.stop_writer() == 0
@@ -74,7 +74,7 @@ def test_writes_are_applied_in_the_order_they_were_made(db: StateDB) -> None:
 
 
 def test_what_queued_up_meanwhile_is_committed_in_one_transaction(db: StateDB) -> None:
-    writer = db.start_writer()
+    writer = db.writer
     gate = blocked(writer)
     for n in range(100):
         writer.submit(insert(n))  # type: ignore[arg-type]
@@ -86,7 +86,7 @@ def test_what_queued_up_meanwhile_is_committed_in_one_transaction(db: StateDB) -
 
 
 def test_a_queued_progress_write_is_replaced_by_a_newer_one_of_the_same_key(db: StateDB) -> None:
-    writer = db.start_writer()
+    writer = db.writer
     gate = blocked(writer)
     writer.submit(insert(0, "create"))  # type: ignore[arg-type]
     for n in range(1, 6):
@@ -101,7 +101,9 @@ def test_a_queued_progress_write_is_replaced_by_a_newer_one_of_the_same_key(db: 
 
 
 async def test_a_full_queue_drops_nothing_and_whoever_writes_waits_for_room(db: StateDB) -> None:
-    writer = db.start_writer(limit=4)
+    db.stop_writer()
+    db.queue_limit = 4  # the writer the next write starts holds 4
+    writer = db.writer
     gate = blocked(writer)
     for n in range(10):
         writer.submit(insert(n))  # type: ignore[arg-type]
@@ -127,7 +129,7 @@ async def test_a_failed_write_is_logged_and_told_and_costs_only_itself(
     db: StateDB, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="acp_proxy.state")
-    writer = db.start_writer()
+    writer = db.writer
     told: list[BaseException | None] = []
 
     def broken(conn: sqlite3.Connection) -> None:
@@ -150,7 +152,7 @@ async def test_a_failed_write_is_logged_and_told_and_costs_only_itself(
 
 
 async def test_an_awaited_write_lands_after_every_write_queued_before_it(db: StateDB) -> None:
-    writer = db.start_writer()
+    writer = db.writer
     gate = blocked(writer)
     for n in range(5):
         writer.submit(insert(n))  # type: ignore[arg-type]
@@ -169,7 +171,7 @@ async def test_an_awaited_write_lands_after_every_write_queued_before_it(db: Sta
 
 
 def test_shutdown_applies_what_is_queued(db: StateDB) -> None:
-    writer = db.start_writer()
+    writer = db.writer
     gate = blocked(writer)
     for n in range(200):
         writer.submit(insert(n))  # type: ignore[arg-type]
@@ -177,7 +179,8 @@ def test_shutdown_applies_what_is_queued(db: StateDB) -> None:
     assert db.stop_writer(timeout=10) == 0
     assert len(logged(db)) == 200
     db.write(insert(200))  # type: ignore[arg-type]
-    assert len(logged(db)) == 201, "after the writer stopped, writes are made at once"
+    db.settle()
+    assert len(logged(db)) == 201, "after the writer stopped, a write starts one again"
 
 
 def test_shutdown_is_bounded_and_logs_what_it_could_not_apply(
@@ -187,7 +190,7 @@ def test_shutdown_is_bounded_and_logs_what_it_could_not_apply(
     holder = sqlite3.connect(db.path, isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # another connection keeps the write lock
     try:
-        writer = db.start_writer()
+        writer = db.writer
         told: list[BaseException | None] = []
         for n in range(3):
             writer.submit(insert(n), done=lambda result, error: told.append(error))  # type: ignore[arg-type]

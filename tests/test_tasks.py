@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from acp_proxy.concurrency import Stopping
 from acp_proxy.config import ConfigError, validate
+from acp_proxy.journal import counters
 from acp_proxy.ownership import instances
 from acp_proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, ErrorObject
 from acp_proxy.state import StateDB, now
@@ -198,18 +199,21 @@ def test_a_task_row_follows_its_turn_and_terminal_statuses_are_final(db: StateDB
     turn.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     turn.event("queued")
     registry.create(turn)
+    db.settle()
     assert get_task(db, turn.task_id).status is S.QUEUED  # type: ignore[union-attr]
     turn.start("lease-1", 30.0)
     registry.mark_running(turn)
     turn.observe(_chunk("hello") + b"\n", 1)
     registry.save_progress(turn)
+    db.settle()
     row = get_task(db, turn.task_id)
     assert row is not None
     assert row.status is S.RUNNING
     assert row.summary == "hello"
     assert row.lease_id == "lease-1"
     turn.finish(outcome_of(stop_reason="end_turn"))
-    assert registry.finish(turn)
+    registry.finish(turn)
+    db.settle()
     row = get_task(db, turn.task_id)
     assert row is not None
     assert (row.status, row.stop_reason, row.update_count, row.prompt) == (S.DONE, "end_turn", 1, "stream 3")
@@ -221,10 +225,14 @@ def test_a_task_row_follows_its_turn_and_terminal_statuses_are_final(db: StateDB
     assert row.ended_at >= row.started_at
     # Once terminal, no later write changes it.
     turn.status = S.FAILED
-    assert not registry.finish(turn)
+    registry.finish(turn)
     registry.mark_running(turn)
     registry.save_progress(turn)
+    db.settle()
     assert get_task(db, turn.task_id).status is S.DONE  # type: ignore[union-attr]
+    assert [(c.label, c.count) for c in counters(db.conn, ["turn_ended"])] == [("done", 1)], (
+        "the second finish changed nothing, so it was not counted"
+    )
 
 
 def test_tasks_are_found_by_unique_prefix_and_listed_newest_first(db: StateDB) -> None:
@@ -234,6 +242,7 @@ def test_tasks_are_found_by_unique_prefix_and_listed_newest_first(db: StateDB) -
         turn = Turn(task_id=task_id, session_id="s1" if i < 2 else "s2", backend="b", request_id=str(i))
         turn.created_at = 1000.0 + i
         registry.create(turn)
+    db.settle()
     assert get_task(db, "abd9").task_id == "abd999000000"  # type: ignore[union-attr]
     with pytest.raises(AmbiguousId, match="matches 2 tasks"):
         get_task(db, "abc1")
@@ -251,6 +260,7 @@ def _instance_with_unfinished_task(db: StateDB, task_id: str) -> instances.Insta
     turn = Turn(task_id=task_id, session_id="s", backend="b", request_id="1")
     turn.start(None, None)
     TaskRegistry(db, instance.instance_id).create(turn)
+    db.settle()
     return instance
 
 
@@ -294,6 +304,7 @@ def test_prune_deletes_only_old_finished_tasks_and_is_idempotent(db: StateDB) ->
         turn = Turn(task_id=task_id, session_id="s", backend="b", request_id="1")
         turn.created_at = moment - 2 * week
         registry.create(turn)
+        db.settle()
         if ended_ago is not None:
             with db.transaction() as conn:
                 conn.execute(
@@ -327,7 +338,8 @@ for i in range(int(sys.argv[2])):
     turn.observe(chunk.encode() + b"\\n", 1)
     registry.save_progress(turn)
     turn.finish(outcome_of(stop_reason="end_turn"))
-    assert registry.finish(turn)
+    registry.finish(turn)
+db.close()  # what is queued is applied
 """
 
 
@@ -411,6 +423,8 @@ def test_a_failed_write_is_retried_whole_and_never_reopens_an_ended_row(db: Stat
     turn.finish(outcome_of(stop_reason="end_turn"))
     keeper._record(keeper.tasks.finish, turn)  # an UPDATE of a row that does not exist: changes nothing
     keeper.retry_unwritten()
+    db.settle()
+    keeper.take_outcomes()  # the writer has said the retry took
     assert keeper.unwritten == {}
     row = get_task(db, turn.task_id)
     assert row is not None
@@ -423,6 +437,7 @@ def test_a_failed_write_is_retried_whole_and_never_reopens_an_ended_row(db: Stat
     keeper.tasks.finish(other)
     other.status = S.RUNNING
     keeper.tasks.write_whole(other)
+    db.settle()
     assert get_task(db, other.task_id).status is S.CANCELLED  # type: ignore[union-attr]
 
 

@@ -250,7 +250,7 @@ def prune_ended(db: StateDB, retention: float, *, at: float | None = None) -> in
             "DELETE FROM leases WHERE state IN ('closed', 'lost') AND updated_at < ?", (cutoff,)
         ).rowcount
 
-    return db.call(delete)  # on the state writer's thread when there is one
+    return db.call(delete)  # on the state writer's thread, after every write queued before it
 
 
 def counts_by_state(db: StateDB) -> dict[str, int]:

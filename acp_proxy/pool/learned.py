@@ -18,6 +18,7 @@ waited for: a fact lost with a killed proxy is learned again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sqlite3
 from typing import Final
@@ -128,6 +129,11 @@ class Learned:
                 )
 
         try:
-            self.db.write(apply)
-        except sqlite3.Error as exc:  # made inline (no writer thread): the proxy goes on without the fact
+            self.db.write(apply, done=functools.partial(_told, backend))
+        except sqlite3.Error as exc:  # the database is closed: the proxy goes on without the fact
             log.warning("could not record what was learned of backend %s: %s", backend, exc)
+
+
+def _told(backend: str, result: object, error: BaseException | None) -> None:
+    if error is not None:  # the writer has logged the failure; say what it was
+        log.warning("could not record what was learned of backend %s: %s", backend, error)

@@ -576,8 +576,6 @@ class ProcessPool:
             session_key=session_key,
             hold=held.descriptors,
         )
-        if self.owner.db.writer is None:  # the lease is written on this thread's own connection
-            return launch()
         # The lease is written, and waited for, before the spawn: from a worker thread, so that a
         # database another process holds locked delays this start, not the relay.
         return await anyio.to_thread.run_sync(launch)

@@ -11,10 +11,11 @@ Writes happen at lifecycle events (spawn, close, reap) and a prompt's milestones
 (its task created and settled; its progress at most once a second), never per
 streamed message. A serving proxy makes them off its event loop: another proxy of
 the install holding the write lock, or a checkpoint's fsync, must not stall the
-relay. One ``StateWriter`` thread (``StateDB.start_writer``, called by ``serve.py``
-once the start-up sweeps are done; drained by ``GatewayConnection._shutdown``), with
-a connection of its own and one queue, applies them in the order they were made,
-whatever table they touch. What is queued when the thread comes round (up to
+relay. One ``StateWriter`` thread (``StateDB.writer``, started by the first write;
+drained by ``GatewayConnection._shutdown``, stopped by ``StateDB.close``), with a
+connection of its own and one queue, applies them in the order they were made,
+whatever table they touch; every process that writes (a proxy, the operator's
+commands, the tests) writes this one way. What is queued when the thread comes round (up to
 ``BATCH_LIMIT``) is committed in one transaction; if one write of it fails, the
 batch is run again with each write in a savepoint, so the failing one costs only
 itself. Each kind of write is made one way:
@@ -43,10 +44,12 @@ itself. Each kind of write is made one way:
   spawns), so that no process exists before its lease and a lock held elsewhere
   delays that start, not the relay; pruning of tasks, leases and tombstones
   (hourly), so that deletes come after the rows they judge.
-* **made at once**, before the writer starts and after it is drained: the instance
-  rows (start, end) and startup reaping, when nothing is relayed. Without a writer
-  (the CLI, the tests of the layers, start-up) every write is made at once on the
-  caller's thread, as one transaction.
+* **made at once** on the caller's connection (``StateDB.transaction``), when nothing
+  is relayed: the schema's migrations and the install's id, and the instance rows
+  (start, end), which the reaping of dead proxies reads under the same lock.
+
+A command that reads what it has just written first waits for it (``StateDB.settle``,
+blocking; ``caught_up`` on the event loop).
 
 Reads stay on the event loop's connection, which WAL lets read beside any writer.
 A read that must see this proxy's own writes first waits until the queue has been
@@ -78,6 +81,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
@@ -90,7 +94,7 @@ from acp_proxy import __version__, releases
 from acp_proxy.state.connection import BUSY_TIMEOUT_MS, StateError, is_locked, retry_while_locked
 from acp_proxy.state.directory import check_private_dir, ensure_private_dir, explain_failure
 from acp_proxy.state.migrations import MIGRATIONS, SCHEMA_VERSION, schema_written_by
-from acp_proxy.state.writer import CLOSE_TIMEOUT, QUEUE_LIMIT, Done, Statement, StateWriter, T
+from acp_proxy.state.writer import CLOSE_TIMEOUT, QUEUE_LIMIT, Done, Statement, StateWriter, T, WriterClosed
 
 DB_NAME: Final = "state.db"
 DEFERRED_AUTOCHECKPOINT_PAGES: Final = 10_000
@@ -104,17 +108,23 @@ class StateDB:
     is stated once in this module's docstring.
     """
 
-    def __init__(self, state_dir: Path, *, create: bool = True, read_only: bool = False) -> None:
+    def __init__(
+        self, state_dir: Path, *, create: bool = True, read_only: bool = False, queue_limit: int = QUEUE_LIMIT
+    ) -> None:
         """Open (``create``: and make) the install's database and bring its schema up to date.
 
         ``read_only``: open an existing database as it is, for inspection (``acp-proxy doctor``):
         never created, migrated or written, whatever its schema version, which the caller reads.
+        ``queue_limit``: the writer's ``QUEUE_LIMIT``.
         """
         self.state_dir = state_dir
         self.path = state_dir / DB_NAME
+        self.read_only = read_only
+        self.queue_limit = queue_limit
         self._checkpointer: sqlite3.Connection | None = None
-        self.writer: StateWriter | None = None
-        """The thread that makes this proxy's writes, once ``start_writer`` is called; else they are made inline."""
+        self._writer: StateWriter | None = None
+        self._writer_started = threading.Lock()
+        self._closed = False
         if create and not read_only:
             ensure_private_dir(state_dir)
         elif not self.path.exists():
@@ -169,69 +179,83 @@ class StateDB:
         self.install_id = str(row[0]) if row else ""
 
     def close(self) -> None:
+        """Apply the writes still queued (at most ``CLOSE_TIMEOUT`` seconds), then close; later writes fail."""
+        self._closed = True
         self.stop_writer()
         self.conn.close()
         if self._checkpointer is not None:
             self._checkpointer.close()
 
-    # --- writes, made by the writer thread when there is one -------------------------------
+    # --- writes: every one is made by the writer thread ------------------------------------
 
-    def start_writer(self, *, limit: int = QUEUE_LIMIT) -> StateWriter:
-        """From now on writes go through one thread of their own, off the caller's (the event loop's)."""
-        if self.writer is None:
-            self.writer = StateWriter(self.path, limit=limit)
-        return self.writer
+    @property
+    def writer(self) -> StateWriter:
+        """The thread that makes this database's writes, started by the first write (any thread's)."""
+        writer = self._writer
+        if writer is not None:
+            return writer
+        with self._writer_started:
+            if self.read_only:
+                raise StateError(f"{self.path} was opened read-only")
+            if self._closed:
+                raise WriterClosed(f"{self.path} is closed")
+            if self._writer is None:
+                self._writer = StateWriter(self.path, limit=self.queue_limit)
+            return self._writer
 
     def stop_writer(self, timeout: float = CLOSE_TIMEOUT) -> int:
-        """Apply what is queued (at most ``timeout`` seconds) and make later writes inline; how many were left."""
-        writer, self.writer = self.writer, None
+        """Apply what is queued (at most ``timeout`` seconds) and stop the thread; how many writes were left.
+
+        A later write starts a writer again (until ``close``).
+        """
+        with self._writer_started:
+            writer, self._writer = self._writer, None
         return writer.close(timeout) if writer is not None else 0
 
     async def drain_writer(self, timeout: float = CLOSE_TIMEOUT) -> int:
-        """``stop_writer`` without blocking the event loop: later writes are made inline, on the loop."""
-        writer, self.writer = self.writer, None
+        """Wait (at most ``timeout`` seconds) until every write queued so far is applied; how many were not.
+
+        The writer goes on: what a proxy writes while it exits is applied by ``close``.
+        """
+        writer = self._writer
         if writer is None:
             return 0
-        return await anyio.to_thread.run_sync(writer.close, timeout)
+        with anyio.move_on_after(timeout):
+            await writer.caught_up()
+        return writer.pending
 
-    def write(self, statement: Statement, *, key: Hashable | None = None, done: Done | None = None) -> object:
+    def write(self, statement: Statement, *, key: Hashable | None = None, done: Done | None = None) -> None:
         """A write nobody waits for: queued for the writer (``key``: replaces a queued one of that key).
 
-        Without a writer it is made now: its result is returned (and given to ``done``), and
-        a failure is raised instead.
+        ``done`` is told its result or its failure, from the writer's thread, once it is made.
         """
-        if self.writer is not None:
-            self.writer.submit(statement, key=key, done=done)
-            return None
-        with self.transaction() as conn:
-            result = statement(conn)
-        if done is not None:
-            done(result, None)
-        return result
+        self.writer.submit(statement, key=key, done=done)
 
     def call(self, statement: Callable[[sqlite3.Connection], T]) -> T:
         """A write whose result the caller needs, made after every queued one; blocks the calling thread."""
-        if self.writer is not None:
-            return self.writer.wait(statement)
-        with self.transaction() as conn:
-            return statement(conn)
+        return self.writer.wait(statement)
 
     async def run(self, statement: Callable[[sqlite3.Connection], T]) -> T:
         """A write whose result the caller needs, made after every queued one; awaited off the event loop."""
-        if self.writer is not None:
-            return await self.writer.run(statement)
-        with self.transaction() as conn:
-            return statement(conn)
+        return await self.writer.run(statement)
+
+    def settle(self) -> None:
+        """Block this thread until the writes queued so far are applied (a command about to read them)."""
+        writer = self._writer
+        if writer is not None:
+            writer.settle()
 
     async def caught_up(self) -> None:
         """Wait until this proxy's queued writes are applied, so that a read sees them."""
-        if self.writer is not None:
-            await self.writer.caught_up()
+        writer = self._writer
+        if writer is not None:
+            await writer.caught_up()
 
     async def room(self) -> None:
         """Wait while the writer's queue is full (the backpressure on whoever makes the writes)."""
-        if self.writer is not None:
-            await self.writer.wait_for_room()
+        writer = self._writer
+        if writer is not None:
+            await writer.wait_for_room()
 
     def defer_checkpoints(self) -> None:
         """Stop this connection's commits from running WAL checkpoints; ``checkpoint`` does them instead.

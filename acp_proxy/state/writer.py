@@ -136,10 +136,22 @@ class StateWriter:
         await anyio.to_thread.run_sync(outcome.finished.wait, abandon_on_cancel=True)
         return outcome.value()  # type: ignore[no-any-return]
 
-    async def caught_up(self) -> None:
-        """Wait until every write submitted so far is applied (or has failed)."""
+    def settle(self) -> None:
+        """Block this thread until every write submitted so far is applied (or has failed).
+
+        The failures are theirs to tell (to whoever queued them), not this wait's.
+        """
         if self.pending:
-            await self.run(_nothing)
+            marker = _Outcome()
+            self.submit(_nothing, done=marker)
+            marker.finished.wait()
+
+    async def caught_up(self) -> None:
+        """``settle``, off the event loop."""
+        if self.pending:
+            marker = _Outcome()
+            self.submit(_nothing, done=marker)
+            await anyio.to_thread.run_sync(marker.finished.wait, abandon_on_cancel=True)
 
     async def wait_for_room(self) -> None:
         """Wait until the queue is below its limit again."""

@@ -126,7 +126,7 @@ class TaskRegistry:
     Each write takes its values from the turn when it is made (on the event loop) and
     is handed to the state database's writer (``StateDB.write``): the relay never waits
     for it. A queued progress write of a task is replaced by a newer one. Whoever sets
-    ``on_written`` is told how each write went (with a writer: later, from its thread).
+    ``on_written`` is told how each write went (later, from the writer's thread).
     """
 
     def __init__(self, db: StateDB, instance_id: str) -> None:
@@ -134,11 +134,11 @@ class TaskRegistry:
         self.instance_id = instance_id
         self.on_written: Told | None = None
 
-    def _write(self, turn: Turn, statement: Statement, *, progress: bool = False) -> object:
+    def _write(self, turn: Turn, statement: Statement, *, progress: bool = False) -> None:
         turn.dirty = False
         told = self.on_written
         done = None if told is None else functools.partial(_tell, told, turn)
-        return self.db.write(statement, key=("progress", turn.task_id) if progress else None, done=done)
+        self.db.write(statement, key=("progress", turn.task_id) if progress else None, done=done)
 
     def create(self, turn: Turn) -> None:
         """The turn's row (the session's last activity is the sessions registry's to note: ``note_prompt``)."""
@@ -199,11 +199,8 @@ class TaskRegistry:
         sql = "UPDATE tasks SET notify = ? WHERE task_id = ?"
         self.db.write(functools.partial(_execute, sql, (turn.notify, turn.task_id)))
 
-    def finish(self, turn: Turn) -> bool | None:
-        """Record a terminal status; False if the row had already ended (terminal statuses are final).
-
-        ``None`` when the write is queued for the writer thread (its outcome is not known yet).
-        """
+    def finish(self, turn: Turn) -> None:
+        """Record a terminal status, unless the row has already ended (terminal statuses are final)."""
         values = (
             turn.status.value,
             turn.stop_reason,
@@ -212,8 +209,7 @@ class TaskRegistry:
             *_progress_values(turn),
             turn.task_id,
         )
-        changed = self._write(turn, functools.partial(_finish, values, turn.backend, turn.status.value))
-        return None if self.db.writer is not None else changed == 1
+        self._write(turn, functools.partial(_finish, values, turn.backend, turn.status.value))
 
 
 def _tell(

@@ -135,7 +135,7 @@ class TurnBook:
                 if self.notifier is not None:
                     self.notifier.note_title(turn.session_id, turn.session_info)
                 turn.session_info = {}
-        except sqlite3.Error as exc:  # made at once (no writer thread), and failed
+        except sqlite3.Error as exc:  # not even queued: the database is closed
             self._failed(turn, exc)
         self.take_outcomes()
 
