@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import sys
 import time
@@ -65,6 +66,27 @@ def cpu_seconds(pid: int) -> float | None:
     except psutil.Error:
         return None
     return times.user + times.system
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of every process this one has started and reaped, and their reaped
+    descendants' (``RUSAGE_CHILDREN``): a difference across a run is the CPU of all it started."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """The machine's busy and total CPU time so far, in clock ticks summed over its cores (``/proc/stat``)."""
+    with open("/proc/stat") as stat:
+        fields = [int(value) for value in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    """How busy the machine's cores were between two ``machine_jiffies`` (0 to 1)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else None
 
 
 def proc_status_kb(pid: int, field_name: str) -> int | None:

@@ -56,7 +56,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import INITIALIZE_PARAMS, ROOT, BenchError, cpu_seconds, percentile, proc_status_kb, script_argv
+from benchmarks.common import (
+    INITIALIZE_PARAMS,
+    ROOT,
+    BenchError,
+    busy_share,
+    children_cpu_seconds,
+    cpu_seconds,
+    machine_jiffies,
+    percentile,
+    proc_status_kb,
+    script_argv,
+)
 from benchmarks.harness import (
     Case,
     Column,
@@ -603,10 +614,12 @@ def drive(
     progress(f"{who}: {len(created)} sessions opened in {creation_s:.1f} s; turns ...")
     turns_began = time.monotonic()
     turns_start = time.perf_counter()
+    jiffies = machine_jiffies()
     for thread in threads:
         thread.join()
     turns_s = time.perf_counter() - turns_start
     return {
+        "machine_busy": busy_share(jiffies, machine_jiffies()),
         "created": created,
         "creation_s": creation_s,
         "turns": turns,
@@ -641,6 +654,7 @@ def summarize(
         "acquire_ms": stats_ms(waits),
         "turn_errors": dict(errors),
         "session_new_failures": driven["failures"],
+        "machine_busy": driven["machine_busy"],
         **extra,
     }
 
@@ -787,6 +801,7 @@ def proxy_run(workload: Workload, backend: str, env: dict[str, str], workdir: Pa
     mode = proxy_mode(backend)
     who = workload.label(mode)
     lifetimes = workdir / f"lifetimes-{mode}.txt"
+    cpu_before = children_cpu_seconds()
     fleet = Fleet(workload, backend, {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)}, workdir, pool)
     cpu_at_turns: list[list[float | None]] = []
     try:
@@ -838,6 +853,7 @@ def proxy_run(workload: Workload, backend: str, env: dict[str, str], workdir: Pa
             **lifetime_figures(lifetimes),
             "samples": sampler.samples,
             "tree_peak_rss_mb": sampler.peak_rss / (1 << 20),
+            "all_cpu_s": children_cpu_seconds() - cpu_before,
             **workload.proxy_figures(cpu_turns, memory),
             **acquire_figures(recorded),
             **eviction_figures(recorded, peer=workload.proxies > 1),
@@ -850,6 +866,7 @@ def proxy_run(workload: Workload, backend: str, env: dict[str, str], workdir: Pa
 
 def direct_run(workload: Workload, mode: str, env: dict[str, str], workdir: Path, bursts: int) -> Row:
     lifetimes = workdir / f"lifetimes-{mode}.txt"
+    cpu_before = children_cpu_seconds()
     client = DirectClient(workload.cap(mode), {**env, "LOAD_AGENT_LIFETIMES": str(lifetimes)})
     lock = threading.Lock()
     turns_began: dict[str, int] = {}
@@ -887,6 +904,7 @@ def direct_run(workload: Workload, mode: str, env: dict[str, str], workdir: Path
             **lifetime_figures(lifetimes),
             "samples": sampler.samples,
             "tree_peak_rss_mb": sampler.peak_rss / (1 << 20),
+            "all_cpu_s": children_cpu_seconds() - cpu_before,
             **workload.direct_figures(
                 stats_ms(waits("evictions", client.pool.eviction_waits)),
                 stats_ms(waits("starts", client.pool.start_costs)),
@@ -969,12 +987,20 @@ def requests_lost(row: Row) -> str:
     return str(row["requests"]["lost"] + row["requests"]["duplicated"])
 
 
+def cpu_per_turn(row: Row) -> str:
+    return f"{row['all_cpu_s']:.1f} ({row['all_cpu_s'] / max(1, row['turns_ok']) * 1000:.1f})"
+
+
 OUTCOME_COLUMNS = (
+    Column("CPU s, every process of the run (ms per turn)", cpu_per_turn),
+    Column("machine busy in the turn phase", lambda row: fmt(100 * row["machine_busy"], 0) + " %"),
     Column("tree peak RSS MB", lambda row: fmt(row["tree_peak_rss_mb"], 0)),
     Column("requests lost", requests_lost),
     Column("turn errors", turn_errors),
 )
-"""The last columns of every pool table: the tree's memory, and whether every request and turn came through."""
+"""The last columns of every pool table: the CPU all its processes used (sessions opened, turns, teardown),
+how busy the machine was while the turns ran, the tree's memory, and whether every request and turn came
+through."""
 
 
 def render(

@@ -116,14 +116,15 @@ class Wrapper:
     def _request_stop(self, signum: int, frame: object) -> None:
         self.stop_requested = True
 
-    def reap(self) -> None:
+    def reap(self) -> bool:
+        """Reap every child that has exited; whether any child is left."""
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
-                return
+                return False
             if pid == 0:
-                return
+                return True
             if pid == self.adapter_pid:
                 self.adapter_status = status
 
@@ -145,9 +146,11 @@ class Wrapper:
 
     def run(self) -> int:
         while True:
-            self.reap()
+            children_left = self.reap()
             if self.adapter_status is not None:
-                if descendants(os.getpid()):
+                # No child left means no descendant: one whose parent lives is a child's descendant,
+                # and an orphan becomes our child (subreaper). Only then is /proc walked.
+                if children_left and descendants(os.getpid()):
                     self.teardown()
                 return self.adapter_status
             if self.stop_requested:
