@@ -19,6 +19,7 @@ from tests.support import (
     RESUME_AND_LOAD,
     Gateway,
     adapter_calls,
+    cli,
     fake_command,
     marked_processes,
     registry,
@@ -121,6 +122,29 @@ async def test_shutdown_answers_requests_waiting_for_the_pool_and_starts_nothing
         assert len(adapter_calls(gw, "initialize")) == 2, "no process started after the signal"
         states = {r.session_id: r.state for r in registry(proc_env).page()}
         assert states == {first: SessionState.SUSPENDED, second: SessionState.SUSPENDED}
+
+
+async def test_a_restore_cut_short_by_the_shutdown_is_answered_proxy_shutdown(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The proxy is told to stop while a restore's new process is still in ``initialize``: the shutdown
+    stops that process, and the prompt waiting on the restore ends with the proxy (``proxy_shutdown``),
+    not as if the agent had crashed (``adapter_exited``)."""
+    async with start(proc_env, tmp_path, caps=RESUME_AND_LOAD, init_delay=1.5) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        code, _, err = await cli(proc_env, "sessions", "suspend", session)
+        assert code == 0, err
+        await gw.send(prompt_message("restoring", session, "stream 1"))
+        with anyio.fail_after(10):
+            while len(adapter_calls(gw, "initialize")) < 2:  # the restore's process is in initialize
+                await anyio.sleep(0.02)
+        gw.signal(signal.SIGTERM)
+        with anyio.fail_after(15):
+            assert await gw.process.wait() == 0
+        answer = await gw.response_to("restoring")
+        assert answer["error"]["data"]["reason"] == "proxy_shutdown", answer
+        assert registry(proc_env).get(session).state is SessionState.SUSPENDED  # type: ignore[union-attr]
 
 
 async def test_close_cuts_a_resume_short_and_answers_what_was_queued(proc_env: dict[str, str], tmp_path: Path) -> None:

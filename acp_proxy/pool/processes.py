@@ -619,7 +619,7 @@ class ProcessPool:
                 self._came_up(adapter)
             return  # answered (or answered for: the relay fails what a process that exited owed)
         if adapter.gone:  # it exited before the request reached it
-            raise ProxyError.adapter_exited(adapter.returncode, adapter.backend.name)
+            raise self.gone_error(adapter)
         timeout = self.start_timeout(adapter.backend)
         log.warning(
             "%s adapter pid %s did not answer %s within start_timeout (%gs): stopping it",
@@ -680,8 +680,15 @@ class ProcessPool:
                 return await adapter.call(method, params)
         except TimeoutError:
             raise ProxyError.restore_timeout(method, adapter.backend.name, timeout) from None
-        except AdapterGone as exc:
-            raise ProxyError.adapter_exited(exc.returncode, adapter.backend.name, during=method) from None
+        except AdapterGone:
+            raise self.gone_error(adapter, during=method) from None
+
+    def gone_error(self, adapter: Adapter, *, during: str | None = None) -> ProxyError:
+        """The answer owed for a request whose process has exited: ``proxy_shutdown`` when the shutdown
+        ended it (the gateway left; what was in flight ends with the proxy), else ``adapter_exited``."""
+        if self.stopping.begun and adapter.stopping:
+            return ProxyError.proxy_shutdown(exitStatus=adapter.returncode, backend=adapter.backend.name)
+        return ProxyError.adapter_exited(adapter.returncode, adapter.backend.name, during=during)
 
     def _came_up(self, adapter: Adapter) -> None:
         """A new adapter has answered its first request: loaded, it counts as measured from now on."""

@@ -14,7 +14,7 @@ import logging
 import sqlite3
 from collections.abc import Iterator
 from contextlib import suppress
-from typing import Any, Final
+from typing import Final
 
 import anyio
 from msgspec import UNSET, Raw, UnsetType
@@ -371,12 +371,7 @@ class AdapterRelay:
                 describe_exit(returncode),
                 len(failed),
             )
-        data: dict[str, Any] = {"exitStatus": returncode, "backend": adapter.backend.name}
-        if self.stopping.begun and adapter.stopping:
-            # We ended it (its stdin closed, or a signal): the requests end with the shutdown.
-            await self.fail_calls(failed, ProxyError.proxy_shutdown(**data))
-        else:
-            await self.fail_calls(failed, ProxyError.adapter_exited(returncode, adapter.backend.name))
+        await self.fail_calls(failed, self.pool.gone_error(adapter))
         orphaned = [uid for uid, (owner, _, _) in self._upstream.items() if owner is adapter]
         for upstream_id in orphaned:
             del self._upstream[upstream_id]

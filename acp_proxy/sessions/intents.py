@@ -681,7 +681,7 @@ class SessionIntents:
         if parent.closed:
             await self._fail_unknown(msg.id, parent.session_id)
         else:
-            await self.gateway.fail(msg.id, ProxyError.adapter_exited(adapter.returncode, adapter.backend.name))
+            await self.gateway.fail(msg.id, self.pool.gone_error(adapter))
 
     def _take_over_for_fork(self, parent: Session, adapter: Adapter, fork_id: str, params: Raw | UnsetType) -> str:
         """The fork's row (parent recorded, ownership inherited unless given) and its process: the parent's."""
