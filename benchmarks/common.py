@@ -68,17 +68,18 @@ def cpu_seconds(pid: int) -> float | None:
     return times.user + times.system
 
 
-def children_cpu_seconds() -> float:
-    """User + system CPU seconds of every process this one has started and reaped, and their reaped
-    descendants' (``RUSAGE_CHILDREN``): a difference across a run is the CPU of all it started."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def run_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of every process it has started and reaped, with
+    their reaped descendants (``RUSAGE_CHILDREN``): a difference across a run is the CPU of the whole
+    run, the client's own included (a client-side pool's work is in it)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def machine_jiffies() -> tuple[int, int]:
     """The machine's busy and total CPU time so far, in clock ticks summed over its cores (``/proc/stat``)."""
     with open("/proc/stat") as stat:
-        fields = [int(value) for value in stat.readline().split()[1:]]
+        fields = [int(value) for value in stat.readline().split()[1:9]]  # guest time is in user's already
     idle = fields[3] + fields[4]  # idle, iowait
     return sum(fields) - idle, sum(fields)
 

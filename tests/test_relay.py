@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.support import Gateway, pid_alive
+from tests.support import Gateway, adapter_calls, pid_alive
 
 pytestmark = pytest.mark.anyio
 
@@ -298,6 +298,10 @@ async def test_adapter_crash_answers_every_request_in_flight(proc_env: dict[str,
         await gw.initialize()
         session = await gw.new_session()
         await gw.send({"jsonrpc": "2.0", "id": "slow", "method": "_fake/slow", "params": {"seconds": 30}})
+        # Requests are independent: the proxy may route the prompt first. In flight means with the adapter.
+        with anyio.fail_after(10):
+            while not adapter_calls(gw, "_fake/slow"):
+                await anyio.sleep(0.01)
         crashed = await gw.prompt(session, "stream 3; crash 3")
         slow = await gw.response_to("slow")
         for response in (crashed, slow):

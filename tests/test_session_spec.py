@@ -345,7 +345,8 @@ async def test_background_updates_keep_a_session_from_eviction_until_it_is_quiet
     async with Gateway.start(proc_env, tmp_path, [], proxy_args=["--config", str(config)]) as gw:
         await gw.initialize()
         worker = await gw.new_session()
-        assert (await gw.prompt(worker, "stream 1; background 1.5"))["result"]["stopReason"] == "end_turn"
+        # Long enough for the command below to start and ask while it runs, on a loaded machine too.
+        assert (await gw.prompt(worker, "stream 1; background 4"))["result"]["stopReason"] == "end_turn"
         # The only slot is the worker's, idle as far as turns go but still reporting work.
         code, out, _ = await cli(proc_env, "sessions", "suspend", worker, "--json")
         assert (code, json.loads(out)["done"]) == (1, False), "busy: not suspended"

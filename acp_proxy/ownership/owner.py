@@ -112,5 +112,10 @@ class Owner:
         return self.instance.boot_id
 
     def close(self, reason: str = "exited") -> None:
-        instances.end_instance(self.db, self.instance, reason)
-        self.db.close()
+        """The last thing a proxy does: its queued writes applied (its leases' last states among them,
+        which decide whether it ended cleanly), then its instance ended and the database closed."""
+        try:
+            self.db.stop_writer()
+            instances.end_instance(self.db, self.instance, reason)
+        finally:
+            self.db.close()

@@ -14,6 +14,7 @@ sweep -> ``closed`` only after a clean sweep. Every signal is verified first.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -340,9 +341,10 @@ class SupervisedProcess:
         """
         try:
             # Queued: nobody waits for it, and the order of this proxy's writes is kept.
-            self.owner.db.write(leases.moved_to(self.lease.lease_id, state, reason))
+            told = functools.partial(_recorded, self.lease.lease_id, state)
+            self.owner.db.write(leases.moved_to(self.lease.lease_id, state, reason), done=told)
         except sqlite3.Error as exc:
-            log.error("lease %s: could not record %s (%s); teardown goes on", self.lease.lease_id, state, exc)
+            _recorded(self.lease.lease_id, state, None, exc)
 
     async def _stop(self, stdin_grace: float, term_grace: float) -> None:
         db, lease = self.owner.db, self.lease
@@ -394,3 +396,8 @@ class SupervisedProcess:
             sig.name,
             "sent" if outcome.signalled else f"not sent ({outcome.verdict.value}: {outcome.reason})",
         )
+
+
+def _recorded(lease_id: str, state: LeaseState, result: object, error: BaseException | None) -> None:
+    if error is not None:
+        log.error("lease %s: could not record %s (%s); teardown goes on", lease_id, state, error)

@@ -316,7 +316,7 @@ class Adapter:
         out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))
         with suppress(AdapterGone):
             await self.send(jsonrpc.encode(out))
-        if turn is not None and self.turn is turn and self.on_turn_start is not None:
+        if turn is not None and self.turn is turn and not self.gone and self.on_turn_start is not None:
             # Once the prompt is on its way, and only if its turn has not ended meanwhile: its slot record
             # says busy, a hint to the install's other proxies (who ask before they take a slot), not a
             # step between the gateway and the adapter.

@@ -46,7 +46,8 @@ itself. Each kind of write is made one way:
   (hourly), so that deletes come after the rows they judge.
 * **made at once** on the caller's connection (``StateDB.transaction``), when nothing
   is relayed: the schema's migrations and the install's id, and the instance rows
-  (start, end), which the reaping of dead proxies reads under the same lock.
+  (start; end, once the writer has stopped: ``Owner.close``), which the reaping of
+  dead proxies reads under the same lock.
 
 A command that reads what it has just written first waits for it (``StateDB.settle``,
 blocking; ``caught_up`` on the event loop).
@@ -67,7 +68,8 @@ progress and a finish). A write that fails is logged and reported to whoever que
 it (the task book keeps the turn and writes it whole again each second until it
 takes). A database locked by another process is waited for, the batch kept in
 order, in attempts of ``WRITER_BUSY_WAIT_MS``, so that closing is bounded. On
-shutdown the queue is applied within ``CLOSE_TIMEOUT``; what is left is logged. The
+shutdown the queue is applied within ``CLOSE_TIMEOUT`` (what the exit writes after it, within
+what is left of it, or ``LATE_WRITES_GRACE``); what is left is logged. The
 WAL checkpoint (an fsync) is run from a worker thread on a connection of its own
 (``defer_checkpoints``).
 
@@ -97,6 +99,8 @@ from acp_proxy.state.migrations import MIGRATIONS, SCHEMA_VERSION, schema_writte
 from acp_proxy.state.writer import CLOSE_TIMEOUT, QUEUE_LIMIT, Done, Statement, StateWriter, T, WriterClosed
 
 DB_NAME: Final = "state.db"
+LATE_WRITES_GRACE: Final = 1.0
+"""How long the writes an exiting proxy makes after ``drain_writer`` get, whatever is left of its timeout."""
 DEFERRED_AUTOCHECKPOINT_PAGES: Final = 10_000
 """A backstop: with checkpoints deferred, a commit still checkpoints past this many WAL pages."""
 
@@ -125,6 +129,8 @@ class StateDB:
         self._writer: StateWriter | None = None
         self._writer_started = threading.Lock()
         self._closed = False
+        self._stop_by: float | None = None
+        """Set by ``drain_writer``: the writes made after it are applied by this moment (or a second)."""
         if create and not read_only:
             ensure_private_dir(state_dir)
         elif not self.path.exists():
@@ -196,7 +202,7 @@ class StateDB:
             return writer
         with self._writer_started:
             if self.read_only:
-                raise StateError(f"{self.path} was opened read-only")
+                raise sqlite3.OperationalError(f"{self.path} was opened read-only")
             if self._closed:
                 raise WriterClosed(f"{self.path} is closed")
             if self._writer is None:
@@ -206,23 +212,20 @@ class StateDB:
     def stop_writer(self, timeout: float = CLOSE_TIMEOUT) -> int:
         """Apply what is queued (at most ``timeout`` seconds) and stop the thread; how many writes were left.
 
-        A later write starts a writer again (until ``close``).
+        A later write starts a writer again (until ``close``). After ``drain_writer``, within what
+        is left of its timeout (at least ``LATE_WRITES_GRACE``): an exit stays bounded.
         """
+        if self._stop_by is not None:
+            timeout = min(timeout, max(LATE_WRITES_GRACE, self._stop_by - time.monotonic()))
         with self._writer_started:
             writer, self._writer = self._writer, None
         return writer.close(timeout) if writer is not None else 0
 
     async def drain_writer(self, timeout: float = CLOSE_TIMEOUT) -> int:
-        """Wait (at most ``timeout`` seconds) until every write queued so far is applied; how many were not.
-
-        The writer goes on: what a proxy writes while it exits is applied by ``close``.
-        """
-        writer = self._writer
-        if writer is None:
-            return 0
-        with anyio.move_on_after(timeout):
-            await writer.caught_up()
-        return writer.pending
+        """``stop_writer`` off the event loop, for a proxy that is exiting: its queued writes applied
+        (at most ``timeout`` seconds; what is left is logged); how many were left."""
+        self._stop_by = time.monotonic() + timeout
+        return await anyio.to_thread.run_sync(self.stop_writer, timeout)
 
     def write(self, statement: Statement, *, key: Hashable | None = None, done: Done | None = None) -> None:
         """A write nobody waits for: queued for the writer (``key``: replaces a queued one of that key).

@@ -89,6 +89,8 @@ class StateWriter:
         self._awaited = 0
         """Queued writes someone waits for: the thread does not linger while there are any."""
         self._closing = False
+        self._closed = False
+        """Closed: a write submitted now would never be applied, so it is refused."""
         self._deadline: float | None = None
         self._conn = connect(path, check_same_thread=False)
         # Short waits for the lock, repeated by ``_apply``: so that closing is bounded by its deadline.
@@ -111,6 +113,8 @@ class StateWriter:
         """Queue a write; it is applied after every write submitted before it."""
         write = _Write(statement, key, done)
         with self._changed:
+            if self._closed:
+                raise WriterClosed("the state writer has stopped")
             queued = self._keyed.get(key) if key is not None else None
             if queued is not None:
                 queued.statement, queued.done = statement, done
@@ -170,6 +174,7 @@ class StateWriter:
             self._changed.notify_all()
         self._thread.join(timeout)
         with self._changed:
+            self._closed = True
             left = list(self._queue)
             self._queue.clear()
             self._keyed.clear()
@@ -213,15 +218,15 @@ class StateWriter:
                 self._changed.notify_all()  # room again for a reader waiting for it
             try:
                 outcomes = self._apply(batch)
+                for write, (result, error) in zip(batch, outcomes, strict=True):
+                    if write.done is not None:
+                        try:
+                            write.done(result, error)
+                        except Exception:
+                            log.exception("a state database write's follow-up failed")
             finally:
                 with self._changed:
-                    self._applying = 0
-            for write, (result, error) in zip(batch, outcomes, strict=True):
-                if write.done is not None:
-                    try:
-                        write.done(result, error)
-                    except Exception:
-                        log.exception("a state database write's follow-up failed")
+                    self._applying = 0  # after the follow-ups: a wait for the queue waits for them too
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and time.monotonic() >= self._deadline
