@@ -328,7 +328,10 @@ class SessionIntents:
                 await self._answered_while_queued(session, msg, epoch, turn, closed=True)
                 return
             if adapter is None:  # its new process died as it came up: the session stays suspended
-                exited = ProxyError.adapter_exited(None, session.record.backend, during=Method.RESUME)
+                if self.stopping.begun:  # the shutdown stopped it: what waited ends with the proxy
+                    exited = ProxyError.proxy_shutdown(backend=session.record.backend)
+                else:
+                    exited = ProxyError.adapter_exited(None, session.record.backend, during=Method.RESUME)
                 if turn is not None:
                     self.turns.settle(turn, error=(exited.code, exited.message))
                 await self.gateway.fail(msg.id, exited)
