@@ -144,17 +144,9 @@ class Journal:
         """
         shown = kind in SHOWN if shown is None else shown
         record = Record(kind, backend or "", str(label), session_id, detail, count, seconds, shown)
-        try:
-            self.db.write(
-                functools.partial(_apply, record, self.instance_id, now()), done=functools.partial(_told, kind)
-            )
-        except sqlite3.Error as exc:  # the database is closed: what it records goes on regardless
-            log.warning("could not record %s in the journal: %s", kind.value, exc)
-
-
-def _told(kind: Kind, result: object, error: BaseException | None) -> None:
-    if error is not None:  # the writer has logged the failure; say what it was
-        log.warning("could not record %s in the journal: %s", kind.value, error)
+        statement = functools.partial(_apply, record, self.instance_id, now())
+        # What it records goes on regardless of the database.
+        self.db.write_or_log(statement, log, logging.WARNING, "could not record %s in the journal: %s", kind.value)
 
 
 def _apply(record: Record, instance_id: str | None, at: float, conn: sqlite3.Connection) -> None:

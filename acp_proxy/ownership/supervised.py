@@ -14,11 +14,9 @@ sweep -> ``closed`` only after a clean sweep. Every signal is verified first.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -339,12 +337,15 @@ class SupervisedProcess:
         A lease left ``closing`` by a failed write is finished by the startup reaping of the next proxy,
         which re-verifies everything before it signals anything.
         """
-        try:
-            # Queued: nobody waits for it, and the order of this proxy's writes is kept.
-            told = functools.partial(_recorded, self.lease.lease_id, state)
-            self.owner.db.write(leases.moved_to(self.lease.lease_id, state, reason), done=told)
-        except sqlite3.Error as exc:
-            _recorded(self.lease.lease_id, state, None, exc)
+        # Queued: nobody waits for it, and the order of this proxy's writes is kept.
+        self.owner.db.write_or_log(
+            leases.moved_to(self.lease.lease_id, state, reason),
+            log,
+            logging.ERROR,
+            "lease %s: could not record %s (%s); teardown goes on",
+            self.lease.lease_id,
+            state,
+        )
 
     async def _stop(self, stdin_grace: float, term_grace: float) -> None:
         db, lease = self.owner.db, self.lease
@@ -396,8 +397,3 @@ class SupervisedProcess:
             sig.name,
             "sent" if outcome.signalled else f"not sent ({outcome.verdict.value}: {outcome.reason})",
         )
-
-
-def _recorded(lease_id: str, state: LeaseState, result: object, error: BaseException | None) -> None:
-    if error is not None:
-        log.error("lease %s: could not record %s (%s); teardown goes on", lease_id, state, error)

@@ -18,7 +18,6 @@ waited for: a fact lost with a killed proxy is learned again.
 
 from __future__ import annotations
 
-import functools
 import logging
 import sqlite3
 from typing import Final
@@ -128,12 +127,7 @@ class Learned:
                     (backend, PEAK_MEMORY, str(peak), at),
                 )
 
-        try:
-            self.db.write(apply, done=functools.partial(_told, backend))
-        except sqlite3.Error as exc:  # the database is closed: the proxy goes on without the fact
-            log.warning("could not record what was learned of backend %s: %s", backend, exc)
-
-
-def _told(backend: str, result: object, error: BaseException | None) -> None:
-    if error is not None:  # the writer has logged the failure; say what it was
-        log.warning("could not record what was learned of backend %s: %s", backend, error)
+        # The proxy goes on without the fact.
+        self.db.write_or_log(
+            apply, log, logging.WARNING, "could not record what was learned of backend %s: %s", backend
+        )

@@ -81,6 +81,7 @@ state dir's checks, ``connection`` how a connection is opened and ``StateError``
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -233,6 +234,21 @@ class StateDB:
         ``done`` is told its result or its failure, from the writer's thread, once it is made.
         """
         self.writer.submit(statement, key=key, done=done)
+
+    def write_or_log(
+        self, statement: Statement, logger: logging.Logger, level: int, message: str, *args: object
+    ) -> None:
+        """A write whose failure goes no further than the log: ``message % (*args, error)`` at ``level``,
+        whether it fails now (the database is closed) or later, on the writer's thread."""
+
+        def told(result: object, error: BaseException | None) -> None:
+            if error is not None:
+                logger.log(level, message, *args, error)
+
+        try:
+            self.write(statement, done=told)
+        except sqlite3.Error as exc:
+            told(None, exc)
 
     def call(self, statement: Callable[[sqlite3.Connection], T]) -> T:
         """A write whose result the caller needs, made after every queued one; blocks the calling thread."""

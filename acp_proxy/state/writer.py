@@ -145,17 +145,23 @@ class StateWriter:
 
         The failures are theirs to tell (to whoever queued them), not this wait's.
         """
-        if self.pending:
-            marker = _Outcome()
-            self.submit(_nothing, done=marker)
+        marker = self._marker()
+        if marker is not None:
             marker.finished.wait()
 
     async def caught_up(self) -> None:
         """``settle``, off the event loop."""
-        if self.pending:
-            marker = _Outcome()
-            self.submit(_nothing, done=marker)
+        marker = self._marker()
+        if marker is not None:
             await anyio.to_thread.run_sync(marker.finished.wait, abandon_on_cancel=True)
+
+    def _marker(self) -> _Outcome | None:
+        """A write of nothing behind those queued, told once they are through; ``None`` if none are."""
+        if not self.pending:
+            return None
+        marker = _Outcome()
+        self.submit(_nothing, done=marker)
+        return marker
 
     async def wait_for_room(self) -> None:
         """Wait until the queue is below its limit again."""
