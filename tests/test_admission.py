@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from acp_proxy.pool.admission import (
+    LONE_POLL,
     POLL,
     QUIET_MARGIN,
     RECENT_MARGIN,
@@ -43,6 +44,8 @@ def slot(key: str, last_active: float = 0.0, backend: str = "a", **flags: Any) -
 
 FULL_IDLE = (slot("old", 1.0), slot("mid", 2.0), slot("new", 3.0), slot("newest", 4.0))
 FULL_BUSY = tuple(slot(f"b{i}", float(i), busy=True) for i in range(4))
+SHARED_BUSY = (*FULL_BUSY[:3], slot("theirs", 3.0, busy=True, instance="proxy-2"))
+"""Every session busy, one of them in another proxy: a slot can come free without this proxy hearing of it."""
 
 
 def waiting(**fields: Any) -> Waiting:
@@ -111,7 +114,7 @@ CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
     (
         "first in line with room: take a slot file (polling if the snapshot was stale)",
         {"slots": FULL_IDLE[:3]},
-        f"take/sleep@{POLL:g}",
+        f"take/sleep@{LONE_POLL:g}",
         Rule.ROOM,
     ),
     (
@@ -121,10 +124,28 @@ CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
         Rule.EVICT,
     ),
     (
-        "first in line, every session busy: take if one came free, else look again soon",
+        "first in line, every session busy and this proxy's: its changes wake it, the install is looked at seldom",
         {"slots": FULL_BUSY},
+        f"take/sleep@{LONE_POLL:g}",
+        Rule.BUSY,
+    ),
+    (
+        "every session busy, one in another proxy: look at the install again at the next poll",
+        {"slots": SHARED_BUSY},
         f"take/sleep@{POLL:g}",
         Rule.BUSY,
+    ),
+    (
+        "every session busy, a waiter of another proxy before it: look again at the next poll",
+        {"slots": FULL_BUSY, "ahead": 1},
+        f"sleep@{POLL:g}",
+        Rule.BUSY,
+    ),
+    (
+        "room, but another proxy holds a slot: if the take failed, look again at the next poll",
+        {"slots": (*FULL_IDLE[:2], slot("theirs", 3.0, instance="proxy-2"))},
+        f"take/sleep@{POLL:g}",
+        Rule.ROOM,
     ),
     (
         "first in line, the idle ones recent: sleep until the first stops being recent",
@@ -135,7 +156,7 @@ CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
     (
         "recent for longer than a poll: look again at the next poll anyway",
         {"slots": tuple(slot(f"r{i}", float(i), recent_until=NOW + 5.0) for i in range(4))},
-        f"take/sleep@{POLL:g}",
+        f"take/sleep@{LONE_POLL:g}",
         Rule.RECENT,
     ),
     (
@@ -159,7 +180,7 @@ CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
     (
         "a suspension it was granted is still ending: wait for that slot, suspend nothing more",
         {"slots": FULL_IDLE, "granted": (Granted(slot("gone-soon"), NOW + 6.0),)},
-        f"take/sleep@{POLL:g}",
+        f"take/sleep@{LONE_POLL:g}",
         Rule.ENDING,
     ),
     (
@@ -181,7 +202,7 @@ CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
             "position": 1,
             "slots": (*FULL_IDLE[2:], slot("g1", 0.5, stopping=True), slot("g2", 0.6, stopping=True)),
         },
-        f"sleep@{POLL:g}",
+        f"sleep@{LONE_POLL:g}",
         Rule.FREEING,
     ),
     (

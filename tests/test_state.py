@@ -351,6 +351,59 @@ def test_wrapper_report_survives_undecodable_paths() -> None:
     assert report.error == "cannot run '/opt/caf\ufffd/agent': No such file or directory"
 
 
+WRAPPERS = Path(adapter_wrapper.__file__).parent
+SUBREAPER_PROBE = """
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+import adapter_wrapper
+if sys.argv[2] == "fallback":
+    def broken():
+        raise AttributeError("no such private interface here")
+    adapter_wrapper._libc_prctl = broken
+set_ok = adapter_wrapper.set_subreaper()
+flag = ctypes.c_int(-1)
+ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+print(set_ok, flag.value)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is a Linux feature")
+@pytest.mark.parametrize("path", ["_ctypes", "fallback"])
+def test_the_wrapper_makes_itself_a_subreaper(path: str) -> None:
+    """Through ``_ctypes`` alone, or through ``ctypes`` where that private interface fails."""
+    probe = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", SUBREAPER_PROBE, str(WRAPPERS), path],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    assert probe.stdout.split() == ["True", "1"]
+
+
+def test_the_wrapper_imports_nothing_that_slows_its_start() -> None:
+    """The wrapper's start is paid for by every adapter start: no ``typing``, ``enum`` (the ``signal``
+    module's), ``ctypes`` or ``collections``; the interpreter alone is most of its cost."""
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import adapter_wrapper; adapter_wrapper.set_subreaper(); "
+            "print(' '.join(sorted(sys.modules)))",
+            str(WRAPPERS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    loaded = set(probe.stdout.split())
+    assert "adapter_wrapper" in loaded
+    assert loaded.isdisjoint({"typing", "enum", "signal", "ctypes", "collections", "json", "re"})
+
+
 def test_one_scan_indexes_every_marker(proc_env: dict[str, str]) -> None:
     procs = [
         subprocess.Popen(

@@ -34,9 +34,18 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import sys
 import time
+
+TYPE_CHECKING = False  # ``typing`` would cost more than all the rest of our imports
+if TYPE_CHECKING:
+    import signal
+    from collections.abc import Callable
+else:
+    try:
+        import _signal as signal  # ``signal`` is this and its enums, whose creation is a third of our start
+    except ImportError:  # not CPython
+        import signal
 
 PR_SET_CHILD_SUBREAPER = 36
 POLL_INTERVAL = 0.02
@@ -47,12 +56,32 @@ def set_subreaper() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        import ctypes
+        prctl = _libc_prctl()
+    except Exception:  # ``_ctypes`` is not a public interface: fall back to ``ctypes``
+        try:
+            import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
+            prctl = ctypes.CDLL(None).prctl
+        except (OSError, AttributeError):
+            return False
+    return int(prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+
+
+def _libc_prctl() -> Callable[..., int]:
+    """libc's ``prctl`` through ``_ctypes`` alone: ``import ctypes`` would double the cost of our start."""
+    import _ctypes
+
+    class Int(_ctypes._SimpleCData):  # type: ignore[type-arg]
+        _type_ = "i"
+
+    class Function(_ctypes.CFuncPtr):
+        _flags_ = _ctypes.FUNCFLAG_CDECL
+        _restype_ = Int
+
+    class Library:  # what a function pointer is looked up in: a handle from ``dlopen``
+        _handle = _ctypes.dlopen(None, os.RTLD_NOW)  # type: ignore[arg-type]
+
+    return Function(("prctl", Library))  # type: ignore[arg-type]
 
 
 def read_stat(pid: int) -> tuple[str, int, int, int] | None:

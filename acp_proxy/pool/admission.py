@@ -39,8 +39,12 @@ import msgspec
 from acp_proxy.pool.plan import Admit, Slot, plan_acquire
 
 POLL: Final = 0.02
-"""How often a waiter looks at the install's slot files: other proxies free slots without
-telling it (within a proxy, waiters are woken at once)."""
+"""How often a waiter looks at the install's slot files while another proxy holds one or waits
+before it: other proxies free slots without telling it (within a proxy, waiters are woken at once)."""
+LONE_POLL: Final = 0.25
+"""How often it looks while this proxy holds every slot of the install and nobody waits before
+it: every change that could admit it is then this proxy's own, and wakes it; the look is only for
+a proxy that starts meanwhile."""
 REFUSED_FOR: Final = 0.25
 """A session whose proxy refused to suspend it is not asked again for this long (its record,
 which said it was idle, is rewritten by then)."""
@@ -72,7 +76,7 @@ RULES: Final[tuple[tuple[Rule, str, str], ...]] = (
     (
         Rule.ROOM,
         "the install has room for one more process of the backend",
-        "the first in line takes a slot file; the others look again at the next poll",
+        "the first in line takes a slot file; the others look again when it has (or at the next poll)",
     ),
     (
         Rule.ENDING,
@@ -219,7 +223,8 @@ def _plan(live: Sequence[Slot], w: Waiting) -> Ask | Sleep:
         now=w.now,
         ahead=w.ahead,
     )
-    poll = min(w.deadline, w.now + POLL, w.quiet_at + QUIET_MARGIN)
+    alone = w.ahead == w.position and all(slot.instance is None for slot in live)
+    poll = min(w.deadline, w.now + (LONE_POLL if alone else POLL), w.quiet_at + QUIET_MARGIN)
     if not isinstance(decision, Admit):
         if decision.freeing:
             return Sleep(poll, decision.reason, Rule.FREEING)
