@@ -53,6 +53,12 @@ class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
     term_grace: float = 3.0
 
 
+class OwnershipConfig(msgspec.Struct, frozen=True, kw_only=True):
+    reap_interval: float = 180.0
+    """How often a running proxy reaps what the install's dead proxies left (their trees, their
+    unfinished tasks), besides at its start; 0: only at its start."""
+
+
 class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
     turn_timeout: float = 0.0
     """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
@@ -94,6 +100,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     pool: PoolConfig = PoolConfig()
     shutdown: ShutdownConfig = ShutdownConfig()
     tasks: TasksConfig = TasksConfig()
+    ownership: OwnershipConfig = OwnershipConfig()
     source: str | None = None
 
     def backend(self, name: str | None = None) -> BackendConfig:
@@ -276,6 +283,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             "pool": _identity,
             "shutdown": _identity,
             "tasks": _identity,
+            "ownership": _identity,
             "backends": _identity,
         },
     )
@@ -319,6 +327,9 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "notify_timeout": _positive_duration,
             },
         )
+    )
+    ownership = OwnershipConfig(
+        **checker.table(top.get("ownership", {}), "ownership", {"reap_interval": parse_duration})
     )
     if tasks.notify != "silent" and tasks.notify_command is None:
         checker.fail(
@@ -365,8 +376,10 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         checker.fail("default_backend", f"{_show(default)} is not a backend (configured: {configured})")
     if checker.problems:
         raise ConfigError(checker.problems, source)
-    rest = {k: v for k, v in top.items() if k not in ("pool", "shutdown", "tasks", "backends")}
-    return Config(backends=backends, pool=pool, shutdown=shutdown, tasks=tasks, source=source, **rest)
+    rest = {k: v for k, v in top.items() if k not in ("pool", "shutdown", "tasks", "ownership", "backends")}
+    return Config(
+        backends=backends, pool=pool, shutdown=shutdown, tasks=tasks, ownership=ownership, source=source, **rest
+    )
 
 
 def unsafe_ownership(info: os.stat_result, source: str, uid: int | None = None) -> str | None:

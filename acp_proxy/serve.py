@@ -30,6 +30,7 @@ from acp_proxy.relay.adapters import AdapterRelay
 from acp_proxy.relay.gateway import GatewayConnection
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
+from acp_proxy.sessions.leftovers import clear_periodically
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.sessions.table import SessionTable
 from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
@@ -120,6 +121,9 @@ async def serve_gateway(
         tasks.start_soon(pool.memory.keep)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)
         tasks.start_soon(operations.serve)
+        if config.ownership.reap_interval > 0:
+            interval, grace = config.ownership.reap_interval, config.shutdown.term_grace
+            tasks.start_soon(clear_periodically, owner, interval, grace, stopping, notifier)
         if notifier is not None:
             notifier.title_of = functools.partial(session_title, table)
             tasks.start_soon(notifier.run)

@@ -97,6 +97,8 @@ def test_design_example_is_valid() -> None:
         ),
         ({**GOOD, "shutdown": {"term_grace": -1}}, "shutdown.term_grace: expected a duration"),
         ({**GOOD, "pool": 5}, "pool: expected a table, got 5"),
+        ({**GOOD, "ownership": {"reap_interval": "often"}}, "ownership.reap_interval: expected a duration"),
+        ({**GOOD, "ownership": {"reap": "3m"}}, "ownership.reap: unknown key (expected one of: reap_interval)"),
         (
             {**GOOD, "default_backend": "claude"},
             'default_backend: "claude" is not a backend (configured: codex)',
@@ -162,6 +164,12 @@ def test_sizes(text: object, size: int) -> None:
 def test_bad_sizes(text: object) -> None:
     with pytest.raises(Exception, match="a size such as"):
         parse_size(text)
+
+
+def test_the_periodic_reaping_is_read_and_on_by_default() -> None:
+    assert validate(GOOD).ownership.reap_interval == 180.0
+    assert validate({**GOOD, "ownership": {"reap_interval": "30s"}}).ownership.reap_interval == 30.0
+    assert validate({**GOOD, "ownership": {"reap_interval": 0}}).ownership.reap_interval == 0.0
 
 
 def test_memory_budget_and_min_idle_are_read() -> None:
@@ -304,6 +312,22 @@ def test_bad_async_backend_variable_is_a_usage_error(cli_env: dict[str, str]) ->
     result = run_cli("--", "true", env={**cli_env, "ACP_PROXY_ASYNC_BACKEND": "curio"})
     assert result.returncode == 2
     assert "ACP_PROXY_ASYNC_BACKEND" in result.stderr
+
+
+def test_an_adapter_command_with_a_config_replaces_its_backends_only(tmp_path: Path) -> None:
+    from acp_proxy.operator.cli import load_config
+
+    path = tmp_path / "c.toml"
+    path.write_text(
+        'default_backend = "a"\nmax_line_bytes = 4096\n[pool]\nmax_live = 2\n[shutdown]\nterm_grace = "2s"\n'
+        '[tasks]\nretention = "1d"\n[ownership]\nreap_interval = "10s"\n[backends.a]\ncommand = ["a"]\n'
+    )
+    from_file = configuration.load(path)
+    served = load_config(str(path), ["my-agent", "--flag"])
+    assert [b.command for b in served.backends.values()] == [("my-agent", "--flag")]
+    assert served.backend().command == ("my-agent", "--flag")
+    for section in ("max_line_bytes", "pool", "shutdown", "tasks", "ownership", "source", "state_dir"):
+        assert getattr(served, section) == getattr(from_file, section), section
 
 
 def test_adhoc_command_is_taken_literally(tmp_path: Path, cli_env: dict[str, str]) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import pytest
 
+from acp_proxy import journal
 from acp_proxy.ownership import instances, leases
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases, create_lease
 from acp_proxy.ownership.owner import Owner
@@ -40,11 +41,14 @@ from tests.support import (
     GONE_WITHIN,
     MARKER_VARIABLE,
     Gateway,
+    cli_json,
     fake_command,
     marked_processes,
     pid_alive,
     registry,
+    send_prompt,
     survivors,
+    wait_for_task,
 )
 
 FAST = '[shutdown]\nstdin_grace = "300ms"\nterm_grace = "1s"\n[backends.fake]\ncommand = ["unused"]\n'
@@ -260,12 +264,68 @@ async def test_sigkilled_proxy_beside_a_live_one(proc_env: dict[str, str], tmp_p
         actions = json.loads(reap.stdout)["actions"]
         assert [a["lease"] for a in actions] == [doomed_leases[0].lease_id]
         assert actions[0]["after"] == "closed"
-        assert await survivors(trees[doomed.pid]) == []
+        assert await survivors(trees[doomed.pid]) == [], live.stderr.decode()[-3000:]
         assert all(pid_alive(p) for p in trees[live.pid])
         assert (await live.request("_fake/echo", {"still": "here"}))["result"] == {"still": "here"}
         states = {lease.adapter_pid: lease.state for lease in read_leases(proc_env)}
         assert states[trees[live.pid][0]] is LeaseState.OPEN
         assert states[trees[doomed.pid][0]] is LeaseState.CLOSED
+
+
+@pytest.mark.anyio
+async def test_a_running_proxy_clears_what_a_killed_sibling_left(
+    proc_env: dict[str, str], tmp_path: Path, decoys: Decoys
+) -> None:
+    """A long-lived proxy does not wait for the next start: every ``reap_interval`` it reaps a dead
+    sibling's tree (its wrapper killed too), marks its running turn lost and suspends its session."""
+    config = tmp_path / "fast.toml"
+    config.write_text(FAST)
+    reaping = tmp_path / "reaping.toml"
+    reaping.write_text(FAST + '[ownership]\nreap_interval = "300ms"\n')
+    async with (
+        Gateway.start(proc_env, tmp_path, proxy_args=["--config", str(reaping)]) as live,
+        Gateway.start(proc_env, tmp_path, proxy_args=["--config", str(config)]) as doomed,
+    ):
+        trees = {}
+        sessions = {}
+        for gw in (live, doomed):
+            await gw.initialize()
+            sessions[gw.pid] = await gw.new_session()
+            await gw.prompt(sessions[gw.pid], "spawn_tree; escape")
+            pids = (await gw.request("_fake/pids"))["result"]
+            trees[gw.pid] = [pids["adapter"], *pids["children"]]
+        await send_prompt(doomed, sessions[doomed.pid], "wait_cancel")
+        running = await wait_for_task(proc_env, "running")
+        doomed.signal(signal.SIGSTOP)  # neither it nor its wrapper may end the tree: the live proxy must
+        (doomed_lease,) = [lease for lease in read_leases(proc_env) if lease.adapter_pid == trees[doomed.pid][0]]
+        assert doomed_lease.wrapper_pid is not None
+        os.kill(doomed_lease.wrapper_pid, signal.SIGKILL)
+        doomed.signal(signal.SIGKILL)
+        await doomed.process.wait()
+        assert await survivors(trees[doomed.pid]) == [], live.stderr.decode()[-3000:]
+        with anyio.fail_after(GONE_WITHIN):
+            while {lease.lease_id: lease for lease in read_leases(proc_env)}[doomed_lease.lease_id].state is not (
+                LeaseState.CLOSED
+            ):
+                await anyio.sleep(0.05)
+            while (await cli_json(proc_env, "tasks", "show", running["taskId"]))["recordedStatus"] != "lost":
+                await anyio.sleep(0.05)
+            rows = registry(proc_env)
+            try:
+                while (row := rows.get(sessions[doomed.pid])) is None or row.state is not SessionState.SUSPENDED:
+                    await anyio.sleep(0.05)
+            finally:
+                rows.db.close()
+        assert all(pid_alive(p) for p in trees[live.pid])
+        assert (await live.request("_fake/echo", {"still": "here"}))["result"] == {"still": "here"}
+        db = StateDB(state_dir(proc_env), create=False)
+        try:
+            reaped = [e for e in journal.recent_events(db.conn) if e.kind == "tree_reaped" and e.label != "stop"]
+        finally:
+            db.close()
+        assert [e.label for e in reaped] == ["periodic"]
+        # The session it suspended resumes on the live proxy.
+        assert (await live.prompt(sessions[doomed.pid], "stream 1"))["result"]["stopReason"] == "end_turn"
 
 
 # --- reaping fabricated leases: what may never be signalled ---------------------------------

@@ -282,16 +282,12 @@ def load_config(explicit: str | None, command: list[str]) -> Config:
     loaded = configuration.load(path)
     if not command:
         return loaded
+
+    import msgspec  # loaded with the config already
+
     adhoc = configuration.adhoc(command)
-    return Config(
-        backends=adhoc.backends,
-        state_dir=loaded.state_dir,
-        max_line_bytes=loaded.max_line_bytes,
-        pool=loaded.pool,
-        shutdown=loaded.shutdown,
-        tasks=loaded.tasks,
-        source=loaded.source,
-    )
+    # Every section but the backends is the file's (a section added later included).
+    return msgspec.structs.replace(loaded, backends=adhoc.backends, default_backend=adhoc.default_backend)
 
 
 def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:

@@ -74,7 +74,8 @@ COUNTED: Final[Mapping[journal.Kind, Counted]] = {
     ),
     journal.Kind.TREE_REAPED: Counted(
         "trees_reaped",
-        "Adapter process trees reaped: at a stop, or left by a dead proxy (at startup, or by acp-proxy reap)",
+        "Adapter process trees reaped: at a stop, or left by a dead proxy (at startup, periodically, "
+        "or by acp-proxy reap)",
         "when",
     ),
     journal.Kind.LEFTOVERS_KILLED: Counted(

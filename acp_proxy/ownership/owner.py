@@ -72,6 +72,22 @@ def detect_platform(table: ProcessTable) -> Platform:
     return Platform(table=table.name, pidfd=table.has_pidfd, subreaper=sys.platform.startswith("linux"))
 
 
+def log_reaped(actions: list[ReapAction], what: str) -> None:
+    """One line per lease a reaping settled (``what``: when it ran)."""
+    for action in actions:
+        log.info(
+            "%s: lease %s (%s, instance %s) %s -> %s: %s%s",
+            what,
+            action.lease_id,
+            action.backend,
+            action.instance_id,
+            action.before,
+            action.after,
+            action.reason,
+            f"; killed {action.signalled}" if action.signalled else "",
+        )
+
+
 @dataclass(slots=True)
 class Owner:
     db: StateDB
@@ -90,17 +106,7 @@ class Owner:
         instance = instances.start_instance(db, table.boot_id())
         owner = cls(db, instance, table)
         owner.reaped = reap_dead_instances(db, instance.instance_id, grace=grace, table=table)
-        for action in owner.reaped:
-            log.info(
-                "startup reaping: lease %s (%s, instance %s) %s -> %s: %s%s",
-                action.lease_id,
-                action.backend,
-                action.instance_id,
-                action.before,
-                action.after,
-                action.reason,
-                f"; killed {action.signalled}" if action.signalled else "",
-            )
+        log_reaped(owner.reaped, "startup reaping")
         return owner
 
     @property

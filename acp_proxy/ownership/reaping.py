@@ -230,8 +230,12 @@ def reap_dead_instances(
     grace: float,
     table: ProcessTable | None = None,
     dry_run: bool = False,
+    when: str | None = None,
 ) -> list[ReapAction]:
     """Reap the active leases of every dead instance of this install.
+
+    ``when`` labels the reaping in the journal: ``startup`` (a proxy's own, the default when it
+    names itself), ``periodic`` (a running proxy's) or ``operator`` (``acp-proxy reap``).
 
     An instance is dead when its lock can be taken. Its reaper holds the right to reap it
     (``instances.lock_if_dead``) while its leases are reaped, so two proxies starting together
@@ -255,7 +259,8 @@ def reap_dead_instances(
             else:  # nothing was done: leave no trace of the look
                 instances.reaping_path(db, instance_id).unlink(missing_ok=True)
     if not dry_run:
-        _journal_reaping(Journal(db, own_instance_id), actions, "startup" if own_instance_id else "operator")
+        label = when or ("startup" if own_instance_id else "operator")
+        _journal_reaping(Journal(db, own_instance_id), actions, label)
     return actions
 
 

@@ -361,6 +361,14 @@ class SessionRegistry:
             )
         )
 
+    def held_elsewhere(self) -> list[str]:
+        """The other proxies that hold sessions live (or resuming) on record."""
+        rows = self.db.conn.execute(
+            "SELECT DISTINCT instance_id FROM sessions WHERE state IN ('live', 'resuming') AND instance_id != ?",
+            (self.instance_id,),
+        )
+        return [row[0] for row in rows]
+
     def adopt_orphans(self) -> list[str]:
         """Sessions left ``live``/``resuming`` by proxies that are gone become ``suspended``.
 

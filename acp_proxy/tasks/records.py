@@ -353,17 +353,22 @@ class Swept(msgspec.Struct, frozen=True):
     """Its session's title."""
 
 
+def unfinished_by(db: StateDB, own_instance: str | None) -> list[str]:
+    """The proxies, other than ``own_instance``, that have unfinished tasks on record."""
+    rows = db.conn.execute(
+        "SELECT DISTINCT instance_id FROM tasks WHERE status IN ('queued', 'running') AND instance_id IS NOT ?",
+        (own_instance,),
+    )
+    return [row[0] for row in rows]
+
+
 def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], None] | None = None) -> int:
     """Mark ``lost`` the unfinished tasks of proxies that are gone; idempotent. ``told`` of each one.
 
     A proxy that dies (SIGKILL, OOM, power) cannot record how its turns ended;
     its lock being free is the proof it is gone, never its PID.
     """
-    rows = db.conn.execute(
-        "SELECT DISTINCT instance_id FROM tasks WHERE status IN ('queued', 'running') AND instance_id IS NOT ?",
-        (own_instance,),
-    ).fetchall()
-    dead = [row[0] for row in rows if not instances.instance_alive(db, row[0])]
+    dead = [instance for instance in unfinished_by(db, own_instance) if not instances.instance_alive(db, instance)]
     swept = 0
     at = now()
     lost: list[Swept] = []
