@@ -17,7 +17,9 @@ through its proxy's control socket. Faults: an adapter crash mid-turn, an adapte
 (the turn timeout ends it), the stubborn backend's teardown, grandchild escapes, and
 each proxy's end, drawn per lifetime: a clean gateway EOF, a gateway EOF in the middle of
 turns, SIGKILL of the proxy (holding slots, as it usually is), or SIGKILL while it waits
-for a slot in the install's queue. Decoy processes that look like the proxies' own run
+for a slot in the install's queue. What a killed proxy left is cleared by whichever proxy of the
+install looks first: the next one to start, or a running one (every second, ``reap_interval``).
+Decoy processes that look like the proxies' own run
 throughout.
 
 The install's cap is checked from ``/proc``, never from what the proxies count: after
@@ -821,6 +823,8 @@ def write_config(workdir: Path, max_live: int) -> Path:
         'close_timeout = "500ms"',
         'stdin_grace = "300ms"',
         'term_grace = "1s"',
+        "[ownership]",
+        'reap_interval = "1s"',
     ]
     for name, options in BACKENDS.items():
         lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(store=str(store), **options))}"]
