@@ -59,6 +59,12 @@ class OwnershipConfig(msgspec.Struct, frozen=True, kw_only=True):
     unfinished tasks), besides at its start; 0: only at its start."""
 
 
+class TraceConfig(msgspec.Struct, frozen=True, kw_only=True):
+    file: str | None = None
+    """Where a proxy appends every wire message (``acp_proxy.trace``); ``--trace`` overrides it."""
+    max_size: int = 64 * 1024 * 1024
+
+
 class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
     turn_timeout: float = 0.0
     """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
@@ -101,6 +107,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     shutdown: ShutdownConfig = ShutdownConfig()
     tasks: TasksConfig = TasksConfig()
     ownership: OwnershipConfig = OwnershipConfig()
+    trace: TraceConfig = TraceConfig()
     source: str | None = None
 
     def backend(self, name: str | None = None) -> BackendConfig:
@@ -284,6 +291,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             "shutdown": _identity,
             "tasks": _identity,
             "ownership": _identity,
+            "trace": _identity,
             "backends": _identity,
         },
     )
@@ -331,6 +339,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
     ownership = OwnershipConfig(
         **checker.table(top.get("ownership", {}), "ownership", {"reap_interval": parse_duration})
     )
+    trace = TraceConfig(**checker.table(top.get("trace", {}), "trace", {"file": _string, "max_size": parse_size}))
     if tasks.notify != "silent" and tasks.notify_command is None:
         checker.fail(
             "tasks.notify_command",
@@ -376,9 +385,17 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         checker.fail("default_backend", f"{_show(default)} is not a backend (configured: {configured})")
     if checker.problems:
         raise ConfigError(checker.problems, source)
-    rest = {k: v for k, v in top.items() if k not in ("pool", "shutdown", "tasks", "ownership", "backends")}
+    sections = ("pool", "shutdown", "tasks", "ownership", "trace", "backends")
+    rest = {k: v for k, v in top.items() if k not in sections}
     return Config(
-        backends=backends, pool=pool, shutdown=shutdown, tasks=tasks, ownership=ownership, source=source, **rest
+        backends=backends,
+        pool=pool,
+        shutdown=shutdown,
+        tasks=tasks,
+        ownership=ownership,
+        trace=trace,
+        source=source,
+        **rest,
     )
 
 

@@ -167,6 +167,16 @@ def _apply(record: Record, instance_id: str | None, at: float, conn: sqlite3.Con
         conn.execute("DELETE FROM events WHERE event_id <= ?", (event_id - EVENTS_KEPT,))
 
 
+def add_counts(rows: Sequence[tuple[str, str, str, int, float]], conn: sqlite3.Connection) -> None:
+    """Add ``(name, backend, label, count, seconds)`` rows to the counters (a statement for the writer)."""
+    conn.executemany(
+        """INSERT INTO counters (name, backend, label, count, seconds) VALUES (?, ?, ?, ?, ?)
+           ON CONFLICT (name, backend, label) DO UPDATE SET
+               count = count + excluded.count, seconds = seconds + excluded.seconds""",
+        rows,
+    )
+
+
 def count_in(conn: sqlite3.Connection, kind: Kind, *, backend: str = "", label: str = "", count: int = 1) -> None:
     """Count inside a transaction the caller already holds (a count that must agree with the write beside it)."""
     conn.execute(

@@ -15,6 +15,7 @@ import functools
 import logging
 import signal
 import time
+from pathlib import Path
 
 import anyio
 
@@ -37,6 +38,7 @@ from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
 from acp_proxy.tasks.notify import Notifier
 from acp_proxy.tasks.records import TaskRegistry
 from acp_proxy.tasks.turns import TurnBook
+from acp_proxy.trace import Trace
 
 log = logging.getLogger("acp_proxy.proxy")
 
@@ -49,6 +51,7 @@ async def serve_gateway(
     *,
     backend: str | None = None,
     warm: WarmStart | None = None,
+    trace: Trace | None = None,
 ) -> None:
     """Serve one gateway connection until it leaves or a signal, then shut down cleanly.
 
@@ -68,6 +71,7 @@ async def serve_gateway(
         prune_also=registry.prune_deleted,
         session_info=registry.record_title,
         notifier=notifier,
+        timings=owner.timings,
     )
     turns.maintain()
     async with anyio.create_task_group() as tasks:
@@ -88,7 +92,7 @@ async def serve_gateway(
             assert relay is not None
             relay.attach(adapter)
 
-        writer = GatewayWriter(gateway_out, stopping, on_broken=lambda: stop("gateway closed its output"))
+        writer = GatewayWriter(gateway_out, stopping, on_broken=lambda: stop("gateway closed its output"), trace=trace)
         pool = ProcessPool(
             config,
             owner,
@@ -100,6 +104,7 @@ async def serve_gateway(
             attach=attach,
             peers=InstallPeers(owner.db),
         )
+        pool.trace = trace
         table = SessionTable(registry, background, pool.changed, on_bound=pool.recency.note_bound)
         intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
         relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping)
@@ -152,9 +157,12 @@ async def serve_stdio(config: Config, owner: Owner, backend: str | None, warm: W
     """Serve ACP on this process's stdin/stdout."""
     gateway_in, gateway_out = FdReceiveStream(0), FdSendStream(1)
     enlarge_pipe(1)  # fewer, larger writes to the gateway while updates stream
+    trace = Trace(Path(config.trace.file), config.trace.max_size) if config.trace.file else None
     try:
-        await serve_gateway(config, owner, gateway_in, gateway_out, backend=backend, warm=warm)
+        await serve_gateway(config, owner, gateway_in, gateway_out, backend=backend, warm=warm, trace=trace)
     finally:
         await gateway_in.aclose()
         await gateway_out.aclose()
+        if trace is not None:
+            trace.close()
     return 0

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import timeit
 from collections.abc import Callable
@@ -47,10 +48,12 @@ from typing import Any
 
 import msgspec
 
+from acp_proxy import journal
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, list_tasks
 from acp_proxy.tasks.status import TaskStatus, outcome_of
 from acp_proxy.tasks.turn import Turn, new_task_id
+from acp_proxy.timings import Timing, Timings, histograms
 from benchmarks.common import ROOT, BenchError, cpu_seconds, figures, ops_row, proxy_argv, script_argv
 from benchmarks.harness import (
     DIRECT,
@@ -91,6 +94,8 @@ TURN_SESSIONS = 10
 """Sessions the in-process turns are spread over."""
 OBSERVE_CALLS = 100_000
 OBSERVE_REPEAT = 5
+FLUSH_RUNS = 200
+"""Flushes timed of a second's worth of a proxy's observations."""
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 PROMPT_TEXT = "Rename the config loader's helpers and update their call sites; run the tests when done."
 TOOL_CALL_LINE = (
@@ -362,7 +367,42 @@ def measure_bookkeeping(workdir: Path, args: argparse.Namespace) -> dict[str, An
                 "ns_per_line": best * 1e9 / TURN_UPDATES,
             }
         )
-    return {"lifecycle": lifecycles, "observe": observe}
+    return {"lifecycle": lifecycles, "observe": observe, "timings": measure_timings(workdir, calls)}
+
+
+def measure_timings(workdir: Path, calls: int) -> dict[str, Any]:
+    """What a turn's latency histograms cost the proxy: the two observations its settling makes
+    (``Timing.TURN``, ``Timing.FIRST_UPDATE``), and a flush (once a second) of a second's worth of keys."""
+    progress(f"tasks: Timings.observe, {OBSERVE_REPEAT} x {calls:,} turns ...")
+    db = StateDB(workdir / "state-timings")
+    try:
+        timings = Timings(db)
+        timer = timeit.Timer(
+            "observe(turn, 'bench', 1.234); observe(first, 'bench', 0.0421)",
+            globals={"observe": timings.observe, "turn": Timing.TURN, "first": Timing.FIRST_UPDATE},
+        )
+        per_turn = min(timer.repeat(repeat=OBSERVE_REPEAT, number=calls)) / calls
+        flushes = []
+        for _ in range(FLUSH_RUNS):
+            for backend in ("a", "b"):
+                for timing, seconds in ((Timing.TURN, 3.0), (Timing.FIRST_UPDATE, 0.2), (Timing.START, 0.4)):
+                    timings.observe(timing, backend, seconds)
+            start = time.perf_counter()
+            timings.flush()
+            flushes.append(time.perf_counter() - start)
+        db.settle()
+        counted = sum(h.count for h in histograms(journal.counters(db.conn)))
+    finally:
+        db.close()
+    if counted != 2 * OBSERVE_REPEAT * calls + FLUSH_RUNS * 6:  # the timed ones go with the first flush
+        raise BenchError(f"Timings: {counted} observations counted")
+    return {
+        "calls": calls,
+        "repeat": OBSERVE_REPEAT,
+        "ns_per_turn": per_turn * 1e9,
+        "flush_us_p50": statistics.median(flushes) * 1e6,
+        "flush_keys": 6,
+    }
 
 
 # --- (3) task writes ---------------------------------------------------------------------------
@@ -438,6 +478,7 @@ def measure_tasks(report: Report, args: argparse.Namespace) -> None:
         bookkeeping = attempt(report, "tasks: bookkeeping", lambda: measure_bookkeeping(run.workdir, args)) or {}
         results["lifecycle"] = bookkeeping.get("lifecycle", [])
         results["observe"] = bookkeeping.get("observe", [])
+        results["timings"] = bookkeeping.get("timings", {})
         results["writes"] = attempt(report, "tasks: task writes", lambda: measure_writes(run.workdir, args)) or []
 
 
@@ -526,6 +567,15 @@ def render(report: Report) -> list[str]:
                 f"{first['repeat']} x {first['calls']:,} calls.",
                 "",
                 *render_table(OBSERVE_COLUMNS, results["observe"]),
+            ]
+        if results.get("timings"):
+            timed = results["timings"]
+            out += [
+                "",
+                f"Latency histograms (`Timings`): a turn's two observations as its settling makes them cost "
+                f"{fmt(timed['ns_per_turn'], 0)} ns (`timeit`: best of {timed['repeat']} x {timed['calls']:,} "
+                f"turns); the flush a proxy makes once a second, of {timed['flush_keys']} keys, queues one write "
+                f"in {fmt(timed['flush_us_p50'], 1)} us p50 on the event loop (the writer thread applies it).",
             ]
     if results.get("writes"):
         out += [

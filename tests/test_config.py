@@ -99,6 +99,8 @@ def test_design_example_is_valid() -> None:
         ({**GOOD, "pool": 5}, "pool: expected a table, got 5"),
         ({**GOOD, "ownership": {"reap_interval": "often"}}, "ownership.reap_interval: expected a duration"),
         ({**GOOD, "ownership": {"reap": "3m"}}, "ownership.reap: unknown key (expected one of: reap_interval)"),
+        ({**GOOD, "trace": {"max_size": "huge"}}, 'trace.max_size: expected a size such as "512M"'),
+        ({**GOOD, "trace": {"path": "x"}}, "trace.path: unknown key (expected one of: file, max_size)"),
         (
             {**GOOD, "default_backend": "claude"},
             'default_backend: "claude" is not a backend (configured: codex)',
@@ -320,13 +322,15 @@ def test_an_adapter_command_with_a_config_replaces_its_backends_only(tmp_path: P
     path = tmp_path / "c.toml"
     path.write_text(
         'default_backend = "a"\nmax_line_bytes = 4096\n[pool]\nmax_live = 2\n[shutdown]\nterm_grace = "2s"\n'
-        '[tasks]\nretention = "1d"\n[ownership]\nreap_interval = "10s"\n[backends.a]\ncommand = ["a"]\n'
+        '[tasks]\nretention = "1d"\n[ownership]\nreap_interval = "10s"\n[trace]\nfile = "/tmp/t.jsonl"\n'
+        'max_size = "1M"\n[backends.a]\ncommand = ["a"]\n'
     )
     from_file = configuration.load(path)
     served = load_config(str(path), ["my-agent", "--flag"])
     assert [b.command for b in served.backends.values()] == [("my-agent", "--flag")]
     assert served.backend().command == ("my-agent", "--flag")
-    for section in ("max_line_bytes", "pool", "shutdown", "tasks", "ownership", "source", "state_dir"):
+    assert (from_file.trace.file, from_file.trace.max_size) == ("/tmp/t.jsonl", 2**20)
+    for section in ("max_line_bytes", "pool", "shutdown", "tasks", "ownership", "trace", "source", "state_dir"):
         assert getattr(served, section) == getattr(from_file, section), section
 
 

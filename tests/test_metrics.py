@@ -101,7 +101,12 @@ def test_every_counted_kind_is_a_family_even_before_it_happens() -> None:
 # --- a real install ---------------------------------------------------------------------------
 
 
-async def metrics_of(env: dict[str, str], tmp_path: Path, *args: str) -> Samples:
+async def metrics_of(env: dict[str, str], tmp_path: Path, *args: str, settled: bool = True) -> Samples:
+    """The install's figures, through ``--textfile`` and stdout alike.
+
+    ``settled``: no proxy runs, so the two reads show the same samples. While one runs, its timings
+    reach the install's totals about once a second, so a series may first appear between the two
+    reads: then the two must show the same metrics, and the later read every sample of the earlier."""
     out = tmp_path / "metrics" / "acp_proxy.prom"
     out.parent.mkdir(exist_ok=True)
     code, stdout, err = await cli(env, "metrics", "--textfile", str(out), *args)
@@ -109,8 +114,17 @@ async def metrics_of(env: dict[str, str], tmp_path: Path, *args: str) -> Samples
     assert [p.name for p in out.parent.iterdir()] == ["acp_proxy.prom"], "no temporary file is left beside it"
     code, printed, err = await cli(env, "metrics", *args)
     assert code == 0, err
-    assert parse(printed).keys() == parse(out.read_text()).keys()
-    return parse(out.read_text())
+    written, shown = parse(out.read_text()), parse(printed)
+    if settled:
+        assert shown.keys() == written.keys()
+    else:
+        assert family_names(printed) == family_names(out.read_text())
+        assert {key for key in written if key[0].endswith(("_total", "_bucket", "_count", "_sum"))} <= shown.keys()
+    return written
+
+
+def family_names(text: str) -> set[str]:
+    return {family.name for family in text_string_to_metric_families(text)}
 
 
 @pytest.mark.anyio
@@ -130,7 +144,7 @@ async def test_a_run_shows_in_the_counters_and_they_never_go_back(proc_env: dict
             while pid_alive(pid):
                 await anyio.sleep(0.02)
         assert (await gw.prompt(second, "stream 1"))["result"]["stopReason"] == "end_turn"  # live at shutdown
-        during = await metrics_of(proc_env, tmp_path)
+        during = await metrics_of(proc_env, tmp_path, settled=False)
         assert value(during, "acp_proxy_proxies") == 1
         assert value(during, "acp_proxy_pool_max_live") == 1
         sessions = dict(state_db(proc_env).conn.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state"))
@@ -153,8 +167,33 @@ async def test_a_run_shows_in_the_counters_and_they_never_go_back(proc_env: dict
     assert total(after, "acp_proxy_live_adapters") == 0
     assert value(after, "acp_proxy_evictions_total", backend="", reason="shutdown") >= 1
     for key, figure in during.items():
-        if key[0].endswith("_total"):
+        if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
             assert after.get(key, 0.0) >= figure, f"{key} went back from {figure} after the proxy exited"
+    # Where the time went: every turn, start, session/new and restore of the run (all added to the
+    # install's totals by the proxy's exit at the latest), in buckets that parse and add up.
+    assert value(after, "acp_proxy_turn_seconds_count", backend=backend) == 6
+    assert value(after, "acp_proxy_first_update_seconds_count", backend=backend) >= 4  # the streaming ones
+    assert value(after, "acp_proxy_session_new_seconds_count", backend=backend) == 2
+    starts = total(after, "acp_proxy_adapters_started_total", backend=backend)
+    assert value(after, "acp_proxy_start_seconds_count", backend=backend) == starts
+    restores = {
+        dict(labels)["method"]: figure
+        for (name, labels), figure in after.items()
+        if name == "acp_proxy_restore_seconds_count"
+    }
+    assert restores
+    assert set(restores) <= {"session/resume", "session/load", "session/new"}
+    assert sum(restores.values()) == total(after, "acp_proxy_resumes_total", backend=backend)
+    assert total(after, "acp_proxy_slot_wait_seconds_count", backend=backend) >= 1
+    for name in ("turn", "start", "session_new"):
+        buckets = sorted(
+            (float(dict(labels)["le"]), figure)
+            for (sample, labels), figure in after.items()
+            if sample == f"acp_proxy_{name}_seconds_bucket" and dict(labels)["backend"] == backend
+        )
+        assert [figure for _, figure in buckets] == sorted(figure for _, figure in buckets), "cumulative"
+        assert buckets[-1] == (float("inf"), value(after, f"acp_proxy_{name}_seconds_count", backend=backend))
+        assert value(after, f"acp_proxy_{name}_seconds_sum", backend=backend) > 0
 
 
 @pytest.mark.anyio
@@ -169,7 +208,7 @@ async def test_a_killed_proxys_tree_is_counted_when_the_next_one_reaps_it(
         await gw.process.wait()
     async with start(proc_env, tmp_path) as gw:
         await gw.initialize()
-        samples = await metrics_of(proc_env, tmp_path)
+        samples = await metrics_of(proc_env, tmp_path, settled=False)
     assert value(samples, "acp_proxy_trees_reaped_total", backend="python", when="startup") == 1
     events = [e for e in journal.recent_events(state_db(proc_env).conn) if e.kind == "tree_reaped"]
     assert [e.label for e in events] == ["startup"]

@@ -425,6 +425,7 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
         "processes",
         "tasks",
         "runningTasks",
+        "timings",
     }
     assert [s["sessionId"] for s in report["liveSessions"]] == [session]
     [slot] = report["slots"]
@@ -444,6 +445,21 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
     assert code == 0
     assert "1 running" in text
     assert running["taskId"] in text
+    # Where the time went, counted by the proxy and added to the install's totals at the latest at its exit.
+    after = (await cli_json(proc_env, "status"))["timings"]
+    [backend] = after
+    assert {name: q["count"] for name, q in after[backend].items()} == {
+        "start": 1,
+        "session_new": 1,
+        "first_update": 1,  # the cancelled turn streamed before it waited
+        "turn": 1,
+    }  # no slot wait: the process launched with the proxy took its slot at launch
+    for q in after[backend].values():
+        assert 0 <= q["p50"] <= q["p95"]
+    code, text, _ = await cli(proc_env, "status")
+    assert "timings, p50/p95 (count) since the install was created:" in text
+    assert "start " in text
+    assert "turn " in text
 
 
 async def test_control_socket_commands_and_refusals(proc_env: dict[str, str], tmp_path: Path) -> None:

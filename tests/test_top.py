@@ -131,7 +131,15 @@ def busy_install() -> Snapshot:
         for i, (kind, label, detail) in enumerate(kinds)
     )
     pool = PoolUsage(live=7, max_live=8, memory_used=5 * GIB + 300 * MIB, max_memory=6 * GIB)
-    return Snapshot("/home/operator/.local/state/acp-proxy", T0, True, pool, proxies, sessions, turns, events)
+    timed = {
+        "start": {"count": 212, "p50": 0.41, "p95": 1.2},
+        "session_new": {"count": 30, "p50": 0.62, "p95": 2.4},
+        "restore": {"count": 181, "p50": 1.9, "p95": 4.1},
+        "first_update": {"count": 1040, "p50": 0.9, "p95": 3.3},
+        "turn": {"count": 1031, "p50": 38.0, "p95": 245.0},
+        "slot_wait": {"count": 90, "p50": 0.004, "p95": 2.2},
+    }
+    return Snapshot("/home/operator/.local/state/acp-proxy", T0, True, pool, proxies, sessions, turns, events, timed)
 
 
 def empty_install() -> Snapshot:
@@ -397,6 +405,13 @@ async def test_a_snapshot_of_a_real_install(proc_env: dict[str, str], tmp_path: 
     assert [part for part in ("PROXY", working, running["taskId"], "operator") if part not in table] == []
     assert document["turns"][0]["taskId"] == running["taskId"]
     assert {s["sessionId"]: s["state"] for s in document["sessions"]} == {working: "live", idle: "suspended"}
+    # Where the time went, as the proxy added it to the install's totals (by its exit at the latest).
+    after = await anyio.to_thread.run_sync(gather_once, state_dir)
+    assert after.timings["turn"]["count"] == 2
+    assert after.timings["session_new"]["count"] == 2
+    assert after.timings["first_update"]["p50"] <= after.timings["first_update"]["p95"]
+    code, table, _ = await cli(proc_env, "top")
+    assert "p50/p95  start " in table
 
 
 @pytest.mark.anyio

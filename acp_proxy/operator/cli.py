@@ -188,6 +188,12 @@ def _add_metrics_parser(commands: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _add_top_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    trace = commands.add_parser("trace", help="read a message trace written with --trace")
+    trace_actions = trace.add_subparsers(dest="action", metavar="ACTION", required=True)
+    trace_show = trace_actions.add_parser("show", help="the trace as an exchange per session")
+    trace_show.add_argument("file", metavar="FILE", help="a file written with --trace")
+    trace_show.add_argument("--session", metavar="ID", help="only this session (or a prefix of its id)")
+    trace_show.add_argument("--json", action="store_true", help="the records grouped per session, as JSON")
     top = commands.add_parser("top", help="a live view of proxies, sessions, turns, the pool and recent events")
     _add_config_option(top)
     top.add_argument("--interval", type=_positive_float, default=1.0, metavar="S", help="seconds between refreshes")
@@ -246,6 +252,13 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> None:
         help="stderr log lines as text or JSON, one event per line (default: $ACP_PROXY_LOG_FORMAT or text)",
     )
     parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="append every wire message, both sides, secrets redacted, to FILE as JSON lines "
+        "(default: [trace] file); read it with: acp-proxy trace show FILE",
+    )
+    parser.add_argument(
         "--async-backend",
         choices=ASYNC_BACKENDS,
         default=argparse.SUPPRESS,
@@ -297,6 +310,15 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
     )
     log_format = getattr(args, "log_format", None) or _choice_from_env("ACP_PROXY_LOG_FORMAT", LOG_FORMATS, "text")
     config = load_config(getattr(args, "config", None), command)
+    if getattr(args, "trace", None):
+        import msgspec  # loaded with the config already
+
+        config = msgspec.structs.replace(config, trace=msgspec.structs.replace(config.trace, file=args.trace))
+    if config.trace.file:
+        try:  # asked for and impossible: said now, not found missing after the session
+            os.close(os.open(config.trace.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
+        except OSError as exc:
+            raise UsageError(f"--trace: cannot write {config.trace.file}: {exc.strerror}") from None
     backend = getattr(args, "backend", None)
     try:
         config.backend(backend)
@@ -473,6 +495,10 @@ def main(argv: Sequence[str] | None, serve: Serve) -> int:
             return _leases(args)
         if args.command == "reap":
             return _reap(args)
+        if args.command == "trace":
+            from acp_proxy.operator.trace_show import trace_show
+
+            return trace_show(Path(args.file), session=args.session, as_json=args.json)
         if args.command in OPERATOR_COMMANDS:
             return OPERATOR_COMMANDS[args.command](args)
         return _serve(args, command, serve)

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Final
 
 import msgspec
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import generate_latest, write_to_textfile
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from acp_proxy import __version__, journal
+from acp_proxy import __version__, journal, timings
 from acp_proxy.config import Config
 from acp_proxy.operator.commands import open_existing
 from acp_proxy.operator.install_view import InstallView, read_install
@@ -159,7 +159,30 @@ def families(figures: InstallFigures) -> list[Metric]:
     if figures.max_memory is not None:
         gauge("pool_max_memory_bytes", "The install's memory budget for adapter trees", figures.max_memory)
     out += counter_families(figures.counters)
+    out += histogram_families(figures.counters)
     return out
+
+
+def histogram_families(counters: Iterable[journal.Counter]) -> list[Metric]:
+    """One histogram family per ``Timing`` (present even before anything was timed): ``<timing>_seconds``."""
+    built: dict[timings.Timing, HistogramMetricFamily] = {}
+    for timing in timings.Timing:
+        label = timings.LABELS.get(timing)
+        labels = ["backend"] if label is None else ["backend", label]
+        built[timing] = HistogramMetricFamily(
+            f"{PREFIX}_{timing.value}_seconds", timings.DESCRIPTIONS[timing], labels=labels
+        )
+    for histogram in timings.histograms(counters):
+        values = (
+            [histogram.backend]
+            if timings.LABELS.get(histogram.timing) is None
+            else [
+                histogram.backend,
+                histogram.label,
+            ]
+        )
+        built[histogram.timing].add_metric(values, histogram.cumulative(), histogram.total)
+    return list(built.values())
 
 
 def counter_families(counters: Iterable[journal.Counter]) -> list[Metric]:

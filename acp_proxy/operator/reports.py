@@ -28,6 +28,7 @@ from typing import Any, Final, TextIO
 
 import msgspec
 
+from acp_proxy import timings
 from acp_proxy.operator import control
 from acp_proxy.operator.commands import _age, lease_view, open_existing
 from acp_proxy.operator.install_view import Answers, InstallView, read_install
@@ -642,6 +643,7 @@ def status(state_dir: Path, *, as_json: bool) -> int:
         "slots": [],
         "tasks": {"running": 0, "queued": 0, "lastDay": {}},
         "runningTasks": [],
+        "timings": {},
     }
     with opened(state_dir) as db:
         if db is not None:
@@ -727,6 +729,10 @@ def status_report(view: InstallView) -> dict[str, Any]:
         ],
         "tasks": tasks,
         "runningTasks": running,
+        "timings": {
+            backend: {timing.value: msgspec.structs.asdict(q) for timing, q in found.items()}
+            for backend, found in timings.by_backend(timings.histograms(view.counters)).items()
+        },
     }
 
 
@@ -836,3 +842,19 @@ def _print_status(report: dict[str, Any], has_db: bool) -> None:
             f"  {view['taskId']}  {view['status']:<8} session {_short(view['sessionId'], 14)}  "
             f"{_duration(view, moment):>8}  {_short(view['prompt'], 50)}"
         )
+    _print_timings(report["timings"])
+
+
+def _print_timings(by_backend: dict[str, dict[str, dict[str, Any]]]) -> None:
+    """Where the time goes, per backend: p50/p95 of each timing since the install was created."""
+    if not by_backend:
+        print("timings: none yet")
+        return
+    print("timings, p50/p95 (count) since the install was created:")
+    for backend, found in by_backend.items():
+        cells = [
+            f"{timings.SHORT_NAMES[timings.Timing(name)]} {timings.brief(q['p50'])}/{timings.brief(q['p95'])} "
+            f"({q['count']})"
+            for name, q in found.items()
+        ]
+        print(f"  {backend[:12]:<12} " + "  ".join(cells))

@@ -21,6 +21,7 @@ from acp_proxy.ownership.proctable import ProcessTable
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
 from acp_proxy.state import StateDB
+from acp_proxy.timings import Timings
 
 log = logging.getLogger("acp_proxy.ownership")
 
@@ -95,9 +96,12 @@ class Owner:
     table: ProcessTable
     reaped: list[ReapAction] = field(default_factory=list)
     journal: Journal = field(init=False)
+    timings: Timings = field(init=False)
+    """What this proxy timed, added to the install's histograms about once a second and at exit."""
 
     def __post_init__(self) -> None:
         self.journal = Journal(self.db, self.instance.instance_id)
+        self.timings = Timings(self.db)
 
     @classmethod
     def start(cls, state_dir: Path, *, grace: float) -> Owner:
@@ -121,6 +125,7 @@ class Owner:
         """The last thing a proxy does: its queued writes applied (its leases' last states among them,
         which decide whether it ended cleanly), then its instance ended and the database closed."""
         try:
+            self.timings.flush()
             self.db.stop_writer()
             instances.end_instance(self.db, self.instance, reason)
         finally:

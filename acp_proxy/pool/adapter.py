@@ -31,6 +31,7 @@ from acp_proxy.protocol.errors import describe_exit
 from acp_proxy.protocol.jsonrpc import LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Effect, Method, facts
 from acp_proxy.tasks.turn import Turn
+from acp_proxy.trace import Trace
 
 log = logging.getLogger("acp_proxy.adapter")
 
@@ -84,6 +85,8 @@ class Adapter:
         self.backend = backend
         self.supervised = supervised
         self.lines = LineReader(supervised.stdout, max_line_bytes)
+        self.trace: Trace | None = None
+        """Where what is written to it is recorded (``--trace``), if anywhere: set by the pool."""
         self.pending: dict[int, PendingCall] = {}
         self.gone = False
         self.can_close_sessions = False
@@ -344,6 +347,8 @@ class Adapter:
         """Write complete lines to the adapter's stdin; ``AdapterGone`` if it is closed."""
         if self.gone:
             raise AdapterGone(self.returncode)
+        if self.trace is not None:
+            self.trace.lines("proxy>agent", data, pid=self.pid, backend=self.backend.name)
         try:
             await self._stdin.send(data)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):

@@ -44,6 +44,8 @@ from acp_proxy.protocol.acp import PROTOCOL_VERSION, AgentCapabilities
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.protocol.methods import Method
+from acp_proxy.timings import Timing
+from acp_proxy.trace import Trace
 
 log = logging.getLogger("acp_proxy.lifecycle")
 
@@ -156,6 +158,9 @@ class ProcessPool:
         self.peers = peers
         self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
         self.journal = owner.journal
+        self.timings = owner.timings
+        self.trace: Trace | None = None
+        """Where every wire message is recorded (``--trace``), handed to each adapter it starts."""
         self.peaks = Peaks(Learned(owner.db))
         self.memory = MemoryKeeper(self, self.peaks)
         """The memory budget (``[pool] max_memory``): measuring, keeping it, making room before a start."""
@@ -401,8 +406,10 @@ class ProcessPool:
                         place = self.install.enqueue(backend.name, waiter.arrived)
                 await self.wait_for_change(changed, step.until - time.monotonic())
         finally:
+            seconds = time.monotonic() - waiter.arrived
+            if outcome != "abandoned":
+                self.timings.observe(Timing.SLOT_WAIT, backend.name, seconds, outcome)
             if waited:
-                seconds = time.monotonic() - waiter.arrived
                 self.journal.record(Kind.POOL_WAIT, backend=backend.name, label=outcome, seconds=seconds)
             if place is not None:
                 place.leave()
@@ -443,8 +450,11 @@ class ProcessPool:
             return False
         log.info("pool: asking proxy %s to suspend %s (%s)", slot.instance, slot.key, why)
         self._others = None  # its record is about to change: the next plan reads it again
+        asked = time.monotonic()
         evicted = await self.peers.evict(slot.instance, slot.key, why, reason)
-        self.journal.record(Kind.EVICT_ASKED, backend=slot.backend, label="yes" if evicted else "no")
+        answer = "yes" if evicted else "no"
+        self.timings.observe(Timing.EVICTION, slot.backend, time.monotonic() - asked, answer)
+        self.journal.record(Kind.EVICT_ASKED, backend=slot.backend, label=answer)
         return evicted
 
     def _first_quiet_at(self, moment: float) -> float:
@@ -555,6 +565,7 @@ class ProcessPool:
             self.journal.record(Kind.ADAPTER_STARTED, backend=backend.name, label="warm" if warm else "started")
         finally:
             self._release_reservation(backend, held)
+        adapter.trace = self.trace
         self._attach(adapter)
         self.background.start_task(self._watch_exit, adapter)
         if prepare:
@@ -694,6 +705,8 @@ class ProcessPool:
         """A new adapter has answered its first request: loaded, it counts as measured from now on."""
         if adapter.usage.starting:
             adapter.usage.starting = False
+            if adapter.usage.started_at is not None:
+                self.timings.observe(Timing.START, adapter.backend.name, time.monotonic() - adapter.usage.started_at)
             self.memory.measure_soon()
             self.changed.notify()
 

@@ -187,6 +187,8 @@ class AdapterRelay:
                     batch = await reader.receive_batch()
                 except anyio.EndOfStream:
                     break
+                if self.writer.trace is not None:
+                    self.writer.trace.lines("agent>proxy", batch.block, pid=adapter.pid, backend=adapter.backend.name)
                 if batch.overlong:
                     log.warning(
                         "adapter pid=%d wrote %d line(s) over %d bytes: dropped",

@@ -151,6 +151,8 @@ class GatewayConnection:
                 batch = await reader.receive_batch()
             except anyio.EndOfStream:
                 return
+            if self.writer.trace is not None:
+                self.writer.trace.lines("gateway>proxy", batch.block)
             for _ in range(batch.overlong):
                 await self.writer.send(ProxyError.line_too_long(self.config.max_line_bytes).response(None))
             for line, decoded in decoded_lines(batch):

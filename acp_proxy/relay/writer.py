@@ -15,6 +15,7 @@ from acp_proxy.concurrency import Stopping
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import LineWriter, RequestId
+from acp_proxy.trace import Trace
 
 log = logging.getLogger("acp_proxy.proxy")
 
@@ -25,15 +26,25 @@ SHUTDOWN_WRITE_GRACE: Final = 2.0
 class GatewayWriter:
     """Writes to the gateway's stdin; a gateway that stops reading cannot hold a shutdown hostage."""
 
-    def __init__(self, stream: anyio.abc.ByteSendStream, stopping: Stopping, on_broken: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        stream: anyio.abc.ByteSendStream,
+        stopping: Stopping,
+        on_broken: Callable[[], None],
+        trace: Trace | None = None,
+    ) -> None:
         self._out = LineWriter(stream)
         self._stopping = stopping
         self._on_broken = on_broken
         self.broken = False
+        self.trace = trace
+        """Where every wire message is recorded, both sides (``--trace``), if anywhere."""
 
     async def send(self, data: bytes) -> None:
         if self.broken:
             return
+        if self.trace is not None:
+            self.trace.lines("proxy>gateway", data)
         # Once shutting down, these writes run in shielded scopes, so they get a deadline.
         deadline = SHUTDOWN_WRITE_GRACE if self._stopping.begun else math.inf
         try:

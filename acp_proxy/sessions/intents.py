@@ -24,6 +24,7 @@ proxies): docs/architecture.md, "The states of a session".
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Final, Literal
@@ -60,6 +61,7 @@ from acp_proxy.sessions.visibility import SessionRow, parse_requester, visible_r
 from acp_proxy.tasks.status import TERMINAL, TaskStatus
 from acp_proxy.tasks.turn import Turn
 from acp_proxy.tasks.turns import TurnBook, turn_ids
+from acp_proxy.timings import Timing
 
 log = logging.getLogger("acp_proxy.lifecycle")
 
@@ -205,6 +207,7 @@ class SessionIntents:
 
     async def new(self, msg: Message) -> None:
         """``session/new``: on a prepared adapter; the id it answers becomes the stable id."""
+        received = time.monotonic()
         await self.registry.caught_up()  # the answer's stable id is decided from the rows, in a callback
         adapter = await self._prepared_for(msg)
         if adapter is None:
@@ -216,6 +219,7 @@ class SessionIntents:
             session_id = session_of(answer.result) if answer.error is UNSET else None
             if session_id is None:
                 return None  # the error goes to the gateway; the process stays as a spare
+            self.pool.timings.observe(Timing.SESSION_NEW, backend.name, time.monotonic() - received)
             return answered_as(answer, session_id, self._register(session_id, backend, adapter, msg.params))
 
         await self._send_first(adapter, msg, created)

@@ -35,6 +35,7 @@ from acp_proxy.protocol.settings import reflect_setting
 from acp_proxy.sessions.lifecycle import Event
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.sessions.table import Session, SessionTable
+from acp_proxy.timings import Timing
 
 log = logging.getLogger("acp_proxy.lifecycle")
 
@@ -144,6 +145,7 @@ class Restorer:
             took * 1000,
             extra=ids(session=record.session_id, lease=adapter.supervised.lease.lease_id, backend=backend.name),
         )
+        self.pool.timings.observe(Timing.RESTORE, backend.name, took, restored_by)
         self.pool.journal.record(
             Kind.RESUMED,
             backend=backend.name,

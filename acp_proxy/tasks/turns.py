@@ -38,6 +38,7 @@ from acp_proxy.tasks.notify import Notifier
 from acp_proxy.tasks.records import TaskRegistry, prune, sweep_lost
 from acp_proxy.tasks.status import TERMINAL, TaskStatus, outcome_of, prompt_preview, traceparent_of
 from acp_proxy.tasks.turn import Turn, new_task_id
+from acp_proxy.timings import Timing, Timings
 
 log = logging.getLogger("acp_proxy.tasks")
 
@@ -99,8 +100,11 @@ class TurnBook:
         prune_also: Callable[[float], int] | None = None,
         session_info: Callable[[str, dict[str, str | None]], None] | None = None,
         notifier: Notifier | None = None,
+        timings: Timings | None = None,
     ) -> None:
         self.tasks = tasks
+        self.timings = timings
+        """Where the turns' durations are counted (``Timing.TURN``, ``Timing.FIRST_UPDATE``), and flushed from."""
         self.config = config
         self.stopping = stopping
         self._prune_also = prune_also
@@ -276,6 +280,10 @@ class TurnBook:
             return
         previous = turn.status
         turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out, ended_by=ended_by))
+        if self.timings is not None and turn.started_at is not None and turn.ended_at is not None:
+            self.timings.observe(Timing.TURN, turn.backend, turn.ended_at - turn.started_at)
+            if turn.first_output_at is not None:
+                self.timings.observe(Timing.FIRST_UPDATE, turn.backend, turn.first_output_at - turn.started_at)
         self.turns.pop(turn.task_id, None)
         self.settled.notify()
         if turn.notify or self._notifying:
@@ -357,6 +365,8 @@ class TurnBook:
             await anyio.sleep(interval)
             if self.settled_unwritten:  # normally written by the relay at once; never left behind
                 self.write_settled()
+            if self.timings is not None:
+                self.timings.flush()
             self.flush_progress()
             self.take_outcomes()
             if self.unwritten:

@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
+
+from acp_proxy import timings
 from acp_proxy.journal import Event
 from acp_proxy.operator import reports
 from acp_proxy.operator.commands import open_existing
@@ -129,6 +132,8 @@ class Snapshot:
     sessions: tuple[SessionRow, ...] = ()
     turns: tuple[TurnRow, ...] = ()
     events: tuple[EventRow, ...] = ()
+    timings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each timing's ``count``, ``p50`` and ``p95`` (seconds) over every backend since the install was created."""
     problem: str | None = None
     """The last gathering failed (this is the one before it): why."""
 
@@ -206,7 +211,9 @@ class Gatherer:
         measured = [s.memory for s in sessions if s.state == "live" and s.memory is not None] + spares
         pool = PoolUsage(len(slot_records), max_live, sum(measured) if measured else None, max_memory)
         events = tuple(event_row(event) for event in view.events)
-        return Snapshot(str(self.state_dir), view.taken_at, True, pool, proxies, sessions, _turns(view), events)
+        found = timings.overall(timings.histograms(view.counters))
+        timed = {timing.value: msgspec.structs.asdict(q) for timing, q in found.items()}
+        return Snapshot(str(self.state_dir), view.taken_at, True, pool, proxies, sessions, _turns(view), events, timed)
 
     def _sessions(self, view: InstallView, by_session: dict[str, SlotRecord]) -> tuple[SessionRow, ...]:
         rows = view.recent_sessions
