@@ -280,6 +280,7 @@ async def stop_quietly(sp: SupervisedProcess, term_grace: float) -> None:
 
 
 def check_closed(sp: SupervisedProcess) -> None:
+    sp.owner.db.settle()  # a lease's last state is queued for the state writer, as the proxy writes it
     lease = get_lease(sp.owner.db, sp.lease.lease_id)
     if lease.state is not LeaseState.CLOSED:
         raise BenchError(f"lease {lease.lease_id} ended {lease.state.value}: {lease.reason}")
