@@ -121,6 +121,20 @@ def test_sync_requests_updates_handler_raw_lines_and_close(proc_env: dict[str, s
     assert b"Traceback" not in gw.stderr
 
 
+def test_sync_reader_thread_keeps_an_answer_that_comes_before_it_is_asked_for(proc_env: dict[str, str]) -> None:
+    gw = SyncGateway.launch(fake_command(), env=proc_env, reader_thread=True, keep=False)
+    request_id = gw.send_request("_fake/echo", {"n": 7})
+    deadline = time.monotonic() + 10
+    while any(key[1] == request_id for key in gw._pending) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the reader thread has delivered the answer
+    assert not any(key[1] == request_id for key in gw._pending)
+    assert gw.answer(request_id)["result"] == {"n": 7}
+    with pytest.raises(KeyError):
+        gw.answer(request_id)  # taken once
+    gw.kill()
+    assert gw.close() == -signal.SIGKILL
+
+
 def test_sync_reader_thread_serves_many_threads(proc_env: dict[str, str]) -> None:
     gw = SyncGateway.launch(fake_command(), env=proc_env, reader_thread=True, keep=False)
     answers: list[Any] = []

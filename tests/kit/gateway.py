@@ -162,6 +162,10 @@ class _Connection:
         self.output_closed = False
         self._next_id = first_id
         self._pending: dict[tuple[type, Any], _Slot] = {}
+        """Requests sent and not answered yet, by id: the reader fills in an answer and drops the entry."""
+        self._sent: dict[tuple[type, Any], _Slot] = {}
+        """The synchronous face's requests whose ``answer`` has not been asked for yet: a reader thread
+        may deliver an answer before its sender asks for it."""
         self._stash: collections.deque[Message] = collections.deque()
         self._lock = threading.RLock()  # the stash, for a face that reads in a thread of its own
         self._buf = b""
@@ -706,7 +710,8 @@ class SyncGateway(_Connection):
         msg: Message = {}
         with self._write_lock:
             request_id = self.new_id() if request_id is AUTO else request_id
-            self._pending[_key(request_id)] = _Slot(threading.Event() if self._reader is not None else None)
+            slot = _Slot(threading.Event() if self._reader is not None else None)
+            self._pending[_key(request_id)] = self._sent[_key(request_id)] = slot
             msg = request_message(request_id, method, params)
             for observe in self.observers:
                 observe("out", msg)
@@ -714,12 +719,13 @@ class SyncGateway(_Connection):
                 self._write(encode(msg))
             except Closed:
                 self._pending.pop(_key(request_id), None)
+                self._sent.pop(_key(request_id), None)
                 raise
         return request_id
 
     def answer(self, request_id: Any, timeout: float = TIMEOUT) -> Message:
         """The answer to a request sent with ``send_request``."""
-        slot = self._pending.get(_key(request_id))
+        slot = self._sent.pop(_key(request_id), None)
         if slot is None:
             raise KeyError(f"no request {request_id!r} is waiting")
         deadline = time.monotonic() + timeout
