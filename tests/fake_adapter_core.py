@@ -42,6 +42,7 @@ then the turn ends with end_turn unless a command ended it first.
     escape             start a grandchild that leaves with setsid + double fork
     fork_loop          start a child that keeps forking short-lived and long-lived children
     crash N            exit immediately with status N
+    close_stdout       close stdout (a broken connection) and live on until stdin's EOF or a signal
     sleep S            sleep S seconds
     wait_cancel        stream until session/cancel arrives, then stop with "cancelled"
     ignore_cancel S    stream until session/cancel arrives, then S seconds more ("late" chunks), then stop
@@ -485,6 +486,12 @@ class FakeAdapter:
         elif verb == "crash":
             sys.stdout.flush()
             os._exit(int(arg or 1))
+        elif verb == "close_stdout":
+            sys.stdout.flush()
+            os.close(1)
+            while sys.stdin.buffer.read(65536):  # lives on, deaf, until the proxy lets it go
+                pass
+            os._exit(0)
         elif verb == "sleep":
             time.sleep(float(arg))
         elif verb == "wait_cancel":

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.support import Gateway, adapter_calls, pid_alive
+from tests.support import Gateway, adapter_calls, pid_alive, survivors
 
 pytestmark = pytest.mark.anyio
 
@@ -311,6 +311,23 @@ async def test_adapter_crash_answers_every_request_in_flight(proc_env: dict[str,
         # Nothing is lost for good: the session resumes on a new process, other requests get one too.
         assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
         assert (await gw.request("_fake/echo", {"n": 2}))["result"] == {"n": 2}
+
+
+async def test_an_adapter_that_closes_its_output_but_lives_is_stopped_not_reused(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A broken connection: its stdout closed while the process runs. What it owed is answered, the
+    process is stopped (it would never answer again), and the session resumes on a new one."""
+    async with Gateway.start(proc_env, tmp_path) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        broken = (await gw.request("_fake/pids"))["result"]["adapter"]
+        answer = await gw.prompt(session, "stream 1; close_stdout")
+        assert answer["error"]["data"]["reason"] == "adapter_exited"
+        assert await survivors([broken]) == []
+        assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
+        assert (await gw.request("_fake/pids"))["result"]["adapter"] != broken
+    assert f"adapter pid={broken} closed its output but still runs" in gw.stderr.decode()
 
 
 async def test_spawn_failure_is_an_error_not_a_hang(proc_env: dict[str, str], tmp_path: Path) -> None:

@@ -365,6 +365,12 @@ class AdapterRelay:
         the next request for it resumes it.
         """
         returncode = await adapter.wait_exit(1.0)
+        if returncode is None and self.stopping.reason is None:
+            log.warning(
+                "adapter pid=%d closed its output but still runs (a broken connection): it is stopped, "
+                "not reused; its sessions resume on a new process",
+                adapter.pid,
+            )
         failed = adapter.mark_gone()
         if self.stopping.reason is None and failed:
             log.error(
