@@ -149,13 +149,14 @@ class Journal:
         self.db.write_or_log(statement, log, logging.WARNING, "could not record %s in the journal: %s", kind.value)
 
 
+ADD_COUNT: Final = """INSERT INTO counters (name, backend, label, count, seconds) VALUES (?, ?, ?, ?, ?)
+    ON CONFLICT (name, backend, label) DO UPDATE SET
+        count = count + excluded.count, seconds = seconds + excluded.seconds"""
+"""Adds ``(name, backend, label, count, seconds)`` to a counter, creating it if need be."""
+
+
 def _apply(record: Record, instance_id: str | None, at: float, conn: sqlite3.Connection) -> None:
-    conn.execute(
-        """INSERT INTO counters (name, backend, label, count, seconds) VALUES (?, ?, ?, ?, ?)
-           ON CONFLICT (name, backend, label) DO UPDATE SET
-               count = count + excluded.count, seconds = seconds + excluded.seconds""",
-        (record.kind.value, record.backend, record.label, record.count, record.seconds),
-    )
+    conn.execute(ADD_COUNT, (record.kind.value, record.backend, record.label, record.count, record.seconds))
     if not record.shown:
         return
     event_id = conn.execute(
@@ -169,20 +170,14 @@ def _apply(record: Record, instance_id: str | None, at: float, conn: sqlite3.Con
 
 def add_counts(rows: Sequence[tuple[str, str, str, int, float]], conn: sqlite3.Connection) -> None:
     """Add ``(name, backend, label, count, seconds)`` rows to the counters (a statement for the writer)."""
-    conn.executemany(
-        """INSERT INTO counters (name, backend, label, count, seconds) VALUES (?, ?, ?, ?, ?)
-           ON CONFLICT (name, backend, label) DO UPDATE SET
-               count = count + excluded.count, seconds = seconds + excluded.seconds""",
-        rows,
-    )
+    conn.executemany(ADD_COUNT, rows)
 
 
 def count_in(conn: sqlite3.Connection, kind: Kind, *, backend: str = "", label: str = "", count: int = 1) -> None:
     """Count inside a transaction the caller already holds (a count that must agree with the write beside it)."""
     conn.execute(
-        """INSERT INTO counters (name, backend, label, count) VALUES (?, ?, ?, ?)
-           ON CONFLICT (name, backend, label) DO UPDATE SET count = count + excluded.count""",
-        (kind.value, backend, label, count),
+        ADD_COUNT,
+        (kind.value, backend, label, count, 0.0),
     )
 
 
