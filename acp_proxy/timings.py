@@ -19,7 +19,7 @@ import functools
 import logging
 import math
 from collections.abc import Iterable, Mapping
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -201,9 +201,8 @@ def by_backend(found: Iterable[Histogram]) -> dict[str, dict[Timing, Quantiles]]
     out: dict[str, dict[Timing, Quantiles]] = {}
     for backend in sorted({backend for backend, _ in grouped}):
         for timing in Timing:  # in the order a request meets them
-            one = merged(grouped.get((backend, timing), ()))
-            if one is not None and one.count:
-                out.setdefault(backend, {})[timing] = Quantiles(one.count, one.quantile(0.5), one.quantile(0.95))
+            if (quantiles := _quantiles(grouped.get((backend, timing), ()))) is not None:
+                out.setdefault(backend, {})[timing] = quantiles
     return out
 
 
@@ -214,10 +213,22 @@ def overall(found: Iterable[Histogram]) -> dict[Timing, Quantiles]:
         grouped.setdefault(histogram.timing, []).append(histogram)
     out: dict[Timing, Quantiles] = {}
     for timing in Timing:
-        one = merged(grouped.get(timing, ()))
-        if one is not None and one.count:
-            out[timing] = Quantiles(one.count, one.quantile(0.5), one.quantile(0.95))
+        if (quantiles := _quantiles(grouped.get(timing, ()))) is not None:
+            out[timing] = quantiles
     return out
+
+
+def _quantiles(group: Iterable[Histogram]) -> Quantiles | None:
+    """p50 and p95 of histograms of one timing taken together; ``None`` when nothing was timed."""
+    one = merged(group)
+    if one is None or not one.count:
+        return None
+    return Quantiles(one.count, one.quantile(0.5), one.quantile(0.95))
+
+
+def quantiles_from(document: Mapping[str, Mapping[str, Any]]) -> dict[Timing, Quantiles]:
+    """``{timing: {count, p50, p95}}`` as ``status --json`` and ``top --json`` write them, read back."""
+    return {Timing(name): Quantiles(q["count"], q["p50"], q["p95"]) for name, q in document.items()}
 
 
 def brief(seconds: float | None) -> str:
@@ -245,6 +256,10 @@ SHORT_NAMES: Final[Mapping[Timing, str]] = {
 }
 
 
-def line_of(quantiles: Mapping[Timing, Quantiles]) -> str:
-    """``start 410ms/1.2s  restore 1.9s/4.0s  …``: p50/p95 of each timing there is."""
-    return "  ".join(f"{SHORT_NAMES[timing]} {brief(q.p50)}/{brief(q.p95)}" for timing, q in quantiles.items())
+def line_of(quantiles: Mapping[Timing, Quantiles], *, counts: bool = False) -> str:
+    """``start 410ms/1.2s  restore 1.9s/4.0s  …``: p50/p95 of each timing there is (``counts``: then
+    ``(n)``, how many were timed)."""
+    return "  ".join(
+        f"{SHORT_NAMES[timing]} {brief(q.p50)}/{brief(q.p95)}" + (f" ({q.count})" if counts else "")
+        for timing, q in quantiles.items()
+    )

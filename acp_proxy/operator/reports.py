@@ -852,9 +852,4 @@ def _print_timings(by_backend: dict[str, dict[str, dict[str, Any]]]) -> None:
         return
     print("timings, p50/p95 (count) since the install was created:")
     for backend, found in by_backend.items():
-        cells = [
-            f"{timings.SHORT_NAMES[timings.Timing(name)]} {timings.brief(q['p50'])}/{timings.brief(q['p95'])} "
-            f"({q['count']})"
-            for name, q in found.items()
-        ]
-        print(f"  {backend[:12]:<12} " + "  ".join(cells))
+        print(f"  {backend[:12]:<12} " + timings.line_of(timings.quantiles_from(found), counts=True))

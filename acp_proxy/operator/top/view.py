@@ -258,10 +258,7 @@ def _timings_line(snapshot: Snapshot) -> str:
     """``p50/p95  start 410ms/1.2s  restore 1.9s/4.0s  …`` over every backend; empty before anything was timed."""
     if not snapshot.timings:
         return ""
-    found = {
-        timings.Timing(name): timings.Quantiles(q["count"], q["p50"], q["p95"]) for name, q in snapshot.timings.items()
-    }
-    return "p50/p95  " + timings.line_of(found)
+    return "p50/p95  " + timings.line_of(timings.quantiles_from(snapshot.timings))
 
 
 def _status_line(snapshot: Snapshot, view: ViewState, width: int) -> Text:
