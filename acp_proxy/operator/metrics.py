@@ -173,14 +173,8 @@ def histogram_families(counters: Iterable[journal.Counter]) -> list[Metric]:
             f"{PREFIX}_{timing.value}_seconds", timings.DESCRIPTIONS[timing], labels=labels
         )
     for histogram in timings.histograms(counters):
-        values = (
-            [histogram.backend]
-            if timings.LABELS.get(histogram.timing) is None
-            else [
-                histogram.backend,
-                histogram.label,
-            ]
-        )
+        labelled = timings.LABELS.get(histogram.timing) is not None
+        values = [histogram.backend, histogram.label] if labelled else [histogram.backend]
         built[histogram.timing].add_metric(values, histogram.cumulative(), histogram.total)
     return list(built.values())
 
