@@ -226,8 +226,13 @@ def _quantiles(group: Iterable[Histogram]) -> Quantiles | None:
     return Quantiles(one.count, one.quantile(0.5), one.quantile(0.95))
 
 
+def quantiles_json(found: Mapping[Timing, Quantiles]) -> dict[str, dict[str, Any]]:
+    """``{timing: {count, p50, p95}}``, as ``status --json`` and ``top --json`` write them."""
+    return {timing.value: msgspec.structs.asdict(q) for timing, q in found.items()}
+
+
 def quantiles_from(document: Mapping[str, Mapping[str, Any]]) -> dict[Timing, Quantiles]:
-    """``{timing: {count, p50, p95}}`` as ``status --json`` and ``top --json`` write them, read back."""
+    """``quantiles_json``'s document read back."""
     return {Timing(name): Quantiles(q["count"], q["p50"], q["p95"]) for name, q in document.items()}
 
 

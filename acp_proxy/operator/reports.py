@@ -730,7 +730,7 @@ def status_report(view: InstallView) -> dict[str, Any]:
         "tasks": tasks,
         "runningTasks": running,
         "timings": {
-            backend: {timing.value: msgspec.structs.asdict(q) for timing, q in found.items()}
+            backend: timings.quantiles_json(found)
             for backend, found in timings.by_backend(timings.histograms(view.counters)).items()
         },
     }

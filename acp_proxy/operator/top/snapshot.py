@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
-
 from acp_proxy import timings
 from acp_proxy.journal import Event
 from acp_proxy.operator import reports
@@ -212,7 +210,7 @@ class Gatherer:
         pool = PoolUsage(len(slot_records), max_live, sum(measured) if measured else None, max_memory)
         events = tuple(event_row(event) for event in view.events)
         found = timings.overall(timings.histograms(view.counters))
-        timed = {timing.value: msgspec.structs.asdict(q) for timing, q in found.items()}
+        timed = timings.quantiles_json(found)
         return Snapshot(str(self.state_dir), view.taken_at, True, pool, proxies, sessions, _turns(view), events, timed)
 
     def _sessions(self, view: InstallView, by_session: dict[str, SlotRecord]) -> tuple[SessionRow, ...]:
