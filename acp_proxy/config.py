@@ -45,6 +45,11 @@ class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
     of its backend takes)."""
     max_memory: int | None = None
     """Bytes all live adapter trees of the install may use together (PSS, else RSS); None: no budget."""
+    session_max_memory: int | None = None
+    """Bytes one session's tree may use: an idle one over it is recycled (suspended, restored on its
+    next request), a busy one as soon as its turn ends; None: no ceiling."""
+    session_kill_memory: int | None = None
+    """Bytes past which a session's running turn is ended (cancelled, answered, the tree recycled)."""
 
 
 class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,6 +73,9 @@ class TraceConfig(msgspec.Struct, frozen=True, kw_only=True):
 class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
     turn_timeout: float = 0.0
     """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
+    turn_idle_timeout: float = 0.0
+    """A turn from which nothing is heard this long (no update, no request to the client; a request
+    the client has not answered yet stops the clock) is cut like a ``turn_timeout``; 0 = never."""
     cancel_timeout: float = 30.0
     """A turn still running this long after ``session/cancel`` is answered ``cancelled`` by the proxy and
     its process stopped (the session suspended); 0 = wait for the adapter however long it takes."""
@@ -96,6 +104,12 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Overrides ``[pool] start_timeout`` for this backend."""
     max_memory: int | None = None
     """Bytes the live trees of this backend may use together, across the install."""
+    turn_idle_timeout: float | None = None
+    """Overrides ``[tasks] turn_idle_timeout`` for this backend."""
+    session_max_memory: int | None = None
+    """Overrides ``[pool] session_max_memory`` for this backend's sessions."""
+    session_kill_memory: int | None = None
+    """Overrides ``[pool] session_kill_memory`` for this backend's sessions."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,6 +134,23 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
             what = f"unknown backend {chosen!r}" if chosen else "no default_backend set"
             raise KeyError(f"{what} (configured: {configured})")
         return self.backends[chosen]
+
+    def turn_idle_timeout(self, backend: str) -> float:
+        """``turn_idle_timeout`` for the named backend: its own, else ``[tasks]``'; 0 means none."""
+        own = self.backends.get(backend)
+        if own is not None and own.turn_idle_timeout is not None:
+            return own.turn_idle_timeout
+        return self.tasks.turn_idle_timeout
+
+    def session_memory(self, backend: str) -> tuple[int | None, int | None]:
+        """``(session_max_memory, session_kill_memory)`` for the named backend's sessions: its own, else ``[pool]``'."""
+        own = self.backends.get(backend)
+        soft = own.session_max_memory if own is not None and own.session_max_memory is not None else None
+        hard = own.session_kill_memory if own is not None and own.session_kill_memory is not None else None
+        return (
+            soft if soft is not None else self.pool.session_max_memory,
+            hard if hard is not None else self.pool.session_kill_memory,
+        )
 
     def cancel_timeout(self, backend: str) -> float:
         """``cancel_timeout`` for the named backend: its own, else ``[tasks]``'; 0 means none."""
@@ -308,6 +339,8 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "start_timeout": parse_duration,
                 "min_idle": parse_duration,
                 "max_memory": parse_size,
+                "session_max_memory": parse_size,
+                "session_kill_memory": parse_size,
             },
         )
     )
@@ -328,6 +361,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             "tasks",
             {
                 "turn_timeout": parse_duration,
+                "turn_idle_timeout": parse_duration,
                 "cancel_timeout": parse_duration,
                 "retention": parse_duration,
                 "notify": _one_of(NOTIFY_POLICIES),
@@ -366,6 +400,9 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 "cancel_timeout": parse_duration,
                 "start_timeout": parse_duration,
                 "max_memory": parse_size,
+                "turn_idle_timeout": parse_duration,
+                "session_max_memory": parse_size,
+                "session_kill_memory": parse_size,
             },
         )
         if isinstance(raw, dict) and "command" not in raw:
@@ -379,6 +416,15 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             backends[name] = BackendConfig(name=name, env=checked_env, **fields)
     if not raw_backends and not checker.problems:
         checker.fail("backends", "at least one backend is required, e.g. [backends.codex]")
+    for path, soft, hard in [
+        ("pool", pool.session_max_memory, pool.session_kill_memory),
+        *((f"backends.{b.name}", b.session_max_memory, b.session_kill_memory) for b in backends.values()),
+    ]:
+        if soft is not None and hard is not None and hard <= soft:
+            checker.fail(
+                f"{path}.session_kill_memory",
+                "must be larger than session_max_memory (the hard limit past which a turn is ended)",
+            )
     default = top.get("default_backend")
     if default is not None and raw_backends and default not in raw_backends:
         configured = ", ".join(sorted(raw_backends))

@@ -30,6 +30,7 @@ from acp_proxy.pool.processes import ProcessPool, WarmStart
 from acp_proxy.relay.adapters import AdapterRelay
 from acp_proxy.relay.gateway import GatewayConnection
 from acp_proxy.relay.writer import GatewayWriter
+from acp_proxy.sessions.ceilings import MemoryCeilings
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.leftovers import clear_periodically
 from acp_proxy.sessions.registry import SessionRegistry
@@ -108,6 +109,8 @@ async def serve_gateway(
         table = SessionTable(registry, background, pool.changed, on_bound=pool.recency.note_bound)
         intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
         relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping)
+        if MemoryCeilings.configured(config):
+            pool.memory.on_measured = MemoryCeilings(config, intents, background).check
         gateway = GatewayConnection(
             config,
             pool=pool,

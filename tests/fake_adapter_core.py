@@ -44,6 +44,11 @@ then the turn ends with end_turn unless a command ended it first.
     crash N            exit immediately with status N
     close_stdout       close stdout (a broken connection) and live on until stdin's EOF or a signal
     sleep S            sleep S seconds
+    trickle S          a message chunk "." every 0.1 s for S seconds (a long turn that keeps talking)
+    silent             say nothing until session/cancel arrives, then stop with "cancelled"
+    grow N             keep N more MiB resident, until the process ends
+    grow_until_cancel N
+                       N more MiB every 0.1 s (and a "."), until session/cancel arrives
     wait_cancel        stream until session/cancel arrives, then stop with "cancelled"
     ignore_cancel S    stream until session/cancel arrives, then S seconds more ("late" chunks), then stop
                        with "cancelled" (gemini --acp ends its network retries before it ends a turn)
@@ -116,6 +121,8 @@ class FakeAdapter:
         self.ids = itertools.count(100)
         self.waiting: dict[int, tuple[threading.Event, list[Any]]] = {}
         self.cancelled_sessions: set[str] = set()
+        self.hoard: list[bytes] = []
+        """Memory the ``grow`` commands keep."""
         self.cancelled_requests: set[Any] = set()
         self.sessions: dict[str, dict[str, Any]] = {}  # id -> {"history", "mode", "config", "turns"}
         self.sessions_lock = threading.RLock()
@@ -494,6 +501,24 @@ class FakeAdapter:
             os._exit(0)
         elif verb == "sleep":
             time.sleep(float(arg))
+        elif verb == "trickle":  # a long turn that keeps talking: a dot every 0.1 s for ARG seconds
+            until = time.monotonic() + float(arg)
+            while time.monotonic() < until:
+                self.say(session_id, ".")
+                time.sleep(0.1)
+        elif verb == "silent":  # until cancelled
+            while session_id not in self.cancelled_sessions:
+                time.sleep(0.01)
+            return "cancelled"
+        elif verb == "grow":  # keeps ARG more MiB, resident, until the process ends
+            self.hoard.append(b"\x01" * (int(arg) * 2**20))
+            self.say(session_id, f"holding {sum(map(len, self.hoard)) >> 20} MiB")
+        elif verb == "grow_until_cancel":  # ARG more MiB every 0.1 s, talking, until cancelled
+            while session_id not in self.cancelled_sessions:
+                self.hoard.append(b"\x01" * (int(arg) * 2**20))
+                self.say(session_id, ".")
+                time.sleep(0.1)
+            return "cancelled"
         elif verb == "wait_cancel":
             for i in itertools.count():
                 if session_id in self.cancelled_sessions:

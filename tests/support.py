@@ -176,18 +176,22 @@ class Gateway(gateway.Gateway):
 # --- proxies with sessions over a pool -----------------------------------------------------------
 
 
+BACKEND_KEYS = ("turn_idle_timeout", "session_max_memory", "session_kill_memory", "turn_timeout")
+"""Backend keys ``write_config`` writes as they are (the other options are the fake adapter's)."""
+
+
 def write_config(
     tmp_path: Path,
     *,
     pool: dict[str, str | int] | None = None,
     backends: dict[str, dict[str, Any]] | None = None,
     default_backend: str | None = None,
-    tasks: dict[str, str] | None = None,
+    tasks: dict[str, Any] | None = None,
     shutdown: dict[str, str] | None = None,
 ) -> Path:
     """A TOML config: fast shutdown (unless ``shutdown`` says otherwise), the given pool, backends (each a
-    dict of fake adapter options, but ``resume``, ``max_live``, ``start_timeout`` and ``cancel_timeout``,
-    which are the backend's own)."""
+    dict of fake adapter options, but ``resume``, ``max_live``, ``start_timeout``, ``cancel_timeout`` and
+    ``BACKEND_KEYS``, which are the backend's own)."""
     lines = []
     if default_backend:
         lines.append(f'default_backend = "{default_backend}"')
@@ -202,6 +206,7 @@ def write_config(
         max_live = settings.pop("max_live", None)
         start_timeout = settings.pop("start_timeout", None)
         cancel_timeout = settings.pop("cancel_timeout", None)
+        own = {key: settings.pop(key) for key in BACKEND_KEYS if key in settings}
         lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(**settings))}"]
         if resume:
             lines.append(f'resume = "{resume}"')
@@ -211,6 +216,7 @@ def write_config(
             lines.append(f"start_timeout = {json.dumps(start_timeout)}")
         if cancel_timeout is not None:
             lines.append(f"cancel_timeout = {json.dumps(cancel_timeout)}")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in own.items()]
     path = tmp_path / f"config-{len(list(tmp_path.glob('config-*')))}.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -93,11 +93,20 @@ def test_design_example_is_valid() -> None:
             {**GOOD, "pool": {"max_lve": 3}},
             "pool.max_lve: unknown key "
             "(expected one of: acquire_timeout, idle_ttl, max_live, max_memory, min_idle, quiet_after, "
-            "resume_timeout, start_timeout)",
+            "resume_timeout, session_kill_memory, session_max_memory, start_timeout)",
         ),
         ({**GOOD, "shutdown": {"term_grace": -1}}, "shutdown.term_grace: expected a duration"),
         ({**GOOD, "pool": 5}, "pool: expected a table, got 5"),
         ({**GOOD, "ownership": {"reap_interval": "often"}}, "ownership.reap_interval: expected a duration"),
+        ({**GOOD, "tasks": {"turn_idle_timeout": "quiet"}}, "tasks.turn_idle_timeout: expected a duration"),
+        (
+            {**GOOD, "pool": {"session_max_memory": "1G", "session_kill_memory": "512M"}},
+            "pool.session_kill_memory: must be larger than session_max_memory",
+        ),
+        (
+            {"backends": {"codex": {"command": ["x"], "session_max_memory": "2G", "session_kill_memory": "2G"}}},
+            "backends.codex.session_kill_memory: must be larger than session_max_memory",
+        ),
         ({**GOOD, "ownership": {"reap": "3m"}}, "ownership.reap: unknown key (expected one of: reap_interval)"),
         ({**GOOD, "trace": {"max_size": "huge"}}, 'trace.max_size: expected a size such as "512M"'),
         ({**GOOD, "trace": {"path": "x"}}, "trace.path: unknown key (expected one of: file, max_size)"),
@@ -186,6 +195,26 @@ def test_memory_budget_and_min_idle_are_read() -> None:
     assert config.backends["a"].max_memory == 2**30
     assert config.backends["b"].max_memory is None
     assert validate({"backends": {"b": {"command": ["b"]}}}).pool.max_memory is None
+
+
+def test_session_ceilings_and_the_idle_turn_limit_are_read_per_backend() -> None:
+    config = validate(
+        {
+            "pool": {"session_max_memory": "1G", "session_kill_memory": "2G"},
+            "tasks": {"turn_idle_timeout": "5m"},
+            "backends": {
+                "a": {"command": ["a"], "session_max_memory": "512M", "turn_idle_timeout": "30s"},
+                "b": {"command": ["b"], "session_kill_memory": "4G"},
+            },
+        }
+    )
+    assert config.session_memory("a") == (512 * 2**20, 2 * 2**30)
+    assert config.session_memory("b") == (2**30, 4 * 2**30)
+    assert config.turn_idle_timeout("a") == 30.0
+    assert config.turn_idle_timeout("b") == 300.0
+    plain = validate(GOOD)
+    assert plain.session_memory("codex") == (None, None)
+    assert plain.turn_idle_timeout("codex") == 0.0
 
 
 def test_variable_expansion_is_literal_and_shell_free() -> None:

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.anyio
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 NOTICE_KEYS = {
     "version",
+    "event",
     "taskId",
     "sessionId",
     "title",
@@ -173,6 +174,7 @@ async def test_done_only_tells_each_finished_task_once_with_its_fields(
     assert set(done) == NOTICE_KEYS
     task = tasks[done["taskId"]]
     assert done["version"] == 1
+    assert done["event"] == "task"
     assert (done["status"], done["previousStatus"], done["reason"]) == ("done", "running", "end_turn")
     assert (done["sessionId"], done["backend"], done["instance"]) == (session, task["backend"], task["instance"])
     assert done["title"] == "Fix the build"

@@ -20,6 +20,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Changes
 from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, expand
+from acp_proxy.journal import SuspendReason
 from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import TableUnavailable
@@ -119,6 +120,9 @@ class Adapter:
         """The pool's account of this process (``pool.usage``): only the pool assigns its fields."""
         self.on_turn_start: Callable[[Adapter], None] | None = None
         """Called when a turn starts here, so that the install's record of this slot says busy at once."""
+        self.recycle: tuple[str, SuspendReason] | None = None
+        """Why (and the journal's reason) its session is to be recycled as soon as it is idle: its tree
+        is over the session's memory ceiling (``sessions.ceilings``)."""
 
     # The rest of the proxy changes what a process is to it through these methods, never by
     # assigning its fields (tests/test_layers.py holds every module outside pool/ to that).
@@ -167,6 +171,10 @@ class Adapter:
     def upstream_forgotten(self) -> None:
         """Its requests to the gateway are given up (it has exited)."""
         self.upstream_pending = 0
+
+    def recycle_when_idle(self, why: str, reason: SuspendReason) -> None:
+        """Its session is to be recycled as soon as nothing of it runs (see ``recycle``)."""
+        self.recycle = (why, reason)
 
     def turn_answered(self, turn: Turn) -> None:
         """``turn`` has its answer: it runs here no more."""

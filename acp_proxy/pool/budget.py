@@ -13,7 +13,7 @@ import functools
 import logging
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol
 
 import anyio
@@ -189,21 +189,27 @@ class MemoryKeeper:
         """Notified when a new adapter has answered: measure it now, rather than at the next round."""
         self._overruns: set[str | None] = set()
         """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
+        self.on_measured: Callable[[list[Adapter]], None] | None = None
+        """Called with this proxy's live processes once each round has measured them (the sessions'
+        memory ceilings, ``sessions.ceilings``); set by the composition root."""
 
     async def keep(self) -> None:
         """With ``max_memory`` set: measure this proxy's trees every few seconds (for its slot records),
         and, if this proxy keeps the install's budget, suspend idle sessions until the install fits.
+        With a memory ceiling per session: measure them, and hand them to ``on_measured``.
 
         One proxy of the install keeps the budget at a time (``InstallSlots.lead``): two keepers
         reading the same records would suspend twice what is needed. A budget is not a kill
         switch: busy sessions are never suspended; an overrun nothing can relieve is logged once.
         """
-        if self.budget.empty:
+        if self.budget.empty and self.on_measured is None:
             return
         while not self.pool.stopping.begun:
             due = self._measure_due.next()
             await self._measure()
-            if self.pool.install.lead(BUDGET_ROLE):
+            if self.on_measured is not None:
+                self.on_measured(self.pool.live())
+            if not self.budget.empty and self.pool.install.lead(BUDGET_ROLE):
                 measured, by_key = self._memory_slots()
                 await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
             await self.pool.wait_for_change(due, MEMORY_EVERY)

@@ -40,6 +40,7 @@ from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.tasks.status import TaskStatus
+from acp_proxy.tasks.turn import Turn
 from acp_proxy.tasks.turns import TurnBook
 
 log = logging.getLogger("acp_proxy.proxy")
@@ -134,8 +135,9 @@ class AdapterRelay:
         self.intents = intents
         self.writer = writer
         self.stopping = stopping
-        self._upstream: dict[int, tuple[Adapter, RequestId, str]] = {}
-        """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method."""
+        self._upstream: dict[int, tuple[Adapter, RequestId, str, Turn | None]] = {}
+        """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method, and the
+        turn it was asked during (whose idle clock stops while it waits)."""
         self._next_upstream_id = 0
 
     # --- the gateway's side of agent->client requests -----------------------------------------
@@ -147,7 +149,9 @@ class AdapterRelay:
         if route is None:
             log.warning("gateway answered an unknown request id %r: dropped", key)
             return
-        adapter, adapter_id, method = route
+        adapter, adapter_id, method, turn = route
+        if turn is not None:
+            turn.answered()
         if method == Method.REQUEST_PERMISSION:
             self.turns.note(adapter.turn, "permission_answered", permission_choice(msg))
         adapter.answered_upstream()
@@ -303,8 +307,11 @@ class AdapterRelay:
             msg.params = gateway_scope(adapter, msg.params)
         upstream_id = self._next_upstream_id
         self._next_upstream_id += 1
-        self._upstream[upstream_id] = (adapter, msg.id, str(msg.method))  # type: ignore[assignment]
+        turn = adapter.turn if adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING else None
+        self._upstream[upstream_id] = (adapter, msg.id, str(msg.method), turn)  # type: ignore[assignment]
         adapter.asked_upstream()
+        if turn is not None:
+            turn.asked()
         if msg.method == Method.REQUEST_PERMISSION:
             self.turns.note(adapter.turn, "permission_asked", permission_subject(msg))
         return jsonrpc.with_id(msg, upstream_id)
@@ -345,6 +352,7 @@ class AdapterRelay:
             self.turns.settle_answer(call.turn, msg, write_later=True)
             adapter.turn_answered(call.turn)
             self.pool.recency.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
+            self.intents.recycle_due(adapter)
         if not adapter.busy:
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
         if call.method == Method.INITIALIZE and msg.result is not UNSET:
@@ -353,7 +361,7 @@ class AdapterRelay:
         return jsonrpc.with_id(msg, call.gateway_id), call.on_answer is not None
 
     def _find_upstream(self, adapter: Adapter, adapter_id: RequestId) -> int | None:
-        for upstream_id, (owner, their_id, _) in self._upstream.items():
+        for upstream_id, (owner, their_id, _, _) in self._upstream.items():
             if owner is adapter and their_id == adapter_id:
                 return upstream_id
         return None
@@ -380,7 +388,7 @@ class AdapterRelay:
                 len(failed),
             )
         await self.fail_calls(failed, self.pool.gone_error(adapter))
-        orphaned = [uid for uid, (owner, _, _) in self._upstream.items() if owner is adapter]
+        orphaned = [uid for uid, (owner, _, _, _) in self._upstream.items() if owner is adapter]
         for upstream_id in orphaned:
             del self._upstream[upstream_id]
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))

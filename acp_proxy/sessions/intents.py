@@ -11,7 +11,8 @@
     resume         the gateway's session/load or session/resume: restore a suspended or closed session
     list_sessions  session/list from the registry (all but the deleted), filtered by who asks
     process_ended  the process of a session exited by itself: the session is suspended
-    expire_turn    a turn ran past turn_timeout: cancel, then answer it ourselves and suspend
+    expire_turn    a turn ran past turn_timeout or was quiet past turn_idle_timeout: cut_turn
+    cut_turn       a turn past a limit: cancel, then answer it ourselves and suspend
 
 Timeouts, crashes, the pool and operator commands call these; none carries its own
 copy. The decisions inside them (the fate of a queued request, the stable id of a
@@ -23,6 +24,7 @@ proxies): docs/architecture.md, "The states of a session".
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -59,7 +61,7 @@ from acp_proxy.sessions.restore import GatewayPort, Restorer
 from acp_proxy.sessions.table import Session, SessionTable
 from acp_proxy.sessions.visibility import SessionRow, parse_requester, visible_rows
 from acp_proxy.tasks.status import TERMINAL, TaskStatus
-from acp_proxy.tasks.turn import Turn
+from acp_proxy.tasks.turn import Limit, Turn
 from acp_proxy.tasks.turns import TurnBook, turn_ids
 from acp_proxy.timings import Timing
 
@@ -146,6 +148,32 @@ def visibility_row(record: SessionRecord) -> SessionRow:
 
 
 CANCELLED: Final = {"stopReason": "cancelled"}
+RECYCLES: Final = frozenset(
+    {
+        SuspendReason.SESSION_MAX_MEMORY,
+        SuspendReason.SESSION_KILL_MEMORY,
+        SuspendReason.TURN_IDLE_TIMEOUT,
+        SuspendReason.BROKEN,
+    }
+)
+"""Suspensions that recycle a process found unfit (too large, hung, broken), told to the notify command."""
+_CUT_EVENTS: Final = {
+    Limit.TURN_TIMEOUT: "timed_out",
+    Limit.TURN_IDLE_TIMEOUT: "idle_timeout",
+    Limit.SESSION_KILL_MEMORY: "memory_limit",
+}
+"""The task event each limit records when it cuts a turn."""
+_CUT_META: Final = {
+    Limit.TURN_TIMEOUT: {"timedOut": True},
+    Limit.TURN_IDLE_TIMEOUT: {"timedOut": True, "idle": True},
+    Limit.SESSION_KILL_MEMORY: {"memoryLimit": True},
+}
+"""What the proxy's own answer to a cut turn says, in ``_meta["acp-proxy"]``."""
+_CUT_REASONS: Final = {
+    Limit.TURN_TIMEOUT: SuspendReason.TURN_TIMEOUT,
+    Limit.TURN_IDLE_TIMEOUT: SuspendReason.TURN_IDLE_TIMEOUT,
+    Limit.SESSION_KILL_MEMORY: SuspendReason.SESSION_KILL_MEMORY,
+}
 LIST_TIMEOUT: Final = 2.0
 """How long ``session/list`` waits for the backends' own lists (their titles) before answering without them."""
 LISTED_PAGES: Final = 10
@@ -344,11 +372,37 @@ class SessionIntents:
                 return
             if turn is not None:
                 self.turns.start_turn(turn, adapter.supervised.lease.lease_id, adapter.pid, resumed=resumed)
-            await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
+            call_id = await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
+            if resumed and turn is None:
+                self.background.start(functools.partial(self._expect_answer, session, adapter, call_id, msg))
         finally:
             self._queued_ids.discard(msg.id)
             if turn is not None and turn.status is TaskStatus.QUEUED:  # cancelled while it waited
                 self.turns.settle(turn, error=(jsonrpc.REQUEST_CANCELLED, "the proxy stopped before sending it"))
+
+    async def _expect_answer(self, session: Session, adapter: Adapter, call_id: int, msg: Message) -> None:
+        """The request a restore was for must be answered within ``start_timeout``, as it would be by a
+        process started for it: a restored process that does not answer it is broken (a dead or stuck
+        connection), and is recycled rather than reused. A prompt is not held to this: a turn's limits
+        are ``turn_timeout`` and ``turn_idle_timeout``."""
+        timeout = self.pool.start_timeout(adapter.backend)
+        if timeout == float("inf"):
+            return
+        with anyio.move_on_after(timeout):
+            await adapter.answered.until(lambda: adapter.gone or call_id not in adapter.pending)
+        if adapter.gone or call_id not in adapter.pending or session.live_adapter is not adapter:
+            return
+        call = adapter.take_pending(call_id)
+        assert call is not None
+        why = f"pid {adapter.pid} did not answer {msg.method} within start_timeout ({timeout:g}s) after a restore"
+        log.warning(
+            "session %s: %s: a broken process, recycled", session.session_id, why, extra=ids(session=session.session_id)
+        )
+        adapter.mute()
+        self.suspend(session.session_id, why, SuspendReason.BROKEN, even_if_busy=True)
+        await self.gateway.fail(
+            call.gateway_id, ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
+        )
 
     async def _answered_while_queued(
         self, session: Session, msg: Message, epoch: int, turn: Turn | None, *, closed: bool = False
@@ -774,8 +828,16 @@ class SessionIntents:
         self.pool.journal.record(
             Kind.SUSPENDED, backend=session.record.backend, label=reason, session_id=session_id, detail=why
         )
+        if reason in RECYCLES and self.turns.notifier is not None:
+            self.turns.notifier.recycled(session_id, session.record.backend, reason, why)
         self.table.stopping(session, self.pool.stop_in_background(adapter))
         return True
+
+    def recycle_due(self, adapter: Adapter) -> None:
+        """A turn of ``adapter`` has just ended: if its session is to be recycled (``Adapter.recycle``), now."""
+        if adapter.recycle is not None and adapter.gateway_session is not None:
+            why, reason = adapter.recycle
+            self.suspend(adapter.gateway_session, why, reason)
 
     def process_ended(self, adapter: Adapter, returncode: int | None) -> None:
         """The process of a session exited (a crash, or its stop): the session is suspended, resumable."""
@@ -799,17 +861,22 @@ class SessionIntents:
                 detail=how,
             )
 
-    async def expire_turn(self, turn: Turn) -> None:
-        """A turn ran past ``turn_timeout``: ``session/cancel``; if the adapter ignores that for
-        ``close_timeout``, the proxy answers the prompt ``cancelled`` itself and suspends the
-        session (a stuck process is not worth keeping)."""
+    async def expire_turn(self, turn: Turn, limit: Limit = Limit.TURN_TIMEOUT) -> None:
+        """A turn went past ``turn_timeout`` or ``turn_idle_timeout`` (``TurnBook.watch``): cut it."""
+        if limit is Limit.TURN_TIMEOUT:
+            seconds = self.turns.turn_timeout(turn)
+            await self.cut_turn(turn, limit, f"running longer than turn_timeout ({seconds:g}s)")
+        else:
+            await self.cut_turn(turn, limit, f"nothing heard from it for {turn.idle_limit:g}s (turn_idle_timeout)")
+
+    async def cut_turn(self, turn: Turn, limit: Limit, why: str) -> None:
+        """A running turn went past ``limit`` (``why`` says how): ``session/cancel``; if the adapter
+        ignores that for ``close_timeout``, the proxy answers the prompt ``cancelled`` itself and
+        suspends the session (a stuck process is not worth keeping): its next request restores it."""
         session = self.table.get(turn.session_id)
         adapter = session.live_adapter if session is not None else None
-        limit = self.turns.turn_timeout(turn)
-        turn.event("timed_out", f"after {limit:g}s: session/cancel sent")
-        log.warning(
-            "task %s: running longer than turn_timeout (%gs): cancelling it", turn.task_id, limit, extra=turn_ids(turn)
-        )
+        turn.event(_CUT_EVENTS[limit], f"{why}: session/cancel sent")
+        log.warning("task %s: %s: cancelling it", turn.task_id, why, extra=turn_ids(turn))
         if session is None or adapter is None:
             return  # the process is gone: the turn is being answered with its exit already
         await self.cancel(session, by=None, task=turn, bounded=False)
@@ -821,9 +888,9 @@ class SessionIntents:
             session,
             adapter,
             turn,
-            {**CANCELLED, "_meta": {"acp-proxy": {"timedOut": True}}},
-            why=f"turn_timeout: the turn not ended {close_timeout:g}s after session/cancel",
-            reason=SuspendReason.TURN_TIMEOUT,
+            {**CANCELLED, "_meta": {"acp-proxy": _CUT_META[limit]}},
+            why=f"{limit}: the turn not ended {close_timeout:g}s after session/cancel",
+            reason=_CUT_REASONS[limit],
         )
 
     async def _answer_for_adapter(

@@ -73,7 +73,11 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True):
     """What a notification command reads on its stdin (and ``tasks watch --json`` prints)."""
 
     version: int = NOTICE_VERSION
-    taskId: str
+    event: str = "task"
+    """``task``: a task took ``status``. ``session_recycled``: the proxy recycled a session's process
+    (over its memory ceiling, hung, or broken): ``taskId`` is ``None``, ``status`` is ``recycled``,
+    ``previousStatus`` the reason (``session_max_memory``, ...) and ``reason`` the figures."""
+    taskId: str | None
     sessionId: str
     title: str | None
     backend: str
@@ -197,6 +201,27 @@ class Notifier:
         # Announced during this turn and not recorded yet: the newest there is.
         title = turn.session_info["title"] if "title" in turn.session_info else self._title(turn.session_id)
         self._enqueue(notice_of(turn, turn.status, previous, title=title, instance=self.instance_id))
+
+    def recycled(self, session_id: str, backend: str, reason: str, why: str) -> None:
+        """The proxy recycled a session's process (``why``: the figures). Told under any policy but ``silent``."""
+        if self.default == "silent":
+            return
+        notice = Notice(
+            event="session_recycled",
+            taskId=None,
+            sessionId=session_id,
+            title=self._title(session_id),
+            backend=backend,
+            status="recycled",
+            previousStatus=reason,
+            reason=why,
+            durationSeconds=None,
+            lastText="",
+            traceparent=None,
+            instance=self.instance_id,
+            at=now(),
+        )
+        self._enqueue(notice)
 
     def swept(self, task: Swept) -> None:
         """At startup, a dead proxy's task marked ``lost`` by this one."""

@@ -45,6 +45,7 @@ def outcome_of(
     error: tuple[int, str] | None = None,
     timed_out: bool = False,
     ended_by: str | None = None,
+    cut: str | None = None,
 ) -> Outcome:
     """How a turn ended, from what the gateway was answered.
 
@@ -54,12 +55,16 @@ def outcome_of(
     the turn is ``timed_out`` if it then ended cancelled; a turn that ended otherwise
     meanwhile (it finished, or its adapter crashed) is recorded as it ended.
     ``ended_by`` says why the proxy answered a cancelled turn itself, before its adapter
-    did (``cancel_timeout``): kept as the turn's error, beside its stop reason.
+    did (``cancel_timeout``): kept as the turn's error, beside its stop reason. ``cut`` says
+    why the proxy cancelled the turn (``turn_idle_timeout``, ``session_kill_memory``): kept as
+    its error however the cancel ended it.
     """
     message = None if error is None else f"{error[1]} (code {error[0]})"
     cancelled = stop_reason == "cancelled" or (error is not None and error[0] == REQUEST_CANCELLED)
     if timed_out and cancelled:  # ended by the cancel the timeout sent (or the proxy's own answer)
-        return Outcome(TaskStatus.TIMED_OUT, stop_reason, message)
+        return Outcome(TaskStatus.TIMED_OUT, stop_reason, message or cut)
+    if cut is not None and cancelled:
+        return Outcome(TaskStatus.CANCELLED, stop_reason, message or cut)
     if ended_by is not None and stop_reason == "cancelled":
         return Outcome(TaskStatus.CANCELLED, stop_reason, ended_by)
     if error is not None:

@@ -8,6 +8,7 @@ unless the block mentions a tool call.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import time
@@ -36,6 +37,17 @@ SCAN_LIMIT: Final = 8 * 1024
 """Blocks up to this size are checked for tool calls as they are relayed (events on time); larger
 ones, which only a burst of streaming makes, at the next digest."""
 _DROPPABLE: Final = frozenset({"tool_call", "permission_asked", "permission_answered", "cancel_requested"})
+
+
+class Limit(enum.StrEnum):
+    """A limit past which the proxy cuts a running turn short (cancel, then answer it itself)."""
+
+    TURN_TIMEOUT = "turn_timeout"
+    """It ran longer than ``turn_timeout``."""
+    TURN_IDLE_TIMEOUT = "turn_idle_timeout"
+    """Nothing was heard from it for ``turn_idle_timeout``."""
+    SESSION_KILL_MEMORY = "session_kill_memory"
+    """Its session's tree grew past ``session_kill_memory``."""
 
 
 class Event(msgspec.Struct, frozen=True):
@@ -91,6 +103,19 @@ class Turn(msgspec.Struct, eq=False):
     """An operator cancelled it while it was queued: it is answered ``cancelled`` instead of sent."""
     deadline: float | None = None
     """``time.monotonic()`` after which ``turn_timeout`` cancels the turn."""
+    idle_limit: float = 0.0
+    """``turn_idle_timeout``: the turn is cut once nothing is heard from it this long (0: never)."""
+    exchanges: int = 0
+    """Requests the agent sent the client during the turn, and the client's answers: progress too."""
+    asking: int = 0
+    """The agent's requests of the turn the client has not answered yet: while any waits, the
+    turn is waiting for the client, not quiet."""
+    quiet_since: float = 0.0
+    """``time.monotonic()`` when the turn last showed progress, as ``TurnBook.watch`` last saw it."""
+    heard: int = -1
+    """Progress (``update_count + exchanges``) as ``TurnBook.watch`` last saw it."""
+    cut: str | None = None
+    """Why the proxy cut the turn short (an idle turn, a tree past its memory limit): kept as its error."""
     cancel_bounded: bool = False
     """A ``session/cancel`` was sent for it and ``cancel_timeout`` counts from the first one."""
     notify: NotifyPolicy | None = None
@@ -107,13 +132,34 @@ class Turn(msgspec.Struct, eq=False):
         self.events_dropped += keep_recent(self.events, Event(now(), kind, detail))
         self.dirty = True
 
-    def start(self, lease_id: str | None, turn_timeout: float | None) -> None:
+    def start(self, lease_id: str | None, turn_timeout: float | None, idle_limit: float = 0.0) -> None:
         self.status = TaskStatus.RUNNING
         self.started_at = now()
         self.lease_id = lease_id
+        moment = time.monotonic()
         if turn_timeout:
-            self.deadline = time.monotonic() + turn_timeout
+            self.deadline = moment + turn_timeout
+        self.idle_limit = idle_limit
+        self.quiet_since = moment
         self.event("started", f"lease {lease_id}" if lease_id else "")
+
+    def quiet_for(self, moment: float) -> float:
+        """How long nothing has been heard from the turn, counting from its last progress seen
+        before ``moment`` (each call notes the progress it sees: ``TurnBook.watch`` calls it)."""
+        heard = self.update_count + self.exchanges
+        if heard != self.heard:
+            self.heard, self.quiet_since = heard, moment
+        return moment - self.quiet_since
+
+    def asked(self) -> None:
+        """The agent sent the client a request (a permission, a file read) during the turn."""
+        self.asking += 1
+        self.exchanges += 1
+
+    def answered(self) -> None:
+        """The client answered one of the turn's requests."""
+        self.asking = max(0, self.asking - 1)
+        self.exchanges += 1
 
     def observe(self, block: bytes, count: int) -> None:
         """``count`` notification lines of this turn were relayed as ``block``: note them, cheaply.

@@ -37,7 +37,7 @@ from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.tasks.notify import Notifier
 from acp_proxy.tasks.records import TaskRegistry, prune, sweep_lost
 from acp_proxy.tasks.status import TERMINAL, TaskStatus, outcome_of, prompt_preview, traceparent_of
-from acp_proxy.tasks.turn import Turn, new_task_id
+from acp_proxy.tasks.turn import Limit, Turn, new_task_id
 from acp_proxy.timings import Timing, Timings
 
 log = logging.getLogger("acp_proxy.tasks")
@@ -233,7 +233,7 @@ class TurnBook:
             traceparent=traceparent_of(params.get("_meta")),
         )
         if lease_id is not None:
-            turn.start(lease_id, self.turn_timeout(turn))
+            turn.start(lease_id, self.turn_timeout(turn), self.config.turn_idle_timeout(backend))
         else:
             turn.event("queued", "waiting for the session's process")
         self.turns[turn.task_id] = turn
@@ -247,7 +247,7 @@ class TurnBook:
         """A queued turn is being sent to the process ``pid`` now."""
         if resumed:
             turn.event("resumed", f"pid {pid}")
-        turn.start(lease_id, self.turn_timeout(turn))
+        turn.start(lease_id, self.turn_timeout(turn), self.config.turn_idle_timeout(turn.backend))
         self._record(self.tasks.mark_running, turn)
         if turn.notify or self._notifying:
             self._status_changed(turn, TaskStatus.QUEUED)
@@ -279,7 +279,9 @@ class TurnBook:
         if turn.status in TERMINAL:
             return
         previous = turn.status
-        turn.finish(outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out, ended_by=ended_by))
+        turn.finish(
+            outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out, ended_by=ended_by, cut=turn.cut)
+        )
         if self.timings is not None and turn.started_at is not None and turn.ended_at is not None:
             self.timings.observe(Timing.TURN, turn.backend, turn.ended_at - turn.started_at)
             if turn.first_output_at is not None:
@@ -350,14 +352,22 @@ class TurnBook:
 
     async def watch(
         self,
-        on_deadline: Callable[[Turn], Coroutine[Any, Any, None]],
+        on_deadline: Callable[[Turn, Limit], Coroutine[Any, Any, None]],
         start: Callable[[Callable[[], Coroutine[Any, Any, None]]], None],
     ) -> None:
-        """Write progress, retry failed writes, checkpoint, prune; hand turns past ``turn_timeout`` to ``on_deadline``.
+        """Write progress, retry failed writes, checkpoint, prune; hand turns past ``turn_timeout``, or quiet
+        for ``turn_idle_timeout``, to ``on_deadline`` (once per turn).
 
-        ``start`` runs ``on_deadline(turn)`` as background work, so a slow one holds up nothing here.
+        ``start`` runs ``on_deadline(turn, limit)`` as background work, so a slow one holds up nothing
+        here. A turn waiting for the client's answer to one of its requests is not quiet (``Turn.asking``).
         """
-        timeouts = [self.config.tasks.turn_timeout] + [b.turn_timeout or 0.0 for b in self.config.backends.values()]
+        backends = self.config.backends.values()
+        timeouts = [
+            self.config.tasks.turn_timeout,
+            self.config.tasks.turn_idle_timeout,
+            *(b.turn_timeout or 0.0 for b in backends),
+            *(b.turn_idle_timeout or 0.0 for b in backends),
+        ]
         shortest = min((t for t in timeouts if t > 0), default=FLUSH_INTERVAL * 4)
         interval = max(0.05, min(FLUSH_INTERVAL, shortest / 4))
         checkpointed = pruned = time.monotonic()
@@ -382,9 +392,15 @@ class TurnBook:
                 continue
             moment = time.monotonic()
             for turn in list(self.turns.values()):
-                if turn.deadline is not None and not turn.timed_out and moment >= turn.deadline:
+                if turn.timed_out or turn.cut is not None or turn.status is not TaskStatus.RUNNING:
+                    continue  # cut once only
+                if turn.deadline is not None and moment >= turn.deadline:
                     turn.timed_out = True
-                    start(functools.partial(on_deadline, turn))
+                    start(functools.partial(on_deadline, turn, Limit.TURN_TIMEOUT))
+                elif turn.idle_limit and not turn.asking and turn.quiet_for(moment) >= turn.idle_limit:
+                    turn.timed_out = True
+                    turn.cut = f"turn_idle_timeout: nothing heard from the agent for {turn.idle_limit:g}s"
+                    start(functools.partial(on_deadline, turn, Limit.TURN_IDLE_TIMEOUT))
 
     async def _checkpoint(self) -> None:
         """The state database's WAL checkpoint, in a worker thread (see ``StateDB.defer_checkpoints``)."""
