@@ -79,6 +79,7 @@ class Report:
     tasks: dict[str, Any] = field(default_factory=dict)
     load: dict[str, Any] = field(default_factory=dict)
     install: dict[str, Any] = field(default_factory=dict)
+    measuring: dict[str, Any] = field(default_factory=dict)
 
 
 def attempt(report: Report, what: str, action: Callable[[], Any]) -> Any:

@@ -9,6 +9,7 @@
     scripts/bench --only sessions  the session figures alone (resume, memory, registry)
     scripts/bench --only tasks     the task figures alone (per-turn overhead, bookkeeping, writes)
     scripts/bench --only load      200 concurrent sessions over max_live = 8 (--quick: 1 burst each)
+    scripts/bench --only measuring what measuring the trees' memory and checking for dead proxies costs
     scripts/bench --only install   20 proxies of one session each over one install's max_live = 4, against a
                                    client-side pool of the same work (--quick: 3 bursts each instead of 10)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
@@ -54,7 +55,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import install, load, ownership, sessions, streaming, tasks
+from benchmarks import install, load, measuring, ownership, sessions, streaming, tasks
 from benchmarks.common import ROOT
 from benchmarks.harness import Column, Report, Section, fmt, progress, render_table
 
@@ -63,6 +64,7 @@ RESULTS = ROOT / "bench-results" / "bench.json"
 SECTIONS: tuple[Section, ...] = (
     streaming.SECTION,
     ownership.SECTION,
+    measuring.SECTION,
     sessions.SECTION,
     tasks.SECTION,
     load.SECTION,
@@ -83,6 +85,7 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     "registry_ops": (10_000, 2_000),
     "turns": (2_000, 200),
     "task_ops": (10_000, 2_000),
+    "measure_rounds": (500, 100),
 }
 """The options a full run and ``--quick`` size differently: (full, quick)."""
 
@@ -206,6 +209,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--task-ops", type=int, help="tasks: turns recorded in-process, task writes per kind (10,000; --quick: 2,000)"
     )
     parser.add_argument(
+        "--measure-rounds",
+        type=int,
+        help="measuring: rounds per memory reader and dead-proxy checks (500; --quick: 100)",
+    )
+    parser.add_argument(
         "--min-idle",
         type=float,
         help="load, install: [pool] min_idle for the proxies, seconds (default: the proxy's own, 2 s)",
@@ -234,8 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--close-runs, --spawn-runs, --reap-runs and --dead-leases must be at least 1")
     if min(args.resumes, args.rss_runs, args.registry_ops) < 1:
         parser.error("--resumes, --rss-runs and --registry-ops must be at least 1")
-    if min(args.turns, args.task_ops) < 1:
-        parser.error("--turns and --task-ops must be at least 1")
+    if min(args.turns, args.task_ops, args.measure_rounds) < 1:
+        parser.error("--turns, --task-ops and --measure-rounds must be at least 1")
     if args.min_idle is not None and args.min_idle < 0:
         parser.error("--min-idle must not be negative")
     if args.replay < 0:
@@ -267,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "registry_ops": args.registry_ops,
             "turns": args.turns,
             "task_ops": args.task_ops,
+            "measure_rounds": args.measure_rounds,
             "min_idle": args.min_idle,
             "only": sorted(args.only),
         },
