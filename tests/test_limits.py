@@ -188,6 +188,23 @@ async def test_an_idle_session_over_its_ceiling_is_recycled_and_comes_back_with_
     assert "MiB" in detail.split("uses ")[1]
 
 
+async def test_a_busy_session_over_its_ceiling_finishes_its_turn_then_is_recycled(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, session_max_memory="60M") as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        pid = await adapter_pid(gw, session)
+        # Over the ceiling from the turn's start, and talking for longer than a measuring round.
+        answer = await gw.prompt(session, "grow 80; trickle 3", timeout=30)
+        assert answer["result"]["stopReason"] == "end_turn", "a ceiling never cuts a turn"
+        await until_suspended(proc_env, session, pid)
+        assert (await state_of(gw, session))["pid"] != pid
+    task = next(t for t in list_tasks(state_db(proc_env)) if t.prompt == "grow 80; trickle 3")
+    assert task.status.value == "done"
+    assert [reason for reason, _ in suspensions(proc_env)] == ["session_max_memory", "shutdown"]
+
+
 async def test_a_turn_past_the_hard_limit_is_ended_with_the_memory_reason(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
