@@ -14,7 +14,7 @@ close is not delete), delete, list, set_mode, a prompt to a closed or deleted se
 a ``state`` prompt that asks the adapter what it knows. Sessions of different proxies
 take each other's slots: the least recently used idle one of the install is suspended
 through its proxy's control socket. Faults: an adapter crash mid-turn, an adapter hang
-(the turn timeout ends it), the stubborn backend's teardown, grandchild escapes, and
+(turn_idle_timeout, else the turn timeout, ends it), the stubborn backend's teardown, grandchild escapes, and
 each proxy's end, drawn per lifetime: a clean gateway EOF, a gateway EOF in the middle of
 turns, SIGKILL of the proxy (holding slots, as it usually is), or SIGKILL while it waits
 for a slot in the install's queue. What a killed proxy left is cleared by whichever proxy of the
@@ -828,8 +828,8 @@ def write_config(workdir: Path, max_live: int) -> Path:
     ]
     for name, options in BACKENDS.items():
         lines += [f"[backends.{name}]", f"command = {json.dumps(fake_command(store=str(store), **options))}"]
-        if name == HANGING_BACKEND:
-            lines.append('turn_timeout = "2s"')
+        if name == HANGING_BACKEND:  # a hung turn is quiet: turn_idle_timeout cuts it before turn_timeout
+            lines += ['turn_timeout = "2s"', 'turn_idle_timeout = "1500ms"']
         if name == CAPPED_BACKEND:
             lines.append("max_live = 1")
     path = workdir / "config.toml"
