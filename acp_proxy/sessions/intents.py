@@ -889,7 +889,7 @@ class SessionIntents:
             adapter,
             turn,
             {**CANCELLED, "_meta": {"acp-proxy": _CUT_META[limit]}},
-            why=f"{limit}: the turn not ended {close_timeout:g}s after session/cancel",
+            why=f"{limit}: {why}; the turn not ended {close_timeout:g}s after session/cancel",
             reason=_CUT_REASONS[limit],
         )
 
