@@ -26,6 +26,8 @@ ResumeStrategy = Literal["auto", "resume", "load", "new", "never"]
 RESUME_STRATEGIES: Final = ("auto", "resume", "load", "new", "never")
 NotifyPolicy = Literal["done_only", "state_changes", "silent"]
 NOTIFY_POLICIES: Final = ("done_only", "state_changes", "silent")
+CgroupSetting = Literal["auto", "off", "required"]
+CGROUP_SETTINGS: Final = ("auto", "off", "required")
 
 
 class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +64,9 @@ class OwnershipConfig(msgspec.Struct, frozen=True, kw_only=True):
     reap_interval: float = 180.0
     """How often a running proxy reaps what the install's dead proxies left (their trees, their
     unfinished tasks), besides at its start; 0: only at its start."""
+    cgroups: CgroupSetting = "auto"
+    """Each adapter tree in a cgroup v2 of its own where this process may make them (``auto``), never
+    (``off``), or refuse to start without (``required``): ``ownership.cgroups``."""
 
 
 class TraceConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -371,7 +376,11 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         )
     )
     ownership = OwnershipConfig(
-        **checker.table(top.get("ownership", {}), "ownership", {"reap_interval": parse_duration})
+        **checker.table(
+            top.get("ownership", {}),
+            "ownership",
+            {"reap_interval": parse_duration, "cgroups": _one_of(CGROUP_SETTINGS)},
+        )
     )
     trace = TraceConfig(**checker.table(top.get("trace", {}), "trace", {"file": _string, "max_size": parse_size}))
     if tasks.notify != "silent" and tasks.notify_command is None:

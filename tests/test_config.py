@@ -107,7 +107,14 @@ def test_design_example_is_valid() -> None:
             {"backends": {"codex": {"command": ["x"], "session_max_memory": "2G", "session_kill_memory": "2G"}}},
             "backends.codex.session_kill_memory: must be larger than session_max_memory",
         ),
-        ({**GOOD, "ownership": {"reap": "3m"}}, "ownership.reap: unknown key (expected one of: reap_interval)"),
+        (
+            {**GOOD, "ownership": {"reap": "3m"}},
+            "ownership.reap: unknown key (expected one of: cgroups, reap_interval)",
+        ),
+        (
+            {**GOOD, "ownership": {"cgroups": "yes"}},
+            'ownership.cgroups: expected one of "auto", "off", "required", got "yes"',
+        ),
         ({**GOOD, "trace": {"max_size": "huge"}}, 'trace.max_size: expected a size such as "512M"'),
         ({**GOOD, "trace": {"path": "x"}}, "trace.path: unknown key (expected one of: file, max_size)"),
         (
@@ -181,6 +188,12 @@ def test_the_periodic_reaping_is_read_and_on_by_default() -> None:
     assert validate(GOOD).ownership.reap_interval == 180.0
     assert validate({**GOOD, "ownership": {"reap_interval": "30s"}}).ownership.reap_interval == 30.0
     assert validate({**GOOD, "ownership": {"reap_interval": 0}}).ownership.reap_interval == 0.0
+
+
+@pytest.mark.parametrize("setting", ["auto", "off", "required"])
+def test_cgroups_are_auto_by_default_and_read_as_written(setting: str) -> None:
+    assert validate(GOOD).ownership.cgroups == "auto"
+    assert validate({**GOOD, "ownership": {"cgroups": setting}}).ownership.cgroups == setting
 
 
 def test_memory_budget_and_min_idle_are_read() -> None:

@@ -1,16 +1,20 @@
 """The per-lease wrapper: one per adapter, owning the adapter's whole process tree.
 
 Run as ``python -I -S adapter_wrapper.py --lifeline FD --report FD --grace S [--tombstone PATH]
-[--hold FD,...] -- ARGV...``
+[--hold FD,...] [--cgroup DIR] -- ARGV...``
 (standard library only, so it starts fast and cannot be broken by site packages).
 acp-proxy starts it with ``start_new_session=True``, the adapter's stdin/stdout as
 its own, a lifeline pipe and a report pipe. The wrapper:
 
 * marks itself a child subreaper (Linux), so every orphaned descendant of the
   adapter, even one that ``setsid``-ed and double-forked away, becomes its child;
+* with ``--cgroup``, moves itself into that cgroup v2 (made for this tree by acp-proxy)
+  before it forks, so that the adapter and everything it starts are members from their
+  first instruction; a failure is reported (``cgroup_error``) and the adapter started anyway:
+  acp-proxy decides whether that start stands;
 * forks the adapter into a process group of its own, hands it stdin/stdout and
   drops its own copies (the bytes never pass through here);
-* reports ``{"adapter_pid", "pgid", "start_ticks"}`` on the report pipe;
+* reports ``{"adapter_pid", "pgid", "start_ticks", ...}`` on the report pipe;
 * reaps with ``waitpid(-1)``, and tears the tree down when the adapter exits
   leaving descendants, on SIGTERM/SIGINT/SIGHUP, or when the lifeline reaches
   EOF (acp-proxy died, however it died);
@@ -225,6 +229,19 @@ def exit_like(status: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
+def join_cgroup(directory: str) -> str | None:
+    """Move this process into the cgroup ``directory``; the error text if that failed."""
+    try:
+        fd = os.open(directory + "/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"cannot join cgroup {directory}: {exc.strerror}"
+    return None
+
+
 def spawn_adapter(argv: list[str], keep_closed: list[int]) -> tuple[int, str | None]:
     """Fork and exec the adapter in its own process group; the error text if exec failed."""
     err_r, err_w = os.pipe()  # close-on-exec: EOF without data means exec succeeded
@@ -265,7 +282,9 @@ def write_tombstone(path: str, status: int) -> None:
         pass
 
 
-def report_line(adapter_pid: int, start_ticks: int | None, subreaper: bool, error: str | None) -> bytes:
+def report_line(
+    adapter_pid: int, start_ticks: int | None, subreaper: bool, error: str | None, cgroup_error: str | None = None
+) -> bytes:
     """The report as one JSON line, written by hand: importing json costs the adapter start-up time."""
 
     def quote(text: str) -> str:
@@ -288,6 +307,7 @@ def report_line(adapter_pid: int, start_ticks: int | None, subreaper: bool, erro
         f'"start_ticks": {"null" if start_ticks is None else start_ticks}',
         f'"subreaper": {"true" if subreaper else "false"}',
         f'"error": {"null" if error is None else quote(error)}',
+        f'"cgroup_error": {"null" if cgroup_error is None else quote(cgroup_error)}',
     ]
     return ("{" + ", ".join(fields) + "}\n").encode()
 
@@ -305,11 +325,13 @@ def main() -> None:
     # --hold: the install's slot locks. Kept open until we exit (the tree is gone then), never
     # passed to the adapter: the slot must be free once this tree has ended, whatever it left.
     held = [int(fd) for fd in options.get("--hold", "").split(",") if fd]
+    cgroup = options.get("--cgroup")
+    cgroup_error = join_cgroup(cgroup) if cgroup else None
     adapter_pid, error = spawn_adapter(argv, [lifeline, report, *held])
     wrapper.adapter_pid = adapter_pid
     stat = read_stat(adapter_pid)
     try:
-        os.write(report, report_line(adapter_pid, stat[3] if stat else None, subreaper, error))
+        os.write(report, report_line(adapter_pid, stat[3] if stat else None, subreaper, error, cgroup_error))
     except OSError:
         wrapper.stop_requested = True  # nobody to report to: acp-proxy died; tear down now
     os.close(report)

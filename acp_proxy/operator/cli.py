@@ -326,6 +326,7 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
         raise UsageError(f"--backend: {exc.args[0]}") from None
     logs.configure(level, log_format)
     from acp_proxy.early_signals import hold_signals_until_serving
+    from acp_proxy.ownership.cgroups import CgroupsUnavailable
     from acp_proxy.ownership.owner import Owner
     from acp_proxy.pool.processes import launch_warm
 
@@ -333,7 +334,9 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
 
     state = configuration.state_dir(config)
     try:
-        owner = Owner.start(state, grace=config.shutdown.term_grace)
+        owner = Owner.start(state, grace=config.shutdown.term_grace, cgroups=config.ownership.cgroups)
+    except CgroupsUnavailable as exc:
+        raise UsageError(str(exc)) from None
     except StateError as exc:
         raise UsageError(f"state: {exc}") from None
     except sqlite3.Error as exc:  # opened, then failed registering or reaping: damaged, full, read-only

@@ -1,9 +1,10 @@
 """A running proxy's ownership context: state database, live instance, process table.
 
 ``Owner.start`` is the first thing a serving proxy does: open the state database,
-register as a live instance (taking its lock), then reap whatever dead proxies of
-the same install left behind. It runs before the event loop starts: nothing is
-being served yet, and SQLite stays on one thread.
+register as a live instance (taking its lock), create its cgroup where it may
+(``cgroups``), then reap whatever dead proxies of the same install left behind.
+It runs before the event loop starts: nothing is being served yet, and SQLite
+stays on one thread.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import msgspec
 
+from acp_proxy.config import CgroupSetting
 from acp_proxy.journal import Journal
-from acp_proxy.ownership import instances
+from acp_proxy.ownership import cgroups, instances
+from acp_proxy.ownership.cgroups import CgroupsUnavailable, InstanceCgroup, Support
 from acp_proxy.ownership.proctable import ProcessTable
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
@@ -69,6 +72,14 @@ class Platform(msgspec.Struct):
         )
 
 
+def detect_cgroups(setting: CgroupSetting) -> Support:
+    """The mode a proxy started here gets; ``CgroupsUnavailable`` when ``required`` and it would not have them."""
+    support = cgroups.detect(setting)
+    if setting == "required" and support.mode != "cgroup":
+        raise CgroupsUnavailable(f'[ownership] cgroups = "required", but {support.reason}')
+    return support
+
+
 def detect_platform(table: ProcessTable) -> Platform:
     return Platform(table=table.name, pidfd=table.has_pidfd, subreaper=sys.platform.startswith("linux"))
 
@@ -95,6 +106,11 @@ class Owner:
     instance: instances.Instance
     table: ProcessTable
     reaped: list[ReapAction] = field(default_factory=list)
+    cgroups: Support = field(default_factory=lambda: Support("markers", "not asked for"))
+    """The ownership mode in force for this proxy's trees, and why."""
+    cgroup: InstanceCgroup | None = None
+    """This instance's cgroup, in ``cgroup`` mode: each tree's is made under it."""
+    cgroups_required: bool = False
     journal: Journal = field(init=False)
     timings: Timings = field(init=False)
     """What this proxy timed, added to the install's histograms about once a second and at exit."""
@@ -104,14 +120,35 @@ class Owner:
         self.timings = Timings(self.db)
 
     @classmethod
-    def start(cls, state_dir: Path, *, grace: float) -> Owner:
+    def start(cls, state_dir: Path, *, grace: float, cgroups: CgroupSetting = "auto") -> Owner:
+        """``CgroupsUnavailable`` if ``cgroups`` is ``required`` and this proxy cannot have them."""
+        support = detect_cgroups(cgroups)
         db = StateDB(state_dir)
         table = process_table()
         instance = instances.start_instance(db, table.boot_id())
-        owner = cls(db, instance, table)
+        owner = cls(db, instance, table, cgroups_required=cgroups == "required")
+        try:
+            owner._open_cgroup(support)
+        except CgroupsUnavailable:
+            owner.close("cgroups unavailable")
+            raise
         owner.reaped = reap_dead_instances(db, instance.instance_id, grace=grace, table=table)
         log_reaped(owner.reaped, "startup reaping")
         return owner
+
+    def _open_cgroup(self, support: Support) -> None:
+        if support.mode == "cgroup":
+            try:
+                self.cgroup = cgroups.create_instance_cgroup(
+                    support, self.db.state_dir, self.db.install_id, self.instance_id
+                )
+            except OSError as exc:
+                where = exc.filename or support.base
+                support = Support("markers", f"cannot create a cgroup in {where}: {exc.strerror}")
+        self.cgroups = support
+        if support.mode == "markers" and self.cgroups_required:
+            raise CgroupsUnavailable(f'[ownership] cgroups = "required", but {support.reason}')
+        log.info("ownership: %s (%s)", support.mode, support.reason)
 
     @property
     def instance_id(self) -> str:
@@ -127,6 +164,26 @@ class Owner:
         try:
             self.timings.flush()
             self.db.stop_writer()
+            self._remove_cgroup()
             instances.end_instance(self.db, self.instance, reason)
         finally:
             self.db.close()
+
+    def _remove_cgroup(self) -> None:
+        """Whatever is still in this instance's cgroup is ours and must not outlive us; then the cgroup goes.
+
+        One that cannot be removed stays recorded, for the proxy that reaps this instance.
+        """
+        if self.cgroup is None:
+            return
+        cleared = self.cgroup.clear()
+        if cleared.killed:
+            log.warning("killed %d process(es) left in %s", len(cleared.killed), self.cgroup.path)
+        if cleared.removed:
+            cgroups.forget(self.db.state_dir, self.instance_id)
+        else:
+            log.error(
+                "could not remove %s (%s); the proxy that reaps this instance will",
+                self.cgroup.path,
+                cleared.error or f"processes remain: {cleared.remaining}",
+            )

@@ -1,6 +1,7 @@
 """Cleaning up after leases: marker sweeps, reaping one lease, reaping dead instances.
 
-Everything here acts only through ``send_verified_signal``. A lease ends as
+Everything here acts only through ``send_verified_signal``, and through ``cgroup.kill``
+on the cgroups a dead instance of this install recorded making (``cgroups``). A lease ends as
 
 * ``closed``: its tree is verifiably gone and it ended under control: its wrapper
   left a tombstone (written only once the tree was empty), or we killed what was
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import time
 from pathlib import Path
@@ -23,12 +25,15 @@ from typing import Final
 import msgspec
 
 from acp_proxy.journal import Journal, Kind
-from acp_proxy.ownership import instances
+from acp_proxy.ownership import cgroups, instances
+from acp_proxy.ownership.cgroups import InstanceCgroup
 from acp_proxy.ownership.leases import Lease, LeaseState, leases_of_instance, set_state
 from acp_proxy.ownership.proctable import ProcessTable, TableUnavailable
 from acp_proxy.ownership.verify import Claim, Verdict, check_claim, process_table, send_verified_signal
 from acp_proxy.state import StateDB
 from acp_proxy.state.directory import ensure_private_dir
+
+log = logging.getLogger("acp_proxy.ownership")
 
 POLL_INTERVAL: Final = 0.02
 SWEEP_ROUNDS: Final = 10
@@ -175,8 +180,13 @@ def reap_lease(
     table: ProcessTable | None = None,
     dry_run: bool = False,
     index: dict[str, list[int]] | None = None,
+    cgroup: InstanceCgroup | None = None,
 ) -> ReapAction:
-    """Make sure nothing of a dead instance's lease survives, then record how it ended."""
+    """Make sure nothing of a dead instance's lease survives, then record how it ended.
+
+    ``cgroup``: the dead instance's, if it had one: after the grace, whatever is left in the
+    lease's cgroup is killed with one ``cgroup.kill`` and the cgroup removed.
+    """
     table = table or process_table()
     action = ReapAction(lease.lease_id, lease.instance_id, lease.backend, lease.state.value, lease.state.value)
 
@@ -199,6 +209,12 @@ def reap_lease(
     else:
         # The wrapper saw its lifeline close and is tearing its tree down: give it the grace.
         verdict = wait_gone(wrapper, grace, table)
+    if cgroup is not None:
+        cleared = cgroup.clear_tree(lease.lease_id, dry_run=dry_run)
+        action.signalled += cleared.killed
+        if cleared.error or cleared.remaining:
+            action.refused.append(cleared.error or f"processes in its cgroup survived cgroup.kill: {cleared.remaining}")
+            return finish(LeaseState.UNVERIFIABLE, action.refused[-1])
     for claim in (wrapper, lease.adapter_claim()):
         if claim is None:
             continue
@@ -240,21 +256,31 @@ def reap_dead_instances(
     An instance is dead when its lock can be taken. Its reaper holds the right to reap it
     (``instances.lock_if_dead``) while its leases are reaped, so two proxies starting together
     never reap the same one. An instance whose lock is held is alive and is never touched.
+
+    A dead instance that recorded a cgroup (``cgroups``) has it cleared and removed too, after its
+    leases, even if it had ended (an instance that could not remove its cgroup when it exited).
     """
     actions: list[ReapAction] = []
     index: dict[str, list[int]] | None = None
-    for instance_id in instances.other_instances(db, own_instance_id):
+    own = own_instance_id or ""
+    candidates = instances.other_instances(db, own_instance_id)
+    candidates += [found for found in cgroups.recorded_instances(db.state_dir) if found not in (own, *candidates)]
+    for instance_id in candidates:
         with instances.lock_if_dead(db, instance_id) as dead:
             if not dead:
                 continue
+            cgroup = cgroups.recorded_instance_cgroup(db.state_dir, db.install_id, instance_id)
             for lease in leases_of_instance(db, instance_id):
                 if index is None:
                     try:
                         index = marker_index(table or process_table())
                     except TableUnavailable:
                         index = None  # each lease then finds out, and says so
-                actions.append(reap_lease(db, lease, grace=grace, table=table, dry_run=dry_run, index=index))
+                actions.append(
+                    reap_lease(db, lease, grace=grace, table=table, dry_run=dry_run, index=index, cgroup=cgroup)
+                )
             if not dry_run:
+                remove_instance_cgroup(db, instance_id, cgroup)
                 instances.mark_reaped(db, instance_id)
             else:  # nothing was done: leave no trace of the look
                 instances.reaping_path(db, instance_id).unlink(missing_ok=True)
@@ -262,6 +288,26 @@ def reap_dead_instances(
         label = when or ("startup" if own_instance_id else "operator")
         _journal_reaping(Journal(db, own_instance_id), actions, label)
     return actions
+
+
+def remove_instance_cgroup(db: StateDB, instance_id: str, cgroup: InstanceCgroup | None) -> None:
+    """A dead instance's cgroup, and what is left under it (trees of leases already settled), then its record.
+
+    A record that names nothing this install can have made is dropped, never acted on. A cgroup
+    that cannot be removed keeps its record: the next reaping tries again.
+    """
+    if cgroup is not None:
+        cleared = cgroup.clear()
+        if cleared.killed:
+            log.warning(
+                "killed %d process(es) left in %s by dead proxy %s", len(cleared.killed), cgroup.path, instance_id
+            )
+        if not cleared.removed:
+            log.error("could not remove %s: %s", cgroup.path, cleared.error or f"processes remain: {cleared.remaining}")
+            return
+    elif cgroups.record_path(db.state_dir, instance_id).exists():
+        log.warning("instance %s recorded a cgroup that is not of its making; left alone", instance_id)
+    cgroups.forget(db.state_dir, instance_id)
 
 
 def _journal_reaping(journal: Journal, actions: list[ReapAction], when: str) -> None:

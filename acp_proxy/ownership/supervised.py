@@ -1,14 +1,17 @@
 """An adapter process run under a wrapper and a lease, from spawn to verified reaping.
 
-Spawn: write the lease (``starting``) -> start the wrapper in a new session with
-the adapter's argv, the marker in its environment, a lifeline pipe and a report
-pipe -> record the wrapper's identity -> read the adapter's identity from the
-report -> ``open``.
+Spawn: write the lease (``starting``) -> in ``cgroup`` mode, make the tree's cgroup
+-> start the wrapper in a new session with the adapter's argv, the marker in its
+environment, a lifeline pipe, a report pipe (and the cgroup to join before it forks)
+-> record the wrapper's identity -> read the adapter's identity from the report ->
+``open``.
 
 Stop (``stop``, the order DESIGN.md §4 fixes): close the adapter's stdin, wait
 ``stdin_grace`` -> SIGTERM the wrapper (it tears the tree down) -> after
-``term_grace`` SIGKILL the wrapper (our own unreaped child) -> verified marker
-sweep -> ``closed`` only after a clean sweep. Every signal is verified first.
+``term_grace`` SIGKILL the wrapper (our own unreaped child) -> in ``cgroup`` mode,
+``cgroup.kill`` for whatever is left in the tree's cgroup, then remove it ->
+verified marker sweep -> ``closed`` only after a clean sweep. Every signal is
+verified first.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from msgspec.structs import replace
 
 from acp_proxy.journal import Kind
 from acp_proxy.ownership import leases
+from acp_proxy.ownership.cgroups import Cleared
 from acp_proxy.ownership.leases import Lease, LeaseState
 from acp_proxy.ownership.owner import Owner, WrapperMissing, wrapper_path
-from acp_proxy.ownership.reaping import forget_tombstone, prepare_tombstone, sweep
+from acp_proxy.ownership.reaping import SweepResult, forget_tombstone, prepare_tombstone, sweep
 from acp_proxy.ownership.verify import send_verified_signal
 from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
 
@@ -52,10 +56,44 @@ class WrapperReport(msgspec.Struct, frozen=True):
     start_ticks: int | None = None
     subreaper: bool = False
     error: str | None = None
+    cgroup_error: str | None = None
+    """The wrapper could not join the tree's cgroup (it started the adapter anyway)."""
 
 
 class WrapperFailed(Exception):
     """The adapter could not be started under its wrapper; the message says why."""
+
+
+def owner_tree_cgroup(owner: Owner, lease: Lease) -> str | None:
+    """The cgroup ``lease``'s tree runs in (``cgroup`` mode), made now; ``None`` in ``markers`` mode.
+
+    One that cannot be made fails the start if cgroups are required, else that tree is owned by
+    marker only (and said so).
+    """
+    if owner.cgroup is None:
+        return None
+    try:
+        return str(owner.cgroup.create_tree(lease.lease_id))
+    except OSError as exc:
+        reason = f"cannot create the tree's cgroup {exc.filename}: {exc.strerror}"
+        if owner.cgroups_required:
+            owner.db.write(leases.moved_to(lease.lease_id, LeaseState.CLOSED, f"spawn failed: {reason}"))
+            raise WrapperFailed(reason) from None
+        log.warning("lease %s: %s; this tree is owned by marker only", lease.lease_id, reason)
+        return None
+
+
+def unsettled(cleared: Cleared, swept: SweepResult) -> str | None:
+    """Why a stopped tree cannot be recorded ``closed``, if it cannot: something of it may have survived."""
+    if cleared.error:
+        return f"its cgroup could not be cleared: {cleared.error}"
+    if cleared.remaining:
+        return f"processes in its cgroup survived cgroup.kill: {cleared.remaining}"
+    if swept.unverifiable:
+        return swept.unverifiable
+    if swept.remaining:
+        return f"processes carrying the marker survived: {swept.remaining}"
+    return None
 
 
 def wrapper_grace(term_grace: float) -> float:
@@ -130,10 +168,13 @@ class SupervisedProcess:
         *,
         stdin: FdSendStream,
         stdout: FdReceiveStream,
+        cgroup: str | None = None,
     ) -> None:
         self.owner = owner
         self.lease = lease
         self.process = process
+        self.cgroup = cgroup
+        """The tree's cgroup directory (``cgroup`` mode), where ``memory.current`` is read if there is one."""
         self.stdin = stdin
         self.stdout = stdout
         self.stopping = False
@@ -211,6 +252,7 @@ class SupervisedProcess:
             session_key=session_key,
         )
         tombstone = prepare_tombstone(db, lease.lease_id)
+        cgroup = owner_tree_cgroup(owner, lease)
         lifeline_r, lifeline_w = os.pipe()
         report_r, report_w = os.pipe()
         stdin_r, stdin_w = os.pipe()
@@ -230,6 +272,7 @@ class SupervisedProcess:
             "--tombstone",
             str(tombstone),
             *(["--hold", ",".join(map(str, hold))] if hold else []),
+            *(["--cgroup", cgroup] if cgroup else []),
             "--",
             *argv,
         ]
@@ -248,6 +291,8 @@ class SupervisedProcess:
             for fd in (lifeline_w, report_r, stdin_w, stdout_r):
                 os.close(fd)
             reason = getattr(exc, "strerror", None) or str(exc)
+            if owner.cgroup is not None and cgroup is not None:
+                owner.cgroup.clear_tree(lease.lease_id)
             db.write(leases.moved_to(lease.lease_id, LeaseState.CLOSED, f"spawn failed: {reason}"))
             raise WrapperFailed(reason) from None
         finally:
@@ -265,6 +310,7 @@ class SupervisedProcess:
             term_grace,
             stdin=FdSendStream(stdin_w, owned=True),
             stdout=FdReceiveStream(stdout_r, owned=True),
+            cgroup=cgroup,
         )
 
     async def ready(self) -> None:
@@ -278,10 +324,13 @@ class SupervisedProcess:
             with anyio.CancelScope(shield=True):
                 await self.stop(stdin_grace=0, term_grace=self._term_grace)
             raise
-        if report.error:
+        failed = report.error or (report.cgroup_error if self.owner.cgroups_required else None)
+        if failed:
             with anyio.CancelScope(shield=True):
                 await self.stop(stdin_grace=KILL_WAIT, term_grace=self._term_grace)
-            raise WrapperFailed(report.error)
+            raise WrapperFailed(failed)
+        if report.cgroup_error:
+            log.warning("lease %s: %s; this tree is owned by marker only", self.lease.lease_id, report.cgroup_error)
         ticks = report.start_ticks
         if ticks is None:  # no /proc in the wrapper: ask our own process table
             adapter_info = self.owner.table.info(report.adapter_pid)
@@ -357,19 +406,20 @@ class SupervisedProcess:
                 self._signal_wrapper(signal.SIGKILL, "ignored SIGTERM")
                 await self.wait_exit(KILL_WAIT)
         os.close(self._lifeline)
-        swept = await anyio.to_thread.run_sync(sweep, lease, self.owner.table)
+        cleared, swept = await anyio.to_thread.run_sync(self._clear_and_sweep)
         journal = self.owner.journal
-        if swept.signalled:
-            log.warning("lease %s: killed %d leftover process(es) by marker", lease.lease_id, len(swept.signalled))
-            journal.record(
-                Kind.LEFTOVERS_KILLED,
-                backend=lease.backend,
-                session_id=lease.session_key,
-                count=len(swept.signalled),
-                detail=f"lease {lease.lease_id}: {len(swept.signalled)} process(es) outlived the adapter",
-            )
-        if swept.unverifiable or swept.remaining:
-            reason = swept.unverifiable or f"processes carrying the marker survived: {swept.remaining}"
+        for killed, how in ((cleared.killed, "in its cgroup"), (swept.signalled, "by marker")):
+            if killed:
+                log.warning("lease %s: killed %d leftover process(es) %s", lease.lease_id, len(killed), how)
+                journal.record(
+                    Kind.LEFTOVERS_KILLED,
+                    backend=lease.backend,
+                    session_id=lease.session_key,
+                    count=len(killed),
+                    detail=f"lease {lease.lease_id}: {len(killed)} process(es) outlived the adapter, killed {how}",
+                )
+        reason = unsettled(cleared, swept)
+        if reason is not None:
             log.error("lease %s left unverifiable: %s", lease.lease_id, reason)
             self._record(LeaseState.UNVERIFIABLE, reason)
             detail = f"lease {lease.lease_id}: {reason}"
@@ -383,6 +433,14 @@ class SupervisedProcess:
         log.info(
             "lease %s closed: adapter pid %s exited (status %s)", lease.lease_id, lease.adapter_pid, self.returncode
         )
+
+    def _clear_and_sweep(self) -> tuple[Cleared, SweepResult]:
+        """``cgroup.kill`` for the tree's cgroup (if it has one), then the marker sweep: in a worker thread."""
+        cgroup = self.owner.cgroup
+        cleared = Cleared(removed=True)
+        if cgroup is not None and self.cgroup is not None:
+            cleared = cgroup.clear_tree(self.lease.lease_id)
+        return cleared, sweep(self.lease, self.owner.table)
 
     def _signal_wrapper(self, sig: signal.Signals, why: str) -> None:
         claim = self.lease.wrapper_claim()
