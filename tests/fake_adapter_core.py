@@ -40,6 +40,8 @@ then the turn ends with end_turn unless a command ended it first.
     read PATH          fs/read_text_file, the content is echoed as a message chunk
     spawn_tree         start a child that starts a grandchild (same process group)
     escape             start a grandchild that leaves with setsid + double fork
+    escape_clean       the same, and the grandchild clears its environment (keeping only the
+                       tests' own marker): the lease's marker is gone from it
     fork_loop          start a child that keeps forking short-lived and long-lived children
     crash N            exit immediately with status N
     close_stdout       close stdout (a broken connection) and live on until stdin's EOF or a signal
@@ -112,6 +114,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
+TEST_MARKER = "ACP_PROXY_TEST_MARKER"
+"""The suite's own marker (``tests.support.MARKER_VARIABLE``): how it finds what a test left running."""
 
 
 class FakeAdapter:
@@ -472,8 +476,8 @@ class FakeAdapter:
         elif verb == "spawn_tree":
             self.spawn_tree()
             self.say(session_id, "spawned " + json.dumps(self.children))
-        elif verb == "escape":
-            self.escape()
+        elif verb in ("escape", "escape_clean"):
+            self.escape(clean=verb == "escape_clean")
             self.say(session_id, "escaped " + json.dumps(self.children))
         elif verb == "fork_loop":
             code = (
@@ -632,8 +636,10 @@ class FakeAdapter:
         grandchild = int(child.stdout.readline())
         self.children += [child.pid, grandchild]
 
-    def escape(self) -> None:
-        # setsid + double fork: the grandchild is in its own session and reparented away.
+    def escape(self, *, clean: bool = False) -> None:
+        # setsid + double fork: the grandchild is in its own session and reparented away. ``clean``:
+        # it also drops the environment it inherited, ACP_PROXY_LEASE with it; the tests' own marker
+        # stays, so that the suite still finds it if it outlives the test.
         read_fd, write_fd = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -642,6 +648,9 @@ class FakeAdapter:
             if grandchild == 0:
                 os.close(read_fd)
                 os.close(write_fd)
+                if clean:
+                    kept = {name: os.environ[name] for name in (TEST_MARKER,) if name in os.environ}
+                    os.execve(SLEEPER[0], SLEEPER, kept)
                 os.execv(SLEEPER[0], SLEEPER)
             os.write(write_fd, str(grandchild).encode())
             os._exit(0)

@@ -27,7 +27,7 @@ import anyio
 import pytest
 
 from acp_proxy import journal
-from acp_proxy.ownership import instances, leases
+from acp_proxy.ownership import cgroups, instances, leases
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases, create_lease
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import ProcessInfo, ProcFS, TableUnavailable
@@ -52,6 +52,9 @@ from tests.support import (
 )
 
 FAST = '[shutdown]\nstdin_grace = "300ms"\nterm_grace = "1s"\n[backends.fake]\ncommand = ["unused"]\n'
+HERE = cgroups.detect("auto")
+MODES = {"markers": "off", "cgroup": "required"}
+"""Each ownership mode, and the ``[ownership] cgroups`` setting that asks for it."""
 
 
 def state_dir(env: dict[str, str]) -> Path:
@@ -182,10 +185,14 @@ async def assert_resumed_on_a_new_process(gw: Gateway, env: dict[str, str], sess
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("row", TEARDOWN, ids=[row.id for row in TEARDOWN])
-async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys, row: Ending) -> None:
+async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys, row: Ending, mode: str) -> None:
+    """Every way of ending, in each ownership mode (cgroup mode where this process can have it)."""
+    if mode == "cgroup" and HERE.mode != "cgroup":
+        pytest.skip(f"cgroup mode is not available to this process: {HERE.reason}")
     config = tmp_path / "fast.toml"
-    config.write_text(FAST)
+    config.write_text(FAST + f'[ownership]\ncgroups = "{MODES[mode]}"\n')
     adapter = [*fake_command(**row.options), *row.extra_argv]
     proxy_args = ["--config", str(config)]
     async with Gateway.start(proc_env, tmp_path, adapter, proxy_args=proxy_args) as gw:
@@ -233,6 +240,7 @@ async def test_teardown(proc_env: dict[str, str], tmp_path: Path, decoys: Decoys
     assert await survivors(tree) == []
     ended = {lease.lease_id: lease for lease in read_leases(proc_env)}[lease.lease_id]
     assert ended.state is LeaseState.CLOSED, ended
+    assert cgroups.recorded_instances(state_dir(proc_env)) == [], "every cgroup the proxies made is removed"
 
 
 @pytest.mark.anyio
@@ -316,6 +324,8 @@ async def test_a_running_proxy_clears_what_a_killed_sibling_left(
                     await anyio.sleep(0.05)
             finally:
                 rows.db.close()
+            while doomed_lease.instance_id in cgroups.recorded_instances(state_dir(proc_env)):
+                await anyio.sleep(0.05)  # in cgroup mode, its cgroup is removed too
         assert all(pid_alive(p) for p in trees[live.pid])
         assert (await live.request("_fake/echo", {"still": "here"}))["result"] == {"still": "here"}
         db = StateDB(state_dir(proc_env), create=False)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final, Literal
 
@@ -129,12 +129,19 @@ def _words(path: Path) -> list[str]:
         return []
 
 
-def detect(setting: CgroupSetting, *, proc: Path = Path("/proc"), release: str | None = None) -> Support:
+def detect(
+    setting: CgroupSetting,
+    *,
+    proc: Path = Path("/proc"),
+    release: str | None = None,
+    access: Callable[[Path, int], bool] = os.access,
+) -> Support:
     """Whether a proxy started here, with ``[ownership] cgroups = setting``, runs its trees in cgroups.
 
     Only looks: nothing is created. ``Owner.start`` then creates the instance's cgroup, which
     is the proof; ``release`` (default: this kernel's) stands in for a look at ``cgroup.kill``
-    where the proxy's cgroup is the hierarchy's root, which has none.
+    where the proxy's cgroup is the hierarchy's root, which has none. ``proc``, ``release`` and
+    ``access`` are parameters for tests.
     """
     if setting == "off":
         return Support("markers", 'cgroups = "off" in [ownership]')
@@ -161,7 +168,7 @@ def detect(setting: CgroupSetting, *, proc: Path = Path("/proc"), release: str |
         return Support("markers", f"{base} has no cgroup.kill (needs Linux 5.14 or later)")
     if at_root and _release(release or os.uname().release) < KILL_SINCE:
         return Support("markers", "this kernel has no cgroup.kill (needs Linux 5.14 or later)")
-    if not (os.access(base, os.W_OK) and os.access(base / "cgroup.procs", os.W_OK)):
+    if not (access(base, os.W_OK) and access(base / "cgroup.procs", os.W_OK)):
         return Support("markers", f"{base} is not writable by uid {os.getuid()}: {DELEGATE_HINT}")
     memory = "memory" in _words(base / "cgroup.subtree_control")
     said = (

@@ -1,7 +1,7 @@
 """What the install's dead proxies left, cleared while this proxy runs, not only when one starts.
 
 A proxy that starts clears what the install's dead proxies left: it reaps their process trees
-(``Owner.start``), marks their unfinished tasks ``lost`` (``TurnBook.maintain``) and suspends the
+and removes their cgroups (``Owner.start``), marks their unfinished tasks ``lost`` (``TurnBook.maintain``) and suspends the
 sessions they left live (``SessionRegistry.adopt_orphans``). A long-lived proxy (an editor's) is
 often the only one of its install for days, so every ``[ownership] reap_interval`` it also looks
 whether a proxy of the install has died since: one query per table and a ``flock`` probe per
@@ -21,7 +21,7 @@ import anyio
 import msgspec
 
 from acp_proxy.concurrency import Stopping
-from acp_proxy.ownership import instances
+from acp_proxy.ownership import cgroups, instances
 from acp_proxy.ownership.owner import Owner, log_reaped
 from acp_proxy.ownership.proctable import ProcessTable
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
@@ -47,9 +47,11 @@ class Cleared(msgspec.Struct, frozen=True):
 
 def dead_proxies(db: StateDB, own_instance: str) -> list[str]:
     """The install's proxies that are gone and left something behind: an instance not ended, an
-    unfinished task, a live session. Cheap enough for the event loop: reads and lock probes only."""
+    unfinished task, a live session, a cgroup. Cheap enough for the event loop: reads, a directory
+    listing and lock probes only."""
     candidates = {
         *instances.other_instances(db, own_instance),
+        *(found for found in cgroups.recorded_instances(db.state_dir) if found != own_instance),
         *unfinished_by(db, own_instance),
         *SessionRegistry(db, own_instance).held_elsewhere(),
     }
