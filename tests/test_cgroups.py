@@ -30,7 +30,7 @@ from acp_proxy.ownership import cgroups, instances
 from acp_proxy.ownership.cgroups import CgroupsUnavailable, InstanceCgroup, Support
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases
 from acp_proxy.ownership.owner import Owner
-from acp_proxy.ownership.supervised import SupervisedProcess
+from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
 from acp_proxy.state import StateDB
 from tests.support import GONE_WITHIN, MARKER_VARIABLE, Gateway, fake_command, marked_processes, pid_alive, survivors
 
@@ -407,6 +407,35 @@ def _leases(state: Path) -> list[Lease]:
         return all_leases(db)
     finally:
         db.close()
+
+
+@needs_cgroups
+@pytest.mark.anyio
+@pytest.mark.parametrize("setting", ["auto", "required"])
+async def test_a_wrapper_that_cannot_join_its_cgroup(
+    proc_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    """The wrapper reports that it could not join (here: the tree's cgroup was never made). With
+    ``auto`` the tree runs, owned by marker only, and is stopped as ever; ``required`` fails the start."""
+    monkeypatch.setattr(InstanceCgroup, "create_tree", lambda self, lease_id: self.tree(lease_id))
+    owner = Owner.start(tmp_path / "state", grace=0.5, cgroups=setting)  # type: ignore[arg-type]
+    try:
+        start = SupervisedProcess.start(
+            owner, backend="fake", argv=["sleep", "600"], env=proc_env, cwd=None, term_grace=0.5
+        )
+        if setting == "required":
+            with pytest.raises(WrapperFailed, match=r"cannot join cgroup .*: No such file or directory"):
+                await start
+        else:
+            supervised = await start
+            assert supervised.adapter_pid is not None
+            assert pid_alive(supervised.adapter_pid)
+            await supervised.stop(stdin_grace=0.1, term_grace=0.5)
+            assert await survivors([supervised.adapter_pid]) == []
+    finally:
+        owner.close()
+    (lease,) = _leases(tmp_path / "state")
+    assert lease.state is LeaseState.CLOSED, lease
 
 
 # --- dead proxies' cgroups -------------------------------------------------------------------

@@ -336,13 +336,17 @@ def test_boot_id_is_read_from_the_kernel() -> None:
     ticks=st.none() | st.integers(min_value=0, max_value=2**62),
     subreaper=st.booleans(),
     error=st.none() | st.text(),
+    cgroup_error=st.none() | st.text(),
 )
 def test_wrapper_report_is_json_the_proxy_can_decode(
-    pid: int, ticks: int | None, subreaper: bool, error: str | None
+    pid: int, ticks: int | None, subreaper: bool, error: str | None, cgroup_error: str | None
 ) -> None:
     """The wrapper writes its report without the json module (start-up time); it must still be JSON."""
-    report = msgspec.json.decode(adapter_wrapper.report_line(pid, ticks, subreaper, error), type=WrapperReport)
-    assert report == WrapperReport(adapter_pid=pid, pgid=pid, start_ticks=ticks, subreaper=subreaper, error=error)
+    line = adapter_wrapper.report_line(pid, ticks, subreaper, error, cgroup_error)
+    report = msgspec.json.decode(line, type=WrapperReport)
+    assert report == WrapperReport(
+        adapter_pid=pid, pgid=pid, start_ticks=ticks, subreaper=subreaper, error=error, cgroup_error=cgroup_error
+    )
 
 
 def test_wrapper_report_survives_undecodable_paths() -> None:

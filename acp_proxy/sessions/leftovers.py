@@ -1,8 +1,9 @@
 """What the install's dead proxies left, cleared while this proxy runs, not only when one starts.
 
-A proxy that starts clears what the install's dead proxies left: it reaps their process trees
-and removes their cgroups (``Owner.start``), marks their unfinished tasks ``lost`` (``TurnBook.maintain``) and suspends the
-sessions they left live (``SessionRegistry.adopt_orphans``). A long-lived proxy (an editor's) is
+A proxy that starts clears what the install's dead proxies left: it reaps their process trees and
+removes their cgroups (``Owner.start``), marks their unfinished tasks ``lost``
+(``TurnBook.maintain``) and suspends the sessions they left live
+(``SessionRegistry.adopt_orphans``). A long-lived proxy (an editor's) is
 often the only one of its install for days, so every ``[ownership] reap_interval`` it also looks
 whether a proxy of the install has died since: one query per table and a ``flock`` probe per
 proxy found, on the event loop (``dead_proxies``). Only when one has does it clear what that
