@@ -150,7 +150,7 @@ def test_detection(tmp_path: Path, host: Host) -> None:
         access=lambda path, mode: host.writable,
     )
     assert found.mode == host.mode, found
-    assert host.reason in found.reason, found
+    assert host.reason in f"{found.reason}: {found.remedy}", found
     assert found.memory is host.memory
     if host.mode == "cgroup":
         assert found.base == os.path.normpath(tmp_path / "sys fs cgroup" / host.own.lstrip("/"))

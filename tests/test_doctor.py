@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 from acp_proxy import __version__, releases
-from acp_proxy.config import BackendConfig, TasksConfig
+from acp_proxy.config import BackendConfig, CgroupSetting, TasksConfig
 from acp_proxy.operator import doctor
 from acp_proxy.operator.doctor import Finding, Report, Severity
+from acp_proxy.ownership.cgroups import DELEGATE_HINT, Support
 from acp_proxy.ownership.leases import all_leases
 from acp_proxy.ownership.owner import Platform
 from acp_proxy.ownership.reaping import ReapAction
@@ -447,6 +448,31 @@ def test_the_ownership_level(
     findings = doctor.ownership_findings(platform, pidfd_error=pidfd_error, wrapper_error=wrapper_error)
     assert severities(findings) == expected, sentence
     assert findings[0].message == platform.describe()
+
+
+CGROUP_MODE = Support("cgroup", "cgroup2 at /sys/fs/cgroup: /sys/fs/cgroup/app.scope is writable", base="/x")
+NOT_DELEGATED = Support("markers", "/sys/fs/cgroup/user.slice is not writable by uid 1000", DELEGATE_HINT)
+NOT_LINUX = Support("markers", "no /proc/self/mountinfo or /proc/self/cgroup (not Linux, or no /proc)")
+
+
+@pytest.mark.parametrize(
+    ("sentence", "support", "setting", "severity", "fix"),
+    [
+        ("cgroups available: ok, and why", CGROUP_MODE, "auto", "ok", None),
+        ("cgroups asked for and available: ok", CGROUP_MODE, "required", "ok", None),
+        ("not delegated: info, and how to delegate", NOT_DELEGATED, "auto", "info", "Delegate=yes"),
+        ('"off" by the config: info, nothing to fix', Support("markers", '"off"'), "off", "info", None),
+        ("required and not delegated: the proxy refuses, a problem", NOT_DELEGATED, "required", "problem", "Delegate"),
+        ("required where there are none at all: a problem", NOT_LINUX, "required", "problem", '"auto"'),
+    ],
+)
+def test_the_cgroup_mode(
+    sentence: str, support: Support, setting: CgroupSetting, severity: str, fix: str | None
+) -> None:
+    (finding,) = doctor.cgroup_findings(support, setting)
+    assert finding.severity.value == severity, sentence
+    assert support.reason in finding.message
+    assert (finding.fix is None) if fix is None else (fix in (finding.fix or "")), finding
 
 
 def action(**changes: Any) -> ReapAction:

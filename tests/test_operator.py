@@ -17,6 +17,7 @@ import pytest
 
 from acp_proxy.journal import counters
 from acp_proxy.operator import control
+from acp_proxy.ownership import cgroups
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import get_task, list_tasks
@@ -417,6 +418,7 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
     assert set(report) == {
         "stateDir",
         "ownership",
+        "ownershipMode",
         "instances",
         "sessions",
         "liveSessions",
@@ -435,6 +437,10 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
     assert instance["alive"] is True
     assert instance["pid"] == gw.pid
     assert instance["proxy"]["pool"]["live"] >= 1
+    # The mode in force for this proxy's trees, and the one a proxy started here would get: the same.
+    here = cgroups.detect("auto")
+    assert instance["proxy"]["ownership"]["mode"] == report["ownershipMode"]["mode"] == here.mode
+    assert report["ownershipMode"]["reason"] == here.reason
     assert [t["taskId"] for t in instance["proxy"]["turns"]] == [running["taskId"]]
     assert report["sessions"] == {"live": 1}
     assert report["leases"]["open"] >= 1
@@ -444,6 +450,8 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
     assert report["runningTasks"][0]["taskId"] == running["taskId"]
     assert code == 0
     assert "1 running" in text
+    assert f"ownership mode here: {here.mode} ({here.reason})" in text
+    assert f"{here.mode} mode" in text.split("proxies:")[1]
     assert running["taskId"] in text
     # Where the time went, counted by the proxy and added to the install's totals at the latest at its exit.
     after = (await cli_json(proc_env, "status"))["timings"]

@@ -408,7 +408,9 @@ def _reap(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from acp_proxy.operator import reports
 
-    return reports.status(_operator_state_dir(args), as_json=args.json)
+    config = _operator_config(args)
+    setting = config.ownership.cgroups if config is not None else "auto"
+    return reports.status(configuration.state_dir(config), as_json=args.json, cgroups=setting)
 
 
 def _sessions(args: argparse.Namespace) -> int:

@@ -20,7 +20,8 @@ The checks are plain functions that return findings, in the order they are shown
   the free space on its file system.
 * ``leftovers``: what dead proxies left running: the dry run of ``acp-proxy reap``.
 * ``ownership``: full or degraded process ownership, and why; ``/proc``, pidfd, subreaper, and
-  the wrapper program.
+  the wrapper program; whether a proxy started here runs each adapter tree in a cgroup of its
+  own (``cgroup`` mode) or relies on markers alone (``markers``), and why.
 
 Each finding is ``ok``, ``info`` (worth knowing, nothing to fix), ``warning`` (works, but
 not as well or not safely enough; has a fix) or ``problem`` (acp-proxy will fail or refuse;
@@ -52,6 +53,9 @@ Decisions where the question is open:
   (neither the proxy nor ``reap`` will signal it).
 * Degraded ownership is a warning. A kernel that has ``pidfd_open`` in name but refuses it
   (a container's seccomp profile) is a problem: the proxy could signal nothing.
+* ``markers`` mode is ``info`` (the guarantees of full ownership hold; the fix says how to get
+  cgroups), unless the config says ``cgroups = "required"``: then it is a problem, since the
+  proxy refuses to start. Doctor only looks (it creates no cgroup); the proxy's start is the proof.
 
 Doctor never creates the state dir or a database, never migrates or writes one (it is opened
 read-only; SQLite may leave an empty ``-wal`` and a ``-shm`` file beside it, which the next
@@ -75,9 +79,11 @@ from typing import Final
 
 from acp_proxy import __version__, releases
 from acp_proxy import config as configuration
-from acp_proxy.config import BackendConfig, Config, ConfigError, MissingVariable, TasksConfig
+from acp_proxy.config import BackendConfig, CgroupSetting, Config, ConfigError, MissingVariable, TasksConfig
 from acp_proxy.operator.reports import EXIT_UNREACHABLE, EXIT_USAGE
-from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, wrapper_path
+from acp_proxy.ownership import cgroups
+from acp_proxy.ownership.cgroups import Support
+from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, refusal, wrapper_path
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
 from acp_proxy.state import DB_NAME, StateDB
@@ -716,9 +722,22 @@ def _wrapper_error() -> str | None:
     return None
 
 
-def check_ownership() -> list[Finding]:
+def cgroup_findings(support: Support, setting: CgroupSetting) -> list[Finding]:
+    """Which mode a proxy started here gets (``cgroup`` or ``markers``), and why."""
+    if support.mode == "cgroup":
+        return [ok("ownership", f"cgroups: each adapter tree in a cgroup of its own ({support.reason})")]
+    if setting == "required":
+        fix = support.remedy or 'set [ownership] cgroups = "auto" to run without them'
+        return [problem("ownership", f"cgroups: {refusal(support)}; the proxy refuses to start", fix)]
+    message = f"cgroups: not used, trees are owned by subreaper and marker ({support.reason})"
+    remedy = support.remedy and f"for exact ownership by cgroup, {support.remedy}"
+    return [info("ownership", message, remedy or None)]
+
+
+def check_ownership(setting: CgroupSetting = "auto") -> list[Finding]:
     platform = detect_platform(process_table())
-    return ownership_findings(platform, pidfd_error=_pidfd_error(platform), wrapper_error=_wrapper_error())
+    findings = ownership_findings(platform, pidfd_error=_pidfd_error(platform), wrapper_error=_wrapper_error())
+    return findings + cgroup_findings(cgroups.detect(setting), setting)
 
 
 # --- the whole examination --------------------------------------------------------------------
@@ -776,7 +795,7 @@ def examine(explicit_config: str | None, environ: Mapping[str, str] = os.environ
             report.findings += check_leftovers(state_dir)
         elif database.readable:
             report.findings.append(info("leftovers", "not checked until the state dir is safe"))
-    report.findings += check_ownership()
+    report.findings += check_ownership(config.ownership.cgroups if config is not None else "auto")
     return report
 
 

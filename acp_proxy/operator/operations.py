@@ -159,6 +159,7 @@ class Operations:
             "startedAt": proxy.started_at,
             "uptimeSeconds": round(time.time() - proxy.started_at, 3),
             "shuttingDown": proxy.stopping.begun,
+            "ownership": proxy.owner.cgroups.to_json(),
             "backends": sorted(proxy.config.backends),
             "pool": {
                 "live": len(live),

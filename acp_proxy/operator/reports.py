@@ -29,10 +29,12 @@ from typing import Any, Final, TextIO
 import msgspec
 
 from acp_proxy import timings
+from acp_proxy.config import CgroupSetting
 from acp_proxy.operator import control
 from acp_proxy.operator.commands import _age, lease_view, open_existing
 from acp_proxy.operator.install_view import Answers, InstallView, read_install
 from acp_proxy.ownership import instances
+from acp_proxy.ownership.cgroups import detect as detect_mode
 from acp_proxy.ownership.leases import Lease, get_lease
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.verify import process_table
@@ -631,10 +633,12 @@ def act_on_session(state_dir: Path, session_id: str, *, action: str) -> Acted:
 # --- status --------------------------------------------------------------------------------
 
 
-def status(state_dir: Path, *, as_json: bool) -> int:
+def status(state_dir: Path, *, as_json: bool, cgroups: CgroupSetting = "auto") -> int:
+    """``ownershipMode``: the mode a proxy started here would get; each running proxy says its own."""
     report: dict[str, Any] = {
         "stateDir": str(state_dir),
         "ownership": detect_platform(process_table()).describe(),
+        "ownershipMode": detect_mode(cgroups).to_json(),
         "instances": [],
         "sessions": {},
         "leases": {},
@@ -781,6 +785,8 @@ def _slot_line(view: dict[str, Any]) -> str:
 def _print_status(report: dict[str, Any], has_db: bool) -> None:
     print(f"state dir: {report['stateDir']}")
     print(f"ownership: {report['ownership']}")
+    mode = report["ownershipMode"]
+    print(f"ownership mode here: {mode['mode']} ({mode['reason']})")
     if not has_db:
         print(_no_state(Path(report["stateDir"])))
         return
@@ -801,6 +807,8 @@ def _print_status(report: dict[str, Any], has_db: bool) -> None:
                 f"  pool {pool.get('live', '?')}/{pool.get('maxLive', '?')} live"
                 f"  sessions {proxy.get('sessions', '?')}  turns {len(proxy.get('turns', []))}"
             )
+            if "ownership" in proxy:
+                line += f"  {proxy['ownership']['mode']} mode"
         elif entry.get("controlError"):
             line += f"  ({entry['controlError']})"
         print(line)

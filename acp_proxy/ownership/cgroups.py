@@ -57,6 +57,8 @@ DELEGATE_HINT: Final = (
     "run acp-proxy under systemd with Delegate=yes (a unit's [Service] section, or "
     "systemd-run --user --scope -p Delegate=yes acp-proxy ...), or as root"
 )
+MOUNT_HINT: Final = "run on a host with cgroup v2 mounted (systemd's unified or hybrid layout)"
+KERNEL_HINT: Final = "cgroup.kill needs Linux 5.14 or later"
 
 
 class CgroupsUnavailable(Exception):
@@ -68,13 +70,21 @@ class Support(msgspec.Struct, frozen=True):
 
     mode: Mode
     reason: str
+    remedy: str = ""
+    """In ``markers`` mode, what would give this host cgroup mode (empty: nothing, or not wanted)."""
     base: str | None = None
     """The proxy's own cgroup v2 directory, under which instance cgroups are made."""
     memory: bool = False
     """``memory`` is delegated to the base's children: each tree has ``memory.current``."""
 
     def to_json(self) -> dict[str, object]:
-        return {"mode": self.mode, "reason": self.reason, "memory": self.memory}
+        return {"mode": self.mode, "reason": self.reason, "remedy": self.remedy or None, "memory": self.memory}
+
+    def describe(self) -> str:
+        """One line for ``status`` and ``leases``: the mode, and why."""
+        if self.mode == "cgroup":
+            return f"cgroup: each adapter tree in a cgroup of its own ({self.reason})"
+        return f"markers: subreaper wrapper and marker sweeps ({self.reason})"
 
 
 # --- detection: pure over /proc and the cgroup file system --------------------------------------
@@ -152,31 +162,34 @@ def detect(
         return Support("markers", f"no {proc}/self/mountinfo or {proc}/self/cgroup (not Linux, or no /proc)")
     mounts = cgroup2_mounts(mountinfo)
     if not mounts:
-        return Support("markers", "no cgroup2 file system is mounted")
+        return Support("markers", "no cgroup2 file system is mounted", MOUNT_HINT)
     path = own_cgroup(membership)
     if path is None:
-        return Support("markers", f"this process is in no cgroup v2 cgroup (no 0:: line in {proc}/self/cgroup)")
+        reason = f"this process is in no cgroup v2 cgroup (no 0:: line in {proc}/self/cgroup)"
+        return Support("markers", reason, MOUNT_HINT)
     for mount, root in mounts:
         inside = path if root == "/" else path[len(root) :] if path == root or path.startswith(root + "/") else None
         if inside is not None and os.path.isdir(mount + inside):
             break
     else:
-        return Support("markers", f"this process's cgroup {path} is not visible under any cgroup2 mount")
+        reason = f"this process's cgroup {path} is not visible under any cgroup2 mount"
+        return Support("markers", reason, "run acp-proxy where its own cgroup is visible (its own cgroup namespace)")
     base = Path(os.path.normpath(mount + inside))
     at_root = inside in ("", "/")
     if not at_root and not (base / "cgroup.kill").exists():
-        return Support("markers", f"{base} has no cgroup.kill (needs Linux 5.14 or later)")
+        return Support("markers", f"{base} has no cgroup.kill", KERNEL_HINT)
     if at_root and _release(release or os.uname().release) < KILL_SINCE:
-        return Support("markers", "this kernel has no cgroup.kill (needs Linux 5.14 or later)")
+        return Support("markers", "this kernel has no cgroup.kill", KERNEL_HINT)
     if not (access(base, os.W_OK) and access(base / "cgroup.procs", os.W_OK)):
-        return Support("markers", f"{base} is not writable by uid {os.getuid()}: {DELEGATE_HINT}")
+        return Support("markers", f"{base} is not writable by uid {os.getuid()}", DELEGATE_HINT)
     memory = "memory" in _words(base / "cgroup.subtree_control")
     said = (
         "memory.current per tree"
         if memory
         else f"no memory.current (memory is not in {base / 'cgroup.subtree_control'})"
     )
-    return Support("cgroup", f"cgroup2 at {mount}: {base} is writable, cgroup.kill present; {said}", str(base), memory)
+    reason = f"cgroup2 at {mount}: {base} is writable, cgroup.kill present; {said}"
+    return Support("cgroup", reason, base=str(base), memory=memory)
 
 
 # --- an instance's cgroup and its trees' ------------------------------------------------------

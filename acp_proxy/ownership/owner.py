@@ -19,7 +19,7 @@ import msgspec
 from acp_proxy.config import CgroupSetting
 from acp_proxy.journal import Journal
 from acp_proxy.ownership import cgroups, instances
-from acp_proxy.ownership.cgroups import CgroupsUnavailable, InstanceCgroup, Support
+from acp_proxy.ownership.cgroups import DELEGATE_HINT, CgroupsUnavailable, InstanceCgroup, Support
 from acp_proxy.ownership.proctable import ProcessTable
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
@@ -76,8 +76,13 @@ def detect_cgroups(setting: CgroupSetting) -> Support:
     """The mode a proxy started here gets; ``CgroupsUnavailable`` when ``required`` and it would not have them."""
     support = cgroups.detect(setting)
     if setting == "required" and support.mode != "cgroup":
-        raise CgroupsUnavailable(f'[ownership] cgroups = "required", but {support.reason}')
+        raise CgroupsUnavailable(refusal(support))
     return support
+
+
+def refusal(support: Support) -> str:
+    """Why a proxy with ``cgroups = "required"`` will not start, and what would let it."""
+    return f'[ownership] cgroups = "required", but {support.reason}' + (f": {support.remedy}" if support.remedy else "")
 
 
 def detect_platform(table: ProcessTable) -> Platform:
@@ -144,10 +149,10 @@ class Owner:
                 )
             except OSError as exc:
                 where = exc.filename or support.base
-                support = Support("markers", f"cannot create a cgroup in {where}: {exc.strerror}")
+                support = Support("markers", f"cannot create a cgroup in {where}: {exc.strerror}", DELEGATE_HINT)
         self.cgroups = support
         if support.mode == "markers" and self.cgroups_required:
-            raise CgroupsUnavailable(f'[ownership] cgroups = "required", but {support.reason}')
+            raise CgroupsUnavailable(refusal(support))
         log.info("ownership: %s (%s)", support.mode, support.reason)
 
     @property
