@@ -83,7 +83,7 @@ from acp_proxy.config import BackendConfig, CgroupSetting, Config, ConfigError, 
 from acp_proxy.operator.reports import EXIT_UNREACHABLE, EXIT_USAGE
 from acp_proxy.ownership import cgroups
 from acp_proxy.ownership.cgroups import Support
-from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, refusal, wrapper_path
+from acp_proxy.ownership.owner import Platform, WrapperMissing, detect_platform, wrapper_path
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
 from acp_proxy.ownership.verify import process_table
 from acp_proxy.state import DB_NAME, StateDB
@@ -728,7 +728,8 @@ def cgroup_findings(support: Support, setting: CgroupSetting) -> list[Finding]:
         return [ok("ownership", f"cgroups: each adapter tree in a cgroup of its own ({support.reason})")]
     if setting == "required":
         fix = support.remedy or 'set [ownership] cgroups = "auto" to run without them'
-        return [problem("ownership", f"cgroups: {refusal(support)}; the proxy refuses to start", fix)]
+        message = f'cgroups: [ownership] cgroups = "required", but {support.reason}: the proxy refuses to start'
+        return [problem("ownership", message, fix)]
     message = f"cgroups: not used, trees are owned by subreaper and marker ({support.reason})"
     remedy = support.remedy and f"for exact ownership by cgroup, {support.remedy}"
     return [info("ownership", message, remedy or None)]
