@@ -55,6 +55,8 @@ class Host:
     own: str = "/"
     """Which cgroup directory exists (relative to the mount), as the process's own."""
     kill: bool = True
+    namespace_root: bool = False
+    """``own`` is "/" of a cgroup namespace: a child of the real root, as a container sees it."""
     writable: bool = True
     subtree: str = ""
     release: str = "6.1.0"
@@ -101,6 +103,14 @@ HOSTS = [
     ),
     Host("old-kernel", "the root cgroup on Linux 5.10: markers", release="5.10.0-21", mode="markers", reason="5.14"),
     Host(
+        "namespace-root",
+        "a container's cgroup namespace root (a child of the host's, with cgroup.kill): cgroup mode",
+        membership="0::/\n",
+        own="/",
+        namespace_root=True,
+        release="5.10.0",
+    ),
+    Host(
         "not-delegated",
         "a cgroup this uid may not write: markers, and how to grant delegation",
         membership="0::/user.slice\n",
@@ -135,8 +145,10 @@ def fake_host(tmp_path: Path, host: Host) -> Path:
     own.mkdir(parents=True)
     (own / "cgroup.procs").write_text("")
     (own / "cgroup.subtree_control").write_text(host.subtree + "\n")
-    if host.kill and host.own != "/":
-        (own / "cgroup.kill").write_text("")
+    if host.own != "/" or host.namespace_root:  # the hierarchy's root has neither
+        (own / "cgroup.type").write_text("domain\n")
+        if host.kill:
+            (own / "cgroup.kill").write_text("")
     return proc
 
 

@@ -149,9 +149,9 @@ def detect(
     """Whether a proxy started here, with ``[ownership] cgroups = setting``, runs its trees in cgroups.
 
     Only looks: nothing is created. ``Owner.start`` then creates the instance's cgroup, which
-    is the proof; ``release`` (default: this kernel's) stands in for a look at ``cgroup.kill``
-    where the proxy's cgroup is the hierarchy's root, which has none. ``proc``, ``release`` and
-    ``access`` are parameters for tests.
+    is the proof (it must have ``cgroup.kill``); ``release`` (default: this kernel's) stands in
+    for a look at ``cgroup.kill`` where the proxy's cgroup is the hierarchy's root, which has
+    none. ``proc``, ``release`` and ``access`` are parameters for tests.
     """
     if setting == "off":
         return Support("markers", 'cgroups = "off" in [ownership]')
@@ -175,11 +175,13 @@ def detect(
         reason = f"this process's cgroup {path} is not visible under any cgroup2 mount"
         return Support("markers", reason, "run acp-proxy where its own cgroup is visible (its own cgroup namespace)")
     base = Path(os.path.normpath(mount + inside))
-    at_root = inside in ("", "/")
-    if not at_root and not (base / "cgroup.kill").exists():
-        return Support("markers", f"{base} has no cgroup.kill", KERNEL_HINT)
-    if at_root and _release(release or os.uname().release) < KILL_SINCE:
-        return Support("markers", "this kernel has no cgroup.kill", KERNEL_HINT)
+    # The hierarchy's root has neither cgroup.kill nor cgroup.type; its children have both. A
+    # cgroup namespace's root (a container's "/") is a child of the host's, and has them.
+    if not (base / "cgroup.kill").exists():
+        if (base / "cgroup.type").exists():
+            return Support("markers", f"{base} has no cgroup.kill", KERNEL_HINT)
+        if _release(release or os.uname().release) < KILL_SINCE:
+            return Support("markers", "this kernel has no cgroup.kill", KERNEL_HINT)
     if not (access(base, os.W_OK) and access(base / "cgroup.procs", os.W_OK)):
         return Support("markers", f"{base} is not writable by uid {os.getuid()}", DELEGATE_HINT)
     memory = "memory" in _words(base / "cgroup.subtree_control")
