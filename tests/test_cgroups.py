@@ -28,8 +28,9 @@ import pytest
 
 from acp_proxy.ownership import cgroups, instances
 from acp_proxy.ownership.cgroups import CgroupsUnavailable, InstanceCgroup, Support
-from acp_proxy.ownership.leases import Lease, LeaseState, all_leases
+from acp_proxy.ownership.leases import Lease, LeaseState, all_leases, create_lease
 from acp_proxy.ownership.owner import Owner
+from acp_proxy.ownership.reaping import reap_dead_instances
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
 from acp_proxy.state import StateDB
 from tests.support import GONE_WITHIN, MARKER_VARIABLE, Gateway, fake_command, marked_processes, pid_alive, survivors
@@ -454,35 +455,43 @@ async def test_a_wrapper_that_cannot_join_its_cgroup(
 
 
 @needs_cgroups
-def test_a_dead_proxys_cgroup_is_cleared_by_the_next_one(
-    proc_env: dict[str, str], tmp_path: Path, escapee_file: Path
-) -> None:
-    """A proxy dies with a tree running in its cgroup (its wrapper killed too, its escapee unmarked):
-    the next proxy of the install kills the tree with cgroup.kill and removes the cgroups."""
+def test_a_dead_proxys_cgroup_is_cleared_by_the_next_one(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """A proxy dies with a tree running in its lease's cgroup (its wrapper gone, the process in it
+    unmarked): a dry run names it and kills nothing; the next proxy of the install kills it with
+    cgroup.kill, records the lease closed and removes the cgroups."""
     state = tmp_path / "state"
     dead = Owner.start(state, grace=0.5, cgroups="required")
     assert dead.cgroup is not None
-    lease_id = "deadbeef0001"
-    tree = dead.cgroup.create_tree(lease_id)
-    escapee = subprocess.Popen(
+    lease = create_lease(dead.db, instance_id=dead.instance_id, boot_id=dead.boot_id, backend="fake", argv=("x",))
+    tree = dead.cgroup.create_tree(lease.lease_id)
+    unmarked = subprocess.Popen(
         ["setsid", "env", "-i", f"{MARKER_VARIABLE}={proc_env[MARKER_VARIABLE]}", "sleep", "600"]
     )
     try:
-        (tree / "cgroup.procs").write_text(str(escapee.pid))
+        (tree / "cgroup.procs").write_text(str(unmarked.pid))
+        dead.db.stop_writer()
         os.close(dead.instance.lock_fd)  # it died: its lock can be taken
         dead.db.close()
+        looker = StateDB(state)
+        try:
+            (looked,) = reap_dead_instances(looker, None, grace=0.1, dry_run=True)
+        finally:
+            looker.close()
+        assert looked.signalled == [unmarked.pid]
+        assert unmarked.poll() is None, "a dry run kills nothing"
         successor = Owner.start(state, grace=0.5, cgroups="auto")
         try:
-            assert escapee.wait(timeout=GONE_WITHIN) == -signal.SIGKILL
+            assert unmarked.wait(timeout=GONE_WITHIN) == -signal.SIGKILL
+            (reaped,) = successor.reaped
+            assert (reaped.after, reaped.signalled) == ("closed", [unmarked.pid])
             assert not Path(dead.cgroup.path).exists()
-            assert dead.instance.instance_id not in cgroups.recorded_instances(state)
             assert cgroups.recorded_instances(state) == [successor.instance_id]
         finally:
             successor.close()
     finally:
-        if escapee.poll() is None:
-            escapee.kill()
-            escapee.wait()
+        if unmarked.poll() is None:
+            unmarked.kill()
+            unmarked.wait()
     assert install_cgroups(state) == []
 
 

@@ -220,11 +220,12 @@ def reap_lease(
             continue
         outcome = check_claim(claim, table) if dry_run else send_verified_signal(claim, signal.SIGKILL, table)
         if outcome.verdict is Verdict.OURS:
-            action.signalled.append(claim.pid)
+            if claim.pid not in action.signalled:  # a dry run has counted its cgroup's members already
+                action.signalled.append(claim.pid)
         elif outcome.verdict is Verdict.UNVERIFIABLE:
             action.refused.append(f"pid {claim.pid}: {outcome.reason}")
     swept = sweep(lease, table, dry_run=dry_run, index=None if action.signalled else index)
-    action.signalled += swept.signalled
+    action.signalled += [pid for pid in swept.signalled if pid not in action.signalled]
     action.refused += swept.refused
     if swept.unverifiable or verdict is Verdict.UNVERIFIABLE:
         return finish(LeaseState.UNVERIFIABLE, swept.unverifiable or "could not verify the wrapper")
