@@ -413,6 +413,31 @@ async def test_in_cgroup_mode_an_escapee_is_gone_after_its_session_closes(
     assert ended.state is LeaseState.CLOSED, ended
 
 
+@needs_cgroups
+@pytest.mark.anyio
+async def test_a_sigkilled_proxys_wrappers_remove_its_cgroups(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """The proxy is SIGKILLed and no other proxy of the install ever starts: its wrappers end their
+    trees (lifeline EOF), and each removes its tree's cgroup, the last one the instance's too."""
+    config = tmp_path / "fast.toml"
+    config.write_text(FAST + '[ownership]\ncgroups = "required"\n[pool]\nmax_live = 2\n')
+    state = Path(proc_env["ACP_PROXY_STATE_DIR"])
+    async with Gateway.start(proc_env, tmp_path, fake_command(), proxy_args=["--config", str(config)]) as gw:
+        await gw.initialize()
+        trees = []
+        for _ in range(2):
+            session = await gw.new_session()
+            assert (await gw.prompt(session, "spawn_tree"))["result"]["stopReason"] == "end_turn"
+            trees.append((await gw.request("_fake/pids"))["result"])
+        assert len(install_cgroups(state)) == 1
+        gw.signal(signal.SIGKILL)
+        await gw.process.wait()
+    assert await survivors([pid for tree in trees for pid in (tree["adapter"], *tree["children"])]) == []
+    with anyio.fail_after(GONE_WITHIN):
+        while install_cgroups(state):
+            await anyio.sleep(0.02)
+    assert len(cgroups.recorded_instances(state)) == 1, "the record stays, for the next proxy to drop"
+
+
 def _leases(state: Path) -> list[Lease]:
     """The install's leases, read on a connection of their own."""
     db = StateDB(state, create=False)
@@ -533,6 +558,7 @@ def test_an_ended_instance_that_could_not_remove_its_cgroup_is_cleared_later(
     ended = Owner.start(state, grace=0.5, cgroups="required")
     assert ended.cgroup is not None
     leftover = ended.cgroup
+    leftover.create_tree("an-ended-tree")
     ended.cgroup = None  # its exit leaves the cgroup and the record in place
     ended.close()
     assert Path(leftover.path).is_dir()

@@ -11,7 +11,9 @@ its own, a lifeline pipe and a report pipe. The wrapper:
 * with ``--cgroup``, moves itself into that cgroup v2 (made for this tree by acp-proxy)
   before it forks, so that the adapter and everything it starts are members from their
   first instruction; a failure is reported (``cgroup_error``) and the adapter started anyway:
-  acp-proxy decides whether that start stands;
+  acp-proxy decides whether that start stands. Once the tree is gone it moves back to the
+  cgroup it was started in and removes the tree's (and, if acp-proxy died, its instance's,
+  which the last of its trees can);
 * forks the adapter into a process group of its own, hands it stdin/stdout and
   drops its own copies (the bytes never pass through here);
 * reports ``{"adapter_pid", "pgid", "start_ticks", ...}`` on the report pipe;
@@ -229,17 +231,37 @@ def exit_like(status: int) -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
-def join_cgroup(directory: str) -> str | None:
-    """Move this process into the cgroup ``directory``; the error text if that failed."""
+def move_to_cgroup(directory: str) -> None:
+    fd = os.open(directory + "/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
     try:
-        fd = os.open(directory + "/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, str(os.getpid()).encode())
-        finally:
-            os.close(fd)
+        os.write(fd, str(os.getpid()).encode())
+    finally:
+        os.close(fd)
+
+
+def join_cgroup(directory: str) -> str | None:
+    """Move this process into the tree's cgroup ``directory``; the error text if that failed."""
+    try:
+        move_to_cgroup(directory)
     except OSError as exc:
         return f"cannot join cgroup {directory}: {exc.strerror}"
     return None
+
+
+def leave_cgroup(directory: str, proxy_gone: bool) -> None:
+    """Once the tree is gone: back to the cgroup acp-proxy started us in, and remove the tree's.
+
+    With acp-proxy gone, also its instance's cgroup, which only the last of its trees to end can.
+    Whatever is left is removed by acp-proxy, or by whoever reaps it once it is dead.
+    """
+    instance = os.path.dirname(directory)
+    try:
+        move_to_cgroup(os.path.dirname(instance))
+        os.rmdir(directory)
+        if proxy_gone:
+            os.rmdir(instance)
+    except OSError:
+        pass
 
 
 def spawn_adapter(argv: list[str], keep_closed: list[int]) -> tuple[int, str | None]:
@@ -344,6 +366,8 @@ def main() -> None:
     except BaseException:
         wrapper.teardown()  # whatever went wrong here, the tree must not outlive us
         raise
+    if cgroup and cgroup_error is None:
+        leave_cgroup(cgroup, proxy_gone=wrapper.lifeline < 0)
     write_tombstone(options.get("--tombstone", ""), os.waitstatus_to_exitcode(status))
     exit_like(status)
 

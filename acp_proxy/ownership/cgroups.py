@@ -3,8 +3,8 @@
 Where this process may write to its own cgroup v2 directory (root; a systemd unit with
 ``Delegate=yes``; ``systemd-run --user --scope -p Delegate=yes``), a proxy creates
 
-    <its own cgroup>/acp-proxy.<install id>.<instance id>/       the instance's, made at start
-    <its own cgroup>/acp-proxy.<install id>.<instance id>/<lease id>   one per adapter tree
+    <its own cgroup>/acp-proxy.<install id>.<instance id>/             the instance's, while it has trees
+    <its own cgroup>/acp-proxy.<install id>.<instance id>/<lease id>/  one per adapter tree
 
 and the wrapper moves itself into its tree's cgroup before it forks the adapter, so the
 adapter and every descendant are members from their first instruction, whatever they do
@@ -24,7 +24,10 @@ verified signals and marker sweeps, exactly as without this module.
 Never touched: any cgroup the proxy did not create. An instance's cgroup is named after the
 install and the instance, and recorded in ``instances/<instance id>.cgroup`` in the state dir
 *before* it is created; only a recorded path of that name, under a cgroup2 mount, is ever
-killed or removed, by the instance itself when it exits or by whoever reaps it once it is dead.
+killed or removed: by the instance itself (each tree's when it ends, its own when it exits), by
+its wrappers (each moves back to the proxy's cgroup once its tree is gone and removes the tree's;
+with the proxy dead, the last one removes the instance's too), or by whoever reaps it once it is
+dead.
 
 The memory controller is used when the proxy's own cgroup already hands it to its children
 (``memory`` in its ``cgroup.subtree_control``): then ``memory.current`` is each tree's exact
@@ -35,6 +38,7 @@ never moves itself to get it, and never writes a cgroup above its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -293,13 +297,35 @@ class InstanceCgroup(msgspec.Struct, frozen=True):
         return Path(self.path, lease_id)
 
     def create_tree(self, lease_id: str) -> Path:
-        """The tree's cgroup, for its wrapper to join before it forks the adapter."""
-        tree = self.tree(lease_id)
-        tree.mkdir()
+        """The tree's cgroup, for its wrapper to join before it forks the adapter.
+
+        The instance's own is made here too when it is not there: it exists only while it has
+        trees (``clear_tree`` removes it with the last, and so does the last wrapper of a dead
+        proxy), so that a proxy killed with no tree running, or whose wrappers ended theirs,
+        leaves nothing in the cgroup file system.
+        """
+        instance, tree = Path(self.path), self.tree(lease_id)
+        for attempt in range(3):
+            with contextlib.suppress(FileExistsError):  # trees are launched from several threads
+                instance.mkdir()
+            if self.memory:
+                instance.joinpath("cgroup.subtree_control").write_text("+memory")
+            try:
+                tree.mkdir()
+            except FileNotFoundError:  # another tree's end removed the instance's meanwhile
+                if attempt == 2:
+                    raise
+                continue
+            break
         return tree
 
     def clear_tree(self, lease_id: str, timeout: float = KILL_WAIT, *, dry_run: bool = False) -> Cleared:
-        return clear(self.tree(lease_id), timeout, dry_run=dry_run)
+        """End the tree's cgroup (``clear``); the instance's too if that was its last tree."""
+        cleared = clear(self.tree(lease_id), timeout, dry_run=dry_run)
+        if cleared.removed and not dry_run:
+            with contextlib.suppress(OSError):  # not empty: other trees run
+                os.rmdir(self.path)
+        return cleared
 
     def clear(self, timeout: float = KILL_WAIT, *, dry_run: bool = False) -> Cleared:
         """Every tree's cgroup, then the instance's own."""
@@ -307,10 +333,12 @@ class InstanceCgroup(msgspec.Struct, frozen=True):
 
 
 def create_instance_cgroup(support: Support, state_dir: Path, install_id: str, instance_id: str) -> InstanceCgroup:
-    """Record, then create, this instance's cgroup; ``OSError`` if it cannot be made or has no ``cgroup.kill``.
+    """Record this instance's cgroup, and prove it can be made: made, looked at, removed (its first tree
+    makes it again). ``OSError`` if it cannot be made, or has no ``cgroup.kill``.
 
-    Recorded first: a proxy that dies between the two leaves a record of a cgroup that does not
-    exist (forgotten by its reaper), never a cgroup nobody knows is ours.
+    Recorded first, for as long as the proxy lives: a proxy that dies at any moment leaves at most
+    a record of a cgroup that does not exist (forgotten by its reaper), never a cgroup nobody knows
+    is ours.
     """
     assert support.base is not None
     path = Path(support.base, instance_name(install_id, instance_id))
@@ -329,9 +357,10 @@ def create_instance_cgroup(support: Support, state_dir: Path, install_id: str, i
         if support.memory:
             path.joinpath("cgroup.subtree_control").write_text("+memory")
     except OSError:
-        path.rmdir()
         forget(state_dir, instance_id)
         raise
+    finally:
+        path.rmdir()
     return InstanceCgroup(str(path), memory=support.memory)
 
 
