@@ -179,6 +179,16 @@ class Wrapper:
             self.lifeline = -1
             self.stop_requested = True  # EOF: acp-proxy is gone
 
+    def proxy_gone(self) -> bool:
+        """Whether acp-proxy has died (its lifeline is at EOF), without waiting: it never writes to it."""
+        if self.lifeline < 0:
+            return True
+        try:
+            readable, _, _ = select.select([self.lifeline], [], [], 0)
+        except InterruptedError:
+            return False
+        return bool(readable) and not os.read(self.lifeline, 512)
+
     def run(self) -> int:
         while True:
             children_left = self.reap()
@@ -367,7 +377,7 @@ def main() -> None:
         wrapper.teardown()  # whatever went wrong here, the tree must not outlive us
         raise
     if cgroup and cgroup_error is None:
-        leave_cgroup(cgroup, proxy_gone=wrapper.lifeline < 0)
+        leave_cgroup(cgroup, proxy_gone=wrapper.proxy_gone())
     write_tombstone(options.get("--tombstone", ""), os.waitstatus_to_exitcode(status))
     exit_like(status)
 
