@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ from acp_proxy.ownership.cgroups import CgroupsUnavailable, InstanceCgroup, Supp
 from acp_proxy.ownership.leases import Lease, LeaseState, all_leases, create_lease
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.reaping import reap_dead_instances
-from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
+from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed, owner_tree_cgroup
+from acp_proxy.pool.budget import measure_adapters
 from acp_proxy.state import StateDB
 from tests.support import GONE_WITHIN, MARKER_VARIABLE, Gateway, fake_command, marked_processes, pid_alive, survivors
 
@@ -251,6 +253,35 @@ def test_memory_current_and_limits_read_and_write_the_cgroup_files(tmp_path: Pat
     assert (tmp_path / "memory.max").read_text() == "max"
     with pytest.raises(FileNotFoundError):
         cgroups.set_memory_limits(tmp_path / "gone", high=1)
+
+
+def test_a_tree_with_the_memory_controller_is_held_to_its_session_kill_memory(tmp_path: Path) -> None:
+    owner = types.SimpleNamespace(
+        cgroup=InstanceCgroup(str(tmp_path / "instance"), memory=True), cgroups_required=False
+    )
+    lease = types.SimpleNamespace(lease_id="lease-1")
+    tree = Path(owner_tree_cgroup(owner, lease, 400 << 20))  # type: ignore[arg-type]
+    assert (tree / "memory.high").read_text() == str(400 << 20), "throttled and reclaimed past the hard limit"
+    assert (tree / "memory.max").read_text() == str(500 << 20), "the kernel's backstop, a quarter above it"
+    plain = Path(owner_tree_cgroup(owner, types.SimpleNamespace(lease_id="lease-2")))  # type: ignore[arg-type]
+    assert not (plain / "memory.high").exists(), "no session_kill_memory: no kernel limit"
+    without = types.SimpleNamespace(cgroup=InstanceCgroup(str(tmp_path / "other")), cgroups_required=False)
+    bare = Path(owner_tree_cgroup(without, lease, 400 << 20))  # type: ignore[arg-type]
+    assert not (bare / "memory.high").exists(), "no memory controller: nothing to write"
+
+
+def test_a_tree_with_memory_current_is_measured_by_it_and_the_others_by_pss(tmp_path: Path) -> None:
+    (tmp_path / "memory.current").write_text("73400320\n")
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        sizes = measure_adapters([os.getpid(), helper.pid], {helper.pid: str(tmp_path)})
+    finally:
+        helper.kill()
+        helper.wait()
+    assert sizes[helper.pid] == (73400320, "cgroup")
+    size, kind = sizes[os.getpid()]
+    assert kind in ("pss", "rss")
+    assert size > 1 << 20
 
 
 @pytest.mark.skipif(

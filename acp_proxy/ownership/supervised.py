@@ -32,7 +32,7 @@ from msgspec.structs import replace
 
 from acp_proxy.journal import Kind
 from acp_proxy.ownership import leases
-from acp_proxy.ownership.cgroups import Cleared
+from acp_proxy.ownership.cgroups import Cleared, set_memory_limits
 from acp_proxy.ownership.leases import Lease, LeaseState
 from acp_proxy.ownership.owner import Owner, WrapperMissing, wrapper_path
 from acp_proxy.ownership.reaping import SweepResult, forget_tombstone, prepare_tombstone, sweep
@@ -64,16 +64,19 @@ class WrapperFailed(Exception):
     """The adapter could not be started under its wrapper; the message says why."""
 
 
-def owner_tree_cgroup(owner: Owner, lease: Lease) -> str | None:
+def owner_tree_cgroup(owner: Owner, lease: Lease, memory_limit: int | None = None) -> str | None:
     """The cgroup ``lease``'s tree runs in (``cgroup`` mode), made now; ``None`` in ``markers`` mode.
 
     One that cannot be made fails the start if cgroups are required, else that tree is owned by
-    marker only (and said so).
+    marker only (and said so). With the memory controller and a ``memory_limit`` (the session's
+    ``session_kill_memory``), the kernel holds the tree to it too: ``memory.high`` at the limit
+    (reclaim and throttling, so that a tree cannot outgrow the proxy's measuring between two
+    rounds) and ``memory.max`` a quarter above it (the OOM killer, inside the tree, as a backstop).
     """
     if owner.cgroup is None:
         return None
     try:
-        return str(owner.cgroup.create_tree(lease.lease_id))
+        tree = owner.cgroup.create_tree(lease.lease_id)
     except OSError as exc:
         reason = f"cannot create the tree's cgroup {exc.filename}: {exc.strerror}"
         if owner.cgroups_required:
@@ -81,6 +84,12 @@ def owner_tree_cgroup(owner: Owner, lease: Lease) -> str | None:
             raise WrapperFailed(reason) from None
         log.warning("lease %s: %s; this tree is owned by marker only", lease.lease_id, reason)
         return None
+    if owner.cgroup.memory and memory_limit is not None:
+        try:
+            set_memory_limits(tree, high=memory_limit, maximum=memory_limit + memory_limit // 4)
+        except OSError as exc:
+            log.warning("lease %s: cannot set the memory limits of its cgroup: %s", lease.lease_id, exc.strerror)
+    return str(tree)
 
 
 def unsettled(cleared: Cleared, swept: SweepResult) -> str | None:
@@ -228,6 +237,7 @@ class SupervisedProcess:
         session_key: str | None = None,
         recorded_argv: Sequence[str] | None = None,
         hold: Sequence[int] = (),
+        memory_limit: int | None = None,
     ) -> SupervisedProcess:
         """Write the lease, then start the wrapper; needs no event loop (see ``ready``).
 
@@ -252,7 +262,7 @@ class SupervisedProcess:
             session_key=session_key,
         )
         tombstone = prepare_tombstone(db, lease.lease_id)
-        cgroup = owner_tree_cgroup(owner, lease)
+        cgroup = owner_tree_cgroup(owner, lease, memory_limit)
         lifeline_r, lifeline_w = os.pipe()
         report_r, report_w = os.pipe()
         stdin_r, stdin_w = os.pipe()

@@ -246,10 +246,13 @@ class Adapter:
         environ: Mapping[str, str] | None = None,
         session_key: str | None = None,
         hold: Sequence[int] = (),
+        memory_limit: int | None = None,
     ) -> SupervisedProcess:
         """Start the backend's command under a wrapper and a lease; needs no event loop.
 
         ``hold``: the install's slot locks, kept by the wrapper for as long as the tree lives.
+        ``memory_limit``: the session's ``session_kill_memory``, for the tree's cgroup (where it has
+        the memory controller).
 
         The argv list is executed directly, never through a shell. The adapter's
         stderr is the proxy's stderr, so its logs reach whoever reads ours.
@@ -271,6 +274,7 @@ class Adapter:
                 term_grace=shutdown.term_grace,
                 session_key=session_key,
                 hold=hold,
+                memory_limit=memory_limit,
             )
         except WrapperFailed as exc:
             raise SpawnError(f"cannot start backend {backend.name!r} ({argv[0]}): {exc}") from None

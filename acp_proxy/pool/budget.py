@@ -22,6 +22,7 @@ import msgspec
 from acp_proxy.concurrency import Changes, Stopping
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import SuspendReason
+from acp_proxy.ownership.cgroups import memory_current
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.admission import POLL
@@ -74,6 +75,21 @@ class Peaks:
             return
         self._seen[(backend, command)] = size
         self.learned.peak(backend, command, size)
+
+
+def measure_adapters(roots: list[int], cgroups: dict[int, str]) -> dict[int, tuple[int, str]]:
+    """Each tree's bytes and how they were read: its cgroup's ``memory.current`` where ``cgroups`` has
+    one (exact, cache included), else PSS (or RSS) summed over its processes (``measure_trees``).
+    Reads files that block: in a worker thread."""
+    sizes: dict[int, tuple[int, str]] = {}
+    for root, path in cgroups.items():
+        current = memory_current(path)
+        if current is not None:
+            sizes[root] = (current, "cgroup")
+    rest = [root for root in roots if root not in sizes]
+    for root, tree in measure_trees(rest).items() if rest else ():
+        sizes[root] = (tree.total, tree.method)
+    return sizes
 
 
 def roots_of(slots: Sequence[Slot]) -> list[int]:
@@ -158,6 +174,7 @@ class Pool(Protocol):
     """What the keeper needs of the process pool."""
 
     config: Config
+    owner: Owner
     install: InstallSlots
     stopping: Stopping
     changed: Changes
@@ -218,13 +235,20 @@ class MemoryKeeper:
         """Measure this proxy's trees, for its slot records; what they measure is learned by the install."""
         adapters = self.pool.live()
         roots = {a.supervised.process.pid: a for a in adapters}
-        trees = await anyio.to_thread.run_sync(measure_trees, list(roots))  # /proc reads block
-        for root, tree in trees.items():
+        sizes = await anyio.to_thread.run_sync(measure_adapters, list(roots), self.cgroups_of(adapters))
+        for root, (size, kind) in sizes.items():
             adapter = roots[root]
-            adapter.usage.memory, adapter.usage.memory_kind = tree.total, tree.method
-            if tree.processes:
-                self.peaks.saw(adapter.backend.name, adapter.supervised.lease.command_hash, tree.total)
+            adapter.usage.memory, adapter.usage.memory_kind = size, kind
+            if size:
+                self.peaks.saw(adapter.backend.name, adapter.supervised.lease.command_hash, size)
         self.pool.changed.notify()  # the slot records carry the figures
+
+    def cgroups_of(self, adapters: list[Adapter]) -> dict[int, str]:
+        """The trees whose cgroup has ``memory.current`` (cgroup mode, with the memory controller), by root."""
+        owned = self.pool.owner.cgroup
+        if owned is None or not owned.memory:
+            return {}
+        return {a.supervised.process.pid: a.supervised.cgroup for a in adapters if a.supervised.cgroup is not None}
 
     def measure_soon(self) -> None:
         """A new adapter has answered: measure it now, rather than at the next round."""

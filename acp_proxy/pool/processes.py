@@ -586,6 +586,7 @@ class ProcessPool:
             shutdown=self.config.shutdown,
             session_key=session_key,
             hold=held.descriptors,
+            memory_limit=self.config.session_memory(backend.name)[1],
         )
         # The lease is written, and waited for, before the spawn: from a worker thread, so that a
         # database another process holds locked delays this start, not the relay.
