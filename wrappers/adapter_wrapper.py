@@ -12,8 +12,8 @@ its own, a lifeline pipe and a report pipe. The wrapper:
   before it forks, so that the adapter and everything it starts are members from their
   first instruction; a failure is reported (``cgroup_error``) and the adapter started anyway:
   acp-proxy decides whether that start stands. Once the tree is gone it moves back to the
-  cgroup it was started in and removes the tree's (and, if acp-proxy died, its instance's,
-  which the last of its trees can);
+  cgroup it was started in and removes the tree's, and its instance's if that was the last
+  tree (acp-proxy makes it again for its next one);
 * forks the adapter into a process group of its own, hands it stdin/stdout and
   drops its own copies (the bytes never pass through here);
 * reports ``{"adapter_pid", "pgid", "start_ticks", ...}`` on the report pipe;
@@ -179,16 +179,6 @@ class Wrapper:
             self.lifeline = -1
             self.stop_requested = True  # EOF: acp-proxy is gone
 
-    def proxy_gone(self) -> bool:
-        """Whether acp-proxy has died (its lifeline is at EOF), without waiting: it never writes to it."""
-        if self.lifeline < 0:
-            return True
-        try:
-            readable, _, _ = select.select([self.lifeline], [], [], 0)
-        except InterruptedError:
-            return False
-        return bool(readable) and not os.read(self.lifeline, 512)
-
     def run(self) -> int:
         while True:
             children_left = self.reap()
@@ -258,18 +248,20 @@ def join_cgroup(directory: str) -> str | None:
     return None
 
 
-def leave_cgroup(directory: str, proxy_gone: bool) -> None:
+def leave_cgroup(directory: str) -> None:
     """Once the tree is gone: back to the cgroup acp-proxy started us in, and remove the tree's.
 
-    With acp-proxy gone, also its instance's cgroup, which only the last of its trees to end can.
-    Whatever is left is removed by acp-proxy, or by whoever reaps it once it is dead.
+    Then the instance's cgroup too, which succeeds only if this was its last tree: whether
+    acp-proxy lives cannot be told for sure here (a SIGKILLed proxy's descriptors close one by
+    one, and the adapter may exit on its stdin's EOF before our lifeline's comes), and a proxy
+    that lives makes it again for its next tree (``InstanceCgroup.create_tree``). Whatever is
+    left is removed by acp-proxy, or by whoever reaps it once it is dead.
     """
     instance = os.path.dirname(directory)
     try:
         move_to_cgroup(os.path.dirname(instance))
         os.rmdir(directory)
-        if proxy_gone:
-            os.rmdir(instance)
+        os.rmdir(instance)
     except OSError:
         pass
 
@@ -377,7 +369,7 @@ def main() -> None:
         wrapper.teardown()  # whatever went wrong here, the tree must not outlive us
         raise
     if cgroup and cgroup_error is None:
-        leave_cgroup(cgroup, proxy_gone=wrapper.proxy_gone())
+        leave_cgroup(cgroup)
     write_tombstone(options.get("--tombstone", ""), os.waitstatus_to_exitcode(status))
     exit_like(status)
 

@@ -25,9 +25,8 @@ Never touched: any cgroup the proxy did not create. An instance's cgroup is name
 install and the instance, and recorded in ``instances/<instance id>.cgroup`` in the state dir
 *before* it is created; only a recorded path of that name, under a cgroup2 mount, is ever
 killed or removed: by the instance itself (each tree's when it ends, its own when it exits), by
-its wrappers (each moves back to the proxy's cgroup once its tree is gone and removes the tree's;
-with the proxy dead, the last one removes the instance's too), or by whoever reaps it once it is
-dead.
+its wrappers (each moves back to the proxy's cgroup once its tree is gone and removes the tree's,
+and the instance's if that was its last tree), or by whoever reaps it once it is dead.
 
 The memory controller is used when the proxy's own cgroup already hands it to its children
 (``memory`` in its ``cgroup.subtree_control``): then ``memory.current`` is each tree's exact
@@ -300,17 +299,17 @@ class InstanceCgroup(msgspec.Struct, frozen=True):
         """The tree's cgroup, for its wrapper to join before it forks the adapter.
 
         The instance's own is made here too when it is not there: it exists only while it has
-        trees (``clear_tree`` removes it with the last, and so does the last wrapper of a dead
-        proxy), so that a proxy killed with no tree running, or whose wrappers ended theirs,
+        trees (``clear_tree`` removes it with the last, and so does a wrapper whose tree was the
+        last, the proxy alive or not), so that a proxy killed with no tree running, or whose wrappers ended theirs,
         leaves nothing in the cgroup file system.
         """
         instance, tree = Path(self.path), self.tree(lease_id)
         for attempt in range(3):
             with contextlib.suppress(FileExistsError):  # trees are launched from several threads
                 instance.mkdir()
-            if self.memory:
-                instance.joinpath("cgroup.subtree_control").write_text("+memory")
             try:
+                if self.memory:
+                    instance.joinpath("cgroup.subtree_control").write_text("+memory")
                 tree.mkdir()
             except FileNotFoundError:  # another tree's end removed the instance's meanwhile
                 if attempt == 2:
