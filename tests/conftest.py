@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
@@ -10,10 +9,8 @@ from pathlib import Path
 import pytest
 
 from acp_proxy.ownership import cgroups
-from acp_proxy.state import DB_NAME, StateDB
-from acp_proxy.state.connection import StateError
 from tests.kit import markers
-from tests.support import MARKER_VARIABLE, marked_processes
+from tests.support import MARKER_VARIABLE, install_cgroups, marked_processes
 
 # Config files the tests write must not be group-writable (the proxy refuses those), whatever
 # umask the suite is started with (many distributions give users 002).
@@ -21,8 +18,6 @@ os.umask(0o022)
 
 
 EVENT_LOOPS = ("asyncio", "trio")
-HERE = cgroups.detect("auto")
-"""Whether the proxies the tests start run their trees in cgroups here, and under which base."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -83,18 +78,3 @@ def proc_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         for path in kept:
             cgroups.clear(path, 2.0)
         pytest.fail(f"cgroups of the test's install outlived it (removed now): {[str(p) for p in kept]}")
-
-
-def install_cgroups(state_dir: Path) -> list[Path]:
-    """The cgroups the proxies of this state dir's install made that are still there (cgroup mode)."""
-    if not HERE.base or not (state_dir / DB_NAME).exists():
-        return []
-    try:
-        db = StateDB(state_dir, create=False, read_only=True)
-    except (StateError, sqlite3.Error):
-        return []
-    try:
-        install = db.install_id
-    finally:
-        db.close()
-    return sorted(Path(HERE.base).glob(f"{cgroups.PREFIX}{install}.*")) if install else []

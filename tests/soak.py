@@ -69,11 +69,12 @@ import anyio
 import anyio.abc
 import psutil
 
+from acp_proxy.ownership import cgroups
 from acp_proxy.pool.install import ALL, QUEUE, SLOTS_DIR, InstallSlots
 from tests.conformance import ConformanceError, Conversation
 from tests.kit import markers, proctree
 from tests.kit.gateway import Closed, Gateway
-from tests.support import MARKER_VARIABLE, end_run, fake_command, marked_processes, scratch_run
+from tests.support import MARKER_VARIABLE, end_run, fake_command, install_cgroups, marked_processes, scratch_run
 
 ANSWER_TIMEOUT = 150.0
 """A request may wait acquire_timeout (45 s) for a slot, then a start and a turn, behind another of its session."""
@@ -900,6 +901,11 @@ async def run(options: Options, workdir: Path, env: dict[str, str]) -> Report:
         survivors = [marked for pid, marked in marked_processes(env[MARKER_VARIABLE]).items() if pid in left]
         if survivors:
             report.violation(f"processes survived: {[str(marked) for marked in survivors]}")
+        left_cgroups = install_cgroups(state_dir)  # the last proxy reaped the dead ones' and removed its own
+        if left_cgroups:
+            report.violation(f"cgroups of the install survived: {[str(path) for path in left_cgroups]}")
+            for path in left_cgroups:
+                cgroups.clear(path, 2.0)
         report.violations += decoys.signalled()
         report.decoys = len(decoys.processes)
         decoys.stop()

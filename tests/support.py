@@ -16,6 +16,7 @@ import collections
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,10 @@ from typing import Any
 import anyio
 import sniffio
 
+from acp_proxy.ownership import cgroups
 from acp_proxy.sessions.registry import SessionRegistry
-from acp_proxy.state import StateDB
+from acp_proxy.state import DB_NAME, StateDB
+from acp_proxy.state.connection import StateError
 from tests.conformance import Conversation
 from tests.kit import gateway, markers
 
@@ -319,3 +322,22 @@ async def wait_for_task(env: dict[str, str], status: str, timeout: float = 10) -
             if listed["tasks"]:
                 return dict(listed["tasks"][0])
             await anyio.sleep(0.05)
+
+
+CGROUPS_HERE = cgroups.detect("auto")
+"""Whether the proxies the tests start run their trees in cgroups here, and under which base."""
+
+
+def install_cgroups(state_dir: Path) -> list[Path]:
+    """The cgroups the proxies of this state dir's install made that are still there (cgroup mode)."""
+    if not CGROUPS_HERE.base or not (state_dir / DB_NAME).exists():
+        return []
+    try:
+        db = StateDB(state_dir, create=False, read_only=True)
+    except (StateError, sqlite3.Error):
+        return []
+    try:
+        install = db.install_id
+    finally:
+        db.close()
+    return sorted(Path(CGROUPS_HERE.base).glob(f"{cgroups.PREFIX}{install}.*")) if install else []
