@@ -427,12 +427,20 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         checker.fail("backends", "at least one backend is required, e.g. [backends.codex]")
     for path, soft, hard in [
         ("pool", pool.session_max_memory, pool.session_kill_memory),
-        *((f"backends.{b.name}", b.session_max_memory, b.session_kill_memory) for b in backends.values()),
+        *(
+            (
+                f"backends.{b.name}",
+                b.session_max_memory if b.session_max_memory is not None else pool.session_max_memory,
+                b.session_kill_memory if b.session_kill_memory is not None else pool.session_kill_memory,
+            )
+            for b in backends.values()
+        ),
     ]:
         if soft is not None and hard is not None and hard <= soft:
             checker.fail(
                 f"{path}.session_kill_memory",
-                "must be larger than session_max_memory (the hard limit past which a turn is ended)",
+                f"{hard} bytes must be larger than session_max_memory, {soft} bytes (the hard limit past which "
+                "a turn is ended; a backend's limits fall back to [pool]'s)",
             )
     default = top.get("default_backend")
     if default is not None and raw_backends and default not in raw_backends:

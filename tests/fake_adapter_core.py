@@ -49,6 +49,7 @@ then the turn ends with end_turn unless a command ended it first.
     trickle S          a message chunk "." every 0.1 s for S seconds (a long turn that keeps talking)
     silent             say nothing until session/cancel arrives, then stop with "cancelled"
     grow N             keep N more MiB resident, until the process ends
+    grow_for_turn N    keep N more MiB resident until the turn ends
     grow_until_cancel N
                        N more MiB every 0.1 s (and a "."), until session/cancel arrives
     wait_cancel        stream until session/cancel arrives, then stop with "cancelled"
@@ -127,6 +128,8 @@ class FakeAdapter:
         self.cancelled_sessions: set[str] = set()
         self.hoard: list[bytes] = []
         """Memory the ``grow`` commands keep."""
+        self.turn_hoard: list[bytes] = []
+        """Memory ``grow_for_turn`` keeps until the turn ends."""
         self.cancelled_requests: set[Any] = set()
         self.sessions: dict[str, dict[str, Any]] = {}  # id -> {"history", "mode", "config", "turns"}
         self.sessions_lock = threading.RLock()
@@ -434,6 +437,7 @@ class FakeAdapter:
             stop = self.run_command(session_id, verb, arg.strip(), params, history_before)
             if stop is not None:
                 break
+        self.turn_hoard.clear()  # what grow_for_turn kept goes with the turn
         with self.sessions_lock:  # the turn has ended: count it
             self.session(session_id, create=True)["turns"] += 1
             self.persist(session_id)
@@ -517,6 +521,8 @@ class FakeAdapter:
         elif verb == "grow":  # keeps ARG more MiB, resident, until the process ends
             self.hoard.append(b"\x01" * (int(arg) * 2**20))
             self.say(session_id, f"holding {sum(map(len, self.hoard)) >> 20} MiB")
+        elif verb == "grow_for_turn":  # keeps ARG more MiB resident until the turn ends
+            self.turn_hoard.append(b"\x01" * (int(arg) * 2**20))
         elif verb == "grow_until_cancel":  # ARG more MiB every 0.1 s, talking, until cancelled
             while session_id not in self.cancelled_sessions:
                 self.hoard.append(b"\x01" * (int(arg) * 2**20))

@@ -248,6 +248,9 @@ def test_memory_current_and_limits_read_and_write_the_cgroup_files(tmp_path: Pat
     assert cgroups.memory_current(tmp_path) is None, "no memory controller: no figure"
     (tmp_path / "memory.current").write_text("52330496\n")
     assert cgroups.memory_current(tmp_path) == 52330496
+    assert cgroups.memory_working_set(tmp_path) == 52330496, "no memory.stat: all of it"
+    (tmp_path / "memory.stat").write_text("anon 41943040\ninactive_file 2097152\n")
+    assert cgroups.memory_working_set(tmp_path) == 52330496 - 2097152
     cgroups.set_memory_limits(tmp_path, high=1 << 30, maximum=None)
     assert (tmp_path / "memory.high").read_text() == str(1 << 30)
     assert (tmp_path / "memory.max").read_text() == "max"
@@ -261,7 +264,7 @@ def test_a_tree_with_the_memory_controller_is_held_to_its_session_kill_memory(tm
     )
     lease = types.SimpleNamespace(lease_id="lease-1")
     tree = Path(owner_tree_cgroup(owner, lease, 400 << 20))  # type: ignore[arg-type]
-    assert (tree / "memory.high").read_text() == str(400 << 20), "throttled and reclaimed past the hard limit"
+    assert (tree / "memory.high").read_text() == str(450 << 20), "throttled a little past the proxy's own cut"
     assert (tree / "memory.max").read_text() == str(500 << 20), "the kernel's backstop, a quarter above it"
     plain = Path(owner_tree_cgroup(owner, types.SimpleNamespace(lease_id="lease-2")))  # type: ignore[arg-type]
     assert not (plain / "memory.high").exists(), "no session_kill_memory: no kernel limit"
@@ -271,14 +274,17 @@ def test_a_tree_with_the_memory_controller_is_held_to_its_session_kill_memory(tm
 
 
 def test_a_tree_with_memory_current_is_measured_by_it_and_the_others_by_pss(tmp_path: Path) -> None:
-    (tmp_path / "memory.current").write_text("73400320\n")
+    (tmp_path / "memory.current").write_text("83886080\n")
+    (tmp_path / "memory.stat").write_text(
+        "anon 62914560\nfile 20971520\ninactive_file 10485760\nactive_file 10485760\n"
+    )
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         sizes = measure_adapters([os.getpid(), helper.pid], {helper.pid: str(tmp_path)})
     finally:
         helper.kill()
         helper.wait()
-    assert sizes[helper.pid] == (73400320, "cgroup")
+    assert sizes[helper.pid] == (73400320, "cgroup"), "memory.current less the inactive page cache"
     size, kind = sizes[os.getpid()]
     assert kind in ("pss", "rss")
     assert size > 1 << 20

@@ -101,11 +101,18 @@ def test_design_example_is_valid() -> None:
         ({**GOOD, "tasks": {"turn_idle_timeout": "quiet"}}, "tasks.turn_idle_timeout: expected a duration"),
         (
             {**GOOD, "pool": {"session_max_memory": "1G", "session_kill_memory": "512M"}},
-            "pool.session_kill_memory: must be larger than session_max_memory",
+            "pool.session_kill_memory: 536870912 bytes must be larger than session_max_memory",
         ),
         (
             {"backends": {"codex": {"command": ["x"], "session_max_memory": "2G", "session_kill_memory": "2G"}}},
-            "backends.codex.session_kill_memory: must be larger than session_max_memory",
+            "backends.codex.session_kill_memory: 2147483648 bytes must be larger than session_max_memory",
+        ),
+        (
+            {
+                "pool": {"session_kill_memory": "1G"},
+                "backends": {"codex": {"command": ["x"], "session_max_memory": "2G"}},
+            },
+            "backends.codex.session_kill_memory: 1073741824 bytes must be larger than session_max_memory, 2147483648",
         ),
         (
             {**GOOD, "ownership": {"reap": "3m"}},

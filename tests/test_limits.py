@@ -140,6 +140,21 @@ async def test_a_restored_process_that_leaves_its_request_unanswered_is_recycled
         assert restored["turns"] == 1
 
 
+async def test_a_request_the_agent_withdrew_stops_the_idle_clock_no_more(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    async with start(proc_env, tmp_path, turn_idle_timeout="500ms") as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        # The agent asks, withdraws the request with $/cancel_request, then waits for an answer the
+        # gateway never gives: the turn is quiet, and nothing waits for the client any more.
+        request_id = await send_prompt(gw, session, "ask_then_cancel")
+        await gw.expect(lambda m: m.get("method") == "$/cancel_request")
+        answer = await gw.response_to(request_id, timeout=15)
+        assert answer["result"]["stopReason"] == "cancelled"
+        assert answer["result"]["_meta"]["acp-proxy"] == {"timedOut": True, "idle": True}
+
+
 # --- the memory ceiling of a session -----------------------------------------------------------
 
 
@@ -195,12 +210,13 @@ async def test_a_busy_session_over_its_ceiling_finishes_its_turn_then_is_recycle
         await gw.initialize()
         session = await gw.new_session()
         pid = await adapter_pid(gw, session)
-        # Over the ceiling from the turn's start, and talking for longer than a measuring round.
-        answer = await gw.prompt(session, "grow 80; trickle 3", timeout=30)
+        # Over the ceiling from the turn's start, talking for longer than a measuring round, and back
+        # under it once the turn has ended: only the turn's end can recycle it.
+        answer = await gw.prompt(session, "grow_for_turn 80; trickle 3", timeout=30)
         assert answer["result"]["stopReason"] == "end_turn", "a ceiling never cuts a turn"
         await until_suspended(proc_env, session, pid)
         assert (await state_of(gw, session))["pid"] != pid
-    task = next(t for t in list_tasks(state_db(proc_env)) if t.prompt == "grow 80; trickle 3")
+    task = next(t for t in list_tasks(state_db(proc_env)) if t.prompt == "grow_for_turn 80; trickle 3")
     assert task.status.value == "done"
     assert [reason for reason, _ in suspensions(proc_env)] == ["session_max_memory", "shutdown"]
 

@@ -279,7 +279,8 @@ def clear(path: Path, timeout: float, *, dry_run: bool = False) -> Cleared:
             cleared.remaining = members(path)
             return cleared
         for directory in _bottom_up(path):
-            directory.rmdir()
+            with contextlib.suppress(FileNotFoundError):  # its wrapper removed it meanwhile (``leave_cgroup``)
+                directory.rmdir()
         cleared.removed = True
     except OSError as exc:
         cleared.error = f"{exc.filename or path}: {exc.strerror}"
@@ -393,6 +394,25 @@ def memory_current(path: str | Path) -> int | None:
         return int(Path(path, "memory.current").read_text())
     except (OSError, ValueError):
         return None
+
+
+def memory_working_set(path: str | Path) -> int | None:
+    """What a tree's cgroup holds that it cannot simply give back: ``memory.current`` less the
+    inactive page cache (``inactive_file`` in ``memory.stat``), as the kubelet counts a
+    container's working set. An agent that reads a large repository fills the cache, which the
+    kernel reclaims first; that is no reason to recycle its session."""
+    current = memory_current(path)
+    if current is None:
+        return None
+    try:
+        stat = Path(path, "memory.stat").read_text()
+    except OSError:
+        return current
+    for line in stat.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "inactive_file" and value.strip().isdigit():
+            return max(0, current - int(value))
+    return current
 
 
 def set_memory_limits(path: str | Path, *, high: int | None = None, maximum: int | None = None) -> None:

@@ -69,9 +69,10 @@ def owner_tree_cgroup(owner: Owner, lease: Lease, memory_limit: int | None = Non
 
     One that cannot be made fails the start if cgroups are required, else that tree is owned by
     marker only (and said so). With the memory controller and a ``memory_limit`` (the session's
-    ``session_kill_memory``), the kernel holds the tree to it too: ``memory.high`` at the limit
-    (reclaim and throttling, so that a tree cannot outgrow the proxy's measuring between two
-    rounds) and ``memory.max`` a quarter above it (the OOM killer, inside the tree, as a backstop).
+    ``session_kill_memory``), the kernel holds the tree near it too, a little above, so that the
+    proxy's own cut (a turn ended with its reason) comes first: ``memory.high`` an eighth above
+    (reclaim and throttling: a tree cannot outrun the proxy's measuring by much between two
+    rounds) and ``memory.max`` a quarter above (the OOM killer, inside the tree, as a backstop).
     """
     if owner.cgroup is None:
         return None
@@ -86,7 +87,7 @@ def owner_tree_cgroup(owner: Owner, lease: Lease, memory_limit: int | None = Non
         return None
     if owner.cgroup.memory and memory_limit is not None:
         try:
-            set_memory_limits(tree, high=memory_limit, maximum=memory_limit + memory_limit // 4)
+            set_memory_limits(tree, high=memory_limit + memory_limit // 8, maximum=memory_limit + memory_limit // 4)
         except OSError as exc:
             log.warning("lease %s: cannot set the memory limits of its cgroup: %s", lease.lease_id, exc.strerror)
     return str(tree)
@@ -184,6 +185,8 @@ class SupervisedProcess:
         self.process = process
         self.cgroup = cgroup
         """The tree's cgroup directory (``cgroup`` mode), where ``memory.current`` is read if there is one."""
+        self.cgroup_joined = cgroup is not None
+        """The wrapper joined ``cgroup`` (it says so in its report): the tree is in it."""
         self.stdin = stdin
         self.stdout = stdout
         self.stopping = False
@@ -341,6 +344,7 @@ class SupervisedProcess:
             raise WrapperFailed(failed)
         if report.cgroup_error:
             log.warning("lease %s: %s; this tree is owned by marker only", self.lease.lease_id, report.cgroup_error)
+            self.cgroup_joined = False  # its cgroup is empty: nothing of the tree is read from it
         ticks = report.start_ticks
         if ticks is None:  # no /proc in the wrapper: ask our own process table
             adapter_info = self.owner.table.info(report.adapter_pid)

@@ -22,7 +22,7 @@ import msgspec
 from acp_proxy.concurrency import Changes, Stopping
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import SuspendReason
-from acp_proxy.ownership.cgroups import memory_current
+from acp_proxy.ownership.cgroups import memory_working_set
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.admission import POLL
@@ -78,12 +78,13 @@ class Peaks:
 
 
 def measure_adapters(roots: list[int], cgroups: dict[int, str]) -> dict[int, tuple[int, str]]:
-    """Each tree's bytes and how they were read: its cgroup's ``memory.current`` where ``cgroups`` has
-    one (exact, cache included), else PSS (or RSS) summed over its processes (``measure_trees``).
-    Reads files that block: in a worker thread."""
+    """Each tree's bytes and how they were read: its cgroup's working set where ``cgroups`` has one
+    (``memory.current`` less the inactive page cache: exact, ``cgroups.memory_working_set``), else
+    PSS (or RSS) summed over its processes (``measure_trees``). Reads files that block: in a
+    worker thread."""
     sizes: dict[int, tuple[int, str]] = {}
     for root, path in cgroups.items():
-        current = memory_current(path)
+        current = memory_working_set(path)
         if current is not None:
             sizes[root] = (current, "cgroup")
     rest = [root for root in roots if root not in sizes]
@@ -248,7 +249,11 @@ class MemoryKeeper:
         owned = self.pool.owner.cgroup
         if owned is None or not owned.memory:
             return {}
-        return {a.supervised.process.pid: a.supervised.cgroup for a in adapters if a.supervised.cgroup is not None}
+        return {
+            a.supervised.process.pid: a.supervised.cgroup
+            for a in adapters
+            if a.supervised.cgroup is not None and a.supervised.cgroup_joined
+        }
 
     def measure_soon(self) -> None:
         """A new adapter has answered: measure it now, rather than at the next round."""

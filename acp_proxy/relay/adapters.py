@@ -277,6 +277,10 @@ class AdapterRelay:
         upstream = self._find_upstream(adapter, target) if ok else None
         if upstream is None:
             return None
+        owner, their_id, method, turn = self._upstream[upstream]
+        if turn is not None:  # the agent no longer waits for it: the turn's idle clock runs again
+            turn.answered()
+            self._upstream[upstream] = (owner, their_id, method, None)
         return jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, upstream))
 
     def _between_turns(self, adapter: Adapter, lines: list[bytes], block: bytes) -> None:

@@ -5,7 +5,8 @@ its session is suspended (its tree reaped, the session kept) and restored on a f
 by its next request, history and settings intact, as after any suspension.
 
 The pool's memory keeper measures this proxy's trees every ``MEMORY_EVERY`` seconds (PSS, else
-RSS: ``pool.memory``) and hands them to ``MemoryCeilings.check``; ``judge`` decides, purely:
+RSS, ``pool.memory``; a cgroup's working set where the tree's cgroup has the memory controller,
+``pool.budget.measure_adapters``) and hands them to ``MemoryCeilings.check``; ``judge`` decides, purely:
 
 * over ``session_max_memory`` and idle: recycled now;
 * over it and busy (a turn, a request in flight): recycled as soon as it is idle

@@ -373,7 +373,7 @@ class SessionIntents:
             if turn is not None:
                 self.turns.start_turn(turn, adapter.supervised.lease.lease_id, adapter.pid, resumed=resumed)
             call_id = await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
-            if resumed and turn is None:
+            if resumed and turn is None and not str(msg.method).startswith("_"):
                 self.background.start(functools.partial(self._expect_answer, session, adapter, call_id, msg))
         finally:
             self._queued_ids.discard(msg.id)
@@ -383,14 +383,26 @@ class SessionIntents:
     async def _expect_answer(self, session: Session, adapter: Adapter, call_id: int, msg: Message) -> None:
         """The request a restore was for must be answered within ``start_timeout``, as it would be by a
         process started for it: a restored process that does not answer it is broken (a dead or stuck
-        connection), and is recycled rather than reused. A prompt is not held to this: a turn's limits
-        are ``turn_timeout`` and ``turn_idle_timeout``."""
+        connection), and is recycled rather than reused. A prompt is not held to this (a turn's limits
+        are ``turn_timeout`` and ``turn_idle_timeout``), nor an extension method (``_vendor/...``:
+        its time is its own), nor a process that runs a turn meanwhile."""
         timeout = self.pool.start_timeout(adapter.backend)
         if timeout == float("inf"):
             return
         with anyio.move_on_after(timeout):
             await adapter.answered.until(lambda: adapter.gone or call_id not in adapter.pending)
         if adapter.gone or call_id not in adapter.pending or session.live_adapter is not adapter:
+            return
+        if adapter.turn is not None:  # a turn runs there: its own limits judge the process
+            log.warning(
+                "session %s: pid %s has not answered %s within start_timeout (%gs) after a restore; "
+                "a turn runs there, so it is kept",
+                session.session_id,
+                adapter.pid,
+                msg.method,
+                timeout,
+                extra=ids(session=session.session_id),
+            )
             return
         call = adapter.take_pending(call_id)
         assert call is not None
