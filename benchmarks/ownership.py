@@ -35,7 +35,7 @@ from typing import Any
 
 import anyio
 
-from acp_proxy.config import ShutdownConfig
+from acp_proxy.config import CgroupSetting, ShutdownConfig
 from acp_proxy.ownership.instances import start_instance
 from acp_proxy.ownership.leases import ACTIVE_STATES, LeaseState, create_lease, get_lease, set_state
 from acp_proxy.ownership.owner import Owner
@@ -559,10 +559,10 @@ def process_count() -> int:
     return sum(name.isdigit() for name in os.listdir("/proc"))
 
 
-def owner_start_once(state_dir: Path, expect_reaped: int) -> dict[str, Any]:
+def owner_start_once(state_dir: Path, expect_reaped: int, cgroup_setting: CgroupSetting) -> dict[str, Any]:
     processes = process_count()
     start = time.perf_counter()
-    owner = Owner.start(state_dir, grace=REAP_GRACE)
+    owner = Owner.start(state_dir, grace=REAP_GRACE, cgroups=cgroup_setting)
     elapsed = (time.perf_counter() - start) * 1000
     try:
         states = lease_states(owner.db)
@@ -596,7 +596,7 @@ def measure_reaping(report: Report, workdir: Path, args: argparse.Namespace) -> 
             StateDB(state_dir).close()
         elif case == "dead":
             build_dead_state(state_dir, args.dead_leases, min(DEAD_INSTANCES, args.dead_leases))
-        return owner_start_once(state_dir, args.dead_leases if case == "dead" else 0)
+        return owner_start_once(state_dir, args.dead_leases if case == "dead" else 0, args.cgroups)
 
     cases = ownership_cases("reaping", [(case, "") for case in REAP_CASES], once)
     runs = interleaved(report, "ownership: startup reaping", cases, args.reap_runs)
@@ -648,7 +648,8 @@ def measure_ownership(report: Report, args: argparse.Namespace) -> None:
     }
     report.ownership = results
     with isolated(report, "ownership", results, wait=0) as run:
-        owner = Owner.start(run.workdir / "state", grace=REAP_GRACE)
+        owner = Owner.start(run.workdir / "state", grace=REAP_GRACE, cgroups=args.cgroups)
+        results["mode"] = "cgroup" if owner.cgroup is not None else "markers"
         try:
             progress(f"ownership: close, {args.close_runs} runs x {len(close_cases(args.backends))} cases ...")
             results["close"] = measure_close(report, owner, run.env, args)
@@ -742,7 +743,8 @@ def render(report: Report) -> list[str]:
     out: list[str] = []
     if results.get("close"):
         out += [
-            f"## Ownership: close -> last process gone, {results['close_runs']} runs each (interleaved)",
+            f"## Ownership: close -> last process gone, {results['close_runs']} runs each (interleaved), "
+            f"{results.get('mode', 'markers')} mode",
             "",
             "`tree_adapter.py` with a child and a grandchild. `stop()` closes the adapter's stdin, waits "
             "the stdin grace, SIGTERMs the wrapper, waits the term grace, SIGKILLs, sweeps by marker. "

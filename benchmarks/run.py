@@ -184,6 +184,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reap-runs", type=int, help="ownership: Owner.start runs per state dir (10; --quick: 3)")
     parser.add_argument("--dead-leases", type=int, default=100, help="ownership: dead leases to reap (100)")
     parser.add_argument(
+        "--cgroups",
+        choices=("auto", "off"),
+        default="auto",
+        help="ownership: [ownership] cgroups for the trees (auto: a cgroup each where this process may make one)",
+    )
+    parser.add_argument(
         "--stdin-grace",
         type=float,
         default=0.2,
@@ -267,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             "spawn_runs": args.spawn_runs,
             "reap_runs": args.reap_runs,
             "dead_leases": args.dead_leases,
+            "cgroups": args.cgroups,
             "stdin_grace": args.stdin_grace,
             "term_grace": args.term_grace,
             "resumes": args.resumes,
