@@ -11,15 +11,17 @@ its own, a lifeline pipe and a report pipe. The wrapper:
 * with ``--cgroup``, moves itself into that cgroup v2 (made for this tree by acp-proxy)
   before it forks, so that the adapter and everything it starts are members from their
   first instruction; a failure is reported (``cgroup_error``) and the adapter started anyway:
-  acp-proxy decides whether that start stands. Once the tree is gone it moves back to the
-  cgroup it was started in and removes the tree's, and its instance's if that was the last
-  tree (acp-proxy makes it again for its next one);
+  acp-proxy decides whether that start stands. Once the tree is gone, if acp-proxy is gone
+  too, it moves back to the cgroup it was started in and removes the tree's, and its
+  instance's if that was the last tree; a living acp-proxy removes them itself (moving out of
+  a cgroup that has had forks in it waits for the kernel, 6-28 ms: not on a close's path);
 * forks the adapter into a process group of its own, hands it stdin/stdout and
   drops its own copies (the bytes never pass through here);
 * reports ``{"adapter_pid", "pgid", "start_ticks", ...}`` on the report pipe;
 * reaps with ``waitpid(-1)``, and tears the tree down when the adapter exits
   leaving descendants, on SIGTERM/SIGINT/SIGHUP, or when the lifeline reaches
-  EOF (acp-proxy died, however it died);
+  EOF (acp-proxy died, however it died). acp-proxy writes a byte on the lifeline when it
+  begins to stop the tree: it will remove the tree's cgroup itself;
 * keeps the ``--hold`` descriptors (the install's slot locks) open, and out of the
   adapter's reach, until it exits: a slot is free exactly when its tree is gone;
 * once nothing is left, writes the tombstone file (proof for a later reaper that
@@ -55,6 +57,9 @@ else:
 
 PR_SET_CHILD_SUBREAPER = 36
 POLL_INTERVAL = 0.02
+LIFELINE_WAIT = 0.1
+"""A tree that ended with nothing said on the lifeline: how long to wait for its EOF (a SIGKILLed
+acp-proxy's descriptors close one at a time: the adapter's stdin may reach EOF first)."""
 FATAL_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -140,6 +145,7 @@ class Wrapper:
         self.adapter_pid = 0
         self.adapter_status: int | None = None
         self.stop_requested = False
+        self.proxy_stopping = False
         self.wake_r, wake_w = os.pipe()
         os.set_blocking(wake_w, False)
         os.set_blocking(self.wake_r, False)
@@ -174,10 +180,27 @@ class Wrapper:
                 os.read(self.wake_r, 512)
             except BlockingIOError:
                 pass
-        if self.lifeline in readable and not os.read(self.lifeline, 512):
-            os.close(self.lifeline)
-            self.lifeline = -1
-            self.stop_requested = True  # EOF: acp-proxy is gone
+        if self.lifeline in readable:
+            if os.read(self.lifeline, 512):
+                self.proxy_stopping = True  # acp-proxy is stopping the tree, and removes its cgroup
+            else:
+                os.close(self.lifeline)
+                self.lifeline = -1
+                self.stop_requested = True  # EOF: acp-proxy is gone
+
+    def proxy_removes_cgroup(self) -> bool:
+        """Whether acp-proxy will remove the tree's cgroup itself once we have exited: it said it is
+        stopping the tree (a byte on the lifeline), or it lives on (no EOF within ``LIFELINE_WAIT``),
+        and then stops the tree itself when it sees us exit. Not once the lifeline is at EOF."""
+        if self.proxy_stopping:
+            return True
+        if self.lifeline < 0:
+            return False
+        try:
+            readable, _, _ = select.select([self.lifeline], [], [], LIFELINE_WAIT)
+        except InterruptedError:
+            return True
+        return not readable or bool(os.read(self.lifeline, 512))
 
     def run(self) -> int:
         while True:
@@ -249,13 +272,9 @@ def join_cgroup(directory: str) -> str | None:
 
 
 def leave_cgroup(directory: str) -> None:
-    """Once the tree is gone: back to the cgroup acp-proxy started us in, and remove the tree's.
-
-    Then the instance's cgroup too, which succeeds only if this was its last tree: whether
-    acp-proxy lives cannot be told for sure here (a SIGKILLed proxy's descriptors close one by
-    one, and the adapter may exit on its stdin's EOF before our lifeline's comes), and a proxy
-    that lives makes it again for its next tree (``InstanceCgroup.create_tree``). Whatever is
-    left is removed by acp-proxy, or by whoever reaps it once it is dead.
+    """Once the tree is gone, acp-proxy gone too: back to the cgroup acp-proxy started us in, and
+    remove the tree's. Then the instance's cgroup too, which succeeds only if this was its last
+    tree. Whatever is left is removed by whoever reaps the dead proxy.
     """
     instance = os.path.dirname(directory)
     try:
@@ -368,8 +387,8 @@ def main() -> None:
     except BaseException:
         wrapper.teardown()  # whatever went wrong here, the tree must not outlive us
         raise
-    if cgroup and cgroup_error is None:
-        leave_cgroup(cgroup)
+    if cgroup and cgroup_error is None and not wrapper.proxy_removes_cgroup():
+        leave_cgroup(cgroup)  # acp-proxy is gone: nobody else would, until the next reaping
     write_tombstone(options.get("--tombstone", ""), os.waitstatus_to_exitcode(status))
     exit_like(status)
 

@@ -413,6 +413,11 @@ class SupervisedProcess:
     async def _stop(self, stdin_grace: float, term_grace: float) -> None:
         db, lease = self.owner.db, self.lease
         self._record(LeaseState.CLOSING)
+        if self.cgroup is not None:
+            # The wrapper need not leave the tree's cgroup to remove it (which waits for the kernel):
+            # we remove it (``_clear_and_sweep``).
+            with contextlib.suppress(OSError):
+                os.write(self._lifeline, b".")
         await self.stdin.aclose()
         if await self.wait_exit(stdin_grace) is None:
             self._signal_wrapper(signal.SIGTERM, "still running after stdin EOF")
