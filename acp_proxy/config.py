@@ -149,13 +149,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
 
     def session_memory(self, backend: str) -> tuple[int | None, int | None]:
         """``(session_max_memory, session_kill_memory)`` for the named backend's sessions: its own, else ``[pool]``'."""
-        own = self.backends.get(backend)
-        soft = own.session_max_memory if own is not None and own.session_max_memory is not None else None
-        hard = own.session_kill_memory if own is not None and own.session_kill_memory is not None else None
-        return (
-            soft if soft is not None else self.pool.session_max_memory,
-            hard if hard is not None else self.pool.session_kill_memory,
-        )
+        return session_limits(self.pool, self.backends.get(backend))
 
     def cancel_timeout(self, backend: str) -> float:
         """``cancel_timeout`` for the named backend: its own, else ``[tasks]``'; 0 means none."""
@@ -163,6 +157,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         if own is not None and own.cancel_timeout is not None:
             return own.cancel_timeout
         return self.tasks.cancel_timeout
+
+
+def session_limits(pool: PoolConfig, own: BackendConfig | None) -> tuple[int | None, int | None]:
+    """``(session_max_memory, session_kill_memory)`` of a backend (``own``), each falling back to ``pool``'s."""
+    soft = own.session_max_memory if own is not None else None
+    hard = own.session_kill_memory if own is not None else None
+    return (
+        pool.session_max_memory if soft is None else soft,
+        pool.session_kill_memory if hard is None else hard,
+    )
 
 
 class ConfigError(Exception):
@@ -425,16 +429,9 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             backends[name] = BackendConfig(name=name, env=checked_env, **fields)
     if not raw_backends and not checker.problems:
         checker.fail("backends", "at least one backend is required, e.g. [backends.codex]")
-    for path, soft, hard in [
-        ("pool", pool.session_max_memory, pool.session_kill_memory),
-        *(
-            (
-                f"backends.{b.name}",
-                b.session_max_memory if b.session_max_memory is not None else pool.session_max_memory,
-                b.session_kill_memory if b.session_kill_memory is not None else pool.session_kill_memory,
-            )
-            for b in backends.values()
-        ),
+    for path, (soft, hard) in [
+        ("pool", session_limits(pool, None)),
+        *((f"backends.{b.name}", session_limits(pool, b)) for b in backends.values()),
     ]:
         if soft is not None and hard is not None and hard <= soft:
             checker.fail(

@@ -190,6 +190,10 @@ class Adapter:
     def turn_in_flight(self) -> bool:
         return any(call.internal is None for call in self.pending.values())
 
+    async def until_call_answered(self, call_id: int) -> None:
+        """Until the request sent under ``call_id`` is answered (or given up), or the process is gone."""
+        await self.answered.until(lambda: self.gone or call_id not in self.pending)
+
     async def until_answered(self) -> None:
         """Until the gateway's requests in flight on this process are answered, or it is gone."""
         await self.answered.until(lambda: self.gone or not self.turn_in_flight)

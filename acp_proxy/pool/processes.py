@@ -625,7 +625,7 @@ class ProcessPool:
         deadline, adapter.usage.start_deadline = adapter.usage.start_deadline, None
         call_id = await adapter.forward(msg, on_answer)
         with anyio.CancelScope(deadline=math.inf if deadline is None else deadline):
-            await adapter.answered.until(lambda: adapter.gone or call_id not in adapter.pending)
+            await adapter.until_call_answered(call_id)
         if adapter.take_pending(call_id) is None:
             if not adapter.gone:
                 self._came_up(adapter)

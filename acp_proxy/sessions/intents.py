@@ -390,7 +390,7 @@ class SessionIntents:
         if timeout == float("inf"):
             return
         with anyio.move_on_after(timeout):
-            await adapter.answered.until(lambda: adapter.gone or call_id not in adapter.pending)
+            await adapter.until_call_answered(call_id)
         if adapter.gone or call_id not in adapter.pending or session.live_adapter is not adapter:
             return
         if adapter.turn is not None:  # a turn runs there: its own limits judge the process
