@@ -20,11 +20,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Final
 
 import psutil
 
+from acp_proxy.ownership import cgroups
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.memory import ProcMemory, Usage, measure_trees
 from acp_proxy.sessions.leftovers import dead_proxies
@@ -66,11 +66,7 @@ class StatmOnly(ProcMemory):
     """RSS from ``statm`` alone: what the measure falls back to where PSS cannot be read."""
 
     def read(self, pid: int) -> Usage | None:
-        try:
-            statm = self._read(pid, "statm").split()
-        except OSError:
-            return None
-        return Usage("rss", int(statm[1]) * self.page_size) if int(statm[0]) else None
+        return self.read_rss(pid)
 
 
 @contextlib.contextmanager
@@ -122,19 +118,6 @@ def timed(rounds: int, action: Callable[[], Any]) -> list[float]:
     return samples
 
 
-def own_memory_current() -> Path | None:
-    """This process's cgroup v2 ``memory.current``, if the memory controller is there."""
-    try:
-        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if x.startswith("0::"))
-    except (OSError, StopIteration):
-        return None
-    for mount in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
-        candidate = Path(mount + line[3:].rstrip("/")) / "memory.current"
-        if candidate.exists():
-            return candidate
-    return None
-
-
 def measure(report: Report, args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"trees": TREES, "processes_per_tree": 3, "hold_mib": HOLD_MIB}
     report.measuring = results
@@ -150,10 +133,12 @@ def measure(report: Report, args: argparse.Namespace) -> None:
                 ("pss", "proxy: PSS (smaps_rollup), one process-table pass", lambda: measure_trees(roots)),
                 ("rss", "proxy: RSS (statm), one process-table pass", lambda: measure_trees(roots, reader=StatmOnly())),
             ]
-            current = own_memory_current()
-            if current is not None:
-                cases.append(("cgroup", "cgroup: memory.current, one read", lambda: current.read_bytes()))
-                results["cgroup"] = str(current)
+            here = cgroups.detect("auto")  # where a proxy started here would read its trees' cgroups
+            if here.memory and here.base is not None:
+                base = here.base
+                label = "cgroup: working set (memory.current, memory.stat)"
+                cases.append(("cgroup", label, lambda: cgroups.memory_working_set(base)))
+                results["cgroup"] = base
             else:
                 results["cgroup"] = None
             samples: dict[str, list[float]] = {key: [] for key, _, _ in cases}

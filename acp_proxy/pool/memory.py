@@ -102,6 +102,10 @@ class ProcMemory:
                     return Usage("pss", int(rollup[start + 5 : rollup.index(b"kB", start)]) * 1024)
                 except ValueError:
                     pass
+        return self.read_rss(pid)
+
+    def read_rss(self, pid: int) -> Usage | None:
+        """RSS from ``statm``, which anyone may read (shared pages counted in full)."""
         try:
             statm = self._read(pid, "statm").split()
         except (FileNotFoundError, ProcessLookupError):
