@@ -95,7 +95,17 @@ def test_the_wheel_metadata_is_complete_and_its_version_is_the_packages(wheel: P
     assert {"Environment :: Console", "Typing :: Typed", "Framework :: Trio"} <= set(classifiers)
     assert metadata.get_all("Project-URL")
     required = {re.split(r"[<>=;\s]", r)[0] for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r}
-    assert required == {"anyio", "trio", "psutil", "msgspec", "sniffio", "prometheus-client", "rich"}
+    assert required == {
+        "anyio",
+        "trio",
+        "psutil",
+        "msgspec",
+        "sniffio",
+        "prometheus-client",
+        "rich",
+        "hypercorn",
+        "wsproto",
+    }
 
 
 def test_an_installed_package_says_its_version(installed: Path, tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ OWNERS = {
     "backend_facts": "pool/learned.py",
     "events": "journal.py",
     "counters": "journal.py",
+    "tokens": "remote/tokens.py",  # remote.db, beside the state database
+    "session_owners": "remote/tokens.py",
 }
 MIGRATIONS = "state/migrations.py"
 KNOWN = {

@@ -12,6 +12,9 @@
     acp-proxy reap [--dry-run] [--json]              reap what dead proxies left running
     acp-proxy metrics [--textfile PATH]              the install's metrics, Prometheus text format
     acp-proxy top [--interval S] [--once] [--json]   a live view of the install; keys act on it
+    acp-proxy serve --listen HOST:PORT|--socket PATH  the install's sessions over WebSocket and streamable HTTP
+    acp-proxy token create NAME|list|revoke NAME     bearer tokens for serve (shown once, stored hashed)
+    acp-proxy connect URL [--token-file PATH]        a stdio gateway's agent command for a remote serve
 
 Everything after the first ``--`` is the adapter's argv, taken literally.
 Exit status 2 means bad input (usage, config, an unknown id); the message says what
@@ -68,9 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_option(parser)
     _add_serve_options(parser)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve = commands.add_parser("serve", help="serve ACP on stdio (the default)")
+    serve = commands.add_parser(
+        "serve",
+        help="serve ACP on stdio (the default), or on the network with --listen/--socket",
+        epilog="On the network every client needs a token (acp-proxy token create NAME), except on the unix "
+        "socket, which only this user can open. Each connection is served by a stdio proxy of the install.",
+    )
     _add_config_option(serve)
     _add_serve_options(serve)
+    _add_network_options(serve)
+    _add_token_parser(commands)
+    _add_connect_parser(commands)
     config_cmd = commands.add_parser("config", help="inspect configuration")
     config_actions = config_cmd.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = config_actions.add_parser("check", help="validate a config file")
@@ -92,6 +103,90 @@ def _parser() -> argparse.ArgumentParser:
     _add_metrics_parser(commands)
     _add_top_parser(commands)
     return parser
+
+
+def _add_network_options(serve: argparse.ArgumentParser) -> None:
+    net = serve.add_argument_group("network (ACP over WebSocket and streamable HTTP at /acp)")
+    net.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="listen on HOST:PORT (a bare PORT: 127.0.0.1); repeatable; "
+        "a non-loopback address needs --tls-cert/--tls-key or --no-tls",
+    )
+    net.add_argument("--socket", metavar="PATH", help="listen on a unix socket only this user can open (mode 600)")
+    net.add_argument("--tls-cert", metavar="PATH", help="TLS certificate chain (PEM)")
+    net.add_argument("--tls-key", metavar="PATH", help="TLS private key (PEM)")
+    net.add_argument(
+        "--no-tls",
+        action="store_true",
+        help="allow a non-loopback --listen without TLS (a TLS-terminating proxy is in front)",
+    )
+    net.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser Origin to accept (e.g. https://app.example); others are refused (403)",
+    )
+    net.add_argument("--max-connections", type=_positive_int, default=256, metavar="N", help="in all (default 256)")
+    net.add_argument(
+        "--max-connections-per-token", type=_positive_int, default=64, metavar="N", help="per token (default 64)"
+    )
+    net.add_argument(
+        "--max-pending",
+        type=_positive_int,
+        default=4096,
+        metavar="N",
+        help="messages waiting for a client before it counts as not reading and is disconnected (default 4096)",
+    )
+    net.add_argument(
+        "--idle-timeout",
+        type=_duration,
+        default=300.0,
+        metavar="D",
+        help="end a streamable HTTP connection with no open stream and no request for D (default 5m)",
+    )
+
+
+def _add_token_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    token = commands.add_parser("token", help="bearer tokens for acp-proxy serve: create, list, revoke")
+    actions = token.add_subparsers(dest="action", metavar="ACTION", required=True)
+    create = actions.add_parser("create", help="make a token and print it, once (only its hash is kept)")
+    create.add_argument("name", metavar="NAME", help="what the token is for, e.g. laptop or ci")
+    create.add_argument(
+        "--backend", action="append", default=None, metavar="NAME", help="limit it to this backend (repeatable)"
+    )
+    create.add_argument(
+        "--sees",
+        choices=("own", "all"),
+        default="own",
+        help="own: only the sessions it made (default); all: every session of the install",
+    )
+    listing = actions.add_parser("list", help="tokens, revoked ones included")
+    _add_json(listing)
+    revoke = actions.add_parser("revoke", help="revoke a token: its connections end, it gets nothing more")
+    revoke.add_argument("name", metavar="NAME")
+    for parser in (create, listing, revoke):
+        _add_config_option(parser)
+
+
+def _add_connect_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    connect = commands.add_parser(
+        "connect",
+        help="bridge stdio to a remote acp-proxy serve (launch it as a gateway's agent command)",
+        epilog="The token is read from --token-file, else $ACP_PROXY_TOKEN. A dropped link is re-established "
+        "and the gateway's sessions go on under the same ids.",
+    )
+    connect.add_argument("url", metavar="URL", help="ws://HOST:PORT/acp, wss://HOST:PORT/acp or unix:PATH")
+    connect.add_argument("--token-file", metavar="PATH", help="a file holding the token")
+    connect.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=argparse.SUPPRESS,
+        help="stderr log level (default: $ACP_PROXY_LOG_LEVEL or info)",
+    )
 
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
@@ -355,6 +450,163 @@ def _serve(args: argparse.Namespace, command: list[str], serve: Serve) -> int:
         owner.close()
 
 
+def _token(args: argparse.Namespace) -> int:
+    from acp_proxy.remote.tokens import RemoteStore, TokenError
+    from acp_proxy.state.directory import ensure_private_dir
+
+    state = _operator_state_dir(args)
+    ensure_private_dir(state)
+    store = RemoteStore(state)
+    try:
+        if args.action == "create":
+            backends = tuple(args.backend) if args.backend else None
+            config = _operator_config(args)
+            unknown = [b for b in backends or () if config is None or b not in config.backends]
+            if unknown and config is not None:
+                raise UsageError(f"--backend: no backend named {unknown[0]!r} in the config")
+            token, secret = store.create(args.name, backends=backends, sees=args.sees)
+            print(secret)
+            limits = f"backends {', '.join(backends)}" if backends else "any backend"
+            print(
+                f"token {token.name} ({token.token_id}): {limits}, sees {token.sees} sessions; "
+                "shown once, only its hash is kept",
+                file=sys.stderr,
+            )
+            return 0
+        if args.action == "revoke":
+            token = store.revoke(args.name)
+            print(f"revoked {token.name} ({token.token_id}); a running serve ends its connections within 5 s")
+            return 0
+        tokens = store.tokens()
+        if args.json:
+            import json
+
+            print(json.dumps([_token_view(t) for t in tokens], indent=2))
+            return 0
+        if not tokens:
+            print("no tokens: make one with acp-proxy token create NAME")
+        for t in tokens:
+            view = _token_view(t)
+            print(f"{t.name:<20} {t.token_id}  {view['state']:<8} backends={view['backends'] or 'any'} sees={t.sees}")
+        return 0
+    except TokenError as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        store.close()
+
+
+def _token_view(token: object) -> dict[str, object]:
+    from acp_proxy.remote.tokens import Token
+
+    assert isinstance(token, Token)
+    return {
+        "name": token.name,
+        "id": token.token_id,
+        "state": "revoked" if token.revoked_at is not None else "live",
+        "backends": list(token.backends) if token.backends is not None else None,
+        "sees": token.sees,
+        "createdAt": token.created_at,
+        "revokedAt": token.revoked_at,
+    }
+
+
+def _serve_network(args: argparse.Namespace, options: list[str], command: list[str]) -> int:
+    """``serve --listen/--socket``: each connection gets a stdio proxy with the options given here."""
+    level = getattr(args, "log_level", None) or _choice_from_env("ACP_PROXY_LOG_LEVEL", LOG_LEVELS, "info")
+    log_format = getattr(args, "log_format", None) or _choice_from_env("ACP_PROXY_LOG_FORMAT", LOG_FORMATS, "text")
+    async_backend = getattr(args, "async_backend", None) or _choice_from_env(
+        "ACP_PROXY_ASYNC_BACKEND", ASYNC_BACKENDS, "asyncio"
+    )
+    config = load_config(getattr(args, "config", None), command)
+    backend = getattr(args, "backend", None)
+    try:
+        default = config.backend(backend).name
+    except KeyError as exc:
+        raise UsageError(f"--backend: {exc.args[0]}") from None
+    from acp_proxy.remote import server
+
+    try:
+        listen = [server.parse_listen(text) for text in args.listen]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    exposed = [f"{host}:{port}" for host, port in listen if not server.is_loopback(host)]
+    if exposed and not args.tls_cert and not args.no_tls:
+        raise UsageError(
+            f"--listen {exposed[0]} is not loopback: tokens would cross the network in clear text; "
+            "pass --tls-cert and --tls-key, or --no-tls when a TLS-terminating proxy is in front"
+        )
+    for path in (args.tls_cert, args.tls_key):
+        if path and not os.access(path, os.R_OK):
+            raise UsageError(f"cannot read {path}")
+    state = configuration.state_dir(config)
+    from acp_proxy.state.directory import ensure_private_dir
+
+    ensure_private_dir(state)
+    passed = [o for o in _proxy_options(options)]
+    shutdown = config.shutdown
+    serve_options = server.ServeOptions(
+        state_dir=state,
+        proxy_argv=server.proxy_argv(passed, command, async_backend),
+        listen=listen,
+        unix_socket=Path(args.socket).absolute() if args.socket else None,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        allowed_origins=list(args.allow_origin),
+        max_connections=args.max_connections,
+        max_per_token=args.max_connections_per_token,
+        max_pending=args.max_pending,
+        max_message_bytes=config.max_line_bytes,
+        idle_timeout=args.idle_timeout,
+        proxy_exit_grace=shutdown.stdin_grace + shutdown.close_timeout + 2 * shutdown.term_grace + 5,
+        default_backend=default,
+    )
+    logs.configure(level, log_format)
+    gc.enable()
+    import anyio
+
+    try:
+        return anyio.run(server.serve_network, serve_options, backend=async_backend)
+    except OSError as exc:
+        raise UsageError(f"cannot listen: {exc.strerror or exc}") from None
+
+
+def _proxy_options(options: list[str]) -> list[str]:
+    """The options of a ``serve`` command line that its connections' stdio proxies take too."""
+    taken = {"--config", "--backend", "--log-level", "--log-format"}
+    kept: list[str] = []
+    it = iter(options)
+    for option in it:
+        name, eq, value = option.partition("=")
+        if name in taken:
+            value = value if eq else next(it, "")
+            if name == "--config":
+                value = str(Path(value).absolute())
+            kept += [name, value]
+    return kept
+
+
+def _connect(args: argparse.Namespace) -> int:
+    level = getattr(args, "log_level", None) or _choice_from_env("ACP_PROXY_LOG_LEVEL", LOG_LEVELS, "info")
+    logs.configure(level, "text")
+    token = None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"--token-file: cannot read {args.token_file}: {exc.strerror}") from None
+    else:
+        token = os.environ.get("ACP_PROXY_TOKEN") or None
+    from acp_proxy.remote import bridge
+
+    try:
+        target = bridge.Target.parse(args.url, token)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return bridge.run(target)
+
+
 def _config_check(args: argparse.Namespace) -> int:
     from acp_proxy.operator.doctor import unset_consequence
 
@@ -506,6 +758,12 @@ def main(argv: Sequence[str] | None, serve: Serve) -> int:
             return trace_show(Path(args.file), session=args.session, as_json=args.json)
         if args.command in OPERATOR_COMMANDS:
             return OPERATOR_COMMANDS[args.command](args)
+        if args.command == "token":
+            return _token(args)
+        if args.command == "connect":
+            return _connect(args)
+        if args.command == "serve" and (args.listen or args.socket):
+            return _serve_network(args, options, command)
         return _serve(args, command, serve)
     except (ConfigError, UsageError) as exc:
         _fail(str(exc))

@@ -141,3 +141,15 @@ def kill_child_group(pid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def signal_child(pid: int, sig: signal.Signals) -> bool:
+    """Send ``sig`` to ``pid``, a child of ours not yet reaped (so its pid names no other process).
+
+    For a child that is no adapter tree: ``serve``'s per-connection proxies. Whether it was sent.
+    """
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

@@ -1,0 +1,308 @@
+"""The ``/acp`` endpoint as an ASGI application: WebSocket and streamable HTTP over one hub.
+
+Authentication runs before anything else on every request: an ``Authorization: Bearer``
+token, or, on the unix socket (which only the server's user can open), the server's own
+user. A browser's ``Origin`` is refused unless listed. Every failure is logged and counted,
+and the answer to it is delayed, more for a client that keeps failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from contextlib import suppress
+from typing import Any, Final
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import session_of
+from acp_proxy.protocol.jsonrpc import BadLine
+from acp_proxy.remote.access import FailedAttempts, bearer_token, origin_allowed
+from acp_proxy.remote.hub import Connection, Ended, Hub, Refusal
+from acp_proxy.remote.routing import Body, Head, Refused, Route, route
+from acp_proxy.remote.tokens import Principal, RemoteStore
+
+log = logging.getLogger("acp_proxy.serve")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+CONNECTION_HEADER: Final = b"acp-connection-id"
+SESSION_HEADER: Final = b"acp-session-id"
+STREAM_KEEPALIVE: Final = 15.0
+"""Seconds between comment lines on an idle event stream: intermediaries keep it open, and a
+client that has gone is found by the failed write."""
+
+
+class AcpApp:
+    """ASGI: ``/acp`` for WebSocket and streamable HTTP clients of ``hub``."""
+
+    def __init__(self, hub: Hub, store: RemoteStore, *, allowed_origins: Iterable[str], unix_socket: bool) -> None:
+        self.hub = hub
+        self.store = store
+        self.allowed_origins = tuple(allowed_origins)
+        self.unix_socket = unix_socket
+        self.failed = FailedAttempts()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        headers = _headers(scope)
+        head = Head(
+            method=scope.get("method", "GET") if scope["type"] == "http" else "GET",
+            path=scope.get("path", ""),
+            upgrade="websocket" if scope["type"] == "websocket" else headers.get("upgrade"),
+            accept=headers.get("accept"),
+            content_type=headers.get("content-type"),
+            connection_id=headers.get(CONNECTION_HEADER.decode()),
+            session_id=headers.get(SESSION_HEADER.decode()),
+        )
+        websocket = scope["type"] == "websocket"
+        if websocket:
+            await receive()  # websocket.connect
+        respond = _ws_refusal(send) if websocket else _http_refusal(send)
+        if not origin_allowed(headers.get("origin"), self.allowed_origins):
+            log.warning("refused a request from origin %r (not in --allow-origin)", headers.get("origin"))
+            await respond(403, "origin not allowed")
+            return
+        principal = await self._authenticate(scope, headers)
+        if principal is None:
+            await respond(401, "authentication required: Authorization: Bearer <token>")
+            return
+        if websocket:
+            decided = route(head)
+            if decided is not Route.WEBSOCKET:
+                await respond(decided.status if isinstance(decided, Refused) else 400, "not a WebSocket endpoint")
+                return
+            await self._websocket(principal, _peer(scope), receive, send)
+            return
+        await self._http(head, principal, _peer(scope), receive, send)
+
+    async def _authenticate(self, scope: Scope, headers: dict[str, str]) -> Principal | None:
+        if scope.get("client") is None and self.unix_socket:
+            return Principal.local_user(os.getuid())  # the socket is the server user's alone (0600)
+        secret = bearer_token(headers.get("authorization"))
+        token = self.store.verify(secret) if secret is not None else None
+        if token is not None:
+            return Principal.of_token(token)
+        peer = _peer(scope)
+        delay = self.failed.delay(peer)
+        log.warning(
+            "failed authentication from %s (%s); answered in %.2fs", peer, "bad token" if secret else "no token", delay
+        )
+        await anyio.sleep(delay)
+        return None
+
+    # --- WebSocket ---------------------------------------------------------------------------
+
+    async def _websocket(self, principal: Principal, peer: str, receive: Receive, send: Send) -> None:
+        opened = self.hub.open(principal, "websocket", peer)
+        if isinstance(opened, Refusal):
+            await _ws_refusal(send)(opened.status, opened.message)
+            return
+        connection = opened
+        stream = connection.outbox.open(None)
+        await send({"type": "websocket.accept", "headers": [(CONNECTION_HEADER, connection.id.encode())]})
+        async with anyio.create_task_group() as tasks:
+
+            async def send_frames() -> None:
+                async for line in stream:
+                    await send({"type": "websocket.send", "text": line.decode()})
+                tasks.cancel_scope.cancel()  # the connection ended on our side
+
+            tasks.start_soon(send_frames)
+            while True:
+                event = await receive()
+                if event["type"] == "websocket.disconnect":
+                    connection.end(Ended.CLIENT)
+                    break
+                text = event.get("text")
+                if text is not None:  # binary frames are ignored, as the RFD says
+                    await connection.from_client(text.encode())
+            tasks.cancel_scope.cancel()
+        if connection.ended is not None and connection.ended is not Ended.CLIENT:
+            with anyio.move_on_after(1), suppress(Exception):
+                await send(
+                    {"type": "websocket.close", "code": connection.ended.code, "reason": connection.ended.reason}
+                )
+
+    # --- streamable HTTP ---------------------------------------------------------------------
+
+    async def _http(self, head: Head, principal: Principal, peer: str, receive: Receive, send: Send) -> None:
+        body: Body | None = None
+        raw = b""
+        if head.method == "POST":
+            read = await _read_body(receive, self.hub.limits.max_message_bytes)
+            if read is None:
+                await _plain(send, 413, f"body over {self.hub.limits.max_message_bytes} bytes")
+                return
+            raw = read.strip()
+            body = _body_of(raw)
+        decided = route(head, body)
+        if isinstance(decided, Refused):
+            await _plain(send, decided.status, decided.message)
+            return
+        if decided is Route.INITIALIZE:
+            await self._initialize(principal, peer, raw, send)
+            return
+        assert head.connection_id is not None
+        connection = self.hub.find(head.connection_id, principal)
+        if connection is None:
+            await _plain(send, 404, "unknown Acp-Connection-Id")
+            return
+        if decided is Route.DELETE:
+            connection.end(Ended.DELETED)
+            await _plain(send, 202, "")
+            return
+        if decided is Route.STREAM:
+            await self._stream(connection, head.session_id, principal, receive, send)
+            return
+        decoded = jsonrpc.decode_line(raw)
+        if isinstance(decoded, BadLine):
+            await _json(send, 400, jsonrpc.bad_line_response(decoded, raw))
+            return
+        await connection.from_client(raw, head.session_id)
+        await _plain(send, 202, "")
+
+    async def _initialize(self, principal: Principal, peer: str, raw: bytes, send: Send) -> None:
+        decoded = jsonrpc.decode_line(raw)
+        if isinstance(decoded, BadLine) or decoded[0].id is None:
+            await _json(send, 400, jsonrpc.bad_line_response(BadLine.INVALID, raw))
+            return
+        opened = self.hub.open(principal, "http", peer)
+        if isinstance(opened, Refusal):
+            await _plain(send, opened.status, opened.message)
+            return
+        answer = await opened.initialize(raw, decoded[0].id)  # type: ignore[arg-type]
+        if answer is None:
+            opened.end(Ended.PROXY_EXITED)
+            await _plain(send, 502, "the connection's proxy did not answer initialize")
+            return
+        await _json(send, 200, answer, [(CONNECTION_HEADER, opened.id.encode())])
+
+    async def _stream(
+        self, connection: Connection, session_id: str | None, principal: Principal, receive: Receive, send: Send
+    ) -> None:
+        if session_id is not None and not self.hub.may_see(principal, session_id):
+            await _plain(send, 404, "unknown Acp-Session-Id")
+            return
+        stream = connection.outbox.open(session_id)
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            async with anyio.create_task_group() as tasks:
+
+                async def until_gone() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(until_gone)
+                await _events(stream, send)
+                tasks.cancel_scope.cancel()
+        finally:
+            connection.outbox.release(session_id, stream)
+        with anyio.move_on_after(1), suppress(Exception):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send) -> None:
+    """Each message as one server-sent event, with a comment line while nothing happens."""
+    while True:
+        with anyio.move_on_after(STREAM_KEEPALIVE):
+            try:
+                line = await stream.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            chunk = [b"data: ", line, b"\n\n"]
+            while True:  # what else is already waiting goes in the same write
+                try:
+                    chunk += [b"data: ", stream.receive_nowait(), b"\n\n"]
+                except anyio.WouldBlock:
+                    break
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
+                    return
+            await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
+            continue
+        await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+
+
+def _body_of(raw: bytes) -> Body:
+    if raw.startswith(b"["):
+        return Body(batch=True)
+    decoded = jsonrpc.decode_line(raw)
+    if isinstance(decoded, BadLine):
+        return Body()
+    msg, _ = decoded
+    return Body(method=msg.method if isinstance(msg.method, str) else None, session_id=session_of(msg.params))
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        event = await receive()
+        if event["type"] == "http.disconnect":
+            return b"".join(parts)
+        chunk = event.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+        if not event.get("more_body", False):
+            return b"".join(parts)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope.get("headers", [])}
+
+
+def _peer(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "unix socket"
+
+
+async def _plain(send: Send, status: int, message: str) -> None:
+    body = (message + "\n").encode() if message else b""
+    headers = [(b"content-type", b"text/plain; charset=utf-8")]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="acp-proxy"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = [(b"content-type", b"application/json"), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body.rstrip(b"\n")})
+
+
+def _http_refusal(send: Send) -> Callable[[int, str], Awaitable[None]]:
+    return lambda status, message: _plain(send, status, message)
+
+
+def _ws_refusal(send: Send) -> Callable[[int, str], Awaitable[None]]:
+    async def refuse(status: int, message: str) -> None:
+        headers = [(b"content-type", b"text/plain; charset=utf-8")]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="acp-proxy"'))
+        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": (message + "\n").encode()})
+
+    return refuse
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        event = await receive()
+        if event["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif event["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

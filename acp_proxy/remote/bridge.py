@@ -1,0 +1,258 @@
+"""``acp-proxy connect URL``: a gateway's agent command that reaches a remote ``serve``.
+
+Lines from the gateway's stdin go to the remote as WebSocket text frames, and frames come
+back as lines on stdout; ids and bytes pass unchanged. When the link drops it is made
+again, with back-off: the gateway's ``initialize`` (and ``authenticate``, if it did) is
+replayed under the bridge's own ids and its answer kept from the gateway, so the sessions
+the gateway knows go on under the same ids (the remote proxy restores a suspended session
+on its next request). A request in flight when the link dropped is answered with an error
+that says so; one sent while the link is down waits for it, up to ``OUTAGE_LIMIT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import deque
+from typing import Final
+
+import anyio
+from msgspec import UNSET
+
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, RequestId
+from acp_proxy.protocol.methods import Method
+from acp_proxy.remote.wsclient import Closed, Refused, Target, WebSocket
+from acp_proxy.stdio import FdReceiveStream, FdSendStream
+
+__all__ = ["Target", "run"]
+
+log = logging.getLogger("acp_proxy.connect")
+
+LINK_DROPPED: Final = -32603
+BACKOFF: Final = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+OUTAGE_LIMIT: Final = 30.0
+"""How long a request sent while the link is down waits for it before it is answered with an error."""
+EOF_GRACE: Final = 10.0
+"""After the gateway closes its stdin, how long its requests in flight may still be answered."""
+MAX_LINE: Final = 64 * 2**20
+BRIDGE_ID: Final = "acp-proxy-connect/"
+
+
+def _key(request_id: object) -> tuple[type, object]:
+    return (type(request_id), request_id)
+
+
+class Bridge:
+    def __init__(self, target: Target, out: FdSendStream) -> None:
+        self.target = target
+        self.out = out
+        self.waiting: deque[bytes] = deque()
+        """Gateway lines not yet sent over a link."""
+        self.more = anyio.Event()
+        self.in_flight: dict[tuple[type, object], RequestId] = {}
+        """Gateway requests sent over the current link and not answered yet."""
+        self.asked: set[tuple[type, object]] = set()
+        """The remote's requests on the current link that the gateway has not answered."""
+        self.replay: dict[str, bytes] = {}
+        """``initialize`` and ``authenticate`` as the gateway sent them, to replay on a new link."""
+        self.gateway_gone = False
+        self.cookies: dict[str, str] = {}
+        self.down_since: float | None = None
+        self._counter = 0
+        self._writing = anyio.Lock()
+
+    # --- the gateway's side ------------------------------------------------------------------
+
+    async def read_gateway(self, stdin: FdReceiveStream) -> None:
+        reader = LineReader(stdin, MAX_LINE)
+        while True:
+            try:
+                batch = await reader.receive_batch()
+            except anyio.EndOfStream:
+                break
+            for line in batch.lines:
+                if not line.strip():
+                    continue
+                decoded = jsonrpc.decode_line(line)
+                if not isinstance(decoded, BadLine):
+                    msg, kind = decoded
+                    if kind is Kind.REQUEST and msg.method in (Method.INITIALIZE, Method.AUTHENTICATE):
+                        self.replay[str(msg.method)] = line
+                    if kind is Kind.RESPONSE and msg.id is not None and _key(msg.id) not in self.asked:
+                        log.info("dropped the gateway's answer to %r: asked on a link that has dropped", msg.id)
+                        continue
+                self.waiting.append(line)
+            self.more.set()
+        self.gateway_gone = True
+        self.more.set()
+
+    async def to_gateway(self, data: bytes) -> None:
+        async with self._writing:
+            await self.out.send(data)
+
+    async def fail_in_flight(self, why: str) -> None:
+        """Answer every request the link took and will never answer."""
+        failed = [
+            jsonrpc.error_response(request_id, LINK_DROPPED, why, {"reason": "link_dropped"})
+            for request_id in self.in_flight.values()
+        ]
+        self.in_flight.clear()
+        self.asked.clear()
+        if failed:
+            log.warning("answered %d request(s) in flight with an error: %s", len(failed), why)
+            await self.to_gateway(b"".join(failed))
+
+    async def fail_waiting(self, why: str) -> None:
+        """The link has been down too long: requests waiting for it are answered with an error."""
+        kept: deque[bytes] = deque()
+        failed: list[bytes] = []
+        for line in self.waiting:
+            decoded = jsonrpc.decode_line(line)
+            if isinstance(decoded, BadLine) or decoded[1] is not Kind.REQUEST:
+                continue
+            msg = decoded[0]
+            if msg.method in (Method.INITIALIZE, Method.AUTHENTICATE):
+                kept.append(line)  # replayed, and answered, once a link is up
+                continue
+            failed.append(jsonrpc.error_response(msg.id, LINK_DROPPED, why, {"reason": "unreachable"}))  # type: ignore[arg-type]
+        self.waiting = kept
+        if failed:
+            await self.to_gateway(b"".join(failed))
+
+    # --- the link ----------------------------------------------------------------------------
+
+    async def keep_linked(self) -> int:
+        attempt = 0
+        linked_before = False
+        while not (self.gateway_gone and not self.waiting and not self.in_flight):
+            try:
+                ws = await WebSocket.connect(self.target, cookies=self.cookies)
+            except Refused as exc:
+                if exc.status in (401, 403):
+                    log.error("%s refused the link: %s", self.target.describe(), exc)
+                    await self.fail_waiting(f"the remote acp-proxy refused the link: {exc}")
+                    return 2
+                why = str(exc)
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+            else:
+                attempt = 0
+                self.down_since = None
+                self.cookies.update(ws.cookies())
+                log.info("linked to %s (connection %s)", self.target.describe(), ws.connection_id)
+                why = await self._serve_link(ws, replay=linked_before)
+                linked_before = True
+                await self.fail_in_flight(
+                    f"the link to the remote acp-proxy dropped ({why}) while this request was in flight; "
+                    "its session is kept: send it again"
+                )
+                if self.gateway_gone and not self.waiting:
+                    return 0
+            now = anyio.current_time()
+            self.down_since = self.down_since if self.down_since is not None else now
+            if now - self.down_since > OUTAGE_LIMIT:
+                await self.fail_waiting(f"the remote acp-proxy at {self.target.describe()} is unreachable: {why}")
+            delay = BACKOFF[min(attempt, len(BACKOFF) - 1)]
+            attempt += 1
+            log.warning("link to %s down (%s): retrying in %.1fs", self.target.describe(), why, delay)
+            await anyio.sleep(delay)
+        return 0
+
+    async def _serve_link(self, ws: WebSocket, *, replay: bool) -> str:
+        """Relay both ways until the link drops (the reason) or the gateway has left and been answered."""
+        why = "closed"
+        async with anyio.create_task_group() as tasks:
+
+            async def receive() -> None:
+                nonlocal why
+                try:
+                    while True:
+                        text = await ws.receive_text()
+                        await self._from_remote(text.encode())
+                except Closed as exc:
+                    why = exc.reason or "closed"
+                tasks.cancel_scope.cancel()
+
+            tasks.start_soon(receive)
+            try:
+                if replay:
+                    await self._replay(ws)
+                await self._send_waiting(ws)
+            except Closed as exc:
+                why = exc.reason
+            tasks.cancel_scope.cancel()
+        await ws.aclose()
+        return why
+
+    async def _replay(self, ws: WebSocket) -> None:
+        """Initialize the new link as the gateway did the first; its answers never reach the gateway."""
+        for method in (Method.INITIALIZE, Method.AUTHENTICATE):
+            line = self.replay.get(str(method))
+            if line is None:
+                continue
+            decoded = jsonrpc.decode_line(line)
+            assert not isinstance(decoded, BadLine)
+            if any(w == line for w in self.waiting):
+                continue  # the gateway's own is about to be sent
+            self._counter += 1
+            await ws.send_text(jsonrpc.with_id(decoded[0], f"{BRIDGE_ID}{self._counter}").rstrip(b"\n").decode())
+
+    async def _send_waiting(self, ws: WebSocket) -> None:
+        gone_at: float | None = None
+        while True:
+            while self.waiting:
+                line = self.waiting[0]
+                decoded = jsonrpc.decode_line(line)
+                if not isinstance(decoded, BadLine) and decoded[1] is Kind.REQUEST:
+                    request_id = decoded[0].id
+                    assert request_id is not UNSET  # a request has an id
+                    self.in_flight[_key(request_id)] = request_id
+                if not isinstance(decoded, BadLine) and decoded[1] is Kind.RESPONSE and decoded[0].id is not None:
+                    self.asked.discard(_key(decoded[0].id))
+                await ws.send_text(line.decode("utf-8", "replace"))
+                self.waiting.popleft()
+            if self.gateway_gone:
+                gone_at = gone_at if gone_at is not None else anyio.current_time()
+                if not self.in_flight or anyio.current_time() - gone_at > EOF_GRACE:
+                    return
+                with anyio.move_on_after(0.1):
+                    await self.more.wait()
+                continue
+            self.more = anyio.Event()
+            if not self.waiting:
+                await self.more.wait()
+
+    async def _from_remote(self, line: bytes) -> None:
+        decoded = jsonrpc.decode_line(line)
+        if not isinstance(decoded, BadLine):
+            msg, kind = decoded
+            if kind is Kind.RESPONSE and msg.id is not None:
+                if isinstance(msg.id, str) and msg.id.startswith(BRIDGE_ID):
+                    if msg.error is not UNSET:
+                        log.warning("replayed request %s failed on the new link: %s", msg.id, msg.error.message)
+                    return
+                self.in_flight.pop(_key(msg.id), None)
+                self.more.set()
+            elif kind is Kind.REQUEST and msg.id is not None:
+                self.asked.add(_key(msg.id))
+        await self.to_gateway(line.rstrip(b"\n") + b"\n")
+
+
+async def _run(target: Target) -> int:
+    stdin, stdout = FdReceiveStream(0), FdSendStream(1)
+    bridge = Bridge(target, stdout)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(bridge.read_gateway, stdin)
+        status = await bridge.keep_linked()
+        tasks.cancel_scope.cancel()
+    return status
+
+
+def run(target: Target) -> int:
+    try:
+        return anyio.run(_run, target)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        sys.stdout.flush()

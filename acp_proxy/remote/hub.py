@@ -1,0 +1,533 @@
+"""The network connections of one ``serve``, each served by a stdio proxy of the install.
+
+Each ACP connection (a WebSocket, or a streamable HTTP connection named by its
+``Acp-Connection-Id``) gets its own ``acp-proxy`` child on a pipe, started with its first
+message: the very stdio proxy a local gateway runs, so every guarantee of one (owned trees,
+durable turns, the install's pool and budget) holds unchanged, and a fault in one client's
+proxy touches no other. The hub adds what the network needs around it: who may touch which
+session, bounded queues toward each client, and the hand-over of sessions when a connection
+ends (a session touched by a connection that has gone is taken by another only once the
+proxy that held it has suspended it).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import secrets
+import signal
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import anyio
+import anyio.abc
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from msgspec import UNSET, Raw
+
+from acp_proxy.ownership.verify import signal_child
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import proxy_meta, session_of
+from acp_proxy.protocol.errors import ProxyError
+from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message, RequestId
+from acp_proxy.protocol.methods import Method
+from acp_proxy.remote.access import Gate, gate, visible_sessions
+from acp_proxy.remote.tokens import Principal, RemoteStore
+
+log = logging.getLogger("acp_proxy.serve")
+
+HANDOVER_TIMEOUT: Final = 30.0
+"""How long a message for a session waits for the proxy of a connection that ended to let it go."""
+
+CONNECTION_LEVEL: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK, Method.LIST})
+"""Requests whose answers go to the connection-scoped stream (the RFD: the client cannot have a
+session stream for a session it is only now opening)."""
+
+
+class Ended(enum.Enum):
+    """Why a connection ended: said in logs, and as the WebSocket close code and reason."""
+
+    CLIENT = (1000, "client closed the connection")
+    DELETED = (1000, "connection deleted")
+    SLOW_READER = (1008, "slow reader: too many messages waiting to be sent")
+    REVOKED = (1008, "token revoked")
+    IDLE = (1001, "idle connection")
+    PROXY_EXITED = (1011, "the connection's proxy exited")
+    SHUTDOWN = (1001, "server shutting down")
+
+    @property
+    def code(self) -> int:
+        return int(self.value[0])
+
+    @property
+    def reason(self) -> str:
+        return str(self.value[1])
+
+
+class Limits:
+    """The bounds ``serve`` holds every connection to."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int = 256,
+        max_per_principal: int = 64,
+        max_pending: int = 4096,
+        max_message_bytes: int = 64 * 2**20,
+        idle_timeout: float = 300.0,
+    ) -> None:
+        self.max_connections = max_connections
+        self.max_per_principal = max_per_principal
+        self.max_pending = max_pending
+        self.max_message_bytes = max_message_bytes
+        self.idle_timeout = idle_timeout
+
+
+class Outbox:
+    """Server->client messages of one connection, each to its stream: bounded, never blocking the proxy.
+
+    A WebSocket has one stream (``None``). Streamable HTTP has the connection-scoped stream
+    (``None``) and one per session; a message for a session with no stream of its own goes to
+    the connection's, and while no stream is open messages wait in a backlog. Past
+    ``max_pending`` waiting messages the client is not reading: the connection ends.
+    """
+
+    def __init__(self, max_pending: int, on_overflow: Callable[[], None]) -> None:
+        self.max_pending = max_pending
+        self._on_overflow = on_overflow
+        self._streams: dict[str | None, tuple[MemoryObjectSendStream[bytes], MemoryObjectReceiveStream[bytes]]] = {}
+        self._backlog: deque[tuple[str | None, bytes]] = deque()
+        self.closed = False
+
+    def put(self, target: str | None, line: bytes) -> None:
+        if self.closed:
+            return
+        pair = self._streams.get(target) if target in self._streams else self._streams.get(None)
+        if pair is None:
+            if len(self._backlog) >= self.max_pending:
+                self._on_overflow()
+                return
+            self._backlog.append((target, line))
+            return
+        try:
+            pair[0].send_nowait(line)
+        except anyio.WouldBlock:
+            self._on_overflow()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # that stream's reader has gone; the connection's end is being handled
+
+    def has_stream(self, target: str | None) -> bool:
+        return target in self._streams
+
+    def open(self, target: str | None) -> MemoryObjectReceiveStream[bytes]:
+        """A stream for ``target``; one already open for it is replaced (its reader ends)."""
+        old = self._streams.pop(target, None)
+        if old is not None:
+            old[0].close()
+        send, receive = anyio.create_memory_object_stream[bytes](self.max_pending)
+        self._streams[target] = (send, receive)
+        kept: deque[tuple[str | None, bytes]] = deque()
+        for item_target, line in self._backlog:
+            if item_target == target or (target is None and item_target not in self._streams):
+                send.send_nowait(line)  # the backlog is bounded by the same size
+            else:
+                kept.append((item_target, line))
+        self._backlog = kept
+        return receive
+
+    def release(self, target: str | None, stream: MemoryObjectReceiveStream[bytes]) -> None:
+        """The reader of ``target``'s stream has gone (its HTTP response ended)."""
+        stream.close()
+        current = self._streams.get(target)
+        if current is not None and current[1] is stream:
+            current[0].close()
+            del self._streams[target]
+
+    def close(self) -> None:
+        self.closed = True
+        for send, _ in self._streams.values():
+            send.close()
+        self._streams.clear()
+        self._backlog.clear()
+
+
+class Pending:
+    """A client request the connection's proxy has not answered yet."""
+
+    __slots__ = ("answered", "method", "scope")
+
+    def __init__(self, method: str, scope: str | None) -> None:
+        self.method = method
+        self.scope = scope
+        self.answered: anyio.Event | None = None
+
+
+class Connection:
+    """One ACP client connection and the stdio proxy serving it."""
+
+    def __init__(self, hub: Hub, principal: Principal, transport: str, peer: str) -> None:
+        self.hub = hub
+        self.id = secrets.token_urlsafe(18)
+        self.principal = principal
+        self.transport = transport
+        self.peer = peer
+        self.opened_at = time.time()
+        self.last_active = time.monotonic()
+        self.outbox = Outbox(hub.limits.max_pending, lambda: self.end(Ended.SLOW_READER))
+        self.touched: set[str] = set()
+        """Sessions this connection made or named: its proxy may hold them."""
+        self.ended: Ended | None = None
+        self.closed = anyio.Event()
+        self._pending: dict[tuple[type, object], Pending] = {}
+        self._process: anyio.abc.Process | None = None
+        self._started: anyio.Event | None = None
+        self._writing = anyio.Lock()
+        self._answers: dict[tuple[type, object], bytes] = {}
+
+    # --- client -> proxy ---------------------------------------------------------------------
+
+    async def from_client(self, line: bytes, scope: str | None = None) -> None:
+        """One message from the client; an answer the hub gives itself goes to the outbox."""
+        self.last_active = time.monotonic()
+        decoded = jsonrpc.decode_line(line)
+        if isinstance(decoded, BadLine):
+            self.outbox.put(None, jsonrpc.bad_line_response(decoded, line))
+            return
+        msg, kind = decoded
+        if kind is not Kind.RESPONSE:
+            assert isinstance(msg.method, str)
+            if not await self._admit(msg, kind, scope):
+                return
+        await self._to_proxy(line)
+
+    async def _admit(self, msg: Message, kind: Kind, scope: str | None) -> bool:
+        """Whether the principal may send this; refused requests are answered here."""
+        assert isinstance(msg.method, str)
+        session_id = session_of(msg.params)
+        backend: str | None = None
+        if msg.method == Method.NEW:
+            named = proxy_meta(msg.params).get("backend")
+            backend = named if isinstance(named, str) else self.hub.default_backend
+        owner = await self.hub.owner_of(session_id) if session_id is not None else None
+        verdict = gate(self.principal, msg.method, session_id, owner, backend)
+        if verdict is not Gate.PASS:
+            if kind is Kind.REQUEST:
+                error = (
+                    ProxyError.unknown_session(session_id or "")
+                    if verdict is Gate.UNKNOWN
+                    else ProxyError.invalid_params(f"this token may not use backend {backend!r}")
+                )
+                self.outbox.put(scope, error.response(msg.id))  # type: ignore[arg-type]
+            log.info("%s: refused %s for %s (%s)", self.principal.label, msg.method, session_id, verdict.value)
+            return False
+        if session_id is not None:
+            await self.hub.until_released(session_id, self)
+            self.touched.add(session_id)
+        if kind is Kind.REQUEST:
+            at = None if msg.method in CONNECTION_LEVEL else scope or session_id
+            self._pending[_key(msg.id)] = Pending(msg.method, at)
+        return True
+
+    async def _to_proxy(self, line: bytes) -> None:
+        process = await self._proxy()
+        if process is None:
+            return
+        assert process.stdin is not None
+        async with self._writing:
+            try:
+                await process.stdin.send(line.rstrip(b"\n") + b"\n")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self.end(Ended.PROXY_EXITED)
+
+    async def initialize(self, line: bytes, request_id: RequestId) -> bytes | None:
+        """``initialize`` over HTTP: its answer is the POST's body, not a stream message."""
+        pending = Pending(Method.INITIALIZE, None)
+        pending.answered = anyio.Event()
+        self._pending[_key(request_id)] = pending
+        await self._to_proxy(line)
+        with anyio.move_on_after(self.hub.initialize_timeout):
+            await pending.answered.wait()
+        return self._answers.pop(_key(request_id), None)
+
+    # --- proxy -> client ---------------------------------------------------------------------
+
+    def _from_proxy(self, line: bytes) -> None:
+        decoded = jsonrpc.decode_line(line)
+        if isinstance(decoded, BadLine):
+            log.warning("connection %s: its proxy wrote a line that is not JSON-RPC: dropped", self.id)
+            return
+        msg, kind = decoded
+        if kind is not Kind.RESPONSE:
+            self.outbox.put(session_of(msg.params), line)
+            return
+        pending = self._pending.pop(_key(msg.id), None) if msg.id is not None else None
+        if pending is None:
+            self.outbox.put(None, line)
+            return
+        if pending.answered is not None:
+            self._answers[_key(msg.id)] = line
+            pending.answered.set()
+            return
+        if msg.error is UNSET and pending.method in (Method.NEW, Method.FORK):
+            made = (jsonrpc.decode_object(msg.result) or {}).get("sessionId")
+            if isinstance(made, str):
+                self.hub.store.set_owner(made, self.principal.key)  # on record before the client has the id
+                self.touched.add(made)
+        if msg.error is UNSET and pending.method == Method.LIST and self.principal.sees != "all":
+            line = self._visible_list(msg)
+        self.outbox.put(pending.scope, line)
+
+    def _visible_list(self, msg: Message) -> bytes:
+        result: dict[str, Any] = jsonrpc.decode_object(msg.result) or {}
+        sessions = result.get("sessions")
+        if isinstance(sessions, list):
+            result["sessions"] = visible_sessions(sessions, self.principal, self.hub.store.owned_by(self.principal.key))
+        return jsonrpc.encode(Message(jsonrpc="2.0", id=msg.id, result=Raw(jsonrpc.encode_json(result)))).rstrip(b"\n")
+
+    # --- the proxy process -------------------------------------------------------------------
+
+    async def _proxy(self) -> anyio.abc.Process | None:
+        """The connection's proxy, started with the first message that needs it."""
+        if self.ended is not None:
+            return None
+        if self._started is None:
+            self._started = anyio.Event()
+            self.hub.start_task(self._run_proxy)
+        await self._started.wait()
+        return self._process
+
+    async def _run_proxy(self) -> None:
+        assert self._started is not None
+        try:
+            process = await anyio.open_process(
+                self.hub.proxy_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
+            )
+        except OSError as exc:
+            log.error("connection %s: could not start its proxy: %s", self.id, exc)
+            self._started.set()
+            self.end(Ended.PROXY_EXITED)
+            return
+        self._process = process
+        self.hub.proxy_started()
+        self._started.set()
+        log.info("connection %s (%s, %s): proxy pid %d", self.id, self.principal.label, self.transport, process.pid)
+        assert process.stdout is not None
+        reader = LineReader(process.stdout, self.hub.limits.max_message_bytes)
+        try:
+            while True:
+                try:
+                    batch = await reader.receive_batch()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    break
+                for line in batch.lines:
+                    if line.strip():
+                        self._from_proxy(line)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._reap(process)
+                if self.ended is None:
+                    self.end(Ended.PROXY_EXITED)
+                self.hub.released(self)
+                self.hub.proxy_exited()
+
+    async def _reap(self, process: anyio.abc.Process) -> None:
+        """Wait for the proxy to shut down by itself (stdin closed); a proxy that will not is stopped."""
+        with anyio.move_on_after(self.hub.proxy_exit_grace):
+            await process.wait()
+            return
+        log.warning("connection %s: proxy pid %d did not exit in time: terminated", self.id, process.pid)
+        signal_child(process.pid, signal.SIGTERM)  # it suspends its sessions and exits, as on SIGTERM from anyone
+        with anyio.move_on_after(5):
+            await process.wait()
+            return
+        signal_child(process.pid, signal.SIGKILL)  # its trees are reaped by the install's next proxy
+        await process.wait()
+
+    # --- ending ------------------------------------------------------------------------------
+
+    def end(self, why: Ended) -> None:
+        """End the connection: its streams close, its proxy gets EOF and suspends its sessions."""
+        if self.ended is not None:
+            return
+        self.ended = why
+        log.info("connection %s (%s): ended: %s", self.id, self.principal.label, why.reason)
+        self.outbox.close()
+        for pending in self._pending.values():
+            if pending.answered is not None:
+                pending.answered.set()
+        self.hub.forget(self)
+        if self._process is not None and self._process.stdin is not None:
+            self.hub.start_task(self._process.stdin.aclose)
+        elif self._started is None:
+            self.hub.released(self)  # no proxy was ever started: nothing to hand over
+        self.closed.set()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "principal": self.principal.label,
+            "transport": self.transport,
+            "peer": self.peer,
+            "openedAt": self.opened_at,
+            "proxyPid": self._process.pid if self._process is not None else None,
+            "sessions": sorted(self.touched),
+        }
+
+
+def _key(request_id: object) -> tuple[type, object]:
+    return (type(request_id), request_id)
+
+
+class Hub:
+    """Every connection of one ``serve``: limits, who owns which session, hand-over between proxies."""
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        proxy_argv: Sequence[str],
+        limits: Limits,
+        *,
+        default_backend: str | None,
+        proxy_exit_grace: float,
+        initialize_timeout: float = 120.0,
+    ) -> None:
+        self.store = store
+        self.proxy_argv = list(proxy_argv)
+        self.limits = limits
+        self.default_backend = default_backend
+        self.proxy_exit_grace = proxy_exit_grace
+        self.initialize_timeout = initialize_timeout
+        self.connections: dict[str, Connection] = {}
+        self._releasing: dict[str, tuple[Connection, anyio.Event]] = {}
+        self._proxies = 0
+        """Connections' proxies running (their tasks are the hub's)."""
+        self._proxy_gone = anyio.Event()
+        self.all_released = anyio.Event()
+        self._running = anyio.CancelScope()
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self.refused = 0
+        self.slow_readers = 0
+        self.on_change: Callable[[], None] = lambda: None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Hold the connections' tasks until cancelled; then end every connection and wait for its proxy."""
+        try:
+            async with anyio.create_task_group() as tasks:
+                self._tasks = tasks
+                tasks.start_soon(self._expire_idle)
+                task_status.started()
+                try:
+                    with self._running:
+                        await anyio.sleep(math.inf)
+                finally:
+                    self.end_all()
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(self.proxy_exit_grace + 10):
+                        while self._proxies:
+                            await self._proxy_gone.wait()
+                    tasks.cancel_scope.cancel()
+        finally:
+            self.all_released.set()
+
+    def stop(self) -> None:
+        """End every connection, wait for their proxies to exit, and return from ``run``."""
+        self._running.cancel()
+
+    def end_all(self) -> None:
+        for connection in list(self.connections.values()):
+            connection.end(Ended.SHUTDOWN)
+
+    def start_task(self, func: Callable[[], Any]) -> None:
+        assert self._tasks is not None
+        self._tasks.start_soon(func)
+
+    def open(self, principal: Principal, transport: str, peer: str) -> Connection | Refusal:
+        """A new connection, or why not (too many)."""
+        if len(self.connections) >= self.limits.max_connections:
+            self.refused += 1
+            return Refusal(503, f"too many connections ({self.limits.max_connections})")
+        mine = sum(1 for c in self.connections.values() if c.principal.key == principal.key)
+        if mine >= self.limits.max_per_principal:
+            self.refused += 1
+            return Refusal(429, f"too many connections for this token ({self.limits.max_per_principal})")
+        connection = Connection(self, principal, transport, peer)
+        self.connections[connection.id] = connection
+        self.on_change()
+        return connection
+
+    def find(self, connection_id: str, principal: Principal) -> Connection | None:
+        """The principal's connection of that id; another principal's is as unknown as none."""
+        connection = self.connections.get(connection_id)
+        if connection is None or connection.principal.key != principal.key:
+            return None
+        return connection
+
+    def forget(self, connection: Connection) -> None:
+        if connection.ended is Ended.SLOW_READER:
+            self.slow_readers += 1
+        self.connections.pop(connection.id, None)
+        if connection._started is not None:  # its proxy may hold sessions until it exits
+            event = anyio.Event()
+            for session_id in connection.touched:
+                self._releasing[session_id] = (connection, event)
+        self.on_change()
+
+    def proxy_started(self) -> None:
+        self._proxies += 1
+
+    def proxy_exited(self) -> None:
+        self._proxies -= 1
+        self._proxy_gone.set()
+        self._proxy_gone = anyio.Event()
+
+    def released(self, connection: Connection) -> None:
+        """``connection``'s proxy has exited: the sessions it held are suspended, free to take."""
+        for session_id, (holder, event) in list(self._releasing.items()):
+            if holder is connection:
+                del self._releasing[session_id]
+                event.set()
+
+    async def until_released(self, session_id: str, asker: Connection) -> None:
+        held = self._releasing.get(session_id)
+        if held is None or held[0] is asker:
+            return
+        log.info("session %s: waiting for the proxy of an ended connection to let it go", session_id)
+        with anyio.move_on_after(HANDOVER_TIMEOUT):
+            await held[1].wait()
+
+    async def owner_of(self, session_id: str) -> str | None:
+        return self.store.owner_of(session_id)
+
+    def may_see(self, principal: Principal, session_id: str) -> bool:
+        return principal.sees == "all" or self.store.owner_of(session_id) == principal.key
+
+    def end_revoked(self) -> None:
+        """End the connections of tokens revoked since they authenticated."""
+        live = {t.principal for t in self.store.tokens() if t.revoked_at is None}
+        for connection in list(self.connections.values()):
+            key = connection.principal.key
+            if key.startswith("token:") and key not in live:
+                connection.end(Ended.REVOKED)
+
+    async def _expire_idle(self) -> None:
+        """End connections with nothing open and nothing said for ``idle_timeout``; end revoked tokens'."""
+        while True:
+            await anyio.sleep(min(5.0, self.limits.idle_timeout))
+            self.end_revoked()
+            now = time.monotonic()
+            for connection in list(self.connections.values()):
+                if connection.transport == "websocket":
+                    continue  # held open by its socket, watched by pings
+                if connection.outbox.has_stream(None) or now - connection.last_active < self.limits.idle_timeout:
+                    continue
+                connection.end(Ended.IDLE)
+
+
+class Refusal:
+    """An HTTP status and what to tell the client."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message

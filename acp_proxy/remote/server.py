@@ -1,0 +1,235 @@
+"""``acp-proxy serve --listen/--socket``: the composition root of the network server.
+
+The listening sockets are made here (a unix socket private to the user from its first
+moment, a TCP port known before anyone connects) and handed to hypercorn, which speaks
+HTTP/1.1, HTTP/2 and WebSocket on both event loops; the ASGI application and the hub do the
+rest. ``serve`` owns no adapter itself: each connection's stdio proxy does, so a ``serve``
+that is killed leaves its proxies an EOF on stdin, and they suspend their sessions and exit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+from typing import Final
+
+import anyio
+import msgspec
+import sniffio
+
+from acp_proxy.remote.app import AcpApp
+from acp_proxy.remote.hub import Hub, Limits
+from acp_proxy.remote.tokens import RemoteStore
+
+log = logging.getLogger("acp_proxy.serve")
+
+WEBSOCKET_PING_INTERVAL: Final = 20.0
+LOOPBACK: Final = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+class ServeOptions(msgspec.Struct, frozen=True):
+    """What the command line asked ``serve`` for."""
+
+    state_dir: Path
+    proxy_argv: list[str]
+    listen: list[tuple[str, int]] = []
+    unix_socket: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    allowed_origins: list[str] = []
+    max_connections: int = 256
+    max_per_token: int = 64
+    max_pending: int = 4096
+    max_message_bytes: int = 64 * 2**20
+    idle_timeout: float = 300.0
+    proxy_exit_grace: float = 15.0
+    default_backend: str | None = None
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[V6]:PORT`` or ``PORT`` (loopback); ``ValueError`` says what was expected."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--listen: expected HOST:PORT or PORT, got {text!r}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK or host.startswith("127.")
+
+
+def tcp_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def unix_socket(path: Path) -> socket.socket:
+    """A unix socket only its user can connect to: made under umask 077, so never briefly open."""
+    with suppress(FileNotFoundError):
+        if path.is_socket():
+            path.unlink()  # a socket left by a serve that was killed; a live serve holds its own lock
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_network(options: ServeOptions) -> int:
+    from hypercorn.config import Config as HttpConfig
+
+    store = RemoteStore(options.state_dir)
+    limits = Limits(
+        max_connections=options.max_connections,
+        max_per_principal=options.max_per_token,
+        max_pending=options.max_pending,
+        max_message_bytes=options.max_message_bytes,
+        idle_timeout=options.idle_timeout,
+    )
+    hub = Hub(
+        store,
+        options.proxy_argv,
+        limits,
+        default_backend=options.default_backend,
+        proxy_exit_grace=options.proxy_exit_grace,
+    )
+    sockets = [tcp_socket(host, port) for host, port in options.listen]
+    if options.unix_socket is not None:
+        sockets.append(unix_socket(options.unix_socket))
+    http = HttpConfig()
+    http.bind = [f"fd://{sock.fileno()}" for sock in sockets]
+    if options.tls_cert is not None and options.tls_key is not None:
+        http.certfile, http.keyfile = str(options.tls_cert), str(options.tls_key)
+    http.accesslog = None
+    http.errorlog = logging.getLogger("acp_proxy.serve.http")
+    http.websocket_max_message_size = options.max_message_bytes
+    http.websocket_ping_interval = WEBSOCKET_PING_INTERVAL
+    http.h11_max_incomplete_size = 64 * 1024
+    http.graceful_timeout = 2.0
+    app = AcpApp(hub, store, allowed_origins=options.allowed_origins, unix_socket=options.unix_socket is not None)
+    status = StatusFile(options.state_dir, hub, [_address(sock, options) for sock in sockets])
+    hub.on_change = status.changed
+    stop, http_done = anyio.Event(), anyio.Event()
+    try:
+        async with anyio.create_task_group() as tasks:
+            await tasks.start(hub.run)
+            tasks.start_soon(_stop_on_signals, stop)
+            tasks.start_soon(status.keep)
+            tasks.start_soon(_serve_http, app, http, stop, http_done)
+            for address in status.addresses:
+                print(f"listening: {address}", flush=True)
+                log.info("serving ACP at %s", address)
+            await stop.wait()
+            log.info("shutting down: ending %d connection(s)", len(hub.connections))
+            hub.end_all()  # each connection's proxy gets EOF; its handler returns, so hypercorn can finish
+            with anyio.move_on_after(http.graceful_timeout + 3):
+                await http_done.wait()
+            hub.stop()  # waits for the connections' proxies to exit
+            with anyio.move_on_after(options.proxy_exit_grace + 10):
+                await hub.all_released.wait()
+            tasks.cancel_scope.cancel()
+    finally:
+        status.remove()
+        store.close()
+        for sock in sockets:
+            with suppress(OSError):  # hypercorn closes the descriptors it was handed
+                sock.close()
+        if options.unix_socket is not None:
+            with suppress(OSError):
+                options.unix_socket.unlink()
+    return 0
+
+
+async def _serve_http(app: AcpApp, http: object, stop: anyio.Event, done: anyio.Event) -> None:
+    if sniffio.current_async_library() == "trio":
+        from hypercorn.trio import serve
+    else:
+        from hypercorn.asyncio import serve  # type: ignore[assignment]
+    try:
+        await serve(app, http, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    finally:
+        stop.set()
+        done.set()
+
+
+async def _stop_on_signals(stop: anyio.Event) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s", signal.Signals(signum).name)
+            stop.set()
+            return
+
+
+def _address(sock: socket.socket, options: ServeOptions) -> str:
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    scheme = "https" if options.tls_cert is not None else "http"
+    shown = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{shown}:{port}/acp"
+
+
+class StatusFile:
+    """``serve/<pid>.json`` in the state dir: what ``acp-proxy status`` shows of this server."""
+
+    def __init__(self, state_dir: Path, hub: Hub, addresses: Sequence[str]) -> None:
+        self.path = state_dir / "serve" / f"{os.getpid()}.json"
+        self.hub = hub
+        self.addresses = list(addresses)
+        self.started_at = time.time()
+        self._changed = anyio.Event()
+
+    def changed(self) -> None:
+        self._changed.set()
+
+    async def keep(self) -> None:
+        self.path.parent.mkdir(mode=0o700, exist_ok=True)
+        while True:
+            self._write()
+            await self._changed.wait()
+            self._changed = anyio.Event()
+            await anyio.sleep(0.5)  # a burst of connections is one write
+
+    def _write(self) -> None:
+        hub = self.hub
+        state = {
+            "pid": os.getpid(),
+            "startedAt": self.started_at,
+            "addresses": self.addresses,
+            "connections": [c.describe() for c in hub.connections.values()],
+            "refused": hub.refused,
+            "slowReaders": hub.slow_readers,
+        }
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(state))
+        os.replace(temporary, self.path)
+
+    def remove(self) -> None:
+        with suppress(OSError):
+            self.path.unlink()
+
+
+def proxy_argv(options: Sequence[str], command: Sequence[str], async_backend: str) -> list[str]:
+    """The stdio proxy each connection runs: this interpreter, these options, this backend command."""
+    argv = [sys.executable, "-m", "acp_proxy", "--async-backend", async_backend, *options]
+    return [*argv, "--", *command] if command else argv
