@@ -428,7 +428,9 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
         "tasks",
         "runningTasks",
         "timings",
+        "servers",
     }
+    assert report["servers"] == []  # no acp-proxy serve runs here
     assert [s["sessionId"] for s in report["liveSessions"]] == [session]
     [slot] = report["slots"]
     assert slot["sessionId"] == session

@@ -24,7 +24,7 @@ from acp_proxy.remote.wsclient import Refused as WsRefused
 from acp_proxy.remote.wsclient import WebSocket
 from acp_proxy.sessions.registry import SessionState
 from tests.remote_kit import HttpClient, WsClient, make_token, run_cli, serve
-from tests.support import RESUME_AND_LOAD, TEST_INITIALIZE, registry, write_config
+from tests.support import RESUME_AND_LOAD, TEST_INITIALIZE, registry, wait_for_task, write_config
 
 NEW = {"cwd": "/tmp", "mcpServers": []}
 
@@ -175,6 +175,14 @@ async def test_websocket_session_lifecycle(proc_env: dict[str, str], tmp_path: P
         async with WsClient.open(served.target(token)) as client:
             assert client.ws.connection_id
             init = await client.call("initialize", TEST_INITIALIZE)
+            status = json.loads(run_cli(proc_env, "status", "--json").stdout)
+            [server] = status["servers"]
+            assert server["addresses"] == [served.url]
+            assert [c["principal"] for c in server["connections"]] == ["laptop"]
+            assert server["connections"][0]["proxyPid"] > 0
+            assert "servers: 1 running" in run_cli(proc_env, "status").stdout
+            metrics = run_cli(proc_env, "metrics").stdout
+            assert 'acp_proxy_serve_connections{transport="websocket"} 1.0' in metrics
             assert init["result"]["agentCapabilities"]["sessionCapabilities"]["resume"] == {}
             session = (await client.call("session/new", NEW))["result"]["sessionId"]
             answer = await client.call("session/prompt", prompt(session, "stream 5"))
@@ -289,6 +297,9 @@ async def test_nobody_in_without_a_valid_token(proc_env: dict[str, str], tmp_pat
                 headers = {"authorization": f"Bearer {shown}"} if shown else {}
                 body = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}
                 assert (await http.post(served.url, json=body, headers=headers)).status_code == 401
+        with anyio.fail_after(10):  # each failure is counted (and was answered late)
+            while 'acp_proxy_serve_refusals_total{reason="failed_auth"} 6.0' not in run_cli(proc_env, "metrics").stdout:
+                await anyio.sleep(0.2)
         evil = {"origin": "http://evil.example"}  # a browser's origin is refused, token or not
         with pytest.raises(WsRefused) as refused:
             await WebSocket.connect(served.target(token), headers=evil)
@@ -371,6 +382,49 @@ async def test_a_client_that_stops_reading_is_disconnected(proc_env: dict[str, s
         sock.close()
         async with WsClient.open(served.target(token)) as client:  # and it keeps serving
             await client.call("initialize", TEST_INITIALIZE)
+
+
+async def drop(client: WsClient) -> None:
+    """The link goes without a close frame (a laptop that slept, a network that failed)."""
+    await anyio.aclose_forcefully(client.ws._stream)
+
+
+@pytest.mark.anyio
+async def test_a_dropped_link_lets_the_turn_in_flight_finish(proc_env: dict[str, str], tmp_path: Path) -> None:
+    token = make_token(proc_env, "laptop")
+    async with serve(proc_env, config_for(tmp_path)) as served:
+        async with WsClient.open(served.target(token)) as client:
+            await client.call("initialize", TEST_INITIALIZE)
+            session = (await client.call("session/new", NEW))["result"]["sessionId"]
+            await client.request_id("session/prompt", prompt(session, "trickle 1.5; permission; stream 2"))
+            await client.wait_for(lambda m: m.get("method") == "session/update")
+            await drop(client)
+        finished = await wait_for_task(proc_env, "done", timeout=20)  # not cut by the drop
+        assert finished["sessionId"] == session
+        with anyio.fail_after(20):  # then its proxy lets go: the session is suspended, resumable
+            while registry(proc_env).get(session).state is not SessionState.SUSPENDED:  # type: ignore[union-attr]
+                await anyio.sleep(0.05)
+        async with WsClient.open(served.target(token)) as again:
+            await again.call("initialize", TEST_INITIALIZE)
+            answer = await again.call("session/prompt", prompt(session, "hello again"))
+            assert answer["result"]["stopReason"] == "end_turn"
+
+
+@pytest.mark.anyio
+async def test_a_session_wanted_again_is_taken_from_a_lingering_proxy(proc_env: dict[str, str], tmp_path: Path) -> None:
+    token = make_token(proc_env, "laptop")
+    async with serve(proc_env, config_for(tmp_path)) as served:
+        async with WsClient.open(served.target(token)) as client:
+            await client.call("initialize", TEST_INITIALIZE)
+            session = (await client.call("session/new", NEW))["result"]["sessionId"]
+            await client.request_id("session/prompt", prompt(session, "trickle 60"))
+            await client.wait_for(lambda m: m.get("method") == "session/update")
+            await drop(client)
+        async with WsClient.open(served.target(token)) as again:
+            await again.call("initialize", TEST_INITIALIZE)
+            with anyio.fail_after(30):  # well before the 60 s turn or the linger would end
+                answer = await again.call("session/prompt", prompt(session, "hello again"), timeout=30)
+            assert answer["result"]["stopReason"] == "end_turn"
 
 
 @pytest.mark.anyio

@@ -148,6 +148,14 @@ def _add_network_options(serve: argparse.ArgumentParser) -> None:
         metavar="D",
         help="end a streamable HTTP connection with no open stream and no request for D (default 5m)",
     )
+    net.add_argument(
+        "--linger",
+        type=_duration,
+        default=600.0,
+        metavar="D",
+        help="a WebSocket that drops (no close) with turns in flight: its proxy runs on up to D for them, "
+        "then suspends its sessions (default 10m; 0: at once)",
+    )
 
 
 def _add_token_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -559,6 +567,7 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
         max_pending=args.max_pending,
         max_message_bytes=config.max_line_bytes,
         idle_timeout=args.idle_timeout,
+        linger=args.linger,
         proxy_exit_grace=shutdown.stdin_grace + shutdown.close_timeout + 2 * shutdown.term_grace + 5,
         default_backend=default,
     )
@@ -574,14 +583,14 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
 
 def _proxy_options(options: list[str]) -> list[str]:
     """The options of a ``serve`` command line that its connections' stdio proxies take too."""
-    taken = {"--config", "--backend", "--log-level", "--log-format"}
+    taken = {"--config", "--backend", "--log-level", "--log-format", "--trace"}
     kept: list[str] = []
     it = iter(options)
     for option in it:
         name, eq, value = option.partition("=")
         if name in taken:
             value = value if eq else next(it, "")
-            if name == "--config":
+            if name in ("--config", "--trace"):
                 value = str(Path(value).absolute())
             kept += [name, value]
     return kept

@@ -26,7 +26,7 @@ import sys
 from collections import Counter as Tally
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -38,6 +38,7 @@ from acp_proxy.config import Config
 from acp_proxy.operator.commands import open_existing
 from acp_proxy.operator.install_view import InstallView, read_install
 from acp_proxy.operator.reports import Liveness, OperatorError, status_answers
+from acp_proxy.remote.status import running_servers
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.tasks.status import ACTIVE, effective_status
 
@@ -117,6 +118,10 @@ class InstallFigures(msgspec.Struct, frozen=True):
     max_live: int | None = None
     max_memory: int | None = None
     counters: tuple[journal.Counter, ...] = ()
+    serve_connections: Mapping[str, int] = msgspec.field(default_factory=dict)
+    """the running ``serve`` processes' connections, by transport"""
+    serve_refusals: Mapping[str, int] = msgspec.field(default_factory=dict)
+    """what they refused since they started: failed_auth, too_many, slow_reader"""
 
 
 def families(figures: InstallFigures) -> list[Metric]:
@@ -158,6 +163,20 @@ def families(figures: InstallFigures) -> list[Metric]:
         gauge("pool_max_live", "The install's cap on live adapter trees", figures.max_live)
     if figures.max_memory is not None:
         gauge("pool_max_memory_bytes", "The install's memory budget for adapter trees", figures.max_memory)
+    gauges(
+        "serve_connections",
+        "Connections of the running acp-proxy serve processes",
+        ["transport"],
+        _keyed(figures.serve_connections),
+    )
+    refusals = CounterMetricFamily(
+        f"{PREFIX}_serve_refusals",
+        "What the running acp-proxy serve processes refused since they started",
+        labels=["reason"],
+    )
+    for reason, count in sorted(figures.serve_refusals.items()):
+        refusals.add_metric([reason], count)
+    out.append(refusals)
     out += counter_families(figures.counters)
     out += histogram_families(figures.counters)
     return out
@@ -219,7 +238,7 @@ def gather(state_dir: Path, config: Config | None) -> InstallFigures:
     max_memory = config.pool.max_memory if config is not None else None
     db = open_existing(state_dir)
     if db is None:
-        return InstallFigures(max_live=max_live, max_memory=max_memory)
+        return with_servers(InstallFigures(max_live=max_live, max_memory=max_memory), running_servers(state_dir))
     try:
         view = read_install(
             db,
@@ -231,7 +250,20 @@ def gather(state_dir: Path, config: Config | None) -> InstallFigures:
         )
     finally:
         db.close()
-    return figures_of(view, max_live, max_memory)
+    return with_servers(figures_of(view, max_live, max_memory), running_servers(state_dir))
+
+
+def with_servers(figures: InstallFigures, servers: Iterable[Mapping[str, Any]]) -> InstallFigures:
+    """``figures`` with the connections and refusals of the running ``serve`` processes (pure)."""
+    connections: Tally[str] = Tally()
+    refusals: Tally[str] = Tally()
+    for server in servers:
+        for connection in server.get("connections", []):
+            connections[str(connection.get("transport"))] += 1
+        refusals["failed_auth"] += int(server.get("failedAuth", 0))
+        refusals["too_many"] += int(server.get("refused", 0))
+        refusals["slow_reader"] += int(server.get("slowReaders", 0))
+    return msgspec.structs.replace(figures, serve_connections=dict(connections), serve_refusals=dict(refusals))
 
 
 def figures_of(view: InstallView, max_live: int | None, max_memory: int | None) -> InstallFigures:

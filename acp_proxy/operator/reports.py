@@ -653,11 +653,37 @@ def status(state_dir: Path, *, as_json: bool, cgroups: CgroupSetting = "auto") -
         if db is not None:
             view = read_install(db, state_dir, alive=Liveness(db), answers=status_answers(state_dir), trees=True)
             report.update(status_report(view))
+    from acp_proxy.remote.status import running_servers
+
+    report["servers"] = running_servers(state_dir)
     if as_json:
         _print_json(report)
         return 0
     _print_status(report, db is not None)
+    _print_servers(report["servers"])
     return 0
+
+
+def _print_servers(servers: list[dict[str, Any]]) -> None:
+    """``acp-proxy serve`` processes: where they listen, who is connected, what they refused."""
+    if not servers:
+        return
+    print(f"servers: {len(servers)} running")
+    for server in servers:
+        connections = server.get("connections", [])
+        print(
+            f"  pid {server['pid']}  {' '.join(server.get('addresses', []))}  connections {len(connections)}"
+            f"  refused {server.get('refused', 0)}  failed auth {server.get('failedAuth', 0)}"
+            f"  slow readers {server.get('slowReaders', 0)}"
+        )
+        for c in connections[:20]:
+            proxy = f"proxy pid {c['proxyPid']}" if c.get("proxyPid") else "no proxy yet"
+            print(
+                f"    {c['id'][:12]}  {c['principal']:<16} {c['transport']:<9} {c['peer']:<21} {proxy}"
+                f"  sessions {len(c.get('sessions', []))}"
+            )
+        if len(connections) > 20:
+            print(f"    ... and {len(connections) - 20} more (status --json lists them all)")
 
 
 def status_answers(state_dir: Path, timeout: float = STATUS_TIMEOUT) -> Answers:

@@ -91,7 +91,10 @@ class AcpApp:
         if token is not None:
             return Principal.of_token(token)
         peer = _peer(scope)
-        delay = self.failed.delay(peer)
+        client = scope.get("client")
+        delay = self.failed.delay(str(client[0]) if client else peer)  # by host: a new port is no new client
+        self.hub.failed_auth += 1
+        self.hub.on_change()
         log.warning(
             "failed authentication from %s (%s); answered in %.2fs", peer, "bad token" if secret else "no token", delay
         )
@@ -119,13 +122,14 @@ class AcpApp:
             while True:
                 event = await receive()
                 if event["type"] == "websocket.disconnect":
-                    connection.end(Ended.CLIENT)
+                    clean = event.get("code") in (1000, 1001)  # a close the client chose, not a lost link
+                    connection.end(Ended.CLIENT if clean else Ended.DROPPED)
                     break
                 text = event.get("text")
                 if text is not None:  # binary frames are ignored, as the RFD says
                     await connection.from_client(text.encode())
             tasks.cancel_scope.cancel()
-        if connection.ended is not None and connection.ended is not Ended.CLIENT:
+        if connection.ended is not None and connection.ended not in (Ended.CLIENT, Ended.DROPPED):
             with anyio.move_on_after(1), suppress(Exception):
                 await send(
                     {"type": "websocket.close", "code": connection.ended.code, "reason": connection.ended.reason}

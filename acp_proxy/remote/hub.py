@@ -51,6 +51,8 @@ class Ended(enum.Enum):
     """Why a connection ended: said in logs, and as the WebSocket close code and reason."""
 
     CLIENT = (1000, "client closed the connection")
+    DROPPED = (1006, "connection dropped")
+    """Gone without a close: its turns in flight go on for ``linger`` (a laptop that slept, a network blip)."""
     DELETED = (1000, "connection deleted")
     SLOW_READER = (1008, "slow reader: too many messages waiting to be sent")
     REVOKED = (1008, "token revoked")
@@ -78,12 +80,15 @@ class Limits:
         max_pending: int = 4096,
         max_message_bytes: int = 64 * 2**20,
         idle_timeout: float = 300.0,
+        linger: float = 600.0,
     ) -> None:
         self.max_connections = max_connections
         self.max_per_principal = max_per_principal
         self.max_pending = max_pending
         self.max_message_bytes = max_message_bytes
         self.idle_timeout = idle_timeout
+        self.linger = linger
+        """How long a dropped connection's proxy keeps running for its requests in flight."""
 
 
 class Outbox:
@@ -186,6 +191,8 @@ class Connection:
         self._started: anyio.Event | None = None
         self._writing = anyio.Lock()
         self._answers: dict[tuple[type, object], bytes] = {}
+        self._nothing_in_flight = anyio.Event()
+        self._let_go = False
 
     # --- client -> proxy ---------------------------------------------------------------------
 
@@ -229,11 +236,12 @@ class Connection:
         if kind is Kind.REQUEST:
             at = None if msg.method in CONNECTION_LEVEL else scope or session_id
             self._pending[_key(msg.id)] = Pending(msg.method, at)
+            self._nothing_in_flight = anyio.Event()
         return True
 
-    async def _to_proxy(self, line: bytes) -> None:
-        process = await self._proxy()
-        if process is None:
+    async def _to_proxy(self, line: bytes, *, after_end: bool = False) -> None:
+        process = self._process if after_end else await self._proxy()
+        if process is None or (after_end and self._let_go):
             return
         assert process.stdin is not None
         async with self._writing:
@@ -261,9 +269,13 @@ class Connection:
             return
         msg, kind = decoded
         if kind is not Kind.RESPONSE:
+            if self.ended is not None and kind is Kind.REQUEST:
+                self._no_client_to_ask(msg)
             self.outbox.put(session_of(msg.params), line)
             return
         pending = self._pending.pop(_key(msg.id), None) if msg.id is not None else None
+        if not self._pending:
+            self._nothing_in_flight.set()
         if pending is None:
             self.outbox.put(None, line)
             return
@@ -346,10 +358,21 @@ class Connection:
         signal_child(process.pid, signal.SIGKILL)  # its trees are reaped by the install's next proxy
         await process.wait()
 
+    def _no_client_to_ask(self, msg: Message) -> None:
+        """An agent->client request once the client has gone: answered at once, so the turn goes on."""
+        assert msg.id is not UNSET
+        error = jsonrpc.error_response(msg.id, jsonrpc.INTERNAL_ERROR, "no client is connected to answer this")
+        self.hub.start_task(lambda: self._to_proxy(error, after_end=True))
+
     # --- ending ------------------------------------------------------------------------------
 
     def end(self, why: Ended) -> None:
-        """End the connection: its streams close, its proxy gets EOF and suspends its sessions."""
+        """End the connection: its streams close, its proxy gets EOF and suspends its sessions.
+
+        A connection that dropped with requests in flight keeps its proxy for ``linger`` first,
+        until they are answered (their answers go nowhere; the turns are on record as tasks), or
+        until another connection asks for one of its sessions.
+        """
         if self.ended is not None:
             return
         self.ended = why
@@ -360,10 +383,34 @@ class Connection:
                 pending.answered.set()
         self.hub.forget(self)
         if self._process is not None and self._process.stdin is not None:
-            self.hub.start_task(self._process.stdin.aclose)
+            if why is Ended.DROPPED and self._pending and self.hub.limits.linger > 0:
+                self.hub.start_task(self._linger)
+            else:
+                self.let_go()
         elif self._started is None:
             self.hub.released(self)  # no proxy was ever started: nothing to hand over
         self.closed.set()
+
+    async def _linger(self) -> None:
+        log.info(
+            "connection %s (%s): %d request(s) in flight: its proxy lingers up to %.0fs for them",
+            self.id,
+            self.principal.label,
+            len(self._pending),
+            self.hub.limits.linger,
+        )
+        with anyio.move_on_after(self.hub.limits.linger):
+            await self._nothing_in_flight.wait()
+        self.let_go()
+
+    def let_go(self) -> None:
+        """EOF to the proxy: it answers what is left, suspends its sessions and exits."""
+        if self._let_go:
+            return
+        self._let_go = True
+        self._nothing_in_flight.set()
+        if self._process is not None and self._process.stdin is not None:
+            self.hub.start_task(self._process.stdin.aclose)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -410,6 +457,7 @@ class Hub:
         self._tasks: anyio.abc.TaskGroup | None = None
         self.refused = 0
         self.slow_readers = 0
+        self.failed_auth = 0
         self.on_change: Callable[[], None] = lambda: None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -436,8 +484,11 @@ class Hub:
         self._running.cancel()
 
     def end_all(self) -> None:
+        """End every connection, and let go of the proxies of dropped ones still lingering for their turns."""
         for connection in list(self.connections.values()):
             connection.end(Ended.SHUTDOWN)
+        for holder, _ in list(self._releasing.values()):
+            holder.let_go()
 
     def start_task(self, func: Callable[[], Any]) -> None:
         assert self._tasks is not None
@@ -494,6 +545,7 @@ class Hub:
         if held is None or held[0] is asker:
             return
         log.info("session %s: waiting for the proxy of an ended connection to let it go", session_id)
+        held[0].let_go()  # a proxy lingering for its turns: the session is wanted now
         with anyio.move_on_after(HANDOVER_TIMEOUT):
             await held[1].wait()
 

@@ -9,13 +9,11 @@ that is killed leaves its proxies an EOF on stdin, and they suspend their sessio
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
@@ -27,6 +25,7 @@ import sniffio
 
 from acp_proxy.remote.app import AcpApp
 from acp_proxy.remote.hub import Hub, Limits
+from acp_proxy.remote.status import StatusFile
 from acp_proxy.remote.tokens import RemoteStore
 
 log = logging.getLogger("acp_proxy.serve")
@@ -50,6 +49,7 @@ class ServeOptions(msgspec.Struct, frozen=True):
     max_pending: int = 4096
     max_message_bytes: int = 64 * 2**20
     idle_timeout: float = 300.0
+    linger: float = 600.0
     proxy_exit_grace: float = 15.0
     default_backend: str | None = None
 
@@ -105,6 +105,7 @@ async def serve_network(options: ServeOptions) -> int:
         max_pending=options.max_pending,
         max_message_bytes=options.max_message_bytes,
         idle_timeout=options.idle_timeout,
+        linger=options.linger,
     )
     hub = Hub(
         store,
@@ -187,46 +188,6 @@ def _address(sock: socket.socket, options: ServeOptions) -> str:
     scheme = "https" if options.tls_cert is not None else "http"
     shown = f"[{host}]" if ":" in host else host
     return f"{scheme}://{shown}:{port}/acp"
-
-
-class StatusFile:
-    """``serve/<pid>.json`` in the state dir: what ``acp-proxy status`` shows of this server."""
-
-    def __init__(self, state_dir: Path, hub: Hub, addresses: Sequence[str]) -> None:
-        self.path = state_dir / "serve" / f"{os.getpid()}.json"
-        self.hub = hub
-        self.addresses = list(addresses)
-        self.started_at = time.time()
-        self._changed = anyio.Event()
-
-    def changed(self) -> None:
-        self._changed.set()
-
-    async def keep(self) -> None:
-        self.path.parent.mkdir(mode=0o700, exist_ok=True)
-        while True:
-            self._write()
-            await self._changed.wait()
-            self._changed = anyio.Event()
-            await anyio.sleep(0.5)  # a burst of connections is one write
-
-    def _write(self) -> None:
-        hub = self.hub
-        state = {
-            "pid": os.getpid(),
-            "startedAt": self.started_at,
-            "addresses": self.addresses,
-            "connections": [c.describe() for c in hub.connections.values()],
-            "refused": hub.refused,
-            "slowReaders": hub.slow_readers,
-        }
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(state))
-        os.replace(temporary, self.path)
-
-    def remove(self) -> None:
-        with suppress(OSError):
-            self.path.unlink()
 
 
 def proxy_argv(options: Sequence[str], command: Sequence[str], async_backend: str) -> list[str]:

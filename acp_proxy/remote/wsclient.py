@@ -94,6 +94,7 @@ class WebSocket:
         self._text: list[str] = []
         self._ready: list[str] = []
         self.closed: Closed | None = None
+        self.set_cookies: list[str] = []
 
     @classmethod
     async def connect(
@@ -135,8 +136,10 @@ class WebSocket:
             ws.receive_data(data)
             for event in ws.events():
                 if isinstance(event, AcceptConnection):
-                    accepted = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.extra_headers}
-                    return cls(stream, ws, accepted)
+                    pairs = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in event.extra_headers]
+                    client = cls(stream, ws, dict(pairs))
+                    client.set_cookies = [value for name, value in pairs if name == "set-cookie"]
+                    return client
                 if isinstance(event, RejectConnection):
                     status = event.status_code
                     if not event.has_body:
@@ -149,10 +152,10 @@ class WebSocket:
     def cookies(self) -> dict[str, str]:
         """Cookies the server set on the upgrade (a load balancer's affinity cookie among them)."""
         found: dict[str, str] = {}
-        raw = self.headers.get("set-cookie")
-        if raw:
+        for raw in self.set_cookies:
             name, _, value = raw.split(";", 1)[0].partition("=")
-            found[name.strip()] = value.strip()
+            if name.strip():
+                found[name.strip()] = value.strip()
         return found
 
     async def send_text(self, text: str) -> None:
