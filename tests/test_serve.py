@@ -293,7 +293,7 @@ async def test_nobody_in_without_a_valid_token(proc_env: dict[str, str], tmp_pat
             with pytest.raises(WsRefused) as refused:
                 await WebSocket.connect(served.target(shown))
             assert refused.value.status == 401
-            async with httpx.AsyncClient(http1=False, http2=True) as http:
+            async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as http:  # each failure slower
                 headers = {"authorization": f"Bearer {shown}"} if shown else {}
                 body = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}
                 assert (await http.post(served.url, json=body, headers=headers)).status_code == 401
