@@ -183,6 +183,7 @@ async def test_websocket_session_lifecycle(proc_env: dict[str, str], tmp_path: P
             assert "servers: 1 running" in run_cli(proc_env, "status").stdout
             metrics = run_cli(proc_env, "metrics").stdout
             assert 'acp_proxy_serve_connections{transport="websocket"} 1.0' in metrics
+            assert json.loads(run_cli(proc_env, "top", "--once", "--json").stdout)["remoteConnections"] == 1
             assert init["result"]["agentCapabilities"]["sessionCapabilities"]["resume"] == {}
             session = (await client.call("session/new", NEW))["result"]["sessionId"]
             answer = await client.call("session/prompt", prompt(session, "stream 5"))
@@ -239,6 +240,8 @@ async def test_streamable_http_session_lifecycle(proc_env: dict[str, str], tmp_p
         cancel = {"method": "session/cancel", "params": {"sessionId": session}}
         assert (await client.post(cancel, session)).status_code == 202
         assert (await client.wait_for(session, lambda m: m.get("id") == silent))["result"]["stopReason"] == "cancelled"
+        closed = await client.request("session/close", {"sessionId": session}, session)
+        assert (await client.wait_for(session, lambda m: m.get("id") == closed))["result"] == {}
         assert (await client.http.delete(served.url, headers=client.headers())).status_code == 202
         unknown = await client.post({"id": 99, "method": "session/list", "params": {}})
         assert unknown.status_code == 404  # the connection is gone
@@ -280,6 +283,28 @@ async def test_the_rfd_status_codes_over_http2(proc_env: dict[str, str], tmp_pat
             headers = {**client.headers(), "content-type": "application/json"}
             assert (await other.post(url, content=huge, headers=headers)).status_code == 413
         assert (await client.initialize()).status_code == 200  # and it keeps serving
+
+
+@pytest.mark.anyio
+async def test_malformed_and_oversized_websocket_frames(proc_env: dict[str, str], tmp_path: Path) -> None:
+    token = make_token(proc_env, "laptop")
+    config = config_for(tmp_path)
+    config.write_text("max_line_bytes = 65536\n" + config.read_text())
+    async with serve(proc_env, config) as served:
+        async with WsClient.open(served.target(token)) as client:
+            await client.ws.send_text("{not json")
+            parse_error = await client.wait_for(lambda m: "error" in m)
+            assert parse_error["error"]["code"] == -32700
+            await client.ws.send_text('{"jsonrpc": "2.0", "id": 7, "method": 5}')
+            assert (await client.answer_of(7))["error"]["code"] == -32600
+            await client.call("initialize", TEST_INITIALIZE)  # and the connection goes on
+            await client.ws.send_text('{"jsonrpc":"2.0","method":"x","params":{"p":"' + "x" * 70000 + '"}}')
+            with anyio.fail_after(10):
+                while client.closed is None:
+                    await anyio.sleep(0.05)
+            assert "1009" in str(client.closed)  # message too big
+        async with WsClient.open(served.target(token)) as client:  # and the server goes on
+            await client.call("initialize", TEST_INITIALIZE)
 
 
 @pytest.mark.anyio

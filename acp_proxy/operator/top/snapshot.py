@@ -35,6 +35,7 @@ from acp_proxy.operator.install_view import InstallView, ProxyFacts, read_instal
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
 from acp_proxy.pool.install import SlotRecord
 from acp_proxy.pool.memory import measure_trees
+from acp_proxy.remote.status import running_servers
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRecord
@@ -134,6 +135,8 @@ class Snapshot:
     """Each timing's ``count``, ``p50`` and ``p95`` (seconds) over every backend since the install was created."""
     problem: str | None = None
     """The last gathering failed (this is the one before it): why."""
+    remote_connections: int | None = None
+    """Connections of the running ``acp-proxy serve`` processes; ``None`` when none runs."""
 
 
 def _camel(name: str) -> str:
@@ -211,7 +214,20 @@ class Gatherer:
         events = tuple(event_row(event) for event in view.events)
         found = timings.overall(timings.histograms(view.counters))
         timed = timings.quantiles_json(found)
-        return Snapshot(str(self.state_dir), view.taken_at, True, pool, proxies, sessions, _turns(view), events, timed)
+        servers = running_servers(self.state_dir)
+        remote = sum(len(server.get("connections", [])) for server in servers) if servers else None
+        return Snapshot(
+            str(self.state_dir),
+            view.taken_at,
+            True,
+            pool,
+            proxies,
+            sessions,
+            _turns(view),
+            events,
+            timed,
+            remote_connections=remote,
+        )
 
     def _sessions(self, view: InstallView, by_session: dict[str, SlotRecord]) -> tuple[SessionRow, ...]:
         rows = view.recent_sessions

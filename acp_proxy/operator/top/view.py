@@ -246,6 +246,8 @@ def _header(snapshot: Snapshot, width: int) -> Text:
     elif pool.memory_used is not None:
         parts.append(f"memory {_size(pool.memory_used)}")
     parts.append(f"proxies {sum(1 for p in snapshot.proxies if p.alive)}")
+    if snapshot.remote_connections is not None:
+        parts.append(f"remote {snapshot.remote_connections}")
     tail = "  ".join(parts[1:])
     head = _short(parts[0], max(14, width - len(tail) - 2))
     return _line(Text(f"{head}  {tail}", style="bold"), width)
