@@ -558,4 +558,5 @@ async def test_connect_bridges_a_gateway_and_survives_a_dropped_link(proc_env: d
                 gw.clear_stash()
                 response = await gw.prompt(session, "state", timeout=40)
                 assert response["result"]["stopReason"] == "end_turn"
-                assert gw.updates(session), "the session's updates reach the gateway under its id"
+                state = json.loads(gw.updates(session)[-1]["params"]["update"]["content"]["text"])
+                assert state["history"] >= 2  # restored, not started afresh: the turn before the drop is in it

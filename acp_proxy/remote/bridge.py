@@ -36,6 +36,8 @@ OUTAGE_LIMIT: Final = 30.0
 EOF_GRACE: Final = 10.0
 """After the gateway closes its stdin, how long its requests in flight may still be answered."""
 MAX_LINE: Final = 64 * 2**20
+REPLAY_TIMEOUT: Final = 120.0
+"""How long a replayed ``initialize`` may take (an adapter's start, on the server) before the rest is sent anyway."""
 BRIDGE_ID: Final = "acp-proxy-connect/"
 
 
@@ -61,6 +63,8 @@ class Bridge:
         self.down_since: float | None = None
         self._counter = 0
         self._writing = anyio.Lock()
+        self._replaying: str | None = None
+        self._replayed = anyio.Event()
 
     # --- the gateway's side ------------------------------------------------------------------
 
@@ -186,7 +190,11 @@ class Bridge:
         return why
 
     async def _replay(self, ws: WebSocket) -> None:
-        """Initialize the new link as the gateway did the first; its answers never reach the gateway."""
+        """Initialize the new link as the gateway did the first; its answers never reach the gateway.
+
+        Each is answered before anything else is sent, as a gateway waits for its own: a session
+        request racing an ``initialize`` would find an agent that has not said what it can do.
+        """
         for method in (Method.INITIALIZE, Method.AUTHENTICATE):
             line = self.replay.get(str(method))
             if line is None:
@@ -196,7 +204,12 @@ class Bridge:
             if any(w == line for w in self.waiting):
                 continue  # the gateway's own is about to be sent
             self._counter += 1
-            await ws.send_text(jsonrpc.with_id(decoded[0], f"{BRIDGE_ID}{self._counter}").rstrip(b"\n").decode())
+            replayed = f"{BRIDGE_ID}{self._counter}"
+            self._replayed = anyio.Event()
+            self._replaying = replayed
+            await ws.send_text(jsonrpc.with_id(decoded[0], replayed).rstrip(b"\n").decode())
+            with anyio.move_on_after(REPLAY_TIMEOUT):
+                await self._replayed.wait()
 
     async def _send_waiting(self, ws: WebSocket) -> None:
         gone_at: float | None = None
@@ -231,6 +244,8 @@ class Bridge:
                 if isinstance(msg.id, str) and msg.id.startswith(BRIDGE_ID):
                     if msg.error is not UNSET:
                         log.warning("replayed request %s failed on the new link: %s", msg.id, msg.error.message)
+                    if msg.id == self._replaying:
+                        self._replayed.set()
                     return
                 self.in_flight.pop(_key(msg.id), None)
                 self.more.set()
