@@ -142,18 +142,24 @@ def test_tokens_are_stored_hashed_and_revoked(tmp_path: Path) -> None:
     assert oct((tmp_path / "remote.db").stat().st_mode & 0o777) == "0o600"
 
 
-def test_a_reader_that_does_not_keep_up_ends_its_connection() -> None:
-    overflowed: list[bool] = []
-    outbox = Outbox(3, lambda: overflowed.append(True))
+@pytest.mark.anyio
+async def test_a_slow_reader_is_waited_for_and_one_that_takes_nothing_is_let_go() -> None:
+    stalled: list[bool] = []
+    outbox = Outbox(3, 0.5, lambda: stalled.append(True))
     for i in range(3):
-        outbox.put(None, b"%d" % i)  # no stream yet: kept
+        await outbox.put(None, b"%d" % i)  # no stream yet: kept
     stream = outbox.open(None)
-    assert [stream.receive_nowait() for _ in range(3)] == [b"0", b"1", b"2"]
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(outbox.put, "s", b"3")  # the stream is full: this waits (a session without a stream
+        await anyio.sleep(0.1)  # of its own goes to the connection's)
+        assert stream.receive_nowait() == b"0"  # a reader takes one: it goes in
+    assert [stream.receive_nowait() for _ in range(3)] == [b"1", b"2", b"3"]
+    assert stalled == []
     for i in range(3):
-        outbox.put("s", b"%d" % i)  # a session without a stream of its own: to the connection's
-    assert overflowed == []
-    outbox.put(None, b"3")
-    assert overflowed == [True]
+        await outbox.put(None, b"%d" % i)
+    with anyio.fail_after(5):
+        await outbox.put(None, b"more")  # nobody takes anything: given up on after the stall timeout
+    assert stalled == [True]
 
 
 # --- real processes ----------------------------------------------------------------------------
@@ -397,7 +403,7 @@ def stalled_client(port: int, token: str) -> socket.socket:
 async def test_a_client_that_stops_reading_is_disconnected(proc_env: dict[str, str], tmp_path: Path) -> None:
     token = make_token(proc_env, "laptop")
     flooding = write_config(tmp_path, backends={"fake": {}})  # no store: the flood is as fast as a pipe
-    async with serve(proc_env, flooding, "--max-pending", "64") as served:
+    async with serve(proc_env, flooding, "--max-pending", "64", "--stall-timeout", "2s") as served:
         port = int(served.url.rsplit(":", 1)[1].split("/")[0])
         sock = await anyio.to_thread.run_sync(stalled_client, port, token)
         status_file = next((tmp_path / "state" / "serve").glob("*.json"))

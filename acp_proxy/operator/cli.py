@@ -139,7 +139,14 @@ def _add_network_options(serve: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=4096,
         metavar="N",
-        help="messages waiting for a client before it counts as not reading and is disconnected (default 4096)",
+        help="messages waiting for one client before the agent's output waits too (default 4096)",
+    )
+    net.add_argument(
+        "--stall-timeout",
+        type=_duration,
+        default=30.0,
+        metavar="D",
+        help="a client that takes nothing for D while --max-pending messages wait is disconnected (default 30s)",
     )
     net.add_argument(
         "--idle-timeout",
@@ -568,6 +575,7 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
         max_message_bytes=config.max_line_bytes,
         idle_timeout=args.idle_timeout,
         linger=args.linger,
+        stall_timeout=args.stall_timeout,
         proxy_exit_grace=shutdown.stdin_grace + shutdown.close_timeout + 2 * shutdown.term_grace + 5,
         default_backend=default,
     )

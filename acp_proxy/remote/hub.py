@@ -54,7 +54,7 @@ class Ended(enum.Enum):
     DROPPED = (1006, "connection dropped")
     """Gone without a close: its turns in flight go on for ``linger`` (a laptop that slept, a network blip)."""
     DELETED = (1000, "connection deleted")
-    SLOW_READER = (1008, "slow reader: too many messages waiting to be sent")
+    SLOW_READER = (1008, "not reading: messages have waited too long to be sent")
     REVOKED = (1008, "token revoked")
     IDLE = (1001, "idle connection")
     PROXY_EXITED = (1011, "the connection's proxy exited")
@@ -81,6 +81,7 @@ class Limits:
         max_message_bytes: int = 64 * 2**20,
         idle_timeout: float = 300.0,
         linger: float = 600.0,
+        stall_timeout: float = 30.0,
     ) -> None:
         self.max_connections = max_connections
         self.max_per_principal = max_per_principal
@@ -88,41 +89,57 @@ class Limits:
         self.max_message_bytes = max_message_bytes
         self.idle_timeout = idle_timeout
         self.linger = linger
+        self.stall_timeout = stall_timeout
+        """How long a client may take nothing while ``max_pending`` messages wait for it."""
         """How long a dropped connection's proxy keeps running for its requests in flight."""
 
 
 class Outbox:
-    """Server->client messages of one connection, each to its stream: bounded, never blocking the proxy.
+    """Server->client messages of one connection, each to its stream, bounded.
 
     A WebSocket has one stream (``None``). Streamable HTTP has the connection-scoped stream
     (``None``) and one per session; a message for a session with no stream of its own goes to
-    the connection's, and while no stream is open messages wait in a backlog. Past
-    ``max_pending`` waiting messages the client is not reading: the connection ends.
+    the connection's, and while no stream is open messages wait in a backlog. When ``max_pending``
+    messages wait, the proxy's output waits too (and so, through its pipe, does the agent): a
+    client that reads slower than the agent writes slows it down. A client that takes nothing for
+    ``stall_timeout`` while messages wait is not reading: the connection ends.
     """
 
-    def __init__(self, max_pending: int, on_overflow: Callable[[], None]) -> None:
+    def __init__(self, max_pending: int, stall_timeout: float, on_stalled: Callable[[], None]) -> None:
         self.max_pending = max_pending
-        self._on_overflow = on_overflow
+        self.stall_timeout = stall_timeout
+        self._on_stalled = on_stalled
         self._streams: dict[str | None, tuple[MemoryObjectSendStream[bytes], MemoryObjectReceiveStream[bytes]]] = {}
         self._backlog: deque[tuple[str | None, bytes]] = deque()
+        self._changed = anyio.Event()
         self.closed = False
 
-    def put(self, target: str | None, line: bytes) -> None:
-        if self.closed:
+    async def put(self, target: str | None, line: bytes) -> None:
+        """Queue ``line`` for ``target``'s stream, waiting while it is full (up to ``stall_timeout``)."""
+        deadline = anyio.current_time() + self.stall_timeout
+        while not self.closed:
+            pair = self._streams.get(target) if target in self._streams else self._streams.get(None)
+            if pair is None:
+                if len(self._backlog) < self.max_pending:
+                    self._backlog.append((target, line))
+                    return
+                changed = self._changed
+                with anyio.move_on_at(deadline):
+                    await changed.wait()  # a stream opened (or the connection ended)
+                    continue
+            else:
+                try:
+                    with anyio.move_on_at(deadline):
+                        await pair[0].send(line)
+                        return
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    continue  # that stream was replaced or its reader left: route again
+            self._on_stalled()
             return
-        pair = self._streams.get(target) if target in self._streams else self._streams.get(None)
-        if pair is None:
-            if len(self._backlog) >= self.max_pending:
-                self._on_overflow()
-                return
-            self._backlog.append((target, line))
-            return
-        try:
-            pair[0].send_nowait(line)
-        except anyio.WouldBlock:
-            self._on_overflow()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # that stream's reader has gone; the connection's end is being handled
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
 
     def has_stream(self, target: str | None) -> bool:
         return target in self._streams
@@ -141,6 +158,7 @@ class Outbox:
             else:
                 kept.append((item_target, line))
         self._backlog = kept
+        self._notify()
         return receive
 
     def release(self, target: str | None, stream: MemoryObjectReceiveStream[bytes]) -> None:
@@ -150,6 +168,7 @@ class Outbox:
         if current is not None and current[1] is stream:
             current[0].close()
             del self._streams[target]
+            self._notify()
 
     def close(self) -> None:
         self.closed = True
@@ -157,6 +176,7 @@ class Outbox:
             send.close()
         self._streams.clear()
         self._backlog.clear()
+        self._notify()
 
 
 class Pending:
@@ -181,7 +201,7 @@ class Connection:
         self.peer = peer
         self.opened_at = time.time()
         self.last_active = time.monotonic()
-        self.outbox = Outbox(hub.limits.max_pending, lambda: self.end(Ended.SLOW_READER))
+        self.outbox = Outbox(hub.limits.max_pending, hub.limits.stall_timeout, lambda: self.end(Ended.SLOW_READER))
         self.touched: set[str] = set()
         """Sessions this connection made or named: its proxy may hold them."""
         self.ended: Ended | None = None
@@ -201,7 +221,7 @@ class Connection:
         self.last_active = time.monotonic()
         decoded = jsonrpc.decode_line(line)
         if isinstance(decoded, BadLine):
-            self.outbox.put(None, jsonrpc.bad_line_response(decoded, line))
+            await self.outbox.put(None, jsonrpc.bad_line_response(decoded, line))
             return
         msg, kind = decoded
         if kind is not Kind.RESPONSE:
@@ -227,7 +247,7 @@ class Connection:
                     if verdict is Gate.UNKNOWN
                     else ProxyError.invalid_params(f"this token may not use backend {backend!r}")
                 )
-                self.outbox.put(scope, error.response(msg.id))  # type: ignore[arg-type]
+                await self.outbox.put(scope, error.response(msg.id))  # type: ignore[arg-type]
             log.info("%s: refused %s for %s (%s)", self.principal.label, msg.method, session_id, verdict.value)
             return False
         if session_id is not None:
@@ -262,7 +282,7 @@ class Connection:
 
     # --- proxy -> client ---------------------------------------------------------------------
 
-    def _from_proxy(self, line: bytes) -> None:
+    async def _from_proxy(self, line: bytes) -> None:
         decoded = jsonrpc.decode_line(line)
         if isinstance(decoded, BadLine):
             log.warning("connection %s: its proxy wrote a line that is not JSON-RPC: dropped", self.id)
@@ -271,13 +291,13 @@ class Connection:
         if kind is not Kind.RESPONSE:
             if self.ended is not None and kind is Kind.REQUEST:
                 self._no_client_to_ask(msg)
-            self.outbox.put(session_of(msg.params), line)
+            await self.outbox.put(session_of(msg.params), line)
             return
         pending = self._pending.pop(_key(msg.id), None) if msg.id is not None else None
         if not self._pending:
             self._nothing_in_flight.set()
         if pending is None:
-            self.outbox.put(None, line)
+            await self.outbox.put(None, line)
             return
         if pending.answered is not None:
             self._answers[_key(msg.id)] = line
@@ -290,7 +310,7 @@ class Connection:
                 self.touched.add(made)
         if msg.error is UNSET and pending.method == Method.LIST and self.principal.sees != "all":
             line = self._visible_list(msg)
-        self.outbox.put(pending.scope, line)
+        await self.outbox.put(pending.scope, line)
 
     def _visible_list(self, msg: Message) -> bytes:
         result: dict[str, Any] = jsonrpc.decode_object(msg.result) or {}
@@ -336,7 +356,7 @@ class Connection:
                     break
                 for line in batch.lines:
                     if line.strip():
-                        self._from_proxy(line)
+                        await self._from_proxy(line)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._reap(process)

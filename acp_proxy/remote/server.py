@@ -50,6 +50,7 @@ class ServeOptions(msgspec.Struct, frozen=True):
     max_message_bytes: int = 64 * 2**20
     idle_timeout: float = 300.0
     linger: float = 600.0
+    stall_timeout: float = 30.0
     proxy_exit_grace: float = 15.0
     default_backend: str | None = None
 
@@ -106,6 +107,7 @@ async def serve_network(options: ServeOptions) -> int:
         max_message_bytes=options.max_message_bytes,
         idle_timeout=options.idle_timeout,
         linger=options.linger,
+        stall_timeout=options.stall_timeout,
     )
     hub = Hub(
         store,
@@ -127,6 +129,7 @@ async def serve_network(options: ServeOptions) -> int:
     http.websocket_ping_interval = WEBSOCKET_PING_INTERVAL
     http.h11_max_incomplete_size = 64 * 1024
     http.graceful_timeout = 2.0
+    http.keep_alive_max_requests = 2**62  # every client message is a POST: a connection must not run out of them
     app = AcpApp(hub, store, allowed_origins=options.allowed_origins, unix_socket=options.unix_socket is not None)
     status = StatusFile(options.state_dir, hub, [_address(sock, options) for sock in sockets])
     hub.on_change = status.changed
