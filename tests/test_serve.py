@@ -4,8 +4,11 @@ and the session lifecycle over WebSocket and streamable HTTP (HTTP/2), with real
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
+import ssl
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -257,7 +260,9 @@ async def test_streamable_http_session_lifecycle(proc_env: dict[str, str], tmp_p
         await client.open_stream(session)
         loaded = await client.request("session/load", {"sessionId": session, **NEW}, session)
         assert "result" in await client.wait_for(None, lambda m: m.get("id") == loaded)
-        assert any(m.get("method") == "session/update" for m in client.events[session])
+        # The replay is on the session's stream, the answer on the connection's: two HTTP/2 streams,
+        # in no order against each other.
+        await client.wait_for(session, lambda m: m.get("method") == "session/update")
 
 
 @pytest.mark.anyio
@@ -331,6 +336,15 @@ async def test_nobody_in_without_a_valid_token(proc_env: dict[str, str], tmp_pat
         with anyio.fail_after(10):  # each failure is counted (and was answered late)
             while 'acp_proxy_serve_refusals_total{reason="failed_auth"} 6.0' not in run_cli(proc_env, "metrics").stdout:
                 await anyio.sleep(0.2)
+        from tests.support import Gateway
+
+        bad = {**proc_env, "ACP_PROXY_TOKEN": "acpp_wrong"}  # connect with a wrong token: said, exit 2
+        argv = [sys.executable, "-m", "acp_proxy", "connect", served.ws_url]
+        async with Gateway.launch(argv, env=bad, name="connect", first_id=1001) as gw:
+            answer = await gw.request("initialize", TEST_INITIALIZE, timeout=30)
+            assert answer["error"]["data"]["reason"] == "refused"
+            assert "401" in answer["error"]["message"]
+            assert await gw.close() == 2
         evil = {"origin": "http://evil.example"}  # a browser's origin is refused, token or not
         with pytest.raises(WsRefused) as refused:
             await WebSocket.connect(served.target(token), headers=evil)
@@ -528,6 +542,65 @@ def test_serve_refuses_a_clear_text_public_listener(proc_env: dict[str, str], tm
     done = run_cli(proc_env, "serve", "--listen", "0.0.0.0:0", "--config", str(config_for(tmp_path)))
     assert done.returncode == 2
     assert "--tls-cert" in done.stderr
+
+
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made by the openssl command."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+@pytest.mark.anyio
+async def test_tls_on_a_public_listener_for_websocket_and_http2(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """TLS on every address: wss for connect (the CA from SSL_CERT_FILE), HTTP/2 negotiated by ALPN."""
+    from tests.support import Gateway
+
+    cert, key = self_signed(tmp_path)
+    token = make_token(proc_env, "laptop")
+    options = ("--tls-cert", str(cert), "--tls-key", str(key))
+    async with serve(proc_env, config_for(tmp_path), *options) as served:
+        assert served.url.startswith("https://")
+        async with httpx.AsyncClient(http2=True, verify=ssl.create_default_context(cafile=str(cert))) as http:
+            init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": TEST_INITIALIZE}
+            response = await http.post(served.url, json=init, headers={"authorization": f"Bearer {token}"})
+            assert response.status_code == 200
+            assert response.http_version == "HTTP/2"  # by ALPN
+        env = {**proc_env, "ACP_PROXY_TOKEN": token, "SSL_CERT_FILE": str(cert)}
+        argv = [sys.executable, "-m", "acp_proxy", "connect", served.url.replace("https://", "wss://")]
+        async with Gateway.launch(argv, env=env, name="connect", first_id=1001) as gw:
+            await gw.initialize(TEST_INITIALIZE)
+            session = await gw.new_session()
+            assert (await gw.prompt(session, "hello"))["result"]["stopReason"] == "end_turn"
+        untrusting = {**proc_env, "ACP_PROXY_TOKEN": token}  # the system's CAs do not know this one
+        async with Gateway.launch(argv, env=untrusting, name="connect", first_id=1001) as gw:
+            answer = await gw.request("initialize", TEST_INITIALIZE, timeout=30)
+            assert answer["error"]["data"]["reason"] == "refused"  # at once: no retry would change it
+            assert "CERTIFICATE_VERIFY_FAILED" in answer["error"]["message"]
+            assert await gw.close() == 2
 
 
 @pytest.mark.anyio

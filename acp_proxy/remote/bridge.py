@@ -12,6 +12,7 @@ that says so; one sent while the link is down waits for it, up to ``OUTAGE_LIMIT
 from __future__ import annotations
 
 import logging
+import ssl
 import sys
 from collections import deque
 from typing import Final
@@ -107,8 +108,8 @@ class Bridge:
             log.warning("answered %d request(s) in flight with an error: %s", len(failed), why)
             await self.to_gateway(b"".join(failed))
 
-    async def fail_waiting(self, why: str) -> None:
-        """The link has been down too long: requests waiting for it are answered with an error."""
+    async def fail_waiting(self, why: str, reason: str = "unreachable") -> None:
+        """No link for too long, or none to be had: the requests waiting for one are answered with an error."""
         kept: deque[bytes] = deque()
         failed: list[bytes] = []
         for line in self.waiting:
@@ -116,10 +117,7 @@ class Bridge:
             if isinstance(decoded, BadLine) or decoded[1] is not Kind.REQUEST:
                 continue
             msg = decoded[0]
-            if msg.method in (Method.INITIALIZE, Method.AUTHENTICATE):
-                kept.append(line)  # replayed, and answered, once a link is up
-                continue
-            failed.append(jsonrpc.error_response(msg.id, LINK_DROPPED, why, {"reason": "unreachable"}))  # type: ignore[arg-type]
+            failed.append(jsonrpc.error_response(msg.id, LINK_DROPPED, why, {"reason": reason}))  # type: ignore[arg-type]
         self.waiting = kept
         if failed:
             await self.to_gateway(b"".join(failed))
@@ -135,9 +133,14 @@ class Bridge:
             except Refused as exc:
                 if exc.status in (401, 403):
                     log.error("%s refused the link: %s", self.target.describe(), exc)
-                    await self.fail_waiting(f"the remote acp-proxy refused the link: {exc}")
+                    await self.fail_waiting(f"the remote acp-proxy refused the link: {exc}", "refused")
                     return 2
                 why = str(exc)
+            except ssl.SSLCertVerificationError as exc:  # not a passing fault: no retry will change it
+                why = f"TLS: {exc.verify_message or exc} (a private CA: point SSL_CERT_FILE at it)"
+                log.error("%s: %s", self.target.describe(), why)
+                await self.fail_waiting(f"the remote acp-proxy's certificate was refused: {exc}", "refused")
+                return 2
             except OSError as exc:
                 why = exc.strerror or str(exc)
             else:

@@ -32,7 +32,7 @@ from acp_proxy.ownership.verify import signal_child
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
-from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message, RequestId
+from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.remote.access import Gate, gate, visible_sessions
 from acp_proxy.remote.tokens import Principal, RemoteStore
@@ -129,11 +129,18 @@ class Outbox:
                     continue
             else:
                 try:
+                    pair[0].send_nowait(line)  # no yield while there is room: the stream's reader
+                    return  # then finds a run of messages to write at once
+                except anyio.WouldBlock:
+                    pass
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    continue  # that stream was replaced or its reader left: route again
+                try:
                     with anyio.move_on_at(deadline):
                         await pair[0].send(line)
                         return
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    continue  # that stream was replaced or its reader left: route again
+                    continue
             self._on_stalled()
             return
 
@@ -354,6 +361,11 @@ class Connection:
                     batch = await reader.receive_batch()
                 except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                     break
+                if self.transport == "websocket" and self._plain_notifications(batch):
+                    for line in batch.lines:  # the streaming path: one stream, nothing to route or note
+                        if line.strip():
+                            await self.outbox.put(None, line)
+                    continue
                 for line in batch.lines:
                     if line.strip():
                         await self._from_proxy(line)
@@ -364,6 +376,11 @@ class Connection:
                     self.end(Ended.PROXY_EXITED)
                 self.hub.released(self)
                 self.hub.proxy_exited()
+
+    @staticmethod
+    def _plain_notifications(batch: Batch) -> bool:
+        """Whether every line of ``batch`` is a notification (decoded with one call)."""
+        return bool(batch.block) and jsonrpc.notification_methods(batch.block, batch.count) is not None
 
     async def _reap(self, process: anyio.abc.Process) -> None:
         """Wait for the proxy to shut down by itself (stdin closed); a proxy that will not is stopped."""
