@@ -17,6 +17,7 @@ from tests.support import (
     LOAD_ONLY,
     MARKER_VARIABLE,
     RESUME_AND_LOAD,
+    TEST_INITIALIZE,
     Gateway,
     adapter_calls,
     cli,
@@ -66,6 +67,28 @@ async def test_requests_queued_for_a_suspended_session_keep_their_order(
             updates = gw.updates(session)
             gw.clear_stash()
             assert json.loads(updates[-1]["params"]["update"]["content"]["text"])["mode"] == mode, n
+
+
+async def test_a_session_request_sent_with_initialize_restores_the_session(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """initialize and a prompt for a suspended session written together, to a new proxy: the restore
+    waits for the agent's initialize answer (what it can resume) and resumes, never starts afresh."""
+    options = {"caps": RESUME_AND_LOAD, "init_delay": 0.3}
+    async with start(proc_env, tmp_path, **options) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        await gw.prompt(session, "stream 2")  # two updates: its history
+    async with start(proc_env, tmp_path, **options) as gw:
+        initialize = {"jsonrpc": "2.0", "id": "i", "method": "initialize", "params": TEST_INITIALIZE}
+        lines = [initialize, prompt_message("p", session, "state")]
+        await gw.send_raw("".join(json.dumps(line) + "\n" for line in lines).encode())
+        assert "result" in await gw.response_to("i")
+        assert (await gw.response_to("p"))["result"]["stopReason"] == "end_turn"
+        updates = gw.updates(session)
+        assert not any("historyReset" in json.dumps(update) for update in updates)
+        assert json.loads(updates[-1]["params"]["update"]["content"]["text"])["history"] == 2
+        assert [call["method"] for call in adapter_calls(gw, "session/resume")] == ["session/resume"]
 
 
 async def test_cap_holds_while_evicted_processes_are_still_stopping(proc_env: dict[str, str], tmp_path: Path) -> None:

@@ -105,6 +105,9 @@ class Adapter:
         """The id the adapter knows that session under, if it differs from the stable one."""
         self.claimed = False
         """Taken for a ``session/new`` or a restore in progress: not a spare, not idle."""
+        self.first_answered: anyio.Event | None = None
+        """Set once the request it was started for (``initialize``, most often) is answered: until then
+        a spare does not know what its agent can do, and a restore on it waits for this."""
         self.swallow_updates = False
         """Drop ``session/update``s (the replay of a load the gateway did not ask for)."""
         self.muted = False

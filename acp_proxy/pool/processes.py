@@ -601,8 +601,11 @@ class ProcessPool:
         adapter = self.spare(backend)
         if adapter is not None:
             adapter.claimed = True
-            adapter.usage.start_deadline = anyio.current_time() + self.start_timeout(backend)
-            return adapter
+            if adapter.first_answered is not None:
+                await adapter.first_answered.wait()  # a gateway that sent initialize and a session request together
+            if not adapter.gone and adapter not in self._evicting:  # else its first request failed: stopped
+                adapter.usage.start_deadline = anyio.current_time() + self.start_timeout(backend)
+                return adapter
         return await self.start(backend, prepare=True, session_key=session_key)
 
     async def start_for(
@@ -611,7 +614,11 @@ class ProcessPool:
         """A gateway request no process is there for: to a new one, which is a spare once it has answered."""
         adapter = await self.start(backend, prepare=prepare)
         adapter.claimed = False
-        await self.forward_first(adapter, msg, on_answer)
+        adapter.first_answered = anyio.Event()
+        try:
+            await self.forward_first(adapter, msg, on_answer)
+        finally:
+            adapter.first_answered.set()
 
     async def forward_first(self, adapter: Adapter, msg: Message, on_answer: Answer | None = None) -> None:
         """Send a process the request it was started (or taken) for, and wait until its start deadline.
