@@ -80,6 +80,7 @@ class Report:
     load: dict[str, Any] = field(default_factory=dict)
     install: dict[str, Any] = field(default_factory=dict)
     measuring: dict[str, Any] = field(default_factory=dict)
+    remote: dict[str, Any] = field(default_factory=dict)
 
 
 def attempt(report: Report, what: str, action: Callable[[], Any]) -> Any:

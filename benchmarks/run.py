@@ -12,6 +12,9 @@
     scripts/bench --only measuring what measuring the trees' memory and checking for dead proxies costs
     scripts/bench --only install   20 proxies of one session each over one install's max_live = 4, against a
                                    client-side pool of the same work (--quick: 3 bursts each instead of 10)
+    scripts/bench --only remote    serve over WebSocket and streamable HTTP/2, and acp-proxy connect, against
+                                   stdio through the proxy (--quick: 200 turns, 20,000 updates, 50 idle
+                                   connections, 10 sessions)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
 Each benchmark is a module declaring a ``Section`` (``benchmarks/harness.py``): the
@@ -27,7 +30,10 @@ same work run directly and through the proxy, its figures and its targets.
 * ``benchmarks/load.py``: the pool under load in one proxy (200 sessions over
   ``max_live = 8``);
 * ``benchmarks/install.py``: across the proxies of one install (20 proxies of one
-  session each over ``max_live = 4``, as acpx runs them).
+  session each over ``max_live = 4``, as acpx runs them);
+* ``benchmarks/remote.py``: ``acp-proxy serve`` over WebSocket and streamable HTTP/2
+  (turns, streaming, idle connections, sessions) and the ``acp-proxy connect`` bridge,
+  against stdio through the proxy.
 
 The figures are reported, never
 asserted: a missed target is printed, it does not fail the run. A run fails only
@@ -55,7 +61,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import install, load, measuring, ownership, sessions, streaming, tasks
+from benchmarks import install, load, measuring, ownership, remote, sessions, streaming, tasks
 from benchmarks.common import ROOT
 from benchmarks.harness import Column, Report, Section, fmt, progress, render_table
 
@@ -69,6 +75,7 @@ SECTIONS: tuple[Section, ...] = (
     tasks.SECTION,
     load.SECTION,
     install.SECTION,
+    remote.SECTION,
 )
 MEASUREMENTS = tuple(name for section in SECTIONS for name in section.names)
 
@@ -86,6 +93,10 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     "turns": (2_000, 200),
     "task_ops": (10_000, 2_000),
     "measure_rounds": (500, 100),
+    "remote_turns": (1_000, 200),
+    "remote_updates": (100_000, 20_000),
+    "remote_idle": (200, 50),
+    "remote_sessions": (40, 10),
 }
 """The options a full run and ``--quick`` size differently: (full, quick)."""
 
@@ -166,7 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings, "
         "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes, "
-        "1 burst of turns per load session, 3 per install session",
+        "1 burst of turns per load session, 3 per install session, 200 remote turns, 20,000 remote updates, "
+        "50 idle remote connections, 10 remote sessions",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
@@ -219,6 +231,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="measuring: rounds per memory reader and dead-proxy checks (500; --quick: 100)",
     )
+    parser.add_argument("--remote-turns", type=int, help="remote: short turns per transport (1,000; --quick: 200)")
+    parser.add_argument(
+        "--remote-updates", type=int, help="remote: updates in the streaming turn (100,000; --quick: 20,000)"
+    )
+    parser.add_argument("--remote-idle", type=int, help="remote: idle WebSockets on one serve (200; --quick: 50)")
+    parser.add_argument(
+        "--remote-sessions", type=int, help="remote: live sessions over serve's connections (40; --quick: 10)"
+    )
     parser.add_argument(
         "--min-idle",
         type=float,
@@ -250,6 +270,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--resumes, --rss-runs and --registry-ops must be at least 1")
     if min(args.turns, args.task_ops, args.measure_rounds) < 1:
         parser.error("--turns, --task-ops and --measure-rounds must be at least 1")
+    if min(args.remote_turns, args.remote_updates, args.remote_idle, args.remote_sessions) < 1:
+        parser.error("--remote-turns, --remote-updates, --remote-idle and --remote-sessions must be at least 1")
     if args.min_idle is not None and args.min_idle < 0:
         parser.error("--min-idle must not be negative")
     if args.replay < 0:
@@ -283,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             "turns": args.turns,
             "task_ops": args.task_ops,
             "measure_rounds": args.measure_rounds,
+            "remote_turns": args.remote_turns,
+            "remote_updates": args.remote_updates,
+            "remote_idle": args.remote_idle,
+            "remote_sessions": args.remote_sessions,
             "min_idle": args.min_idle,
             "only": sorted(args.only),
         },

@@ -604,6 +604,31 @@ async def test_tls_on_a_public_listener_for_websocket_and_http2(proc_env: dict[s
 
 
 @pytest.mark.anyio
+async def test_connect_cancels_the_turns_of_a_gateway_that_left(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """The server cannot tell a close from a drop, so the bridge ends what its gateway left running."""
+    from tests.support import Gateway
+
+    token = make_token(proc_env, "laptop")
+    env = {**proc_env, "ACP_PROXY_TOKEN": token}
+    async with serve(proc_env, config_for(tmp_path)) as served:
+        argv = [sys.executable, "-m", "acp_proxy", "connect", served.ws_url]
+        async with Gateway.launch(argv, env=env, name="connect", first_id=1001) as gw:
+            await gw.initialize(TEST_INITIALIZE)
+            session = await gw.new_session()
+            turn = gw.new_id()
+            await gw.send(
+                {"jsonrpc": "2.0", "id": turn, "method": "session/prompt", "params": prompt(session, "silent")}
+            )
+            await wait_for_task(proc_env, "running")
+            assert await gw.close(timeout=30) == 0  # EOF: the turn gets its grace, then is cancelled
+        cancelled = await wait_for_task(proc_env, "cancelled", timeout=20)
+        assert cancelled["sessionId"] == session
+        with anyio.fail_after(20):  # and the session is suspended at once, not left to linger
+            while registry(proc_env).get(session).state is not SessionState.SUSPENDED:  # type: ignore[union-attr]
+                await anyio.sleep(0.05)
+
+
+@pytest.mark.anyio
 async def test_connect_bridges_a_gateway_and_survives_a_dropped_link(proc_env: dict[str, str], tmp_path: Path) -> None:
     """A stdio gateway runs ``acp-proxy connect``; serve restarts under it mid-session: the session
     goes on under its id, and the turn in flight at the drop is answered with an error saying so."""

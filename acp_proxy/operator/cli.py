@@ -160,8 +160,8 @@ def _add_network_options(serve: argparse.ArgumentParser) -> None:
         type=_duration,
         default=600.0,
         metavar="D",
-        help="a WebSocket that drops (no close) with turns in flight: its proxy runs on up to D for them, "
-        "then suspends its sessions (default 10m; 0: at once)",
+        help="a WebSocket that ends with requests in flight: its proxy runs on up to D for them, "
+        "then suspends its sessions (default 10m; 0s: at once)",
     )
 
 

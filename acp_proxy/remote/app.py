@@ -122,14 +122,13 @@ class AcpApp:
             while True:
                 event = await receive()
                 if event["type"] == "websocket.disconnect":
-                    clean = event.get("code") in (1000, 1001)  # a close the client chose, not a lost link
-                    connection.end(Ended.CLIENT if clean else Ended.DROPPED)
+                    connection.end(Ended.GONE)
                     break
                 text = event.get("text")
                 if text is not None:  # binary frames are ignored, as the RFD says
                     await connection.from_client(text.encode())
             tasks.cancel_scope.cancel()
-        if connection.ended is not None and connection.ended not in (Ended.CLIENT, Ended.DROPPED):
+        if connection.ended is not None and connection.ended is not Ended.GONE:
             with anyio.move_on_after(1), suppress(Exception):
                 await send(
                     {"type": "websocket.close", "code": connection.ended.code, "reason": connection.ended.reason}

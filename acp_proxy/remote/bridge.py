@@ -21,6 +21,7 @@ import anyio
 from msgspec import UNSET
 
 from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.acp import session_of
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.remote.wsclient import Closed, Refused, Target, WebSocket
@@ -36,6 +37,8 @@ OUTAGE_LIMIT: Final = 30.0
 """How long a request sent while the link is down waits for it before it is answered with an error."""
 EOF_GRACE: Final = 10.0
 """After the gateway closes its stdin, how long its requests in flight may still be answered."""
+CANCEL_GRACE: Final = 5.0
+"""Then its turns still running are cancelled, and get this long to end before the link is closed."""
 MAX_LINE: Final = 64 * 2**20
 REPLAY_TIMEOUT: Final = 120.0
 """How long a replayed ``initialize`` may take (an adapter's start, on the server) before the rest is sent anyway."""
@@ -55,6 +58,8 @@ class Bridge:
         self.more = anyio.Event()
         self.in_flight: dict[tuple[type, object], RequestId] = {}
         """Gateway requests sent over the current link and not answered yet."""
+        self.prompting: dict[tuple[type, object], str] = {}
+        """Of those, the turns (``session/prompt``): their sessions."""
         self.asked: set[tuple[type, object]] = set()
         """The remote's requests on the current link that the gateway has not answered."""
         self.replay: dict[str, bytes] = {}
@@ -103,6 +108,7 @@ class Bridge:
             for request_id in self.in_flight.values()
         ]
         self.in_flight.clear()
+        self.prompting.clear()
         self.asked.clear()
         if failed:
             log.warning("answered %d request(s) in flight with an error: %s", len(failed), why)
@@ -216,6 +222,7 @@ class Bridge:
 
     async def _send_waiting(self, ws: WebSocket) -> None:
         gone_at: float | None = None
+        cancelled = False
         while True:
             while self.waiting:
                 line = self.waiting[0]
@@ -224,14 +231,24 @@ class Bridge:
                     request_id = decoded[0].id
                     assert request_id is not UNSET  # a request has an id
                     self.in_flight[_key(request_id)] = request_id
+                    if decoded[0].method == Method.PROMPT and (session := session_of(decoded[0].params)):
+                        self.prompting[_key(request_id)] = session
                 if not isinstance(decoded, BadLine) and decoded[1] is Kind.RESPONSE and decoded[0].id is not None:
                     self.asked.discard(_key(decoded[0].id))
                 await ws.send_text(line.decode("utf-8", "replace"))
                 self.waiting.popleft()
             if self.gateway_gone:
                 gone_at = gone_at if gone_at is not None else anyio.current_time()
-                if not self.in_flight or anyio.current_time() - gone_at > EOF_GRACE:
+                waited = anyio.current_time() - gone_at
+                if not self.in_flight or waited > EOF_GRACE + CANCEL_GRACE:
                     return
+                if waited > EOF_GRACE and not cancelled:
+                    # The server cannot tell a close from a dropped link (its turns would go on):
+                    # the turns of a gateway that left are cancelled, as a stdio proxy cancels them.
+                    cancelled = True
+                    for session in sorted(set(self.prompting.values())):
+                        cancel = jsonrpc.notification(Method.CANCEL, {"sessionId": session})
+                        await ws.send_text(cancel.rstrip(b"\n").decode())
                 with anyio.move_on_after(0.1):
                     await self.more.wait()
                 continue
@@ -251,6 +268,7 @@ class Bridge:
                         self._replayed.set()
                     return
                 self.in_flight.pop(_key(msg.id), None)
+                self.prompting.pop(_key(msg.id), None)
                 self.more.set()
             elif kind is Kind.REQUEST and msg.id is not None:
                 self.asked.add(_key(msg.id))

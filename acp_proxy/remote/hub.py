@@ -50,9 +50,9 @@ session stream for a session it is only now opening)."""
 class Ended(enum.Enum):
     """Why a connection ended: said in logs, and as the WebSocket close code and reason."""
 
-    CLIENT = (1000, "client closed the connection")
-    DROPPED = (1006, "connection dropped")
-    """Gone without a close: its turns in flight go on for ``linger`` (a laptop that slept, a network blip)."""
+    GONE = (1000, "the client went away")
+    """Closed or dropped: the server is not told which (hypercorn reports every end of a WebSocket the
+    client starts as 1006), so the turns still in flight go on for ``linger`` either way."""
     DELETED = (1000, "connection deleted")
     SLOW_READER = (1008, "not reading: messages have waited too long to be sent")
     REVOKED = (1008, "token revoked")
@@ -420,7 +420,7 @@ class Connection:
                 pending.answered.set()
         self.hub.forget(self)
         if self._process is not None and self._process.stdin is not None:
-            if why is Ended.DROPPED and self._pending and self.hub.limits.linger > 0:
+            if why is Ended.GONE and self._pending and self.hub.limits.linger > 0:
                 self.hub.start_task(self._linger)
             else:
                 self.let_go()
