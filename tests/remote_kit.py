@@ -145,6 +145,9 @@ class HttpClient:
         self.url = url
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(http1=False, http2=True, headers=headers, timeout=20)
+        # The event streams on an HTTP/2 connection of their own: httpcore reads a connection in one
+        # task at a time, and a POST's answer can wait behind a stream's read until its next event.
+        self.streaming = httpx.AsyncClient(http1=False, http2=True, headers=headers, timeout=20)
         self.connection_id: str | None = None
         self.events: dict[str | None, list[dict[str, Any]]] = {}
         self.next_id = 0
@@ -155,7 +158,7 @@ class HttpClient:
     @asynccontextmanager
     async def open(cls, url: str, token: str | None) -> AsyncIterator[HttpClient]:
         client = cls(url, token)
-        async with client.http, anyio.create_task_group() as tasks:
+        async with client.http, client.streaming, anyio.create_task_group() as tasks:
             client._tasks = tasks
             try:
                 yield client
@@ -182,7 +185,7 @@ class HttpClient:
 
         async def read() -> None:
             headers = {**self.headers(session_id), "accept": "text/event-stream"}
-            async with self.http.stream("GET", self.url, headers=headers, timeout=None) as response:
+            async with self.streaming.stream("GET", self.url, headers=headers, timeout=None) as response:
                 assert response.status_code == 200, response.status_code
                 opened.set()
                 async for line in response.aiter_lines():

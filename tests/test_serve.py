@@ -320,7 +320,6 @@ async def test_malformed_and_oversized_websocket_frames(proc_env: dict[str, str]
 
 @pytest.mark.anyio
 async def test_nobody_in_without_a_valid_token(proc_env: dict[str, str], tmp_path: Path) -> None:
-    token = make_token(proc_env, "laptop")
     revoked = make_token(proc_env, "old")
     assert run_cli(proc_env, "token", "revoke", "old").returncode == 0
     assert run_cli(proc_env, "token", "revoke", "old").returncode == 2  # no live token of that name
@@ -329,22 +328,35 @@ async def test_nobody_in_without_a_valid_token(proc_env: dict[str, str], tmp_pat
             with pytest.raises(WsRefused) as refused:
                 await WebSocket.connect(served.target(shown))
             assert refused.value.status == 401
-            async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as http:  # each failure slower
-                headers = {"authorization": f"Bearer {shown}"} if shown else {}
-                body = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}
-                assert (await http.post(served.url, json=body, headers=headers)).status_code == 401
+        async with httpx.AsyncClient(http1=False, http2=True, timeout=30) as http:  # each failure slower
+            body = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {}}
+            assert (await http.post(served.url, json=body, headers={"authorization": "Bearer x"})).status_code == 401
         with anyio.fail_after(10):  # each failure is counted (and was answered late)
-            while 'acp_proxy_serve_refusals_total{reason="failed_auth"} 6.0' not in run_cli(proc_env, "metrics").stdout:
+            while 'acp_proxy_serve_refusals_total{reason="failed_auth"} 4.0' not in run_cli(proc_env, "metrics").stdout:
                 await anyio.sleep(0.2)
-        from tests.support import Gateway
 
-        bad = {**proc_env, "ACP_PROXY_TOKEN": "acpp_wrong"}  # connect with a wrong token: said, exit 2
+
+@pytest.mark.anyio
+async def test_connect_with_a_wrong_token_says_so_and_exits_2(proc_env: dict[str, str], tmp_path: Path) -> None:
+    from tests.support import Gateway
+
+    async with serve(proc_env, config_for(tmp_path)) as served:
+        bad = {**proc_env, "ACP_PROXY_TOKEN": "acpp_wrong"}
         argv = [sys.executable, "-m", "acp_proxy", "connect", served.ws_url]
         async with Gateway.launch(argv, env=bad, name="connect", first_id=1001) as gw:
             answer = await gw.request("initialize", TEST_INITIALIZE, timeout=30)
             assert answer["error"]["data"]["reason"] == "refused"
             assert "401" in answer["error"]["message"]
             assert await gw.close() == 2
+
+
+@pytest.mark.anyio
+async def test_browser_origins_are_refused_and_revoking_a_token_ends_its_connections(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    token = make_token(proc_env, "laptop")
+    options = ("--allow-origin", "https://app.example", "--idle-timeout", "1s")  # the sweep each second
+    async with serve(proc_env, config_for(tmp_path), *options) as served:
         evil = {"origin": "http://evil.example"}  # a browser's origin is refused, token or not
         with pytest.raises(WsRefused) as refused:
             await WebSocket.connect(served.target(token), headers=evil)
@@ -352,6 +364,8 @@ async def test_nobody_in_without_a_valid_token(proc_env: dict[str, str], tmp_pat
         async with httpx.AsyncClient() as http:
             response = await http.post(served.url, json={}, headers={"authorization": f"Bearer {token}", **evil})
             assert response.status_code == 403
+        listed = await WebSocket.connect(served.target(token), headers={"origin": "https://app.example"})
+        await listed.aclose()
         async with WsClient.open(served.target(token)) as client:  # revoking a token ends its connections
             await client.call("initialize", TEST_INITIALIZE)
             assert run_cli(proc_env, "token", "revoke", "laptop").returncode == 0
@@ -611,7 +625,7 @@ async def test_connect_cancels_the_turns_of_a_gateway_that_left(proc_env: dict[s
     token = make_token(proc_env, "laptop")
     env = {**proc_env, "ACP_PROXY_TOKEN": token}
     async with serve(proc_env, config_for(tmp_path)) as served:
-        argv = [sys.executable, "-m", "acp_proxy", "connect", served.ws_url]
+        argv = [sys.executable, "-m", "acp_proxy", "connect", served.ws_url, "--eof-grace", "1s"]
         async with Gateway.launch(argv, env=env, name="connect", first_id=1001) as gw:
             await gw.initialize(TEST_INITIALIZE)
             session = await gw.new_session()
@@ -620,7 +634,7 @@ async def test_connect_cancels_the_turns_of_a_gateway_that_left(proc_env: dict[s
                 {"jsonrpc": "2.0", "id": turn, "method": "session/prompt", "params": prompt(session, "silent")}
             )
             await wait_for_task(proc_env, "running")
-            assert await gw.close(timeout=30) == 0  # EOF: the turn gets its grace, then is cancelled
+            assert await gw.close(timeout=30) == 0  # EOF: the turn gets its grace (1 s), then is cancelled
         cancelled = await wait_for_task(proc_env, "cancelled", timeout=20)
         assert cancelled["sessionId"] == session
         with anyio.fail_after(20):  # and the session is suspended at once, not left to linger

@@ -197,6 +197,14 @@ def _add_connect_parser(commands: argparse._SubParsersAction[argparse.ArgumentPa
     connect.add_argument("url", metavar="URL", help="ws://HOST:PORT/acp, wss://HOST:PORT/acp or unix:PATH")
     connect.add_argument("--token-file", metavar="PATH", help="a file holding the token")
     connect.add_argument(
+        "--eof-grace",
+        type=_duration,
+        default=10.0,
+        metavar="D",
+        help="once the gateway has left, how long its requests in flight may still be answered before its "
+        "turns are cancelled (default 10s)",
+    )
+    connect.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
         default=argparse.SUPPRESS,
@@ -621,7 +629,7 @@ def _connect(args: argparse.Namespace) -> int:
         target = bridge.Target.parse(args.url, token)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return bridge.run(target)
+    return bridge.run(target, eof_grace=args.eof_grace)
 
 
 def _config_check(args: argparse.Namespace) -> int:

@@ -197,6 +197,9 @@ class AcpApp:
         stream = connection.outbox.open(session_id)
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        # A first line at once: the status and headers go out with it (not held for the first event),
+        # so a client that waits for them before it sends its next request is not kept waiting.
+        await send({"type": "http.response.body", "body": b": open\n\n", "more_body": True})
         try:
             async with anyio.create_task_group() as tasks:
 

@@ -35,8 +35,6 @@ LINK_DROPPED: Final = -32603
 BACKOFF: Final = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
 OUTAGE_LIMIT: Final = 30.0
 """How long a request sent while the link is down waits for it before it is answered with an error."""
-EOF_GRACE: Final = 10.0
-"""After the gateway closes its stdin, how long its requests in flight may still be answered."""
 CANCEL_GRACE: Final = 5.0
 """Then its turns still running are cancelled, and get this long to end before the link is closed."""
 MAX_LINE: Final = 64 * 2**20
@@ -50,8 +48,10 @@ def _key(request_id: object) -> tuple[type, object]:
 
 
 class Bridge:
-    def __init__(self, target: Target, out: FdSendStream) -> None:
+    def __init__(self, target: Target, out: FdSendStream, *, eof_grace: float = 10.0) -> None:
         self.target = target
+        self.eof_grace = eof_grace
+        """After the gateway closes its stdin, how long its requests in flight may still be answered."""
         self.out = out
         self.waiting: deque[bytes] = deque()
         """Gateway lines not yet sent over a link."""
@@ -240,9 +240,9 @@ class Bridge:
             if self.gateway_gone:
                 gone_at = gone_at if gone_at is not None else anyio.current_time()
                 waited = anyio.current_time() - gone_at
-                if not self.in_flight or waited > EOF_GRACE + CANCEL_GRACE:
+                if not self.in_flight or waited > self.eof_grace + CANCEL_GRACE:
                     return
-                if waited > EOF_GRACE and not cancelled:
+                if waited > self.eof_grace and not cancelled:
                     # The server cannot tell a close from a dropped link (its turns would go on):
                     # the turns of a gateway that left are cancelled, as a stdio proxy cancels them.
                     cancelled = True
@@ -275,9 +275,9 @@ class Bridge:
         await self.to_gateway(line.rstrip(b"\n") + b"\n")
 
 
-async def _run(target: Target) -> int:
+async def _run(target: Target, eof_grace: float) -> int:
     stdin, stdout = FdReceiveStream(0), FdSendStream(1)
-    bridge = Bridge(target, stdout)
+    bridge = Bridge(target, stdout, eof_grace=eof_grace)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(bridge.read_gateway, stdin)
         status = await bridge.keep_linked()
@@ -285,9 +285,9 @@ async def _run(target: Target) -> int:
     return status
 
 
-def run(target: Target) -> int:
+def run(target: Target, *, eof_grace: float = 10.0) -> int:
     try:
-        return anyio.run(_run, target)
+        return anyio.run(_run, target, eof_grace)
     except KeyboardInterrupt:
         return 130
     finally:
