@@ -49,11 +49,15 @@ class Served:
 
 
 @asynccontextmanager
-async def serve(env: dict[str, str], config: Path, *extra: str, listen: str = "127.0.0.1:0") -> AsyncIterator[Served]:
-    """``acp-proxy serve`` on ``listen``; stopped with SIGTERM at the end (unless the test ended it)."""
+async def serve(
+    env: dict[str, str], config: Path, *extra: str, listen: str = "127.0.0.1:0", log: Path | None = None
+) -> AsyncIterator[Served]:
+    """``acp-proxy serve`` on ``listen``; stopped with SIGTERM at the end (unless the test ended it).
+    Its stderr goes to ``log`` if given (else the test's)."""
     argv = [sys.executable, "-m", "acp_proxy", "serve", "--async-backend", sniffio.current_async_library()]
     argv += ["--listen", listen, "--config", str(config), *extra]
-    process = await anyio.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=None)
+    stderr = log.open("ab") if log is not None else None
+    process = await anyio.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=stderr)
     assert process.stdout is not None
     buffered = b""
     with anyio.fail_after(20):
@@ -69,6 +73,8 @@ async def serve(env: dict[str, str], config: Path, *extra: str, listen: str = "1
                 with anyio.fail_after(40):
                     await process.wait()
             await process.aclose()
+            if stderr is not None:
+                stderr.close()
 
 
 class WsClient:

@@ -487,6 +487,19 @@ async def test_a_session_wanted_again_is_taken_from_a_lingering_proxy(proc_env: 
 
 
 @pytest.mark.anyio
+async def test_a_stop_after_closed_websockets_logs_no_error(proc_env: dict[str, str], tmp_path: Path) -> None:
+    token = make_token(proc_env, "laptop")
+    log = tmp_path / "serve.log"
+    async with serve(proc_env, config_for(tmp_path), log=log) as served:
+        for _ in range(3):
+            async with WsClient.open(served.target(token)) as client:
+                await client.call("initialize", TEST_INITIALIZE)
+    text = log.read_text()
+    assert "received SIGTERM" in text
+    assert "ERROR" not in text, text
+
+
+@pytest.mark.anyio
 async def test_five_hundred_idle_connections(proc_env: dict[str, str], tmp_path: Path) -> None:
     token = make_token(proc_env, "laptop")
     async with serve(

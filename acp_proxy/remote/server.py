@@ -9,6 +9,7 @@ that is killed leaves its proxies an EOF on stdin, and they suspend their sessio
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -164,11 +165,26 @@ async def serve_network(options: ServeOptions) -> int:
     return 0
 
 
+class _ClosedConnectionCancelled(logging.Filter):
+    """Drops Python 3.11's report of a finished connection's task cancelled at shutdown.
+
+    hypercorn's WebSocket ping task keeps the task of a connection that has closed alive until its
+    next ping; cancelled at shutdown, ``asyncio.streams`` (3.11) logs it as an error with a
+    traceback, though nothing failed (3.13 no longer does).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        cancelled = record.exc_info is not None and isinstance(record.exc_info[1], asyncio.CancelledError)
+        return not (cancelled and "StreamReaderProtocol.connection_made" in record.getMessage())
+
+
 async def _serve_http(app: AcpApp, http: object, stop: anyio.Event, done: anyio.Event) -> None:
     if sniffio.current_async_library() == "trio":
         from hypercorn.trio import serve
     else:
         from hypercorn.asyncio import serve  # type: ignore[assignment]
+
+        logging.getLogger("asyncio").addFilter(_ClosedConnectionCancelled())
     try:
         await serve(app, http, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
     finally:
