@@ -17,19 +17,30 @@ import anyio.abc
 import httpx
 import sniffio
 
+from acp_proxy.remote.tokens import RemoteStore
 from acp_proxy.remote.wsclient import Target, WebSocket
 
 
 def make_token(env: dict[str, str], name: str, *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "acp_proxy", "token", "create", name, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    """A token made with ``acp-proxy token create NAME ARGS`` (the CLI when there are ``args``, else the
+    store it writes to, in this process: the CLI's own start is tested once is enough)."""
+    if args:
+        done = subprocess.run(
+            [sys.executable, "-m", "acp_proxy", "token", "create", name, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+    state = Path(env["ACP_PROXY_STATE_DIR"])
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store = RemoteStore(state)
+    try:
+        return store.create(name)[1]
+    finally:
+        store.close()
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

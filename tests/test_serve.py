@@ -378,6 +378,13 @@ async def test_browser_origins_are_refused_and_revoking_a_token_ends_its_connect
 async def test_two_tokens_cannot_see_each_others_sessions(proc_env: dict[str, str], tmp_path: Path) -> None:
     alice, bob = make_token(proc_env, "alice"), make_token(proc_env, "bob", "--backend", "fake")
     admin = make_token(proc_env, "ops", "--sees", "all")
+    listed = json.loads(run_cli(proc_env, "token", "list", "--json").stdout)
+    assert [(t["name"], t["backends"], t["sees"], t["state"]) for t in listed] == [
+        ("alice", None, "own", "live"),
+        ("bob", ["fake"], "own", "live"),
+        ("ops", None, "all", "live"),
+    ]
+    assert not any(secret in json.dumps(listed) for secret in (alice, bob, admin))
     async with serve(proc_env, config_for(tmp_path)) as served:
         async with WsClient.open(served.target(alice)) as a, WsClient.open(served.target(bob)) as b:
             await a.call("initialize", TEST_INITIALIZE)
@@ -423,7 +430,7 @@ def stalled_client(port: int, token: str) -> socket.socket:
                 send({"id": 1, "method": "session/new", "params": NEW})
             elif isinstance(event, TextMessage) and '"sessionId"' in event.data and '"id":1' in event.data:
                 session = json.loads(event.data)["result"]["sessionId"]
-    send({"id": 2, "method": "session/prompt", "params": prompt(session, "stream 100000")})
+    send({"id": 2, "method": "session/prompt", "params": prompt(session, "stream 30000")})
     return sock
 
 
@@ -499,6 +506,7 @@ async def test_a_stop_after_closed_websockets_logs_no_error(proc_env: dict[str, 
     assert "ERROR" not in text, text
 
 
+@pytest.mark.slow  # scale: 600 sockets
 @pytest.mark.anyio
 async def test_five_hundred_idle_connections(proc_env: dict[str, str], tmp_path: Path) -> None:
     token = make_token(proc_env, "laptop")
@@ -580,7 +588,9 @@ def self_signed(tmp_path: Path) -> tuple[Path, Path]:
             "req",
             "-x509",
             "-newkey",
-            "rsa:2048",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
             "-nodes",
             "-days",
             "1",
