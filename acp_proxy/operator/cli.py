@@ -547,6 +547,7 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
     except KeyError as exc:
         raise UsageError(f"--backend: {exc.args[0]}") from None
     from acp_proxy.remote import server
+    from acp_proxy.remote.hub import Limits
 
     try:
         listen = [server.parse_listen(text) for text in args.listen]
@@ -567,23 +568,24 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
     from acp_proxy.state.directory import ensure_private_dir
 
     ensure_private_dir(state)
-    passed = [o for o in _proxy_options(options)]
     shutdown = config.shutdown
     serve_options = server.ServeOptions(
         state_dir=state,
-        proxy_argv=server.proxy_argv(passed, command, async_backend),
+        proxy_argv=server.proxy_argv(_proxy_options(options), command, async_backend),
         listen=listen,
         unix_socket=Path(args.socket).absolute() if args.socket else None,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         allowed_origins=list(args.allow_origin),
-        max_connections=args.max_connections,
-        max_per_token=args.max_connections_per_token,
-        max_pending=args.max_pending,
-        max_message_bytes=config.max_line_bytes,
-        idle_timeout=args.idle_timeout,
-        linger=args.linger,
-        stall_timeout=args.stall_timeout,
+        limits=Limits(
+            max_connections=args.max_connections,
+            max_per_principal=args.max_connections_per_token,
+            max_pending=args.max_pending,
+            max_message_bytes=config.max_line_bytes,
+            idle_timeout=args.idle_timeout,
+            linger=args.linger,
+            stall_timeout=args.stall_timeout,
+        ),
         proxy_exit_grace=shutdown.stdin_grace + shutdown.close_timeout + 2 * shutdown.term_grace + 5,
         default_backend=default,
     )

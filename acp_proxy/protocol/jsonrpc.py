@@ -211,6 +211,11 @@ def notification_methods(block: bytes, line_count: int) -> set[str] | None:
 _method_of: Final = operator.attrgetter("method")
 
 
+def id_key(request_id: object) -> tuple[type, object]:
+    """A request id as a dict key: ``1`` and ``"1"`` are different ids (and ``True`` is not ``1``)."""
+    return (type(request_id), request_id)
+
+
 def encode(msg: Message) -> bytes:
     return _encoder.encode(msg) + b"\n"
 

@@ -52,6 +52,11 @@ SESSION_MAKERS: Final = frozenset({Method.NEW})
 """Requests that name no existing session and make one (owned by the asker once answered)."""
 
 
+def sees_session(principal: Principal, owner: str | None) -> bool:
+    """Whether ``principal`` may see and act on a session ``owner`` owns (``None``: no principal of ``serve``)."""
+    return principal.sees == "all" or owner == principal.key
+
+
 def gate(principal: Principal, method: str, session_id: str | None, owner: str | None, backend: str | None) -> Gate:
     """May ``principal`` send ``method`` naming ``session_id`` (owned by ``owner``), for ``backend``?
 
@@ -61,7 +66,7 @@ def gate(principal: Principal, method: str, session_id: str | None, owner: str |
     """
     if method in SESSION_MAKERS and backend is not None and not principal.may_use_backend(backend):
         return Gate.BACKEND
-    if session_id is None or principal.sees == "all" or owner == principal.key:
+    if session_id is None or sees_session(principal, owner):
         return Gate.PASS
     return Gate.UNKNOWN
 

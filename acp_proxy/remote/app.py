@@ -274,12 +274,16 @@ def _peer(scope: Scope) -> str:
     return f"{client[0]}:{client[1]}" if client else "unix socket"
 
 
-async def _plain(send: Send, status: int, message: str) -> None:
-    body = (message + "\n").encode() if message else b""
+def _plain_headers(status: int) -> list[tuple[bytes, bytes]]:
     headers = [(b"content-type", b"text/plain; charset=utf-8")]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="acp-proxy"'))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    return headers
+
+
+async def _plain(send: Send, status: int, message: str) -> None:
+    body = (message + "\n").encode() if message else b""
+    await send({"type": "http.response.start", "status": status, "headers": _plain_headers(status)})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -295,10 +299,7 @@ def _http_refusal(send: Send) -> Callable[[int, str], Awaitable[None]]:
 
 def _ws_refusal(send: Send) -> Callable[[int, str], Awaitable[None]]:
     async def refuse(status: int, message: str) -> None:
-        headers = [(b"content-type", b"text/plain; charset=utf-8")]
-        if status == 401:
-            headers.append((b"www-authenticate", b'Bearer realm="acp-proxy"'))
-        await send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+        await send({"type": "websocket.http.response.start", "status": status, "headers": _plain_headers(status)})
         await send({"type": "websocket.http.response.body", "body": (message + "\n").encode()})
 
     return refuse

@@ -43,10 +43,6 @@ REPLAY_TIMEOUT: Final = 120.0
 BRIDGE_ID: Final = "acp-proxy-connect/"
 
 
-def _key(request_id: object) -> tuple[type, object]:
-    return (type(request_id), request_id)
-
-
 class Bridge:
     def __init__(self, target: Target, out: FdSendStream, *, eof_grace: float = 10.0) -> None:
         self.target = target
@@ -89,7 +85,7 @@ class Bridge:
                     msg, kind = decoded
                     if kind is Kind.REQUEST and msg.method in (Method.INITIALIZE, Method.AUTHENTICATE):
                         self.replay[str(msg.method)] = line
-                    if kind is Kind.RESPONSE and msg.id is not None and _key(msg.id) not in self.asked:
+                    if kind is Kind.RESPONSE and msg.id is not None and jsonrpc.id_key(msg.id) not in self.asked:
                         log.info("dropped the gateway's answer to %r: asked on a link that has dropped", msg.id)
                         continue
                 self.waiting.append(line)
@@ -230,26 +226,27 @@ class Bridge:
                 if not isinstance(decoded, BadLine) and decoded[1] is Kind.REQUEST:
                     request_id = decoded[0].id
                     assert request_id is not UNSET  # a request has an id
-                    self.in_flight[_key(request_id)] = request_id
+                    self.in_flight[jsonrpc.id_key(request_id)] = request_id
                     if decoded[0].method == Method.PROMPT and (session := session_of(decoded[0].params)):
-                        self.prompting[_key(request_id)] = session
+                        self.prompting[jsonrpc.id_key(request_id)] = session
                 if not isinstance(decoded, BadLine) and decoded[1] is Kind.RESPONSE and decoded[0].id is not None:
-                    self.asked.discard(_key(decoded[0].id))
+                    self.asked.discard(jsonrpc.id_key(decoded[0].id))
                 await ws.send_text(line.decode("utf-8", "replace"))
                 self.waiting.popleft()
             if self.gateway_gone:
                 gone_at = gone_at if gone_at is not None else anyio.current_time()
+                self.more = anyio.Event()  # set by each answer (``_from_remote``), from before the look at them
                 waited = anyio.current_time() - gone_at
-                if not self.in_flight or waited > self.eof_grace + CANCEL_GRACE:
+                if not self.in_flight or waited >= self.eof_grace + CANCEL_GRACE:
                     return
-                if waited > self.eof_grace and not cancelled:
+                if waited >= self.eof_grace and not cancelled:
                     # The server cannot tell a close from a dropped link (its turns would go on):
                     # the turns of a gateway that left are cancelled, as a stdio proxy cancels them.
                     cancelled = True
                     for session in sorted(set(self.prompting.values())):
                         cancel = jsonrpc.notification(Method.CANCEL, {"sessionId": session})
                         await ws.send_text(cancel.rstrip(b"\n").decode())
-                with anyio.move_on_after(0.1):
+                with anyio.move_on_at(gone_at + self.eof_grace + (CANCEL_GRACE if cancelled else 0)):
                     await self.more.wait()
                 continue
             self.more = anyio.Event()
@@ -267,11 +264,11 @@ class Bridge:
                     if msg.id == self._replaying:
                         self._replayed.set()
                     return
-                self.in_flight.pop(_key(msg.id), None)
-                self.prompting.pop(_key(msg.id), None)
+                self.in_flight.pop(jsonrpc.id_key(msg.id), None)
+                self.prompting.pop(jsonrpc.id_key(msg.id), None)
                 self.more.set()
             elif kind is Kind.REQUEST and msg.id is not None:
-                self.asked.add(_key(msg.id))
+                self.asked.add(jsonrpc.id_key(msg.id))
         await self.to_gateway(line.rstrip(b"\n") + b"\n")
 
 

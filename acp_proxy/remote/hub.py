@@ -25,8 +25,9 @@ from typing import Any, Final
 
 import anyio
 import anyio.abc
+import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from msgspec import UNSET, Raw
+from msgspec import UNSET
 
 from acp_proxy.ownership.verify import signal_child
 from acp_proxy.protocol import jsonrpc
@@ -34,7 +35,7 @@ from acp_proxy.protocol.acp import proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
-from acp_proxy.remote.access import Gate, gate, visible_sessions
+from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
 log = logging.getLogger("acp_proxy.serve")
@@ -69,29 +70,19 @@ class Ended(enum.Enum):
         return str(self.value[1])
 
 
-class Limits:
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
     """The bounds ``serve`` holds every connection to."""
 
-    def __init__(
-        self,
-        *,
-        max_connections: int = 256,
-        max_per_principal: int = 64,
-        max_pending: int = 4096,
-        max_message_bytes: int = 64 * 2**20,
-        idle_timeout: float = 300.0,
-        linger: float = 600.0,
-        stall_timeout: float = 30.0,
-    ) -> None:
-        self.max_connections = max_connections
-        self.max_per_principal = max_per_principal
-        self.max_pending = max_pending
-        self.max_message_bytes = max_message_bytes
-        self.idle_timeout = idle_timeout
-        self.linger = linger
-        self.stall_timeout = stall_timeout
-        """How long a client may take nothing while ``max_pending`` messages wait for it."""
-        """How long a dropped connection's proxy keeps running for its requests in flight."""
+    max_connections: int = 256
+    max_per_principal: int = 64
+    max_pending: int = 4096
+    """Messages waiting for one client before its connection's proxy waits too."""
+    max_message_bytes: int = 64 * 2**20
+    idle_timeout: float = 300.0
+    linger: float = 600.0
+    """How long the proxy of a connection that ended keeps running for its requests in flight."""
+    stall_timeout: float = 30.0
+    """How long a client may take nothing while ``max_pending`` messages wait for it."""
 
 
 class Outbox:
@@ -189,12 +180,14 @@ class Outbox:
 class Pending:
     """A client request the connection's proxy has not answered yet."""
 
-    __slots__ = ("answered", "method", "scope")
+    __slots__ = ("answer", "answered", "method", "scope")
 
     def __init__(self, method: str, scope: str | None) -> None:
         self.method = method
         self.scope = scope
         self.answered: anyio.Event | None = None
+        """Set once answered, for a caller that takes the answer itself (``answer``) rather than the outbox."""
+        self.answer: bytes | None = None
 
 
 class Connection:
@@ -217,7 +210,6 @@ class Connection:
         self._process: anyio.abc.Process | None = None
         self._started: anyio.Event | None = None
         self._writing = anyio.Lock()
-        self._answers: dict[tuple[type, object], bytes] = {}
         self._nothing_in_flight = anyio.Event()
         self._let_go = False
 
@@ -245,7 +237,7 @@ class Connection:
         if msg.method == Method.NEW:
             named = proxy_meta(msg.params).get("backend")
             backend = named if isinstance(named, str) else self.hub.default_backend
-        owner = await self.hub.owner_of(session_id) if session_id is not None else None
+        owner = self.hub.store.owner_of(session_id) if session_id is not None else None
         verdict = gate(self.principal, msg.method, session_id, owner, backend)
         if verdict is not Gate.PASS:
             if kind is Kind.REQUEST:
@@ -262,7 +254,7 @@ class Connection:
             self.touched.add(session_id)
         if kind is Kind.REQUEST:
             at = None if msg.method in CONNECTION_LEVEL else scope or session_id
-            self._pending[_key(msg.id)] = Pending(msg.method, at)
+            self._pending[jsonrpc.id_key(msg.id)] = Pending(msg.method, at)
             self._nothing_in_flight = anyio.Event()
         return True
 
@@ -281,11 +273,11 @@ class Connection:
         """``initialize`` over HTTP: its answer is the POST's body, not a stream message."""
         pending = Pending(Method.INITIALIZE, None)
         pending.answered = anyio.Event()
-        self._pending[_key(request_id)] = pending
+        self._pending[jsonrpc.id_key(request_id)] = pending
         await self._to_proxy(line)
         with anyio.move_on_after(self.hub.initialize_timeout):
             await pending.answered.wait()
-        return self._answers.pop(_key(request_id), None)
+        return pending.answer
 
     # --- proxy -> client ---------------------------------------------------------------------
 
@@ -300,14 +292,14 @@ class Connection:
                 self._no_client_to_ask(msg)
             await self.outbox.put(session_of(msg.params), line)
             return
-        pending = self._pending.pop(_key(msg.id), None) if msg.id is not None else None
+        pending = self._pending.pop(jsonrpc.id_key(msg.id), None) if msg.id is not None else None
         if not self._pending:
             self._nothing_in_flight.set()
         if pending is None:
             await self.outbox.put(None, line)
             return
         if pending.answered is not None:
-            self._answers[_key(msg.id)] = line
+            pending.answer = line
             pending.answered.set()
             return
         if msg.error is UNSET and pending.method in (Method.NEW, Method.FORK):
@@ -324,7 +316,8 @@ class Connection:
         sessions = result.get("sessions")
         if isinstance(sessions, list):
             result["sessions"] = visible_sessions(sessions, self.principal, self.hub.store.owned_by(self.principal.key))
-        return jsonrpc.encode(Message(jsonrpc="2.0", id=msg.id, result=Raw(jsonrpc.encode_json(result)))).rstrip(b"\n")
+        assert msg.id is not UNSET  # an answer
+        return jsonrpc.result_response(msg.id, result).rstrip(b"\n")
 
     # --- the proxy process -------------------------------------------------------------------
 
@@ -461,10 +454,6 @@ class Connection:
         }
 
 
-def _key(request_id: object) -> tuple[type, object]:
-    return (type(request_id), request_id)
-
-
 class Hub:
     """Every connection of one ``serve``: limits, who owns which session, hand-over between proxies."""
 
@@ -586,11 +575,8 @@ class Hub:
         with anyio.move_on_after(HANDOVER_TIMEOUT):
             await held[1].wait()
 
-    async def owner_of(self, session_id: str) -> str | None:
-        return self.store.owner_of(session_id)
-
     def may_see(self, principal: Principal, session_id: str) -> bool:
-        return principal.sees == "all" or self.store.owner_of(session_id) == principal.key
+        return sees_session(principal, self.store.owner_of(session_id))
 
     def end_revoked(self) -> None:
         """End the connections of tokens revoked since they authenticated."""

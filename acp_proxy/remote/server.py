@@ -45,13 +45,7 @@ class ServeOptions(msgspec.Struct, frozen=True):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     allowed_origins: list[str] = []
-    max_connections: int = 256
-    max_per_token: int = 64
-    max_pending: int = 4096
-    max_message_bytes: int = 64 * 2**20
-    idle_timeout: float = 300.0
-    linger: float = 600.0
-    stall_timeout: float = 30.0
+    limits: Limits = Limits()
     proxy_exit_grace: float = 15.0
     default_backend: str | None = None
 
@@ -101,19 +95,10 @@ async def serve_network(options: ServeOptions) -> int:
     from hypercorn.config import Config as HttpConfig
 
     store = RemoteStore(options.state_dir)
-    limits = Limits(
-        max_connections=options.max_connections,
-        max_per_principal=options.max_per_token,
-        max_pending=options.max_pending,
-        max_message_bytes=options.max_message_bytes,
-        idle_timeout=options.idle_timeout,
-        linger=options.linger,
-        stall_timeout=options.stall_timeout,
-    )
     hub = Hub(
         store,
         options.proxy_argv,
-        limits,
+        options.limits,
         default_backend=options.default_backend,
         proxy_exit_grace=options.proxy_exit_grace,
     )
@@ -126,7 +111,7 @@ async def serve_network(options: ServeOptions) -> int:
         http.certfile, http.keyfile = str(options.tls_cert), str(options.tls_key)
     http.accesslog = None
     http.errorlog = logging.getLogger("acp_proxy.serve.http")
-    http.websocket_max_message_size = options.max_message_bytes
+    http.websocket_max_message_size = options.limits.max_message_bytes
     http.websocket_ping_interval = WEBSOCKET_PING_INTERVAL
     http.h11_max_incomplete_size = 64 * 1024
     http.graceful_timeout = 2.0

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 
+from acp_proxy.ownership.verify import process_table
 from acp_proxy.remote.hub import Hub
 
 
@@ -28,7 +29,7 @@ class StatusFile:
         self.hub = hub
         self.addresses = list(addresses)
         self.started_at = time.time()
-        self.process_started_at = _process_started_at(os.getpid())
+        self.start_ticks = _start_ticks(os.getpid())
         self._changed = anyio.Event()
 
     def changed(self) -> None:
@@ -46,7 +47,7 @@ class StatusFile:
         hub = self.hub
         state = {
             "pid": os.getpid(),
-            "processStartedAt": self.process_started_at,
+            "startTicks": self.start_ticks,
             "startedAt": self.started_at,
             "addresses": self.addresses,
             "connections": [c.describe() for c in hub.connections.values()],
@@ -63,13 +64,10 @@ class StatusFile:
             self.path.unlink()
 
 
-def _process_started_at(pid: int) -> float | None:
-    import psutil  # operator and serve only: a stdio proxy never reads this
-
-    try:
-        return float(psutil.Process(pid).create_time())
-    except psutil.Error:
-        return None
+def _start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, as the ownership checks read it: with the pid, it names one process."""
+    info = process_table().info(pid) if pid > 0 else None
+    return info.start_ticks if info is not None and not info.zombie else None
 
 
 def running_servers(state_dir: Path) -> list[dict[str, Any]]:
@@ -80,9 +78,7 @@ def running_servers(state_dir: Path) -> list[dict[str, Any]]:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        started = _process_started_at(int(state.get("pid", 0)))
-        recorded = state.get("processStartedAt")
-        if started is None or (recorded is not None and abs(started - float(recorded)) > 1.0):
+        if _start_ticks(int(state.get("pid", 0))) != state.get("startTicks"):
             continue  # gone, or its pid is another process's now
         found.append(state)
     return found
