@@ -26,7 +26,7 @@ from acp_proxy.remote.tokens import Principal, RemoteStore
 from acp_proxy.remote.wsclient import Refused as WsRefused
 from acp_proxy.remote.wsclient import WebSocket
 from acp_proxy.sessions.registry import SessionState
-from tests.remote_kit import HttpClient, WsClient, make_token, run_cli, serve
+from tests.remote_kit import HttpClient, Served, WsClient, make_token, run_cli, serve
 from tests.support import RESUME_AND_LOAD, TEST_INITIALIZE, registry, wait_for_task, write_config
 
 NEW = {"cwd": "/tmp", "mcpServers": []}
@@ -168,6 +168,13 @@ async def test_a_slow_reader_is_waited_for_and_one_that_takes_nothing_is_let_go(
 # --- real processes ----------------------------------------------------------------------------
 
 
+async def until_state(env: dict[str, str], session: str, state: SessionState, timeout: float) -> None:
+    """Until the registry says ``session`` is in ``state``."""
+    with anyio.fail_after(timeout):
+        while registry(env).get(session).state is not state:  # type: ignore[union-attr]
+            await anyio.sleep(0.05)
+
+
 def config_for(tmp_path: Path, **backend: Any) -> Path:
     backend.setdefault("store", str(tmp_path / "store"))
     backend.setdefault("caps", RESUME_AND_LOAD)
@@ -217,9 +224,8 @@ async def test_websocket_session_lifecycle(proc_env: dict[str, str], tmp_path: P
             replay = json.dumps(again.updates(session))
             assert "remember kiwi" in replay
             assert (await again.call("session/close", {"sessionId": session}))["result"] == {}
-            with anyio.fail_after(10):  # the row says closed once the tree is reaped, after the answer
-                while registry(proc_env).get(session).state is not SessionState.CLOSED:  # type: ignore[union-attr]
-                    await anyio.sleep(0.05)
+            # the row says closed once the tree is reaped, after the answer
+            await until_state(proc_env, session, SessionState.CLOSED, timeout=10)
 
 
 @pytest.mark.anyio
@@ -450,26 +456,27 @@ async def test_a_client_that_stops_reading_is_disconnected(proc_env: dict[str, s
             await client.call("initialize", TEST_INITIALIZE)
 
 
-async def drop(client: WsClient) -> None:
-    """The link goes without a close frame (a laptop that slept, a network that failed)."""
-    await anyio.aclose_forcefully(client.ws._stream)
+async def drop_mid_turn(served: Served, token: str, text: str) -> str:
+    """A new session whose turn (``text``) is streaming when its link goes without a close frame
+    (a laptop that slept, a network that failed): the session's id."""
+    async with WsClient.open(served.target(token)) as client:
+        await client.call("initialize", TEST_INITIALIZE)
+        session: str = (await client.call("session/new", NEW))["result"]["sessionId"]
+        await client.request_id("session/prompt", prompt(session, text))
+        await client.wait_for(lambda m: m.get("method") == "session/update")
+        await anyio.aclose_forcefully(client.ws._stream)
+    return session
 
 
 @pytest.mark.anyio
 async def test_a_dropped_link_lets_the_turn_in_flight_finish(proc_env: dict[str, str], tmp_path: Path) -> None:
     token = make_token(proc_env, "laptop")
     async with serve(proc_env, config_for(tmp_path)) as served:
-        async with WsClient.open(served.target(token)) as client:
-            await client.call("initialize", TEST_INITIALIZE)
-            session = (await client.call("session/new", NEW))["result"]["sessionId"]
-            await client.request_id("session/prompt", prompt(session, "trickle 1.5; permission; stream 2"))
-            await client.wait_for(lambda m: m.get("method") == "session/update")
-            await drop(client)
+        session = await drop_mid_turn(served, token, "trickle 1.5; permission; stream 2")
         finished = await wait_for_task(proc_env, "done", timeout=20)  # not cut by the drop
         assert finished["sessionId"] == session
-        with anyio.fail_after(20):  # then its proxy lets go: the session is suspended, resumable
-            while registry(proc_env).get(session).state is not SessionState.SUSPENDED:  # type: ignore[union-attr]
-                await anyio.sleep(0.05)
+        # then its proxy lets go: the session is suspended, resumable
+        await until_state(proc_env, session, SessionState.SUSPENDED, timeout=20)
         async with WsClient.open(served.target(token)) as again:
             await again.call("initialize", TEST_INITIALIZE)
             answer = await again.call("session/prompt", prompt(session, "hello again"))
@@ -480,12 +487,7 @@ async def test_a_dropped_link_lets_the_turn_in_flight_finish(proc_env: dict[str,
 async def test_a_session_wanted_again_is_taken_from_a_lingering_proxy(proc_env: dict[str, str], tmp_path: Path) -> None:
     token = make_token(proc_env, "laptop")
     async with serve(proc_env, config_for(tmp_path)) as served:
-        async with WsClient.open(served.target(token)) as client:
-            await client.call("initialize", TEST_INITIALIZE)
-            session = (await client.call("session/new", NEW))["result"]["sessionId"]
-            await client.request_id("session/prompt", prompt(session, "trickle 60"))
-            await client.wait_for(lambda m: m.get("method") == "session/update")
-            await drop(client)
+        session = await drop_mid_turn(served, token, "trickle 60")
         async with WsClient.open(served.target(token)) as again:
             await again.call("initialize", TEST_INITIALIZE)
             with anyio.fail_after(30):  # well before the 60 s turn or the linger would end
@@ -546,9 +548,8 @@ async def test_serve_killed_mid_turn_leaves_nothing_and_a_new_serve_restores(
         await client.request_id("session/prompt", prompt(session, "trickle 30"))
         await client.wait_for(lambda m: m.get("method") == "session/update")
         served.process.send_signal(signal.SIGKILL)
-    with anyio.fail_after(30):  # its connection's proxy got EOF: it suspends the session and exits
-        while registry(proc_env).get(session).state is not SessionState.SUSPENDED:  # type: ignore[union-attr]
-            await anyio.sleep(0.1)
+    # its connection's proxy got EOF: it suspends the session and exits
+    await until_state(proc_env, session, SessionState.SUSPENDED, timeout=30)
     async with serve(proc_env, config) as served, WsClient.open(served.target(token)) as client:
         await client.call("initialize", TEST_INITIALIZE)
         answer = await client.call("session/prompt", prompt(session, "state"))
@@ -660,9 +661,8 @@ async def test_connect_cancels_the_turns_of_a_gateway_that_left(proc_env: dict[s
             assert await gw.close(timeout=30) == 0  # EOF: the turn gets its grace (1 s), then is cancelled
         cancelled = await wait_for_task(proc_env, "cancelled", timeout=20)
         assert cancelled["sessionId"] == session
-        with anyio.fail_after(20):  # and the session is suspended at once, not left to linger
-            while registry(proc_env).get(session).state is not SessionState.SUSPENDED:  # type: ignore[union-attr]
-                await anyio.sleep(0.05)
+        # and the session is suspended at once, not left to linger
+        await until_state(proc_env, session, SessionState.SUSPENDED, timeout=20)
 
 
 @pytest.mark.anyio
@@ -692,9 +692,8 @@ async def test_connect_bridges_a_gateway_and_survives_a_dropped_link(proc_env: d
             served.process.send_signal(signal.SIGKILL)
             dropped = await gw.response_to(turn, timeout=20)
             assert dropped["error"]["data"]["reason"] == "link_dropped", dropped
-            with anyio.fail_after(30):  # the killed serve's proxy got EOF: it suspends the session, then exits
-                while registry(proc_env).get(session).state is not SessionState.SUSPENDED:  # type: ignore[union-attr]
-                    await anyio.sleep(0.05)
+            # the killed serve's proxy got EOF: it suspends the session, then exits
+            await until_state(proc_env, session, SessionState.SUSPENDED, timeout=30)
             async with serve(proc_env, config, listen=f"127.0.0.1:{port}"):
                 gw.clear_stash()
                 response = await gw.prompt(session, "state", timeout=40)
