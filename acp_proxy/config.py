@@ -24,8 +24,8 @@ from acp_proxy.protocol.jsonrpc import DEFAULT_MAX_LINE_BYTES
 
 ResumeStrategy = Literal["auto", "resume", "load", "new", "never"]
 RESUME_STRATEGIES: Final = ("auto", "resume", "load", "new", "never")
-NotifyPolicy = Literal["done_only", "state_changes", "silent"]
-NOTIFY_POLICIES: Final = ("done_only", "state_changes", "silent")
+NotifyPolicy = Literal["done_only", "waiting", "state_changes", "silent"]
+NOTIFY_POLICIES: Final = ("done_only", "waiting", "state_changes", "silent")
 CgroupSetting = Literal["auto", "off", "required"]
 CGROUP_SETTINGS: Final = ("auto", "off", "required")
 
@@ -94,6 +94,21 @@ class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
     """A notification command running longer is killed."""
 
 
+PromptPolicy = Literal["queue", "refuse"]
+PROMPT_POLICIES: Final[tuple[str, ...]] = ("queue", "refuse")
+
+
+class AttachConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Shared sessions: clients attached to a live session (``session/attach``), and its transcript."""
+
+    prompts: PromptPolicy = "queue"
+    """A prompt that arrives while another controller's turn runs: queued in arrival order, or refused."""
+    max_clients: int = 16
+    """Attached clients per session, beside the gateway that opened it."""
+    transcript_max_bytes: int = 2 * 1024 * 1024
+    """The newest part of each session's transcript that is kept (what a ``full`` attach replays); 0: none."""
+
+
 class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     command: tuple[str, ...]
@@ -127,6 +142,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     tasks: TasksConfig = TasksConfig()
     ownership: OwnershipConfig = OwnershipConfig()
     trace: TraceConfig = TraceConfig()
+    attach: AttachConfig = AttachConfig()
     source: str | None = None
 
     def backend(self, name: str | None = None) -> BackendConfig:
@@ -223,6 +239,10 @@ def parse_size(value: object) -> int:
         if size > 0:
             return size
     raise _expect('a size such as "512M", "6G" or bytes > 0', value)
+
+
+def _size_or_zero(value: object) -> int:
+    return 0 if value == 0 else parse_size(value)
 
 
 def _positive_duration(value: object) -> float:
@@ -332,6 +352,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             "tasks": _identity,
             "ownership": _identity,
             "trace": _identity,
+            "attach": _identity,
             "backends": _identity,
         },
     )
@@ -387,6 +408,17 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         )
     )
     trace = TraceConfig(**checker.table(top.get("trace", {}), "trace", {"file": _string, "max_size": parse_size}))
+    attach = AttachConfig(
+        **checker.table(
+            top.get("attach", {}),
+            "attach",
+            {
+                "prompts": _one_of(PROMPT_POLICIES),
+                "max_clients": _int_at_least(1),
+                "transcript_max_bytes": _size_or_zero,
+            },
+        )
+    )
     if tasks.notify != "silent" and tasks.notify_command is None:
         checker.fail(
             "tasks.notify_command",
@@ -445,7 +477,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         checker.fail("default_backend", f"{_show(default)} is not a backend (configured: {configured})")
     if checker.problems:
         raise ConfigError(checker.problems, source)
-    sections = ("pool", "shutdown", "tasks", "ownership", "trace", "backends")
+    sections = ("pool", "shutdown", "tasks", "ownership", "trace", "attach", "backends")
     rest = {k: v for k, v in top.items() if k not in sections}
     return Config(
         backends=backends,
@@ -454,6 +486,7 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
         tasks=tasks,
         ownership=ownership,
         trace=trace,
+        attach=attach,
         source=source,
         **rest,
     )

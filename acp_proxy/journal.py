@@ -71,6 +71,14 @@ class Kind(enum.StrEnum):
     """another proxy of the install was asked to suspend a session for a slot; label: ``yes`` or ``no``"""
     NOTIFY_FAILED = "notify_failed"
     """a task notification not delivered; label: why (``exit``, ``timeout``, ``spawn``, ``dropped``)"""
+    ATTACHED = "attached"
+    """a client attached to a live session (``session/attach``); label: its role"""
+    DETACHED = "detached"
+    """an attached client left; label: why (``detached``, ``gone``, ``slow_reader``, ``closed``)"""
+    ATTACHED_PROMPT = "attached_prompt"
+    """a prompt sent by an attached client"""
+    ANSWERED_ELSEWHERE = "answered_elsewhere"
+    """a request of the agent's answered by an attached client or an operator, not the gateway; label: its method"""
 
 
 SHOWN: Final = frozenset(
@@ -85,6 +93,10 @@ SHOWN: Final = frozenset(
         Kind.DELETED,
         Kind.UNVERIFIABLE,
         Kind.LEFTOVERS_KILLED,
+        Kind.ATTACHED,
+        Kind.DETACHED,
+        Kind.ATTACHED_PROMPT,
+        Kind.ANSWERED_ELSEWHERE,
     }
 )
 """Kinds that are shown as events too. A tree reaped at a stop is only counted (the suspension or close

@@ -28,13 +28,16 @@ from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.processes import ProcessPool, WarmStart
 from acp_proxy.relay.adapters import AdapterRelay
+from acp_proxy.relay.attached import Links
 from acp_proxy.relay.gateway import GatewayConnection
+from acp_proxy.relay.sharing import Sharing
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.ceilings import MemoryCeilings
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.leftovers import clear_periodically
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.sessions.table import SessionTable
+from acp_proxy.sessions.transcript import Transcripts
 from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
 from acp_proxy.tasks.notify import Notifier
 from acp_proxy.tasks.records import TaskRegistry
@@ -65,11 +68,17 @@ async def serve_gateway(
     for session_id in registry.adopt_orphans():
         log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
     notifier = Notifier.for_tasks(config.tasks, owner.instance_id, owner.journal)
+    transcripts = Transcripts(owner.db.state_dir, config.attach.transcript_max_bytes)
+
+    def prune_also(retention: float) -> int:
+        transcripts.prune(retention, registry.existing)
+        return registry.prune_deleted(retention)
+
     turns = TurnBook(
         TaskRegistry(owner.db, owner.instance_id),
         config,
         stopping,
-        prune_also=registry.prune_deleted,
+        prune_also=prune_also,
         session_info=registry.record_title,
         notifier=notifier,
         timings=owner.timings,
@@ -108,7 +117,19 @@ async def serve_gateway(
         pool.trace = trace
         table = SessionTable(registry, background, pool.changed, on_bound=pool.recency.note_bound)
         intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
-        relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping)
+        sharing = Sharing(config, owner.instance_id, transcripts, writer, background, owner.journal, notifier)
+        sharing.intents = intents
+        relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping, sharing)
+        links = Links(
+            config,
+            owner.db.state_dir,
+            registry,
+            sharing,
+            writer,
+            background,
+            relay.new_upstream_id,
+            lambda: pool.client_init,
+        )
         if MemoryCeilings.configured(config):
             pool.memory.on_measured = MemoryCeilings(config, intents, background).check
         gateway = GatewayConnection(
@@ -121,14 +142,17 @@ async def serve_gateway(
             writer=writer,
             background=background,
             stopping=stopping,
+            sharing=sharing,
+            links=links,
         )
-        operations = Operations(ServedProxy(config, owner, pool, turns, intents, stopping, time.time()))
+        operations = Operations(ServedProxy(config, owner, pool, turns, intents, stopping, time.time(), sharing))
         tasks.start_soon(stop_on_signals, gateway)
         tasks.start_soon(pool.suspend_idle)
         tasks.start_soon(pool.publish_slots)
         tasks.start_soon(pool.memory.keep)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)
         tasks.start_soon(operations.serve)
+        tasks.start_soon(transcripts.keep_flushing)
         if config.ownership.reap_interval > 0:
             interval, grace = config.ownership.reap_interval, config.shutdown.term_grace
             tasks.start_soon(clear_periodically, owner, interval, grace, stopping, notifier)
@@ -139,6 +163,7 @@ async def serve_gateway(
         if notifier is not None:
             await notifier.drain()  # what the shutdown settled is told too, within a short grace
         tasks.cancel_scope.cancel()
+    transcripts.close()
 
 
 def session_title(table: SessionTable, session_id: str) -> str | None:

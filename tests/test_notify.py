@@ -22,7 +22,7 @@ from anyio.abc import Process
 
 from acp_proxy.config import ConfigError, NotifyPolicy, validate
 from acp_proxy.journal import counters
-from acp_proxy.tasks.notify import LANE_LIMIT, Notifier, notice_of, wanted
+from acp_proxy.tasks.notify import LANE_LIMIT, Notifier, notice_of, wanted, wants_waiting
 from acp_proxy.tasks.status import TaskStatus, outcome_of
 from acp_proxy.tasks.turn import SUMMARY_CHARS, Turn
 from tests.support import (
@@ -103,6 +103,7 @@ async def notices_at_least(path: Path, count: int, timeout: float = 15) -> list[
 WANTED = {
     # policy: the statuses a task under it is told about taking
     "done_only": {"done", "failed", "cancelled", "timed_out", "lost"},
+    "waiting": {"done", "failed", "cancelled", "timed_out", "lost"},
     "state_changes": {"queued", "running", "done", "failed", "cancelled", "timed_out", "lost"},
     "silent": set(),
 }
@@ -112,6 +113,47 @@ WANTED = {
 @pytest.mark.parametrize("status", list(TaskStatus))
 def test_which_status_changes_a_policy_tells(policy: NotifyPolicy, status: TaskStatus) -> None:
     assert wanted(policy, status) is (status.value in WANTED[policy])
+
+
+@pytest.mark.parametrize("policy", sorted(WANTED))
+def test_which_policies_tell_a_waiting_request(policy: NotifyPolicy) -> None:
+    assert wants_waiting(policy) is (policy in ("waiting", "state_changes"))
+
+
+@pytest.mark.anyio
+async def test_a_waiting_permission_is_told_and_answered_from_the_command_line(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """``[tasks] notify = "waiting"``: the operator's command hears of the request, and
+    ``acp-proxy permissions answer`` answers it (the first answer wins: a second is refused)."""
+    command, notices = recorder(tmp_path)
+    async with start(proc_env, tmp_path, {"notify": "waiting", "notify_command": command}) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        request_id = await send_prompt(gw, session, "permission")
+        asked = await gw.expect(lambda m: m.get("method") == "session/request_permission")
+        [notice] = await notices_at_least(notices, 1)
+        assert notice["event"] == "request_waiting"
+        assert notice["status"] == "waiting"
+        assert notice["sessionId"] == session
+        assert notice["reason"].startswith("session/request_permission")
+        listed = (await cli_json(proc_env, "permissions", "list"))["requests"]
+        assert [r["request"] for r in listed] == [notice["request"]]
+        assert [o["optionId"] for o in listed[0]["options"]] == [o["optionId"] for o in asked["params"]["options"]]
+        code, _, err = await cli(proc_env, "permissions", "answer", notice["request"], "no-such-option")
+        assert code == 2, err
+        code, out, err = await cli(proc_env, "permissions", "answer", notice["request"], "allow")
+        assert code == 0, err
+        assert "allow" in out
+        withdrawn = await gw.expect(lambda m: m.get("method") == "$/cancel_request")
+        assert withdrawn["params"]["requestId"] == asked["id"]
+        assert (await gw.response_to(request_id))["result"]["stopReason"] == "end_turn"
+        code, _, err = await cli(proc_env, "permissions", "answer", notice["request"], "allow")
+        assert code == 1
+        assert "not waiting" in err
+        assert (await cli_json(proc_env, "permissions", "list"))["requests"] == []
+        told = await notices_at_least(notices, 2)
+        assert told[1]["status"] == "done"
 
 
 # (stop reason, error, why the proxy ended it) -> the notice's reason
@@ -344,7 +386,10 @@ BACKENDS = {"backends": {"codex": {"command": ["codex-acp"]}}}
 @pytest.mark.parametrize(
     ("tasks", "problem"),
     [
-        ({"notify": "loud"}, 'tasks.notify: expected one of "done_only", "state_changes", "silent", got "loud"'),
+        (
+            {"notify": "loud"},
+            'tasks.notify: expected one of "done_only", "waiting", "state_changes", "silent", got "loud"',
+        ),
         (
             {"notify": "done_only"},
             'tasks.notify_command: required when tasks.notify is "done_only": set notify_command = '

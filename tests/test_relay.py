@@ -36,8 +36,14 @@ async def test_initialize_is_relayed_with_proxy_meta(proc_env: dict[str, str], t
         assert result["agentCapabilities"] == {
             "loadSession": True,
             "promptCapabilities": {"image": True},
-            # served by the proxy: close, list and delete always, resume because the adapter can load
-            "sessionCapabilities": {"close": {}, "list": {}, "delete": {}, "resume": {}},
+            # served by the proxy: close, list, delete and attach always, resume because the adapter can load
+            "sessionCapabilities": {
+                "close": {},
+                "list": {},
+                "delete": {},
+                "resume": {},
+                "attach": {"roles": ["controller", "observer"]},
+            },
         }
         assert result["agentInfo"]["name"] == "fake-adapter"
         assert result["_meta"]["acp-proxy"]["version"]

@@ -33,25 +33,39 @@ from rich.text import Text
 from acp_proxy.journal import Event
 from acp_proxy.operator import reports
 from acp_proxy.operator.control import socket_path
-from acp_proxy.operator.install_view import ProxyFacts
+from acp_proxy.operator.install_view import InstallView, ProxyFacts
 from acp_proxy.operator.top.snapshot import (
     PROXY_TIMEOUT,
     EventRow,
     Gatherer,
+    OptionRow,
     PoolUsage,
     ProxyRow,
     SessionRow,
     Snapshot,
     TurnRow,
+    WaitingRow,
     event_row,
     last_line,
     proxy_facts_row,
     proxy_row,
     snapshot_json,
     turn_row,
+    waiting_of,
+    waiting_rows,
 )
-from acp_proxy.operator.top.terminal import _screen, _Wakeup, decode_keys
-from acp_proxy.operator.top.view import Focus, Pending, ViewState, allot, on_key, render, short_id
+from acp_proxy.operator.top.terminal import _screen, _Wakeup, answer_request, decode_keys
+from acp_proxy.operator.top.view import (
+    WAITING_KEYS_HELP,
+    Focus,
+    Pending,
+    ViewState,
+    allot,
+    on_key,
+    print_plain,
+    render,
+    short_id,
+)
 from acp_proxy.operator.top.view import _Panel as Panel
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.tasks.records import TaskRecord
@@ -148,6 +162,56 @@ def empty_install() -> Snapshot:
 
 
 BUSY = busy_install()
+ALLOW, REJECT = OptionRow("allow", "Allow", "allow_once"), OptionRow("reject", "Reject", "reject_once")
+
+
+def waiting_install() -> Snapshot:
+    """The busy install with three requests waiting: two permissions (one sent to a client attached
+    to its session) and an elicitation."""
+    sessions = BUSY.sessions
+    waiting = (
+        WaitingRow(
+            "a1b2c3d4.7",
+            "a1b2c3d4e5f0",
+            41000,
+            sessions[1].session_id,
+            "session/request_permission",
+            "Run `pytest -q tests/test_checkout.py` in the payment module",
+            (ALLOW, OptionRow("allow_always", "Always allow", "allow_always"), REJECT),
+            754.0,
+            ("phone (alice)",),
+            T0 - 754,
+        ),
+        WaitingRow(
+            "a1b2c3d4.9",
+            "a1b2c3d4e5f0",
+            41000,
+            sessions[0].session_id,
+            "session/request_permission",
+            "",
+            (ALLOW, REJECT),
+            42.0,
+            (),
+            T0 - 42,
+        ),
+        WaitingRow(
+            "a1b2c3d4.3",
+            "a1b2c3d4e5f1",
+            41007,
+            sessions[3].session_id,
+            "elicitation/create",
+            "Your name?",
+            (),
+            5.0,
+            (),
+            T0 - 5,
+        ),
+    )
+    return replace(BUSY, waiting=waiting)
+
+
+WAITING = waiting_install()
+W0, W1, W2 = (w.request for w in WAITING.waiting)
 CASES: dict[str, tuple[Snapshot, ViewState]] = {
     "no-state": (Snapshot("/tmp/never-used", T0, False, PoolUsage(0, 4)), ViewState()),
     "empty": (empty_install(), ViewState()),
@@ -163,6 +227,7 @@ CASES: dict[str, tuple[Snapshot, ViewState]] = {
             failed=True,
         ),
     ),
+    "waiting": (WAITING, ViewState(focus=Focus.WAITING, request=W1)),
 }
 
 
@@ -262,6 +327,122 @@ def test_acting_on_an_empty_list_says_so() -> None:
     assert on_key(ViewState(), empty, "down").view == ViewState()
 
 
+P0, P1 = "a1b2c3d4e5f0", "a1b2c3d4e5f1"
+ANSWER_ALLOW = Pending("answer", W0, P0, "allow", "Allow")
+
+
+@pytest.mark.parametrize(
+    ("view", "key", "expected", "act"),
+    [
+        # the oldest waiting request is selected until another is; its options are numbered from 1
+        (ViewState(), "1", ViewState(pending=ANSWER_ALLOW), None),
+        (ViewState(), "3", ViewState(pending=Pending("answer", W0, P0, "reject", "Reject")), None),
+        (
+            ViewState(request=W1),
+            "2",
+            ViewState(request=W1, pending=Pending("answer", W1, P0, "reject", "Reject")),
+            None,
+        ),
+        # d denies it: answered cancelled
+        (ViewState(request=W1), "d", ViewState(request=W1, pending=Pending("answer", W1, P0)), None),
+        # then confirmed, or not
+        (ViewState(pending=ANSWER_ALLOW), "y", ViewState(working=ANSWER_ALLOW), ANSWER_ALLOW),
+        (ViewState(pending=ANSWER_ALLOW), "n", ViewState(message="not done"), None),
+        # the waiting list is drawn first: Tab goes sessions, turns, waiting; backtab the other way
+        (ViewState(focus=Focus.TURNS), "tab", ViewState(focus=Focus.WAITING), None),
+        (ViewState(focus=Focus.WAITING), "tab", ViewState(focus=Focus.SESSIONS), None),
+        (ViewState(), "backtab", ViewState(focus=Focus.WAITING), None),
+        (ViewState(focus=Focus.WAITING), "down", ViewState(focus=Focus.WAITING, request=W1), None),
+        (ViewState(focus=Focus.WAITING, request=W2), "k", ViewState(focus=Focus.WAITING, request=W1), None),
+        (ViewState(focus=Focus.WAITING, request=W2), "j", ViewState(focus=Focus.WAITING, request=W2), None),
+        # the keys act on the selected request whichever list has the focus, as s, c and x do
+        (
+            ViewState(focus=Focus.TURNS, request=W1),
+            "1",
+            ViewState(focus=Focus.TURNS, request=W1, pending=Pending("answer", W1, P0, "allow", "Allow")),
+            None,
+        ),
+        # what cannot be answered here says so
+        (ViewState(), "4", ViewState(message="request a1b2c3d4.7 has options 1-3", failed=True), None),
+        (
+            ViewState(request=W2),
+            "1",
+            ViewState(request=W2, message="elicitation/create is answered by a client, not here", failed=True),
+            None,
+        ),
+        (
+            ViewState(request=W2),
+            "d",
+            ViewState(request=W2, message="elicitation/create is answered by a client, not here", failed=True),
+            None,
+        ),
+        # one act at a time
+        (
+            ViewState(working=ANSWER_ALLOW),
+            "2",
+            ViewState(
+                working=ANSWER_ALLOW,
+                message="wait: still doing answer allow (Allow) to request a1b2c3d4.7",
+                failed=True,
+            ),
+            None,
+        ),
+    ],
+)
+def test_keys_on_requests_waiting_for_an_answer(
+    view: ViewState, key: str, expected: ViewState, act: Pending | None
+) -> None:
+    step = on_key(view, WAITING, key)
+    assert (step.view, step.act, step.quit) == (expected, act, False)
+
+
+def test_without_waiting_requests_the_answer_keys_say_so_and_the_focus_stays_on_the_other_lists() -> None:
+    for key in ("1", "9", "d"):
+        assert on_key(ViewState(), BUSY, key).view == ViewState(
+            message="no request is waiting for an answer", failed=True
+        )
+    # answered meanwhile: the waiting list is gone, its focus goes back to the sessions
+    assert on_key(ViewState(focus=Focus.WAITING), BUSY, "down").view == ViewState(focus=Focus.WAITING, session=S1)
+    assert on_key(ViewState(focus=Focus.WAITING), BUSY, "tab").view == ViewState(focus=Focus.TURNS)
+    assert on_key(ViewState(focus=Focus.TURNS), BUSY, "tab").view == ViewState(focus=Focus.SESSIONS)
+
+
+def test_the_waiting_pane_lists_each_request_with_its_numbered_options() -> None:
+    text = rendered(WAITING, ViewState(), 120, 40)
+    lines = [line.rstrip() for line in text.splitlines()]
+    assert lines[2].startswith("  WAITING FOR AN ANSWER (3)"), "on top, under the header and the timings"
+    [first] = [line for line in lines if "a1b2c3d4.7" in line]
+    assert first.startswith("> 12m34s 0199a7c2-3f…000000000001")
+    assert first.endswith("1 Allow  2 Always allow  3 Reject")
+    assert "Run `pytest -q" in first
+    [unnamed] = [line for line in lines if "a1b2c3d4.9" in line]
+    assert "session/request_permission" in unnamed, "no subject: its method"
+    assert "elicitation/create: Your name?" in text
+    assert lines[-1] == WAITING_KEYS_HELP
+    # focused: its title is marked; the selected request is asked about before it is answered
+    focused = [
+        line.rstrip()
+        for line in rendered(WAITING, ViewState(focus=Focus.WAITING, pending=ANSWER_ALLOW), 80, 24).splitlines()
+    ]
+    assert focused[2].startswith("» WAITING FOR AN ANSWER (3)  1-1 of 3")
+    assert focused[-1] == "answer allow (Allow) to request a1b2c3d4.7? (y/n)"
+    deny = [
+        line.rstrip() for line in rendered(WAITING, ViewState(pending=Pending("answer", W1, P0)), 80, 24).splitlines()
+    ]
+    assert deny[-1] == "deny request a1b2c3d4.9? (y/n)"
+    # none waiting: no pane, the keys help as before
+    assert "WAITING" not in rendered(BUSY, ViewState(), 120, 40)
+
+
+@pytest.mark.parametrize("height", range(3, 12))
+@pytest.mark.parametrize("width", [20, 33, 40])
+def test_the_waiting_pane_never_overflows_a_small_terminal(width: int, height: int) -> None:
+    for view in (ViewState(focus=Focus.WAITING, request=W2), ViewState(pending=ANSWER_ALLOW)):
+        lines = rendered(WAITING, view, width, height).splitlines()
+        assert len(lines) <= max(3, height)
+        assert all(len(line) <= max(20, width) for line in lines)
+
+
 @pytest.mark.parametrize(
     ("data", "keys", "rest"),
     [
@@ -330,6 +511,93 @@ def test_a_proxys_refusal_and_answer_are_printable() -> None:
     assert (answered.answered, answered.async_backend, answered.live, answered.turns) == (True, "trio?[2J", 2, 1)
 
 
+def status_answer(*waiting: dict[str, Any]) -> dict[str, Any]:
+    return {"pool": {"live": 1}, "sessions": 1, "turns": [], "waiting": list(waiting), "attachedClients": 2}
+
+
+def a_waiting_request(key: str, asked_at: float, **fields: Any) -> dict[str, Any]:
+    return {
+        "request": key,
+        "sessionId": "fake-01",
+        "method": "session/request_permission",
+        "subject": "Run the tool",
+        "options": [{"optionId": "allow", "name": "Allow", "kind": "allow_once"}],
+        "askedAt": asked_at,
+        "waitingSeconds": T0 - asked_at,
+        "sentTo": [],
+        **fields,
+    }
+
+
+def test_a_waiting_requests_subject_option_names_and_clients_are_printable() -> None:
+    answer = status_answer(
+        a_waiting_request(
+            "a1b2c3d4.1",
+            T0 - 3,
+            subject=NASTY,
+            options=[{"optionId": "al\nlow", "name": NASTY, "kind": None}, {"name": "no id"}, "junk"],
+            sentTo=[NASTY, 7],
+        ),
+        {"request": "no session"},
+        "junk",
+    )
+    [row] = waiting_rows("a1b2c3d4e5f0", 41000, answer)
+    assert row == WaitingRow(
+        "a1b2c3d4.1",
+        "a1b2c3d4e5f0",
+        41000,
+        "fake-01",
+        "session/request_permission",
+        CLEAN,
+        (OptionRow("al\nlow", CLEAN, None),),  # an id is kept as it is: an answer names it
+        3.0,
+        (CLEAN,),
+        T0 - 3,
+    )
+    assert proxy_row("a1b2c3d4e5f0", 41000, T0, answer).attached_clients == 2
+    assert waiting_rows("a1b2c3d4e5f0", 41000, {"pool": {}}) == [], "a proxy that lists none"
+
+
+def test_waiting_requests_of_every_proxy_are_listed_oldest_first() -> None:
+    view = InstallView(
+        state_dir=Path("/tmp/state"),
+        taken_at=T0,
+        clock=0.0,
+        proxies=(
+            ProxyFacts(P0, 41000, T0 - 100, True, status_answer(a_waiting_request("a.2", T0 - 5))),
+            ProxyFacts(
+                P1,
+                41007,
+                T0 - 100,
+                True,
+                status_answer(a_waiting_request("b.1", T0 - 9), a_waiting_request("b.4", T0 - 1)),
+            ),
+            ProxyFacts("a1b2c3d4e5f2", 41020, T0 - 100, True, "no answer within 1s"),
+            ProxyFacts("a1b2c3d4e5f3", 41030, T0 - 100, False, status_answer(a_waiting_request("gone.1", T0 - 20))),
+        ),
+    )
+    assert [(w.request, w.instance, w.pid) for w in waiting_of(view)] == [
+        ("b.1", P1, 41007),
+        ("a.2", P0, 41000),
+        ("b.4", P1, 41007),
+    ]
+
+
+def test_the_plain_table_lists_waiting_requests_with_their_option_ids() -> None:
+    out = io.StringIO()
+    print_plain(WAITING, out)
+    table = out.getvalue()
+    [header] = [line for line in table.splitlines() if line.startswith("REQUEST")]
+    assert header.split() == ["REQUEST", "AGE", "SESSION", "PROXY", "ASKS", "OPTIONS", "SENT", "TO"]
+    [first] = [line for line in table.splitlines() if line.startswith("a1b2c3d4.7")]
+    assert "allow (Allow), allow_always (Always allow), reject (Reject)" in first
+    assert first.endswith("phone (alice)")
+    assert "elicitation/create: Your name?" in table
+    out = io.StringIO()
+    print_plain(BUSY, out)
+    assert "no requests waiting for an answer" in out.getvalue()
+
+
 def test_an_adapters_session_id_is_printed_printable() -> None:
     assert short_id("fake\x1b[2J-01", 14) == "fake?[2J-01"
 
@@ -340,6 +608,24 @@ def test_the_json_snapshot_uses_camel_case() -> None:
     assert document["sessions"][0]["idleSeconds"] == 0.0
     assert document["turns"][0]["lastText"].startswith("Now I am going")
     json.dumps(document)
+    waiting = snapshot_json(WAITING)["waiting"]
+    assert waiting[0] == {
+        "request": "a1b2c3d4.7",
+        "instance": P0,
+        "pid": 41000,
+        "sessionId": BUSY.sessions[1].session_id,
+        "method": "session/request_permission",
+        "subject": "Run `pytest -q tests/test_checkout.py` in the payment module",
+        "options": [
+            {"optionId": "allow", "name": "Allow", "kind": "allow_once"},
+            {"optionId": "allow_always", "name": "Always allow", "kind": "allow_always"},
+            {"optionId": "reject", "name": "Reject", "kind": "reject_once"},
+        ],
+        "waitingSeconds": 754.0,
+        "sentTo": ["phone (alice)"],
+        "askedAt": T0 - 754,
+    }
+    assert document["waiting"] == []
 
 
 # --- against a real install --------------------------------------------------------------------
@@ -596,6 +882,81 @@ async def test_top_in_a_terminal_acts_on_keys_and_restores_the_terminal(
         await anyio.to_thread.run_sync(drive_ctrl_c, proc_env, config)
         listed = await cli_json(proc_env, "sessions", "list")
     assert [(s["sessionId"], s["state"]) for s in listed["sessions"]] == [(session, "suspended")]
+
+
+def drive_answer_allow_then_quit(env: dict[str, str], config: Path, request: str) -> None:
+    """Select the waiting request (the only one), choose its option 1 (allow), confirm, see it answered, quit."""
+    with terminal(env, "--config", str(config)) as term:
+        term.pump(term.shows("WAITING FOR AN ANSWER (1)"))
+        focused = term.shows("» WAITING FOR AN ANSWER (1)")
+        term.press(b"\x1b[Z")  # backtab: from the sessions to the waiting requests, drawn above them
+        term.pump(focused)
+        asked = term.shows(f"answer allow (Allow) to request {request}? (y/n)")
+        term.press(b"1")
+        term.pump(asked)
+        answered = term.shows(f"request {request} answered allow")
+        term.press(b"y")
+        term.pump(answered)
+        term.press(b"q")
+        term.pump(term.exited, timeout=15)
+        assert_left_cleanly(term)
+
+
+@pytest.mark.anyio
+async def test_top_answers_a_waiting_permission_request_before_the_gateway_does(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    proxy, config = start(proc_env, tmp_path)
+    async with proxy as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        prompt_id = gw.new_id()
+        await gw.send(
+            {
+                "jsonrpc": "2.0",
+                "id": prompt_id,
+                "method": "session/prompt",
+                "params": {"sessionId": session, "prompt": [{"type": "text", "text": "permission"}]},
+            }
+        )
+        asked = await gw.expect(lambda m: m.get("method") == "session/request_permission")  # left unanswered
+        document = await cli_json(proc_env, "top")
+        code, table, _ = await cli(proc_env, "top", "--once")
+        [waiting] = document["waiting"]
+        await anyio.to_thread.run_sync(drive_answer_allow_then_quit, proc_env, config, waiting["request"])
+        withdrawn = await gw.expect(lambda m: m.get("method") == "$/cancel_request")
+        done = await gw.response_to(prompt_id)
+        texts = [m["params"]["update"]["content"]["text"] for m in gw.take_updates(session)]
+        after = await cli_json(proc_env, "top")
+        again = Pending("answer", waiting["request"], waiting["instance"], "reject", "Reject")
+        too_late = await anyio.to_thread.run_sync(answer_request, Path(proc_env["ACP_PROXY_STATE_DIR"]), again)
+
+    assert (waiting["sessionId"], waiting["method"], waiting["subject"]) == (
+        session,
+        "session/request_permission",
+        "Run the tool",
+    )
+    assert [o["optionId"] for o in waiting["options"]] == ["allow", "reject"]
+    assert waiting["instance"] == instance_of_any(document, gw.pid)
+    assert code == 0
+    assert [part for part in (waiting["request"], "allow (Allow), reject (Reject)") if part not in table] == []
+    # The operator answered first: the gateway's own copy of the request is withdrawn, the turn goes on.
+    assert withdrawn["params"]["requestId"] == asked["id"]
+    assert done["result"]["stopReason"] == "end_turn"
+    assert "permission granted" in texts
+    assert after["waiting"] == []
+    [elsewhere] = [e for e in after["events"] if e["kind"] == "answered_elsewhere"]
+    assert elsewhere["sessionId"] == session
+    assert elsewhere["detail"].startswith("Run the tool: answered by operator (top, uid ")
+    # A second answer is too late: said so, not sent.
+    assert too_late.exit_code != 0
+    assert f"request {waiting['request']} is not waiting" in too_late.message, too_late.message
+
+
+def instance_of_any(document: dict[str, Any], pid: int) -> str:
+    """The instance id of the proxy with ``pid``, as the JSON snapshot lists it."""
+    [instance] = [p["instance"] for p in document["proxies"] if p["pid"] == pid]
+    return str(instance)
 
 
 TRICKLER = """

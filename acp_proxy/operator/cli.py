@@ -5,7 +5,8 @@
     acp-proxy config check [--config PATH]           validate a config, exit 2 on error
     acp-proxy doctor [--config PATH] [--json]        check a config and this host, each finding with its fix
     acp-proxy status [--json]                        proxies, sessions, leases, processes, turns
-    acp-proxy sessions list|show ID|suspend ID|close ID [--json]
+    acp-proxy sessions list|show ID [--transcript]|suspend ID|close ID [--json]
+    acp-proxy permissions list|answer REQUEST OPTION|answer REQUEST --cancel [--json]
     acp-proxy tasks list [--status S] [--session ID]|show ID [--follow]|cancel ID [--json]
     acp-proxy tasks notify ID POLICY|watch [--session ID] [--since D] [--json]
     acp-proxy leases [--json] [--all]                leases and the process trees they own
@@ -99,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_json(status)
     _add_doctor_parser(commands)
     _add_sessions_parser(commands)
+    _add_permissions_parser(commands)
     _add_tasks_parser(commands)
     _add_metrics_parser(commands)
     _add_top_parser(commands)
@@ -254,6 +256,24 @@ def _add_sessions_parser(commands: argparse._SubParsersAction[argparse.ArgumentP
         _add_json(parser)
     for parser in (show, suspend, close):
         parser.add_argument("id", metavar="ID", help="session id (or a unique prefix of 4+ characters)")
+    show.add_argument(
+        "--transcript", action="store_true", help="what the session's gateway saw, as the proxy keeps it (bounded)"
+    )
+
+
+def _add_permissions_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    permissions = commands.add_parser(
+        "permissions", help="the agents' requests waiting for an answer: list, answer (the first answer wins)"
+    )
+    actions = permissions.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = actions.add_parser("list", help="every waiting request of the install's running proxies")
+    answer = actions.add_parser("answer", help="answer a waiting permission request with one of its options")
+    answer.add_argument("request", metavar="REQUEST", help="as permissions list names it: <instance>.<n>")
+    answer.add_argument("option", metavar="OPTION", nargs="?", help="the optionId to choose")
+    answer.add_argument("--cancel", action="store_true", help="answer it cancelled instead of choosing an option")
+    for parser in (listing, answer):
+        _add_config_option(parser)
+        _add_json(parser)
 
 
 def _add_tasks_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -290,8 +310,8 @@ def _add_tasks_parser(commands: argparse._SubParsersAction[argparse.ArgumentPars
     notify.add_argument(
         "policy",
         metavar="POLICY",
-        choices=("done_only", "state_changes", "silent", "default"),
-        help="done_only, state_changes, silent, or default (the config's [tasks] notify)",
+        choices=("done_only", "waiting", "state_changes", "silent", "default"),
+        help="done_only, waiting, state_changes, silent, or default (the config's [tasks] notify)",
     )
 
 
@@ -698,9 +718,24 @@ def _sessions(args: argparse.Namespace) -> int:
     state = _operator_state_dir(args)
     if args.action == "list":
         return reports.sessions_list(state, states=args.state, show_all=args.all, as_json=args.json)
+    if args.action == "show" and args.transcript:
+        from acp_proxy.operator.permissions import transcript_show
+
+        return transcript_show(state, args.id, as_json=args.json)
     if args.action == "show":
         return reports.sessions_show(state, args.id, as_json=args.json)
     return reports.sessions_act(state, args.id, action=args.action, as_json=args.json)
+
+
+def _permissions(args: argparse.Namespace) -> int:
+    from acp_proxy.operator import permissions
+
+    state = _operator_state_dir(args)
+    if args.action == "list":
+        return permissions.permissions_list(state, as_json=args.json)
+    if args.cancel == (args.option is not None):
+        raise UsageError("permissions answer: give an OPTION, or --cancel")
+    return permissions.permissions_answer(state, args.request, None if args.cancel else args.option, as_json=args.json)
 
 
 def _tasks(args: argparse.Namespace) -> int:
@@ -748,7 +783,14 @@ def _metrics(args: argparse.Namespace) -> int:
     return metrics_command(configuration.state_dir(config), config, textfile=args.textfile)
 
 
-OPERATOR_COMMANDS = {"status": _status, "sessions": _sessions, "tasks": _tasks, "metrics": _metrics, "top": _top}
+OPERATOR_COMMANDS = {
+    "status": _status,
+    "sessions": _sessions,
+    "permissions": _permissions,
+    "tasks": _tasks,
+    "metrics": _metrics,
+    "top": _top,
+}
 
 
 def _database_path(args: argparse.Namespace) -> Path | None:

@@ -21,21 +21,22 @@ The client half is synchronous (plain ``socket``): the CLI needs no event loop.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
 import socket
 import struct
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
 import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
+
+from acp_proxy.sockets import SOCKET_DIR, addressable
+from acp_proxy.sockets import socket_path as socket_path  # where operators find it
 
 log = logging.getLogger("acp_proxy.control")
 
@@ -44,11 +45,11 @@ MAX_RESPONSE_BYTES: Final = 16 * 1024 * 1024
 MAX_CONNECTIONS: Final = 16
 IDLE_TIMEOUT: Final = 30.0
 ACCEPT_BACKOFF: Final = 1.0
-SOCKET_DIR: Final = "control"
-_SUN_PATH_MAX: Final = 100
-"""``sockaddr_un.sun_path`` holds 104-108 bytes depending on the platform; longer paths go through a dir fd."""
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]
+StreamHandler = Callable[[object, dict[str, Any], anyio.abc.SocketStream, BufferedByteReceiveStream], Awaitable[None]]
+"""A command that takes the connection over (``attach``): its request's id and args, the connection
+and what is buffered of it. It answers the request itself, then speaks its own protocol."""
 
 
 class ControlError(Exception):
@@ -62,10 +63,6 @@ class ControlError(Exception):
 
 class ControlUnavailable(Exception):
     """No proxy answers on that socket (it has exited, or never listened)."""
-
-
-def socket_path(state_dir: Path, instance_id: str) -> Path:
-    return state_dir / SOCKET_DIR / f"{instance_id}.sock"
 
 
 # --- peer credentials (one function per platform, chosen once) ------------------------
@@ -88,24 +85,6 @@ peer_uid: Callable[[socket.socket], int | None] = _peer_uid_linux if hasattr(soc
 """The uid of the process at the other end of a connected Unix socket."""
 
 
-# --- long paths ------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _addressable(path: Path) -> Iterator[str]:
-    """A name for ``path`` that fits in ``sun_path``: itself, or ``/proc/self/fd/N/<name>`` on Linux."""
-    if len(os.fsencode(path)) <= _SUN_PATH_MAX:
-        yield str(path)
-        return
-    if not sys.platform.startswith("linux"):
-        raise OSError(errno.ENAMETOOLONG, f"socket path too long ({len(str(path))} bytes): {path}")
-    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
-    try:
-        yield f"/proc/self/fd/{fd}/{path.name}"
-    finally:
-        os.close(fd)
-
-
 def bind_private(path: Path) -> socket.socket:
     """A listening Unix socket at ``path``, ``0600`` in a ``0700`` directory; a stale file is replaced."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -114,7 +93,7 @@ def bind_private(path: Path) -> socket.socket:
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with _addressable(path) as name:
+        with addressable(path) as name:
             sock.bind(name)
         os.chmod(path, 0o600)
         sock.listen(MAX_CONNECTIONS)
@@ -179,9 +158,13 @@ class ControlServer:
         *,
         allowed_uid: int | None = None,
         uid_of: Callable[[socket.socket], int | None] = peer_uid,
+        streams: dict[str, StreamHandler] | None = None,
     ) -> None:
         self.path = path
         self.handler = handler
+        self.streams = streams or {}
+        """Commands that take their connection over; such a connection no longer counts in ``MAX_CONNECTIONS``
+        (what bounds them is the handler's business) and has no idle timeout."""
         self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
         self.uid_of = uid_of
         self.connections = 0
@@ -262,6 +245,14 @@ class ControlServer:
             request_id: object = None
             try:
                 request_id, command, args = parse_request(line)
+                stream_handler = self.streams.get(command)
+                if stream_handler is not None:
+                    self.connections -= 1
+                    try:
+                        await stream_handler(request_id, args, stream, reader)
+                    finally:
+                        self.connections += 1
+                    return
                 result = await self.handler(command, args)
                 response = {"id": request_id, "ok": True, "result": result}
             except ControlError as exc:
@@ -309,7 +300,7 @@ def request(path: Path, command: str, args: dict[str, Any] | None = None, *, tim
     sock.settimeout(timeout)
     try:
         try:
-            with _addressable(path) as name:
+            with addressable(path) as name:
                 sock.connect(name)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise ControlUnavailable(f"no proxy listens on {path} ({exc.strerror})") from None

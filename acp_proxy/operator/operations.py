@@ -47,6 +47,7 @@ from acp_proxy.operator.control import (
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.relay.sharing import Sharing
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.lifecycle import Phase
 from acp_proxy.sessions.table import Session
@@ -110,6 +111,7 @@ class ServedProxy(msgspec.Struct, frozen=True):
     intents: SessionIntents
     stopping: Stopping
     started_at: float
+    sharing: Sharing
 
 
 class Operations:
@@ -125,6 +127,8 @@ class Operations:
             "close_session": self.close_session,
             "evict_slot": self.evict_slot,
             "notify_task": self.notify_task,
+            "permissions": self.permissions,
+            "answer_permission": self.answer_permission,
         }
 
     async def serve(self) -> None:
@@ -138,7 +142,7 @@ class Operations:
             log.warning("control socket %s not available (%s): operators cannot act on this proxy", path, exc)
             return
         log.info("control socket: %s", path)
-        await ControlServer(path, self.handle).serve(sock)
+        await ControlServer(path, self.handle, streams={"attach": self.proxy.sharing.serve_attachment}).serve(sock)
 
     async def handle(self, command: str, args: dict[str, Any]) -> dict[str, Any]:
         action = self.commands.get(command)
@@ -169,11 +173,17 @@ class Operations:
             },
             "sessions": len(proxy.intents.table),
             "turns": [turn_view(t) for t in proxy.turns.turns.values()],
+            "waiting": proxy.sharing.pending(),
+            "attachedClients": proxy.sharing.attached,
         }
 
     async def sessions(self, args: dict[str, Any]) -> dict[str, Any]:
         moment = time.monotonic()
         return {"sessions": [session_view(s, moment) for s in self.proxy.intents.table.values()]}
+
+    async def permissions(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The agent's requests waiting for an answer in this proxy's sessions."""
+        return {"requests": self.proxy.sharing.pending()}
 
     # --- acting --------------------------------------------------------------------------
 
@@ -242,6 +252,23 @@ class Operations:
             "policy": policy,
             "effective": policy or default,
         }
+
+    async def answer_permission(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Answer a waiting permission request (``optionId``, or ``cancel: true``); the first answer wins."""
+        self._acting()
+        key = _text_arg(args, "request")
+        cancel = args.get("cancel", False)
+        if not isinstance(cancel, bool):
+            raise ControlError("invalid_args", "'cancel' must be true or false")
+        option = None if cancel else _text_arg(args, "optionId")
+        who = args.get("by")
+        by = f"operator ({who[:80]})" if isinstance(who, str) and who else "operator"
+        try:
+            return await self.proxy.sharing.answer_by_operator(key, option, by)
+        except LookupError as exc:
+            raise ControlError("not_waiting", str(exc)) from None
+        except ValueError as exc:
+            raise ControlError("invalid_args", str(exc)) from None
 
     async def suspend_session(self, args: dict[str, Any]) -> dict[str, Any]:
         self._acting()

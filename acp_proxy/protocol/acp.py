@@ -24,6 +24,8 @@ PROXY_META: Final = "acp-proxy"
 
 PROTOCOL_VERSION: Final = 1
 """The ACP version the proxy speaks: the newest it lets a gateway and an adapter agree on."""
+ATTACH_ROLES: Final = ("controller", "observer")
+"""The roles ``session/attach`` offers (ACP's draft RFD "Multi-Client Session Attach")."""
 
 
 class _SessionParams(msgspec.Struct, gc=False):
@@ -130,8 +132,8 @@ def offered_initialize(params: Raw | UnsetType) -> Raw | UnsetType:
 def annotate_initialize(result: Raw, backend: str) -> Raw:
     """The adapter's ``initialize`` result, adjusted for what the proxy itself provides.
 
-    ``session/close``, ``session/list`` and ``session/delete`` are always served (by the
-    proxy); ``session/resume`` is, when the adapter can load or resume (the proxy restores
+    ``session/close``, ``session/list``, ``session/delete`` and the draft's ``session/attach``
+    are always served (by the proxy); ``session/resume`` is, when the adapter can load or resume (the proxy restores
     the session on a fresh process either way); ``session/fork`` when the adapter forks.
     ``_meta["acp-proxy"]`` says who we are.
     ``protocolVersion`` is at most the proxy's own, whatever the adapter answered.
@@ -150,6 +152,7 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     sessions.setdefault("delete", {})
     if caps.load or caps.resume:
         sessions.setdefault("resume", {})
+    sessions["attach"] = {"roles": list(ATTACH_ROLES)}  # the proxy's own (relay.sharing)
     agent["sessionCapabilities"] = sessions
     obj["agentCapabilities"] = agent
     meta = obj.get("_meta")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
@@ -39,6 +39,10 @@ def _decoded(data: Raw | UnsetType) -> Any:
         return msgspec.json.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
+
+
+ATTACH_NOT_FOUND: Final = -32001
+ATTACH_NOT_AUTHORISED: Final = -32002
 
 
 class ProxyError(Exception):
@@ -99,6 +103,62 @@ class ProxyError(Exception):
         """A request for a session the gateway deleted: it cannot be brought back."""
         message = f"Session {session_id} was deleted"
         return cls(jsonrpc.RESOURCE_NOT_FOUND, message, "session_deleted", sessionId=session_id)
+
+    # --- shared sessions (the draft RFD's codes: -32001 not found, -32002 not authorised) --------
+
+    @classmethod
+    def not_attachable(cls, session_id: str, why: str) -> ProxyError:
+        """``session/attach`` to a session no live proxy of the install holds (or none at all)."""
+        return cls(ATTACH_NOT_FOUND, f"Session not found: {why}", "not_live", sessionId=session_id)
+
+    @classmethod
+    def observer_cannot(cls, method: str) -> ProxyError:
+        """An observer's request to act on the session it watches."""
+        return cls(ATTACH_NOT_AUTHORISED, f"Not authorised: an observer cannot send {method}", "observer")
+
+    @classmethod
+    def too_many_clients(cls, session_id: str, limit: int) -> ProxyError:
+        message = f"Session {session_id} already has {limit} attached clients ([attach] max_clients)"
+        return cls(ATTACH_NOT_AUTHORISED, message, "too_many_clients", sessionId=session_id)
+
+    @classmethod
+    def attach_forbidden(cls, why: str) -> ProxyError:
+        """The holder's control socket refused the attaching proxy (another uid)."""
+        return cls(ATTACH_NOT_AUTHORISED, f"Not authorised to attach to this session: {why}", "forbidden")
+
+    @classmethod
+    def attach_refused(cls, session_id: str, why: str) -> ProxyError:
+        """The holder refused the attach for a reason of its own (shutting down, a bug)."""
+        return cls(
+            jsonrpc.INTERNAL_ERROR,
+            f"The session's acp-proxy refused the attach: {why}",
+            "attach_refused",
+            sessionId=session_id,
+        )
+
+    @classmethod
+    def session_busy(cls, session_id: str) -> ProxyError:
+        """A prompt while another controller's turn runs, under ``[attach] prompts = "refuse"``."""
+        message = f"Session {session_id} is running another client's turn; try again when it ends"
+        return cls(jsonrpc.INTERNAL_ERROR, message, "session_busy", sessionId=session_id)
+
+    @classmethod
+    def holder_gone(cls, session_id: str) -> ProxyError:
+        """A request over an attachment whose session's proxy went away before answering it."""
+        message = f"The acp-proxy holding session {session_id} exited before answering"
+        return cls(jsonrpc.INTERNAL_ERROR, message, "holder_gone", sessionId=session_id)
+
+    @classmethod
+    def not_attached_method(cls, method: str) -> ProxyError:
+        message = (
+            f"{method} is not available to an attached client (session/prompt, session/cancel, session/detach are)"
+        )
+        return cls(jsonrpc.METHOD_NOT_FOUND, message, "not_for_attached")
+
+    @classmethod
+    def cancelled_request(cls) -> ProxyError:
+        """A request withdrawn with ``$/cancel_request`` before it was sent on."""
+        return cls(jsonrpc.REQUEST_CANCELLED, "Request cancelled", "cancelled")
 
     @classmethod
     def closed_in_flight(cls) -> ProxyError:

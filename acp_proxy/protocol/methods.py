@@ -28,6 +28,9 @@ class Method(enum.StrEnum):
     CLOSE = "session/close"
     FORK = "session/fork"
     """Unstable in ACP v1 (not in the schema yet); served when the adapter advertises it."""
+    ATTACH = "session/attach"
+    """From ACP's draft RFD "Multi-Client Session Attach": served by the proxy itself (``relay.sharing``)."""
+    DETACH = "session/detach"
     PROMPT = "session/prompt"
     CANCEL = "session/cancel"
     SET_MODE = "session/set_mode"
@@ -92,6 +95,8 @@ METHODS: Final[dict[str, MethodFacts]] = {
     Method.DELETE: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.delete", effect=Effect.ENDS),
     Method.FORK: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.fork"),
     Method.CLOSE: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.close", effect=Effect.ENDS),
+    Method.ATTACH: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.attach"),
+    Method.DETACH: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.attach"),
     Method.PROMPT: MethodFacts(_AGENT, names_session=True),
     Method.CANCEL: MethodFacts(_AGENT, notification=True, names_session=True),
     Method.SET_MODE: MethodFacts(_AGENT, names_session=True, setting=True),

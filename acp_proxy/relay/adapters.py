@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from typing import Final
 
@@ -37,6 +37,7 @@ from acp_proxy.protocol.acp import (
 from acp_proxy.protocol.errors import ProxyError, describe_exit
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message, RequestId
 from acp_proxy.protocol.methods import Method
+from acp_proxy.relay.sharing import GATEWAY, Sharing
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.tasks.status import TaskStatus
@@ -127,10 +128,15 @@ class AdapterRelay:
         writer: GatewayWriter,
         background: Background,
         stopping: Stopping,
+        sharing: Sharing,
     ) -> None:
         self.config = config
         self.background = background
         self.pool = pool
+        self.sharing = sharing
+        """The session's attached clients: what the gateway is sent about a session goes to them too."""
+        sharing.deliver = self.deliver_answer
+        sharing.cancel_sent = self._cancel_routed
         self.turns = turns
         self.intents = intents
         self.writer = writer
@@ -139,21 +145,38 @@ class AdapterRelay:
         """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method, and the
         turn it was asked during (whose idle clock stops while it waits)."""
         self._next_upstream_id = 0
+        self._routed: list[tuple[Callable[[bytes], None], bytes]] = []
+        """Answers of this batch to attached clients' requests (``GatewayWriter.routed``), delivered with it."""
+
+    def new_upstream_id(self) -> int:
+        """A fresh id for a request to the gateway (an adapter's, or an attached session holder's)."""
+        upstream_id = self._next_upstream_id
+        self._next_upstream_id += 1
+        return upstream_id
 
     # --- the gateway's side of agent->client requests -----------------------------------------
 
     async def answer_from_gateway(self, msg: Message) -> None:
         """The gateway answered an agent->client request: hand it to the adapter that asked."""
         key = msg.id
-        route = self._upstream.pop(key, None) if isinstance(key, int) else None
+        if not isinstance(key, int) or not await self.deliver_answer(key, msg, GATEWAY, from_gateway=True):
+            log.info(
+                "gateway answered request id %r, which waits no more (answered elsewhere, or unknown): dropped", key
+            )
+
+    async def deliver_answer(self, upstream_id: int, msg: Message, by: str, *, from_gateway: bool = False) -> bool:
+        """An answer to the agent->client request sent upstream as ``upstream_id``, from ``by``: to the
+        adapter that asked, if it still waits (the first answer wins; whether this was it)."""
+        route = self._upstream.pop(upstream_id, None)
         if route is None:
-            log.warning("gateway answered an unknown request id %r: dropped", key)
-            return
+            return False
         adapter, adapter_id, method, turn = route
+        self.sharing.settled(upstream_id, msg, by, from_gateway=from_gateway)
         if turn is not None:
             turn.answered()
         if method == Method.REQUEST_PERMISSION:
-            self.turns.note(adapter.turn, "permission_answered", permission_choice(msg))
+            choice = permission_choice(msg)
+            self.turns.note(adapter.turn, "permission_answered", choice if from_gateway else f"{choice} by {by}")
         adapter.answered_upstream()
         if not adapter.busy:
             self.pool.changed.notify()
@@ -161,6 +184,16 @@ class AdapterRelay:
             await adapter.send(jsonrpc.with_id(msg, adapter_id))
         except AdapterGone:
             log.info("answer to request %r dropped: the adapter has exited", adapter_id)
+        return True
+
+    async def _cancel_routed(self, routed_id: str) -> None:
+        """``$/cancel_request`` for an attached client's request already with an adapter."""
+        for adapter in list(self.pool.running):
+            call_id = adapter.find_gateway_call(routed_id)
+            if call_id is not None:
+                with suppress(AdapterGone):
+                    await adapter.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": call_id}))
+                return
 
     async def cancel_request_from_gateway(self, msg: Message, line: bytes) -> None:
         """The gateway's ``$/cancel_request``: to the adapter running that request, or withdraw it if queued."""
@@ -211,9 +244,12 @@ class AdapterRelay:
                         turn.observe(batch.block, batch.count)  # titles included, as the turn reads it
                     elif adapter.gateway_session is not None:
                         self._between_turns(adapter, batch.lines, batch.block)
+                    if adapter.gateway_session is not None:
+                        self.sharing.saw(adapter.gateway_session, batch.block, adapter.replaying)
                     await self.writer.send(batch.block)
                     continue
                 out: list[bytes] = []
+                routed = self._routed
                 record_first = False
                 for line, decoded in decoded_lines(batch):
                     data, recorded = self._translate(adapter, line, decoded)
@@ -225,6 +261,10 @@ class AdapterRelay:
                     # before the gateway counts on it (a crash right after the answer must not
                     # lose what a resume needs).
                     await self.intents.registry.caught_up()
+                if routed:
+                    for deliver, data in routed:
+                        deliver(data)
+                    routed.clear()
                 if out:
                     await self.writer.send(b"".join(out))
                 if self.turns.settled_unwritten:
@@ -272,6 +312,8 @@ class AdapterRelay:
             elif adapter.gateway_session is not None:
                 self._between_turns(adapter, [line], line)
         if msg.method != Method.CANCEL_REQUEST:
+            if adapter.gateway_session is not None:
+                self.sharing.saw(adapter.gateway_session, line, adapter.replaying)
             return line + b"\n"
         ok, target = target_request(msg.params)
         upstream = self._find_upstream(adapter, target) if ok else None
@@ -281,6 +323,7 @@ class AdapterRelay:
         if turn is not None:  # the agent no longer waits for it: the turn's idle clock runs again
             turn.answered()
             self._upstream[upstream] = (owner, their_id, method, None)
+        self.sharing.withdrawn(upstream)
         return jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, upstream))
 
     def _between_turns(self, adapter: Adapter, lines: list[bytes], block: bytes) -> None:
@@ -309,8 +352,7 @@ class AdapterRelay:
     def _request(self, adapter: Adapter, msg: Message) -> bytes:
         if msg.method == Method.ELICITATION_CREATE:
             msg.params = gateway_scope(adapter, msg.params)
-        upstream_id = self._next_upstream_id
-        self._next_upstream_id += 1
+        upstream_id = self.new_upstream_id()
         turn = adapter.turn if adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING else None
         self._upstream[upstream_id] = (adapter, msg.id, str(msg.method), turn)  # type: ignore[assignment]
         adapter.asked_upstream()
@@ -318,6 +360,7 @@ class AdapterRelay:
             turn.asked()
         if msg.method == Method.REQUEST_PERMISSION:
             self.turns.note(adapter.turn, "permission_asked", permission_subject(msg))
+        self.sharing.asked(adapter.gateway_session, upstream_id, msg, turn)
         return jsonrpc.with_id(msg, upstream_id)
 
     def _response(self, adapter: Adapter, msg: Message) -> tuple[bytes | None, bool]:
@@ -357,11 +400,16 @@ class AdapterRelay:
             adapter.turn_answered(call.turn)
             self.pool.recency.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
             self.intents.recycle_due(adapter)
+            self.sharing.turn_ended(adapter.gateway_session)
         if not adapter.busy:
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
         if call.method == Method.INITIALIZE and msg.result is not UNSET:
             self.pool.known_capabilities[adapter.backend.name] = adapter.capabilities
             msg.result = annotate_initialize(msg.result, adapter.backend.name)
+        deliver = self.writer.routed_elsewhere(call.gateway_id)
+        if deliver is not None:  # an attached client's request: its answer goes to that client
+            self._routed.append((deliver, jsonrpc.with_id(msg, call.gateway_id)))
+            return None, call.on_answer is not None
         return jsonrpc.with_id(msg, call.gateway_id), call.on_answer is not None
 
     def _find_upstream(self, adapter: Adapter, adapter_id: RequestId) -> int | None:
@@ -395,6 +443,7 @@ class AdapterRelay:
         orphaned = [uid for uid, (owner, _, _, _) in self._upstream.items() if owner is adapter]
         for upstream_id in orphaned:
             del self._upstream[upstream_id]
+            self.sharing.withdrawn(upstream_id)
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
         adapter.upstream_forgotten()
         self.intents.process_ended(adapter, returncode)
@@ -406,4 +455,6 @@ class AdapterRelay:
             if call.turn is not None:
                 self.turns.settle(call.turn, error=(error.code, error.message))
         if calls:
-            await self.writer.send(b"".join(error.response(call.gateway_id, method=call.method) for call in calls))
+            await self.writer.replies(
+                (call.gateway_id, error.response(call.gateway_id, method=call.method)) for call in calls
+            )

@@ -27,11 +27,13 @@ from acp_proxy.config import BackendConfig, Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone
 from acp_proxy.pool.processes import Answer, ProcessPool
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.acp import offered_initialize, proxy_meta, session_of
+from acp_proxy.protocol.acp import offered_initialize, proxy_meta, session_of, target_request
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method, routed_by_session
 from acp_proxy.relay.adapters import AdapterRelay, decoded_lines, preview
+from acp_proxy.relay.attached import Links
+from acp_proxy.relay.sharing import GATEWAY, Sharing
 from acp_proxy.relay.writer import SHUTDOWN_WRITE_GRACE, GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.registry import SessionRegistry
@@ -57,8 +59,14 @@ class GatewayConnection:
         writer: GatewayWriter,
         background: Background,
         stopping: Stopping,
+        sharing: Sharing,
+        links: Links,
     ) -> None:
         self.config = config
+        self.sharing = sharing
+        """The clients attached to this proxy's sessions (``session/attach`` from elsewhere)."""
+        self.links = links
+        """The sessions of other proxies this gateway is attached to."""
         self.pool = pool
         self.intents = intents
         self.relay = relay
@@ -110,6 +118,7 @@ class GatewayConnection:
                     await self._until_answered()
             self.pool.refuse()  # requests still waiting for a process slot give up (proxy_shutdown)
             await self.pool.stop_warm()
+            await self.links.close_all()
             if self.stopping.reason is not None:
                 for adapter in list(self.pool.running):
                     await self.relay.fail_calls(adapter.take_gateway_calls(), ProxyError.proxy_shutdown())
@@ -171,7 +180,7 @@ class GatewayConnection:
                         await self._route_request(msg)
                     elif kind is Kind.NOTIFICATION:
                         await self._route_notification(msg, line)
-                    else:
+                    elif not (self.links.by_upstream and await self.links.answer(msg)):
                         await self.relay.answer_from_gateway(msg)
                 except sqlite3.Error as exc:
                     state_failed(self.registry.db.path, exc)
@@ -182,6 +191,9 @@ class GatewayConnection:
 
     async def _route_request(self, msg: Message) -> None:
         assert isinstance(msg.method, str)
+        if self.links.links and msg.method != Method.ATTACH and self.links.holds(session_of(msg.params)):
+            await self.links.request(msg, session_of(msg.params))  # type: ignore[arg-type]
+            return
         route = ROUTES.get(msg.method)
         if route is not None:
             await route(self, msg)
@@ -217,12 +229,42 @@ class GatewayConnection:
     async def _close(self, msg: Message) -> None:
         session_id = await self._session_id_or_fail(msg)
         if session_id is not None:
+            self.sharing.session_ended(session_id, "closed")
             await self.intents.close(session_id, msg)  # ordered now; the work queues behind the session's
 
     async def _delete(self, msg: Message) -> None:
         session_id = await self._session_id_or_fail(msg)
         if session_id is not None:
+            self.sharing.session_ended(session_id, "deleted")
+            self.sharing.transcripts.forget(session_id)
             await self.intents.delete(msg, session_id)  # ordered now, like a close
+
+    async def _prompt(self, msg: Message) -> None:
+        """``session/prompt``: to the session, in turn with its attached controllers' when it is shared."""
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is None:
+            return
+        if self.sharing.shared(session_id):
+
+            def reply(data: bytes) -> None:
+                self.background.start(lambda: self.writer.send(data))
+
+            self.sharing.prompt(session_id, msg, GATEWAY, reply)
+            return
+        self.sharing.prompted(session_id, msg.params, GATEWAY)  # type: ignore[arg-type]
+        await self.intents.forward(msg, session_id)
+
+    async def _attach(self, msg: Message) -> None:
+        """``session/attach`` (ACP's draft RFD): to the proxy that holds the session."""
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is not None:
+            self.background.start(lambda: self.links.attach(msg, session_id))
+
+    async def _detach(self, msg: Message) -> None:
+        """``session/detach`` of a session this gateway did not attach to (an attached one's goes to its holder)."""
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is not None:
+            await self.writer.fail(msg.id, ProxyError.invalid_params(f"not attached to session {session_id}"))
 
     async def _load_or_resume(self, msg: Message) -> None:
         session_id = await self._session_id_or_fail(msg)
@@ -306,14 +348,27 @@ class GatewayConnection:
 
     async def _route_notification(self, msg: Message, line: bytes) -> None:
         if msg.method == Method.CANCEL_REQUEST:
+            if self.links.links or self.sharing.gateway_prompts:
+                ok, target = target_request(msg.params)
+                if ok and await self.links.cancel_request(target):
+                    return
+                taking_turns = self.sharing.gateway_prompts.get(jsonrpc.id_key(target)) if ok else None
+                if taking_turns is not None:
+                    await self.sharing.cancel_prompt(*taking_turns)
+                    return
             await self.relay.cancel_request_from_gateway(msg, line)
             return
         session_id = session_of(msg.params)
+        if self.links.links and self.links.holds(session_id):
+            await self.links.notify(msg, line, session_id)  # type: ignore[arg-type]
+            return
         if session_id is None and routed_by_session(str(msg.method)):
             log.info("dropped %s: its params name no session", msg.method)
             return
         session = self.intents.table.get(session_id) if session_id is not None else None
         if msg.method == Method.CANCEL and session is not None:  # forwarded by the intent, never reaps
+            if session_id is not None and self.sharing.shared(session_id):
+                self.sharing.cancel_queued(session_id)
             await self.intents.cancel(session, by="the gateway", notification=(msg, line))
             return
         adapter: Adapter | None
@@ -344,6 +399,9 @@ ROUTES: Final[dict[str, Route]] = {
     Method.LOGOUT: GatewayConnection._logout,
     Method.LOAD: GatewayConnection._load_or_resume,
     Method.RESUME: GatewayConnection._load_or_resume,
+    Method.PROMPT: GatewayConnection._prompt,
+    Method.ATTACH: GatewayConnection._attach,
+    Method.DETACH: GatewayConnection._detach,
 }
 """The requests the proxy handles itself. Any other request naming a session is forwarded to it
 (``SessionIntents.forward``; ``session/prompt``, the settings, unknown ones);

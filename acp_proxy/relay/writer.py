@@ -1,10 +1,15 @@
-"""The one writer to the gateway: every answer, error and relayed line goes out here."""
+"""The one writer to the gateway: every answer, error and relayed line goes out here.
+
+Or nearly: a request an attached client sent (``relay.sharing``) is served like the gateway's
+own, under an id of the proxy's making (``routed``), and its answer is handed to that client
+instead.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 import anyio
@@ -39,6 +44,38 @@ class GatewayWriter:
         self.broken = False
         self.trace = trace
         """Where every wire message is recorded, both sides (``--trace``), if anywhere."""
+        self.routed: dict[str, Callable[[bytes], None]] = {}
+        """Requests of attached clients in flight, by the id they are served under: where their answer goes."""
+
+    def route(self, request_id: str, deliver: Callable[[bytes], None]) -> None:
+        """The answer to ``request_id`` goes to ``deliver``, not to the gateway."""
+        self.routed[request_id] = deliver
+
+    def routed_elsewhere(self, request_id: object) -> Callable[[bytes], None] | None:
+        """Where the answer to ``request_id`` goes if not to the gateway (taken: an answer goes once)."""
+        if self.routed and type(request_id) is str:
+            return self.routed.pop(request_id, None)
+        return None
+
+    async def reply(self, request_id: RequestId | UnsetType, data: bytes) -> None:
+        """An answer to a request: to the gateway, or to the attached client that sent it."""
+        deliver = self.routed_elsewhere(request_id)
+        if deliver is not None:
+            deliver(data)
+        else:
+            await self.send(data)
+
+    async def replies(self, answers: Iterable[tuple[RequestId, bytes]]) -> None:
+        """Several answers: the gateway's in one write."""
+        own = b""
+        for request_id, data in answers:
+            deliver = self.routed_elsewhere(request_id)
+            if deliver is not None:
+                deliver(data)
+            else:
+                own += data
+        if own:
+            await self.send(own)
 
     async def send(self, data: bytes) -> None:
         if self.broken:
@@ -59,7 +96,7 @@ class GatewayWriter:
             self.broken = True
 
     async def answer(self, request_id: RequestId | UnsetType, result: object) -> None:
-        await self.send(jsonrpc.result_response(None if request_id is UNSET else request_id, result))
+        await self.reply(request_id, jsonrpc.result_response(None if request_id is UNSET else request_id, result))
 
     async def fail(self, request_id: RequestId | UnsetType, error: ProxyError) -> None:
-        await self.send(error.response(None if request_id is UNSET else request_id))
+        await self.reply(request_id, error.response(None if request_id is UNSET else request_id))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import os
 import secrets
 import signal
 import subprocess
@@ -35,6 +36,7 @@ from acp_proxy.protocol.acp import proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
+from acp_proxy.relay.attached import CLIENT_ENV
 from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
@@ -44,6 +46,8 @@ HANDOVER_TIMEOUT: Final = 30.0
 """How long a message for a session waits for the proxy of a connection that ended to let it go."""
 
 CONNECTION_LEVEL: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK, Method.LIST})
+ATTACHING: Final = frozenset({Method.ATTACH, Method.DETACH})
+"""Requests that join a session where another proxy holds it, or leave it: they never take it over."""
 """Requests whose answers go to the connection-scoped stream (the RFD: the client cannot have a
 session stream for a session it is only now opening)."""
 
@@ -249,7 +253,8 @@ class Connection:
                 await self.outbox.put(scope, error.response(msg.id))  # type: ignore[arg-type]
             log.info("%s: refused %s for %s (%s)", self.principal.label, msg.method, session_id, verdict.value)
             return False
-        if session_id is not None:
+        if session_id is not None and msg.method not in ATTACHING:
+            # An attach joins the session where it is held: it never takes it from a lingering proxy.
             await self.hub.until_released(session_id, self)
             self.touched.add(session_id)
         if kind is Kind.REQUEST:
@@ -335,7 +340,11 @@ class Connection:
         assert self._started is not None
         try:
             process = await anyio.open_process(
-                self.hub.proxy_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
+                self.hub.proxy_argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=None,
+                env={**os.environ, CLIENT_ENV: f"{self.principal.label} over {self.transport} from {self.peer}"},
             )
         except OSError as exc:
             log.error("connection %s: could not start its proxy: %s", self.id, exc)

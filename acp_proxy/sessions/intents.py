@@ -611,7 +611,9 @@ class SessionIntents:
                     self.turns.settle(call.turn, stop_reason="cancelled")
                 await self.gateway.answer(call.gateway_id, CANCELLED)
             else:
-                await self.gateway.send(ProxyError.closed_in_flight().response(call.gateway_id, method=call.method))
+                await self.gateway.reply(
+                    call.gateway_id, ProxyError.closed_in_flight().response(call.gateway_id, method=call.method)
+                )
 
     # --- delete -------------------------------------------------------------------------------
 

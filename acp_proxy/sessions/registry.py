@@ -222,6 +222,37 @@ class SessionRegistry:
         """Until this proxy's queued writes are applied (before a read that must see them)."""
         await self.db.caught_up()
 
+    async def holder_of(self, session_id: str) -> str | None:
+        """The running proxy (instance id) that holds the session, live or suspended by it; ``None``
+        when none does (no such session, closed, deleted, or its proxy is gone)."""
+
+        def holder(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute(
+                "SELECT instance_id FROM sessions WHERE session_id = ? AND state IN ('live', 'resuming', 'suspended')",
+                (session_id,),
+            ).fetchone()
+            if row is None or row[0] is None or not instances.instance_alive(self.db, row[0]):
+                return None
+            return str(row[0])
+
+        return await self.db.run(holder)
+
+    def existing(self, session_ids: list[str]) -> set[str]:
+        """Which of ``session_ids`` the state database has, deleted ones excepted (blocks the calling thread)."""
+
+        def existing(conn: sqlite3.Connection) -> set[str]:
+            found: set[str] = set()
+            for start in range(0, len(session_ids), 500):
+                chunk = session_ids[start : start + 500]
+                marks = ", ".join("?" * len(chunk))
+                rows = conn.execute(
+                    f"SELECT session_id FROM sessions WHERE state != 'deleted' AND session_id IN ({marks})", chunk
+                )
+                found.update(row[0] for row in rows)
+            return found
+
+        return self.db.call(existing)
+
     def _update(self, session_id: str, assignments: str, values: Iterable[object]) -> None:
         sql = f"UPDATE sessions SET {assignments} WHERE session_id = ?"
         self.db.write(functools.partial(_execute, sql, (*values, session_id)))

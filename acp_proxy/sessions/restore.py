@@ -52,6 +52,8 @@ class GatewayPort(Protocol):
 
     async def fail(self, request_id: RequestId | UnsetType, error: ProxyError) -> None: ...
 
+    async def reply(self, request_id: RequestId | UnsetType, data: bytes) -> None: ...
+
 
 class Restorer:
     """Restores sessions onto fresh processes of the pool."""

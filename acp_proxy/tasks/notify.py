@@ -1,9 +1,11 @@
 """Task notifications: the operator's own command, run when a task's status changes.
 
 A task's effective policy (its own, set with ``acp-proxy tasks notify``, else ``[tasks]
-notify``) picks the changes worth telling: ``done_only`` the terminal status, ``state_changes``
-every status the task takes (its first one, ``queued`` or ``running``, with no previous
-status), ``silent`` none. Each is told by running ``notify_command`` with one JSON object,
+notify``) picks the changes worth telling: ``done_only`` the terminal status, ``waiting`` that
+and every request of the agent's that waits for an answer (a permission, an elicitation: an
+operator's script can page a phone), ``state_changes`` every status the task takes (its first
+one, ``queued`` or ``running``, with no previous status) and every waiting request, ``silent``
+none. Each is told by running ``notify_command`` with one JSON object,
 one line, on its stdin (``Notice``).
 
 Nothing here is on the relay's path. A status change builds a small ``Notice`` and puts it
@@ -66,7 +68,12 @@ def wanted(policy: NotifyPolicy, status: TaskStatus) -> bool:
     """Whether a task under ``policy`` is told about taking ``status``."""
     if policy == "state_changes":
         return True
-    return policy == "done_only" and status in TERMINAL
+    return policy in ("done_only", "waiting") and status in TERMINAL
+
+
+def wants_waiting(policy: NotifyPolicy) -> bool:
+    """Whether a task under ``policy`` is told when the agent waits for an answer during it."""
+    return policy in ("waiting", "state_changes")
 
 
 class Notice(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,7 +83,9 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True):
     event: str = "task"
     """``task``: a task took ``status``. ``session_recycled``: the proxy recycled a session's process
     (over its memory ceiling, hung, or broken): ``taskId`` is ``None``, ``status`` is ``recycled``,
-    ``previousStatus`` the reason (``session_max_memory``, ...) and ``reason`` the figures."""
+    ``previousStatus`` the reason (``session_max_memory``, ...) and ``reason`` the figures.
+    ``request_waiting``: the agent asked something and waits (``status`` ``waiting``, ``reason``
+    what it asks, ``request`` the id ``acp-proxy permissions answer`` takes)."""
     taskId: str | None
     sessionId: str
     title: str | None
@@ -95,6 +104,13 @@ class Notice(msgspec.Struct, frozen=True, kw_only=True):
     """The proxy instance that ran the task."""
     at: float
     """When the task took ``status`` (unix time)."""
+
+
+class WaitingNotice(Notice, frozen=True, kw_only=True):
+    """A ``request_waiting`` notice: a task's fields and the waiting request."""
+
+    request: str
+    """As ``acp-proxy permissions`` names it (``acp-proxy permissions answer REQUEST OPTION``)."""
 
 
 encode_notice: Final = msgspec.json.Encoder().encode
@@ -220,6 +236,29 @@ class Notifier:
             traceparent=None,
             instance=self.instance_id,
             at=now(),
+        )
+        self._enqueue(notice)
+
+    def waiting(self, turn: Turn | None, session_id: str, backend: str, request: str, what: str) -> None:
+        """The agent asked ``what`` (request ``request``) and waits for an answer."""
+        policy = (turn.notify if turn is not None else None) or self.default
+        if not wants_waiting(policy):
+            return
+        notice = WaitingNotice(
+            event="request_waiting",
+            taskId=turn.task_id if turn is not None else None,
+            sessionId=session_id,
+            title=self._title(session_id),
+            backend=backend,
+            status="waiting",
+            previousStatus=turn.status.value if turn is not None else None,
+            reason=what,
+            durationSeconds=None,
+            lastText=turn.summary if turn is not None else "",
+            traceparent=turn.traceparent if turn is not None else None,
+            instance=self.instance_id,
+            at=now(),
+            request=request,
         )
         self._enqueue(notice)
 

@@ -4,17 +4,20 @@
 it for every operator command: the state database, the install's slot records and each running
 proxy's control socket (all asked at once, each with a short timeout: a proxy that does not
 answer is shown so, it never holds the view up). Trees no
-slot record has measured are measured here, at most every ``MEASURE_EVERY`` seconds.
+slot record has measured are measured here, at most every ``MEASURE_EVERY`` seconds. The
+agents' requests waiting for an answer come from the same ``status`` answers (their
+``waiting`` lists), oldest first over every proxy.
 
 Whatever a gather waits on (a proxy that does not answer, a database another process holds
 locked) may keep it for seconds: the view never waits for one to end. Proxies are asked from
 daemon threads under one deadline, and a gather that has not returned when the view ends is
 left to finish, or not, in its own daemon thread (it only reads).
 
-Titles, agent text, event details and refusals come from adapters: the rows hold them as one
-printable line (``reports.printable``), so that drawing a snapshot never drives the terminal.
-Ids are kept as they are (they are what an act names); the view prints them through
-``short_id``.
+Titles, agent text, event details, refusals and a waiting request's subject and option names
+come from adapters: the rows hold them as one printable line (``reports.printable``), so that
+drawing a snapshot never drives the terminal. Ids (a session's, a waiting request's key, an
+option's id) are kept as they are (they are what an act names); the view prints them through
+``short_id`` or ``reports.printable``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class ProxyRow:
     max_memory: int | None = None
     sessions: int | None = None
     turns: int | None = None
+    attached_clients: int | None = None
+    """Clients attached to its sessions (shared sessions), as it answered."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +116,37 @@ class EventRow:
 
 
 @dataclass(frozen=True, slots=True)
+class OptionRow:
+    """One answer a waiting permission request offers."""
+
+    option_id: str
+    """As the agent sent it: what an answer names."""
+    name: str | None = None
+    kind: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingRow:
+    """A request of an agent's waiting for an answer (``session/request_permission``, ``elicitation/create``)."""
+
+    request: str
+    """Its key, as the proxy names it (``acp-proxy permissions``, ``answer_permission``)."""
+    instance: str
+    """The proxy it waits in: where an answer is sent."""
+    pid: int
+    session_id: str
+    method: str
+    subject: str = ""
+    """The tool call's title (or the elicitation's message); may be empty."""
+    options: tuple[OptionRow, ...] = ()
+    waiting_seconds: float | None = None
+    """How long it had waited when its proxy answered ``status``."""
+    sent_to: tuple[str, ...] = ()
+    """The attached clients it was sent to besides the gateway."""
+    asked_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PoolUsage:
     live: int = 0
     max_live: int | None = None
@@ -137,6 +173,8 @@ class Snapshot:
     """The last gathering failed (this is the one before it): why."""
     remote_connections: int | None = None
     """Connections of the running ``acp-proxy serve`` processes; ``None`` when none runs."""
+    waiting: tuple[WaitingRow, ...] = ()
+    """The agents' requests waiting for an answer, in every proxy, oldest first."""
 
 
 def _camel(name: str) -> str:
@@ -202,6 +240,7 @@ class Gatherer:
             events=EVENTS_READ,
         )
         proxies = tuple(proxy_facts_row(proxy) for proxy in view.proxies)
+        waiting = waiting_of(view)
         slot_records = [held.record for held in view.slots]
         by_session = {record.session: record for record in slot_records if record is not None and record.session}
         sessions = self._sessions(view, by_session)
@@ -227,6 +266,7 @@ class Gatherer:
             events,
             timed,
             remote_connections=remote,
+            waiting=waiting,
         )
 
     def _sessions(self, view: InstallView, by_session: dict[str, SlotRecord]) -> tuple[SessionRow, ...]:
@@ -319,7 +359,73 @@ def proxy_row(instance_id: str, pid: int, started_at: float, answer: dict[str, A
         max_memory=pool.get("maxMemory"),
         sessions=answer.get("sessions"),
         turns=len(answer.get("turns", [])),
+        attached_clients=_count(answer.get("attachedClients")),
     )
+
+
+def waiting_of(view: InstallView) -> tuple[WaitingRow, ...]:
+    """Every answering proxy's waiting requests, oldest first."""
+    rows = [
+        row
+        for proxy in view.proxies
+        if proxy.alive and isinstance(proxy.answer, dict)
+        for row in waiting_rows(proxy.instance_id, proxy.pid, proxy.answer)
+    ]
+
+    def asked_at(row: WaitingRow) -> float:
+        return row.asked_at if row.asked_at is not None else view.taken_at - (row.waiting_seconds or 0.0)
+
+    return tuple(sorted(rows, key=lambda row: (asked_at(row), row.request)))
+
+
+def waiting_rows(instance_id: str, pid: int, answer: dict[str, Any]) -> list[WaitingRow]:
+    """The requests a proxy's ``status`` answer lists as waiting (its ``waiting``), as it listed them.
+
+    What is not as the proxy documents it is skipped (a request without a key or a session) or
+    left out (an option without an id); the agent's text is made printable."""
+    listed = answer.get("waiting")
+    rows: list[WaitingRow] = []
+    for item in listed if isinstance(listed, list) else ():
+        if not isinstance(item, dict):
+            continue
+        key, session_id = item.get("request"), item.get("sessionId")
+        if not isinstance(key, str) or not key or not isinstance(session_id, str):
+            continue
+        options = item.get("options")
+        sent_to = item.get("sentTo")
+        rows.append(
+            WaitingRow(
+                key,
+                instance_id,
+                pid,
+                session_id,
+                reports.printable(str(item.get("method") or "?")),
+                reports.printable(item["subject"]) if isinstance(item.get("subject"), str) else "",
+                tuple(
+                    OptionRow(option["optionId"], _text(option.get("name")), _text(option.get("kind")))
+                    for option in (options if isinstance(options, list) else ())
+                    if isinstance(option, dict) and isinstance(option.get("optionId"), str)
+                ),
+                _seconds(item.get("waitingSeconds")),
+                tuple(reports.printable(label) for label in sent_to if isinstance(label, str))
+                if isinstance(sent_to, list)
+                else (),
+                _seconds(item.get("askedAt")),
+            )
+        )
+    return rows
+
+
+def _text(value: object) -> str | None:
+    return reports.printable(value) if isinstance(value, str) else None
+
+
+def _seconds(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def turn_row(record: TaskRecord, moment: float) -> TurnRow:

@@ -3,8 +3,9 @@
 The terminal is in cbreak mode (keys one at a time, ISIG kept: Ctrl-C is SIGINT) and rich
 holds the alternate screen; both are put back on the way out, however it is taken. A
 refresher thread gathers; each confirmed act runs in a thread of its own through the same
-code as ``acp-proxy sessions suspend|close`` and ``tasks cancel``; a self-pipe wakes the
-loop when a key, a snapshot, an outcome or a resize arrives.
+code as ``acp-proxy sessions suspend|close`` and ``tasks cancel``, or (an answer to a waiting
+request) as ``answer_permission`` to the control socket of the proxy it waits in; a self-pipe
+wakes the loop when a key, a snapshot, an outcome or a resize arrives.
 
 Only the loop's own thread decides when the view ends, and it waits for no other: ``q``,
 Ctrl-C, SIGTERM and a hang-up end it at once, whatever a gather or an act is waiting on.
@@ -29,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Final, TextIO
+from typing import Any, Final, TextIO
 
 from rich.console import Console
 from rich.live import Live
@@ -153,6 +154,29 @@ class _Refresher:
             self.gatherer.close()
 
 
+def answer_request(state_dir: Path, act: Pending) -> reports.Acted:
+    """Answer a waiting request (``act.option``, or deny it) through the proxy it waits in; the first
+    answer wins: one already given (by the gateway, an attached client, another operator) is said so."""
+    args: dict[str, Any] = {"request": act.target, "by": f"top, uid {os.getuid()}"}
+    if act.option is None:
+        args["cancel"] = True
+    else:
+        args["optionId"] = act.option
+    try:
+        result = reports.ask(state_dir, act.instance, "answer_permission", args)
+    except reports.OperatorError as exc:
+        return reports.Acted({"request": act.target, "answered": False, "reason": str(exc)}, str(exc), exc.exit_code)
+    outcome = result.get("outcome")
+    chosen = outcome.get("optionId") if isinstance(outcome, dict) else None
+    if isinstance(chosen, str):
+        message = f"request {act.target} answered {chosen}"
+    elif isinstance(outcome, dict) and outcome.get("outcome") == "cancelled":
+        message = f"request {act.target} denied (answered cancelled)"
+    else:
+        message = f"request {act.target} answered"
+    return reports.Acted({"answered": True, **result}, message, 0)
+
+
 class _Acting:
     """One confirmed act, done in a thread of its own (a cancel may wait for the agent for seconds)."""
 
@@ -165,7 +189,9 @@ class _Acting:
 
     def _run(self, state_dir: Path, act: Pending, wakeup: _Wakeup) -> None:
         try:
-            if act.action == "cancel":
+            if act.action == "answer":
+                done = answer_request(state_dir, act)
+            elif act.action == "cancel":
                 done = reports.cancel_turn(state_dir, act.target, wait=True)
             else:
                 done = reports.act_on_session(state_dir, act.target, action=act.action)

@@ -3,6 +3,11 @@
 ``render(snapshot, view, width, height)`` is the screen, fitted to the terminal;
 ``on_key(view, snapshot, key)`` is the next view state and the act a key confirms.
 ``print_plain`` is the same snapshot as plain tables, for a pipe.
+
+Keys act on the selected row of their list, whichever list has the focus (the focus only says
+which list ``↑↓`` moves in): ``s`` and ``c`` on the selected session, ``x`` on the selected turn,
+``1``..``9`` and ``d`` on the selected request waiting for an answer (its option of that number,
+or its denial: the request answered ``cancelled``). Every act waits for ``y``.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from rich.text import Text
 
 from acp_proxy import timings
 from acp_proxy.operator import reports
-from acp_proxy.operator.top.snapshot import Snapshot
+from acp_proxy.operator.top.snapshot import Snapshot, WaitingRow
+from acp_proxy.protocol.methods import Method
 from acp_proxy.tasks.status import TaskStatus
 
-Action = Literal["suspend", "close", "cancel"]
+Action = Literal["suspend", "close", "cancel", "answer"]
+
+PERMISSION: Final = Method.REQUEST_PERMISSION
+"""The only method whose requests an operator may answer (an elicitation's answer is a client's)."""
 
 
 # --- the view state and the keys (pure) --------------------------------------------------------
@@ -30,6 +39,7 @@ Action = Literal["suspend", "close", "cancel"]
 class Focus(enum.StrEnum):
     SESSIONS = "sessions"
     TURNS = "turns"
+    WAITING = "waiting"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +48,22 @@ class Pending:
 
     action: Action
     target: str
-    """The session id (``suspend``, ``close``) or the task id (``cancel``)."""
+    """The session id (``suspend``, ``close``), the task id (``cancel``) or the waiting request's key (``answer``)."""
+    instance: str | None = None
+    """``answer``: the proxy the request waits in."""
+    option: str | None = None
+    """``answer``: the option chosen; ``None``: the request denied (answered ``cancelled``)."""
+    name: str | None = None
+    """``answer``: the option's name, printable, to confirm it by."""
 
     def describe(self) -> str:
+        if self.action == "answer":
+            request = short_id(self.target, 24)
+            if self.option is None:
+                return f"deny request {request}"
+            option = _short(reports.printable(self.option), 24)
+            named = f" ({_short(self.name, 24)})" if self.name and self.name != self.option else ""
+            return f"answer {option}{named} to request {request}"
         what = "turn" if self.action == "cancel" else "session"
         return f"{self.action} {what} {short_id(self.target, 24)}"
 
@@ -51,6 +74,8 @@ class ViewState:
     session: str | None = None
     """The selected session's id; ``None``, or an id no longer listed: the first row."""
     turn: str | None = None
+    request: str | None = None
+    """The selected waiting request's key; ``None``, or a key no longer listed: the first (oldest)."""
     pending: Pending | None = None
     """Asked for, waiting for y/n."""
     working: Pending | None = None
@@ -84,9 +109,48 @@ def selected_turn(snapshot: Snapshot, view: ViewState) -> str | None:
     return None if index is None else ids[index]
 
 
+def selected_request(snapshot: Snapshot, view: ViewState) -> WaitingRow | None:
+    index = selected_index([w.request for w in snapshot.waiting], view.request)
+    return None if index is None else snapshot.waiting[index]
+
+
+def focus_of(view: ViewState, snapshot: Snapshot) -> Focus:
+    """The list that has the focus: the waiting requests' only while any are listed (their pane is only shown then)."""
+    return Focus.SESSIONS if view.focus is Focus.WAITING and not snapshot.waiting else view.focus
+
+
+def _focusable(snapshot: Snapshot) -> list[Focus]:
+    """The lists Tab goes through, in the order they are drawn."""
+    return ([Focus.WAITING] if snapshot.waiting else []) + [Focus.SESSIONS, Focus.TURNS]
+
+
 def _moved(ids: Sequence[str], selected: str | None, by: int) -> str | None:
     index = selected_index(ids, selected)
     return None if index is None else ids[max(0, min(len(ids) - 1, index + by))]
+
+
+_OPTION_KEYS: Final = frozenset("123456789")
+"""The keys that choose a waiting request's option, by its number."""
+
+
+def _answer(view: ViewState, snapshot: Snapshot, key: str) -> Step:
+    """``1``..``9``: that option of the selected waiting request; ``d``: deny it. Both wait for ``y``."""
+    waiting = selected_request(snapshot, view)
+    if waiting is None:
+        return Step(replace(view, message="no request is waiting for an answer", failed=True))
+    if waiting.method != PERMISSION:
+        message = f"{waiting.method} is answered by a client, not here"
+        return Step(replace(view, message=message, failed=True))
+    if key == "d":
+        return Step(replace(view, pending=Pending("answer", waiting.request, waiting.instance), message=None))
+    number = int(key)
+    if number > len(waiting.options):
+        offered = f"options 1-{len(waiting.options)}" if waiting.options else "no options"
+        message = f"request {short_id(waiting.request, 24)} has {offered}"
+        return Step(replace(view, message=message, failed=True))
+    option = waiting.options[number - 1]
+    act = Pending("answer", waiting.request, waiting.instance, option.option_id, option.name)
+    return Step(replace(view, pending=act, message=None))
 
 
 def on_key(view: ViewState, snapshot: Snapshot, key: str) -> Step:
@@ -99,16 +163,23 @@ def on_key(view: ViewState, snapshot: Snapshot, key: str) -> Step:
         return Step(view)
     if key == "q":
         return Step(view, quit=True)
+    focus = focus_of(view, snapshot)
     if key in ("up", "k", "down", "j"):
         by = -1 if key in ("up", "k") else 1
-        if view.focus is Focus.SESSIONS:
+        if focus is Focus.SESSIONS:
             return Step(replace(view, session=_moved([s.session_id for s in snapshot.sessions], view.session, by)))
+        if focus is Focus.WAITING:
+            return Step(replace(view, request=_moved([w.request for w in snapshot.waiting], view.request, by)))
         return Step(replace(view, turn=_moved([t.task_id for t in snapshot.turns], view.turn, by)))
     if key in ("tab", "backtab"):
-        return Step(replace(view, focus=Focus.TURNS if view.focus is Focus.SESSIONS else Focus.SESSIONS))
-    if key in ("s", "c", "x"):
+        order = _focusable(snapshot)
+        step = 1 if key == "tab" else -1
+        return Step(replace(view, focus=order[(order.index(focus) + step) % len(order)]))
+    if key in ("s", "c", "x", "d") or key in _OPTION_KEYS:
         if view.working is not None:
             return Step(replace(view, message=f"wait: still doing {view.working.describe()}", failed=True))
+        if key == "d" or key in _OPTION_KEYS:
+            return _answer(view, snapshot, key)
         if key == "x":
             target = selected_turn(snapshot, view)
             if target is None:
@@ -254,6 +325,8 @@ def _header(snapshot: Snapshot, width: int) -> Text:
 
 
 KEYS_HELP: Final = "↑↓/jk select  Tab list  s suspend  c close  x cancel turn  q quit"
+WAITING_KEYS_HELP: Final = "↑↓/jk select  Tab list  1-9 answer  d deny  s suspend  c close  x cancel  q quit"
+"""The help while requests wait for an answer (the keys that answer them first)."""
 
 
 def _timings_line(snapshot: Snapshot) -> str:
@@ -272,7 +345,7 @@ def _status_line(snapshot: Snapshot, view: ViewState, width: int) -> Text:
         return _line(Text(view.message, style="bold red" if view.failed else "green"), width)
     if snapshot.problem:
         return _line(Text(f"cannot read the install: {snapshot.problem}", style="red"), width)
-    return _line(Text(KEYS_HELP, style="dim"), width)
+    return _line(Text(WAITING_KEYS_HELP if snapshot.waiting else KEYS_HELP, style="dim"), width)
 
 
 def _proxies_table(snapshot: Snapshot, rows: range, width: int) -> Table:
@@ -322,7 +395,7 @@ def _sessions_table(snapshot: Snapshot, view: ViewState, rows: range, width: int
     columns.append(Column("TITLE", ratio=1))
     table = _table(width, columns)
     selected = selected_index([s.session_id for s in snapshot.sessions], view.session)
-    focused = view.focus is Focus.SESSIONS
+    focused = focus_of(view, snapshot) is Focus.SESSIONS
     for index in rows:
         session = snapshot.sessions[index]
         state = "busy" if session.busy and session.state == "live" else session.state
@@ -358,7 +431,7 @@ def _turns_table(snapshot: Snapshot, view: ViewState, rows: range, width: int) -
     ]
     table = _table(width, columns)
     selected = selected_index([t.task_id for t in snapshot.turns], view.turn)
-    focused = view.focus is Focus.TURNS
+    focused = focus_of(view, snapshot) is Focus.TURNS
     for index in rows:
         turn = snapshot.turns[index]
         elapsed = _span(turn.elapsed_seconds) if turn.status == TaskStatus.RUNNING else turn.status
@@ -372,6 +445,55 @@ def _turns_table(snapshot: Snapshot, view: ViewState, rows: range, width: int) -
             turn.last_text,
         ]
         style = ("reverse" if focused else "underline") if index == selected else ""
+        table.add_row(*cells, style=style)
+    return table
+
+
+def asks(waiting: WaitingRow) -> str:
+    """What a waiting request asks: its subject (a permission's tool call), else its method."""
+    if waiting.method == PERMISSION:
+        return waiting.subject or waiting.method
+    return f"{waiting.method}: {waiting.subject}" if waiting.subject else waiting.method
+
+
+def options_line(waiting: WaitingRow) -> str:
+    """``1 Allow  2 Reject``: the options the keys 1..9 choose (named, else by their id)."""
+    if waiting.method != PERMISSION:
+        return "answered by a client"
+    shown = [
+        f"{number} {option.name or reports.printable(option.option_id)}"
+        for number, option in enumerate(waiting.options[:9], start=1)
+    ]
+    if len(waiting.options) > 9:
+        shown.append(f"+{len(waiting.options) - 9} more")
+    return "  ".join(shown) or "no options"
+
+
+def _waiting_table(snapshot: Snapshot, view: ViewState, rows: range, width: int) -> Table:
+    wide = width >= 100
+    id_width = 24 if wide else 14
+    columns = [
+        Column("", width=1),
+        Column("AGE", width=6),
+        Column("SESSION", width=id_width),
+    ]
+    if wide:
+        columns.append(Column("REQUEST", width=12))
+    columns += [Column("ASKS", ratio=1), Column("OPTIONS", ratio=1)]
+    table = _table(width, columns)
+    selected = selected_index([w.request for w in snapshot.waiting], view.request)
+    focused = focus_of(view, snapshot) is Focus.WAITING
+    for index in rows:
+        waiting = snapshot.waiting[index]
+        cells = [
+            ">" if index == selected else "",
+            _span(waiting.waiting_seconds),
+            short_id(waiting.session_id, id_width),
+        ]
+        if wide:
+            cells.append(short_id(waiting.request, 12))
+        cells += [asks(waiting), options_line(waiting)]
+        style = ("reverse" if focused else "underline") if index == selected else "yellow"
         table.add_row(*cells, style=style)
     return table
 
@@ -398,15 +520,19 @@ def _events_table(snapshot: Snapshot, rows: range, width: int) -> Table:
     return table
 
 
+WAITING_ROWS: Final = 5
+"""Rows the waiting requests' pane takes at most (it scrolls to the selected one)."""
 _BAD_EVENTS: Final = frozenset({"crashed", "spawn_failed", "start_timeout", "unverifiable", "leftovers_killed"})
 
 
 def render(snapshot: Snapshot, view: ViewState, width: int, height: int) -> RenderableType:
     """The screen for ``snapshot`` and ``view``: at most ``height`` lines, none wider than ``width``.
 
-    Sessions and running turns come first; proxies next; recent events take what is left
-    and are the first panel dropped on a short terminal. Narrow terminals lose the less
-    useful columns (a proxy's session and turn counts, a session's proxy, an event's backend).
+    Requests waiting for an answer (their pane is drawn only while there are any, on top, a
+    few rows at most) come first; sessions and running turns next; then proxies; recent events
+    take what is left and are the first panel dropped on a short terminal. Narrow terminals lose
+    the less useful columns (a proxy's session and turn counts, a session's proxy, a waiting
+    request's key, an event's backend).
     """
     width, height = max(20, width), max(3, height)
     parts: list[RenderableType] = [_header(snapshot, width)]
@@ -423,27 +549,36 @@ def render(snapshot: Snapshot, view: ViewState, width: int, height: int) -> Rend
         _Panel("proxies", len(snapshot.proxies), 1),
         _Panel("events", len(snapshot.events), 3),
     ]
-    rows = allot(height - len(parts) - 1, panels, ("turns", "proxies", "sessions", "events"))
+    if snapshot.waiting:
+        panels.insert(0, _Panel("waiting", min(len(snapshot.waiting), WAITING_ROWS), 1))
+    order = ("waiting", "turns", "proxies", "sessions", "events")
+    rows = allot(height - len(parts) - 1, panels, order)
+    focus = focus_of(view, snapshot)
     session_index = selected_index([s.session_id for s in snapshot.sessions], view.session)
     turn_index = selected_index([t.task_id for t in snapshot.turns], view.turn)
+    request_index = selected_index([w.request for w in snapshot.waiting], view.request)
     windows = {
+        "waiting": _window(len(snapshot.waiting), rows.get("waiting", 0), request_index),
         "proxies": range(rows.get("proxies", 0)),
         "sessions": _window(len(snapshot.sessions), rows.get("sessions", 0), session_index),
         "turns": _window(len(snapshot.turns), rows.get("turns", 0), turn_index),
         "events": range(rows.get("events", 0)),
     }
-    for name in ("proxies", "sessions", "turns", "events"):
+    for name in ("waiting", "proxies", "sessions", "turns", "events"):
         if name not in rows:
             continue
         shown = windows[name]
-        if name == "proxies":
+        if name == "waiting":
+            parts.append(_title("WAITING FOR AN ANSWER", len(snapshot.waiting), shown, width, focus is Focus.WAITING))
+            body: RenderableType = _waiting_table(snapshot, view, shown, width)
+        elif name == "proxies":
             parts.append(_title("PROXIES", len(snapshot.proxies), shown, width))
-            body: RenderableType = _proxies_table(snapshot, shown, width)
+            body = _proxies_table(snapshot, shown, width)
         elif name == "sessions":
-            parts.append(_title("SESSIONS", len(snapshot.sessions), shown, width, view.focus is Focus.SESSIONS))
+            parts.append(_title("SESSIONS", len(snapshot.sessions), shown, width, focus is Focus.SESSIONS))
             body = _sessions_table(snapshot, view, shown, width)
         elif name == "turns":
-            parts.append(_title("RUNNING TURNS", len(snapshot.turns), shown, width, view.focus is Focus.TURNS))
+            parts.append(_title("RUNNING TURNS", len(snapshot.turns), shown, width, focus is Focus.TURNS))
             body = _turns_table(snapshot, view, shown, width)
         else:
             parts.append(_title("RECENT EVENTS", len(snapshot.events), shown, width))
@@ -454,6 +589,17 @@ def render(snapshot: Snapshot, view: ViewState, width: int, height: int) -> Rend
 
 
 # --- the one-shot table ----------------------------------------------------------------------
+
+
+def _plain_options(waiting: WaitingRow) -> str:
+    """``allow (Allow), reject (Reject)``: each option by its id, what ``answer_permission`` names."""
+    if waiting.method != PERMISSION:
+        return "answered by a client"
+    shown = [
+        option.option_id + (f" ({option.name})" if option.name and option.name != option.option_id else "")
+        for option in waiting.options
+    ]
+    return ", ".join(shown) or "-"
 
 
 def print_plain(snapshot: Snapshot, out: TextIO) -> None:
@@ -472,7 +618,7 @@ def print_plain(snapshot: Snapshot, out: TextIO) -> None:
     sections: list[tuple[str, Sequence[str], list[Sequence[object]]]] = [
         (
             "proxies",
-            ("PROXY", "PID", "UP", "LOOP", "LIVE", "SESSIONS", "TURNS", "NOTE"),
+            ("PROXY", "PID", "UP", "LOOP", "LIVE", "SESSIONS", "TURNS", "CLIENTS", "NOTE"),
             [
                 (
                     p.instance,
@@ -482,6 +628,7 @@ def print_plain(snapshot: Snapshot, out: TextIO) -> None:
                     p.live,
                     p.sessions,
                     p.turns,
+                    p.attached_clients,
                     p.problem or "",
                 )
                 for p in snapshot.proxies
@@ -517,6 +664,22 @@ def print_plain(snapshot: Snapshot, out: TextIO) -> None:
                     _short(t.last_text, 60),
                 )
                 for t in snapshot.turns
+            ],
+        ),
+        (
+            "requests waiting for an answer",
+            ("REQUEST", "AGE", "SESSION", "PROXY", "ASKS", "OPTIONS", "SENT TO"),
+            [
+                (
+                    w.request,
+                    _span(w.waiting_seconds),
+                    w.session_id,
+                    w.instance,
+                    _short(asks(w), 50),
+                    _plain_options(w),
+                    ", ".join(w.sent_to) or "-",
+                )
+                for w in snapshot.waiting
             ],
         ),
         (

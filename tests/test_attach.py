@@ -1,0 +1,298 @@
+"""Shared sessions: ``session/attach`` to a session another proxy of the install holds.
+
+A gateway opens a session through its own proxy (the holder); other clients attach to it
+through proxies of their own (stdio gateways of the same user here, ``serve`` clients in
+``test_attach_remote.py``). Real processes on both anyio backends; every message the holder's
+gateway gets is checked against the ACP schema, and nothing a test started may outlive it.
+The attached clients speak the draft's extension (``permission_resolved`` and the like are not
+in the v1 schema), so theirs is not checked.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.support import Gateway, adapter_calls, survivors, write_config
+
+pytestmark = pytest.mark.anyio
+
+
+def allow(request: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request["id"], "result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+
+
+def texts(messages: list[dict[str, Any]]) -> list[str]:
+    return [
+        m["params"]["update"]["content"]["text"]
+        for m in messages
+        if m.get("method") == "session/update" and m["params"]["update"].get("sessionUpdate") == "agent_message_chunk"
+    ]
+
+
+def config(tmp_path: Path, **attach: Any) -> Path:
+    path = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": {"store": str(tmp_path / "store")}})
+    if attach:
+        with path.open("a") as out:
+            out.write("[attach]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in attach.items()))
+    return path
+
+
+@asynccontextmanager
+async def holder(env: dict[str, str], tmp_path: Path, cfg: Path) -> AsyncIterator[tuple[Gateway, str]]:
+    """A gateway with a session open: the session's holder."""
+    async with Gateway.start(env, tmp_path, proxy_args=["--config", str(cfg)], store=str(tmp_path / "store")) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        yield gw, session
+
+
+@asynccontextmanager
+async def client(env: dict[str, str], tmp_path: Path, cfg: Path) -> AsyncIterator[Gateway]:
+    """Another gateway of the same user, through a proxy of its own: to attach with."""
+    async with Gateway.start(env, tmp_path, proxy_args=["--config", str(cfg)], store=str(tmp_path / "store")) as gw:
+        gw.observers.remove(gw._conform)  # it speaks the draft's extension
+        await gw.initialize()
+        yield gw
+
+
+async def attach(gw: Gateway, session: str, role: str = "controller", history: str = "full", name: str = "dash") -> Any:
+    return await gw.request(
+        "session/attach",
+        {"sessionId": session, "role": role, "historyPolicy": history, "clientInfo": {"name": name, "version": "1"}},
+    )
+
+
+async def test_attach_is_advertised(proc_env: dict[str, str], tmp_path: Path) -> None:
+    async with Gateway.start(proc_env, tmp_path) as gw:
+        answer = await gw.initialize()
+        caps = answer["result"]["agentCapabilities"]["sessionCapabilities"]
+        assert caps["attach"] == {"roles": ["controller", "observer"]}
+
+
+async def test_controller_and_observer_follow_a_stdio_session(proc_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    async with holder(proc_env, tmp_path, cfg) as (gw, session):
+        first = await gw.prompt(session, "stream 3")
+        assert first["result"]["stopReason"] == "end_turn"
+        async with client(proc_env, tmp_path, cfg) as watcher, client(proc_env, tmp_path, cfg) as boss:
+            seen = await attach(watcher, session, role="observer", name="watcher")
+            assert seen["result"]["role"] == "observer"
+            assert [h["type"] for h in seen["result"]["history"]] == ["prompt"]
+            replayed = texts(watcher.take_updates(session))
+            assert replayed == texts(gw.take_updates(session))
+            assert len(replayed) == 3
+            taken = await attach(boss, session, name="boss")
+            assert taken["result"]["role"] == "controller"
+            assert {c["name"] for c in taken["result"]["connectedClients"]} >= {"the gateway", "watcher"}
+            boss.take_updates(session)
+
+            second = await gw.prompt(session, "stream 4")
+            assert second["result"]["stopReason"] == "end_turn"
+            live = texts(gw.take_updates(session))
+            with anyio.fail_after(10):
+                while len(texts(watcher.stashed("session/update"))) < len(live):
+                    await anyio.sleep(0.02)
+            assert texts(watcher.take_updates(session)) == live
+
+            refused = await watcher.request(
+                "session/prompt", {"sessionId": session, "prompt": [{"type": "text", "text": "hi"}]}
+            )
+            assert refused["error"]["code"] == -32002
+            assert refused["error"]["data"]["reason"] == "observer"
+
+            by_boss = await boss.request(
+                "session/prompt", {"sessionId": session, "prompt": [{"type": "text", "text": "stream 2"}]}
+            )
+            assert by_boss["result"]["stopReason"] == "end_turn"
+            assert len(texts(gw.take_updates(session))) == 2  # the gateway sees the other controller's turn
+
+            detached = await boss.request("session/detach", {"sessionId": session})
+            assert detached.get("result") == {"sessionId": session, "status": "detached"}, detached
+            gone = await watcher.expect(
+                lambda m: (
+                    m.get("method") == "session/update" and m["params"]["update"].get("type") == "client_disconnected"
+                )
+            )
+            assert gone["params"]["update"]["client"]["name"] == "boss"
+        third = await gw.prompt(session, "stream 1")  # detach is not close
+        assert third["result"]["stopReason"] == "end_turn"
+
+
+async def test_first_answer_wins(proc_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as boss:
+        await attach(boss, session, history="none", name="phone")
+        prompt_id = gw.new_id()
+        await gw.send(
+            {
+                "jsonrpc": "2.0",
+                "id": prompt_id,
+                "method": "session/prompt",
+                "params": {"sessionId": session, "prompt": [{"type": "text", "text": "permission"}]},
+            }
+        )
+        asked_gateway = await gw.expect(lambda m: m.get("method") == "session/request_permission")
+        asked_boss = await boss.expect(lambda m: m.get("method") == "session/request_permission")
+        assert asked_boss["params"] == asked_gateway["params"]
+        await boss.send(allow(asked_boss))
+        withdrawn = await gw.expect(lambda m: m.get("method") == "$/cancel_request")
+        assert withdrawn["params"]["requestId"] == asked_gateway["id"]
+        done = await gw.response_to(prompt_id)
+        assert done["result"]["stopReason"] == "end_turn"
+        assert "permission granted" in texts(gw.take_updates(session))
+        await gw.send(allow(asked_gateway))  # too late: the agent has its answer
+        resolved = await boss.expect(
+            lambda m: m.get("method") == "session/update" and m["params"]["update"].get("type") == "permission_resolved"
+        )
+        update = resolved["params"]["update"]
+        assert update["chosenOptionId"] == "allow"
+        assert update["resolvedBy"]["name"].startswith("phone")
+        await gw.prompt(session, "stream 1")
+        answers = [json.loads(e["in"]) for e in gw.adapter_record() if '"outcome"' in e.get("in", "")]
+        assert len(answers) == 1  # the agent got one answer, the first
+
+
+async def prompt_in_flight(gw: Gateway, session: str, text: str) -> int:
+    request_id = gw.new_id()
+    params = {"sessionId": session, "prompt": [{"type": "text", "text": text}]}
+    await gw.send({"jsonrpc": "2.0", "id": request_id, "method": "session/prompt", "params": params})
+    return request_id
+
+
+def is_update(kind: str) -> Any:
+    return lambda m: m.get("method") == "session/update" and m["params"]["update"].get("type") == kind
+
+
+async def test_pending_only_gets_what_waits_and_none_gets_only_what_comes(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    cfg = config(tmp_path)
+    async with holder(proc_env, tmp_path, cfg) as (gw, session):
+        await gw.prompt(session, "stream 2")
+        asking = await prompt_in_flight(gw, session, "permission")
+        asked = await gw.expect(lambda m: m.get("method") == "session/request_permission")
+        async with client(proc_env, tmp_path, cfg) as phone, client(proc_env, tmp_path, cfg) as logger:
+            pending = await attach(phone, session, history="pending_only", name="phone")
+            [item] = pending["result"]["history"]
+            assert item["type"] == "permission_request"
+            assert item["status"] == "pending"
+            assert item["toolCallId"] == asked["params"]["toolCall"]["toolCallId"]
+            assert phone.stashed("session/update") == []  # no replay
+            quiet = await attach(logger, session, role="observer", history="none", name="logger")
+            assert "history" not in quiet["result"]
+            copy = await phone.expect(lambda m: m.get("method") == "session/request_permission")
+            assert copy["params"] == asked["params"]
+            await phone.send(allow(copy))
+            assert (await gw.response_to(asking))["result"]["stopReason"] == "end_turn"
+            withdrawn = await gw.expect(lambda m: m.get("method") == "$/cancel_request")
+            assert withdrawn["params"]["requestId"] == asked["id"]
+            await logger.expect(is_update("permission_resolved"))
+            with anyio.fail_after(10):
+                while "permission granted" not in texts(logger.stashed("session/update")):
+                    await anyio.sleep(0.02)
+            assert texts(logger.take_updates(session)) == ["permission granted"]  # nothing from before
+
+
+async def test_prompts_of_several_controllers_take_turns(proc_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as boss:
+        await attach(boss, session, history="none", name="boss")
+        first = await prompt_in_flight(gw, session, "trickle 1")
+        await gw.expect(lambda m: m.get("method") == "session/update")
+        by_boss = boss.new_id()
+        await boss.send(
+            {
+                "jsonrpc": "2.0",
+                "id": by_boss,
+                "method": "session/prompt",
+                "params": {"sessionId": session, "prompt": [{"type": "text", "text": "stream 1"}]},
+            }
+        )
+        third = await prompt_in_flight(gw, session, "stream 1")
+        assert (await gw.response_to(first))["result"]["stopReason"] == "end_turn"
+        assert (await boss.response_to(by_boss))["result"]["stopReason"] == "end_turn"
+        assert (await gw.response_to(third))["result"]["stopReason"] == "end_turn"
+        record = gw.adapter_record()
+        order = []
+        for entry in record:
+            message = json.loads(entry.get("in") or entry.get("out"))
+            if message.get("method") == "session/prompt":
+                order.append(("sent", message["params"]["prompt"][0]["text"]))
+            elif "result" in message and "stopReason" in (message.get("result") or {}):
+                order.append(("answered", message["result"]["stopReason"]))
+        # one turn at a time, in arrival order: trickle, the other controller's, then the gateway's second
+        assert order == [
+            ("sent", "trickle 1"),
+            ("answered", "end_turn"),
+            ("sent", "stream 1"),
+            ("answered", "end_turn"),
+            ("sent", "stream 1"),
+            ("answered", "end_turn"),
+        ]
+
+
+async def test_a_busy_session_refuses_another_controllers_prompt_when_configured(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    cfg = config(tmp_path, prompts="refuse")
+    async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as boss:
+        await attach(boss, session, history="none", name="boss")
+        running = await prompt_in_flight(gw, session, "trickle 1")
+        await gw.expect(lambda m: m.get("method") == "session/update")
+        refused = await boss.request(
+            "session/prompt", {"sessionId": session, "prompt": [{"type": "text", "text": "stream 1"}]}
+        )
+        assert refused["error"]["data"]["reason"] == "session_busy"
+        assert (await gw.response_to(running))["result"]["stopReason"] == "end_turn"
+        done = await boss.request(
+            "session/prompt", {"sessionId": session, "prompt": [{"type": "text", "text": "stream 1"}]}
+        )
+        assert done["result"]["stopReason"] == "end_turn"
+
+
+async def test_any_controller_cancels_the_turn_an_observer_cannot(proc_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    async with (
+        holder(proc_env, tmp_path, cfg) as (gw, session),
+        client(proc_env, tmp_path, cfg) as boss,
+        client(proc_env, tmp_path, cfg) as watcher,
+    ):
+        await attach(boss, session, history="none", name="boss")
+        await attach(watcher, session, role="observer", history="none", name="watcher")
+        running = await prompt_in_flight(gw, session, "wait_cancel")
+        await watcher.expect(lambda m: m.get("method") == "session/update")
+        await watcher.notify("session/cancel", {"sessionId": session})
+        await anyio.sleep(0.3)
+        assert not [m for m in gw.received if m.get("id") == running and "method" not in m]  # still running
+        await boss.notify("session/cancel", {"sessionId": session})
+        assert (await gw.response_to(running))["result"]["stopReason"] == "cancelled"
+        cancels = adapter_calls(gw, "session/cancel")
+        assert len(cancels) == 1  # the observer's was dropped
+
+
+async def test_a_holder_killed_with_clients_attached(proc_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    async with client(proc_env, tmp_path, cfg) as boss:
+        async with holder(proc_env, tmp_path, cfg) as (gw, session):
+            await attach(boss, session, history="none", name="boss")
+            running = boss.new_id()
+            params = {"sessionId": session, "prompt": [{"type": "text", "text": "wait_cancel"}]}
+            await boss.send({"jsonrpc": "2.0", "id": running, "method": "session/prompt", "params": params})
+            await boss.expect(lambda m: m.get("method") == "session/update")
+            adapter = gw.adapter_record()[-1]["pid"]
+            gw.kill()
+            ended = await boss.expect(is_update("attach_ended"))
+            assert ended["params"]["update"]["reason"] == "holder_gone"
+            failed = await boss.response_to(running)
+            assert failed["error"]["data"]["reason"] == "holder_gone"
+            assert await survivors([adapter]) == []
+        # Not attached any more: the client's own proxy takes the session over, as any proxy of the install would.
+        again = await boss.request("session/prompt", {**params, "prompt": [{"type": "text", "text": "stream 1"}]})
+        assert again["result"]["stopReason"] == "end_turn"
