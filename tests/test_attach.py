@@ -17,11 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
+from acp_proxy.relay.sharing import (
+    Ask,
+    History,
+    Role,
+    history_items,
+    parse_attach,
+    update_line,
+    valid_permission_answer,
+)
+from acp_proxy.sessions.transcript import Entry, EntryKind
 from tests.support import Gateway, adapter_calls, survivors, write_config
-
-pytestmark = pytest.mark.anyio
 
 
 def allow(request: dict[str, Any]) -> dict[str, Any]:
@@ -69,6 +78,7 @@ async def attach(gw: Gateway, session: str, role: str = "controller", history: s
     )
 
 
+@pytest.mark.anyio
 async def test_attach_is_advertised(proc_env: dict[str, str], tmp_path: Path) -> None:
     async with Gateway.start(proc_env, tmp_path) as gw:
         answer = await gw.initialize()
@@ -76,6 +86,7 @@ async def test_attach_is_advertised(proc_env: dict[str, str], tmp_path: Path) ->
         assert caps["attach"] == {"roles": ["controller", "observer"]}
 
 
+@pytest.mark.anyio
 async def test_controller_and_observer_follow_a_stdio_session(proc_env: dict[str, str], tmp_path: Path) -> None:
     cfg = config(tmp_path)
     async with holder(proc_env, tmp_path, cfg) as (gw, session):
@@ -125,6 +136,7 @@ async def test_controller_and_observer_follow_a_stdio_session(proc_env: dict[str
         assert third["result"]["stopReason"] == "end_turn"
 
 
+@pytest.mark.anyio
 async def test_first_answer_wins(proc_env: dict[str, str], tmp_path: Path) -> None:
     cfg = config(tmp_path)
     async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as boss:
@@ -170,6 +182,7 @@ def is_update(kind: str) -> Any:
     return lambda m: m.get("method") == "session/update" and m["params"]["update"].get("type") == kind
 
 
+@pytest.mark.anyio
 async def test_pending_only_gets_what_waits_and_none_gets_only_what_comes(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -200,6 +213,7 @@ async def test_pending_only_gets_what_waits_and_none_gets_only_what_comes(
             assert texts(logger.take_updates(session)) == ["permission granted"]  # nothing from before
 
 
+@pytest.mark.anyio
 async def test_prompts_of_several_controllers_take_turns(proc_env: dict[str, str], tmp_path: Path) -> None:
     cfg = config(tmp_path)
     async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as boss:
@@ -238,6 +252,7 @@ async def test_prompts_of_several_controllers_take_turns(proc_env: dict[str, str
         ]
 
 
+@pytest.mark.anyio
 async def test_a_busy_session_refuses_another_controllers_prompt_when_configured(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -257,6 +272,7 @@ async def test_a_busy_session_refuses_another_controllers_prompt_when_configured
         assert done["result"]["stopReason"] == "end_turn"
 
 
+@pytest.mark.anyio
 async def test_any_controller_cancels_the_turn_an_observer_cannot(proc_env: dict[str, str], tmp_path: Path) -> None:
     cfg = config(tmp_path)
     async with (
@@ -277,6 +293,7 @@ async def test_any_controller_cancels_the_turn_an_observer_cannot(proc_env: dict
         assert len(cancels) == 1  # the observer's was dropped
 
 
+@pytest.mark.anyio
 async def test_a_holder_killed_with_clients_attached(proc_env: dict[str, str], tmp_path: Path) -> None:
     cfg = config(tmp_path)
     async with client(proc_env, tmp_path, cfg) as boss:
@@ -296,3 +313,104 @@ async def test_a_holder_killed_with_clients_attached(proc_env: dict[str, str], t
         # Not attached any more: the client's own proxy takes the session over, as any proxy of the install would.
         again = await boss.request("session/prompt", {**params, "prompt": [{"type": "text", "text": "stream 1"}]})
         assert again["result"]["stopReason"] == "end_turn"
+
+
+# --- the pure parts ---------------------------------------------------------------------------------
+
+OPTIONS = [
+    {"optionId": "allow", "name": "Allow", "kind": "allow_once"},
+    {"optionId": "reject", "name": "No", "kind": None},
+]
+
+
+@pytest.mark.parametrize(
+    ("result", "valid"),
+    [
+        ({"outcome": {"outcome": "selected", "optionId": "allow"}}, True),
+        ({"outcome": {"outcome": "selected", "optionId": "reject"}}, True),
+        ({"outcome": {"outcome": "cancelled"}}, True),
+        ({"outcome": {"outcome": "selected", "optionId": "always"}}, False),  # an option it does not offer
+        ({"outcome": {"outcome": "selected"}}, False),
+        ({"outcome": "allow"}, False),
+        ({}, False),
+        (None, False),
+    ],
+)
+def test_which_answers_to_a_permission_request_are_valid(result: Any, valid: bool) -> None:
+    assert valid_permission_answer(result, OPTIONS) is valid
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        ({"sessionId": "s"}, None),
+        ({"sessionId": "s", "role": "observer", "historyPolicy": "pending_only", "clientInfo": {"name": "x"}}, None),
+        ({"sessionId": "s", "role": "admin"}, "role"),
+        ({"sessionId": "s", "historyPolicy": "some"}, "historyPolicy"),
+        ({"role": "observer"}, "sessionId"),
+        ({"sessionId": 7}, "sessionId"),
+        ({"sessionId": "s", "clientInfo": "me"}, "clientInfo"),
+    ],
+)
+def test_attach_arguments(args: dict[str, Any], problem: str | None) -> None:
+    if problem is None:
+        request = parse_attach(args)
+        assert request.sessionId == "s"
+        assert request.role in (Role.CONTROLLER, Role.OBSERVER)
+        return
+    with pytest.raises(ValueError, match=problem):
+        parse_attach(args)
+
+
+def entry(kind: EntryKind, message: dict[str, Any], by: str | None = None) -> Entry:
+    return Entry(at=1767225600.0, kind=kind.value, message=msgspec.Raw(json.dumps(message).encode()), by=by)
+
+
+def waiting_ask() -> Ask:
+    params = {"sessionId": "s", "toolCall": {"toolCallId": "call-2", "title": "rm"}, "options": OPTIONS}
+    raw = msgspec.Raw(json.dumps(params).encode())
+    return Ask(
+        upstream_id=7,
+        key="abcd1234.7",
+        session_id="s",
+        method="session/request_permission",
+        params=raw,
+        asked_at=1767225601.0,
+        subject="rm",
+        options=OPTIONS,
+    )
+
+
+TRANSCRIPT = [
+    entry(EntryKind.PROMPT, {"sessionId": "s", "prompt": [{"type": "text", "text": "fix it"}]}, "the gateway"),
+    entry(EntryKind.UPDATE, {"jsonrpc": "2.0", "method": "session/update", "params": {"sessionId": "s"}}),
+    entry(
+        EntryKind.ANSWERED,
+        {"request": "abcd1234.3", "toolCallId": "call-1", "outcome": {"outcome": "cancelled"}},
+        "phone",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "types"),
+    [
+        (History.FULL, [("prompt", None), ("permission_request", "resolved"), ("permission_request", "pending")]),
+        (History.PENDING_ONLY, [("permission_request", "pending")]),
+    ],
+)
+def test_the_history_an_attach_answers(policy: History, types: list[tuple[str, str | None]]) -> None:
+    items = history_items(TRANSCRIPT, [waiting_ask()], policy)
+    assert [(i["type"], i.get("status")) for i in items] == types
+    assert items[-1]["toolCallId"] == "call-2"
+    assert items[-1]["request"] == "abcd1234.7"
+    if policy is History.FULL:
+        assert items[0]["content"] == [{"type": "text", "text": "fix it"}]
+        assert items[0]["by"] == "the gateway"
+        assert items[1]["resolvedBy"] == "phone"
+
+
+def test_the_drafts_updates_carry_both_discriminators() -> None:
+    line = json.loads(update_line("s", {"type": "permission_resolved", "toolCallId": "c"}))
+    assert line["method"] == "session/update"
+    assert line["params"]["update"]["type"] == line["params"]["update"]["sessionUpdate"] == "permission_resolved"
