@@ -315,6 +315,38 @@ async def test_a_holder_killed_with_clients_attached(proc_env: dict[str, str], t
         assert again["result"]["stopReason"] == "end_turn"
 
 
+@pytest.mark.anyio
+async def test_the_gateway_sees_nothing_new_unless_it_attaches_itself(proc_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as boss:
+        await attach(boss, session, history="none", name="boss")
+        for turn in range(2):
+            if turn == 1:
+                gw.observers.remove(gw._conform)  # from now on it gets the draft's updates: not in the v1 schema
+                own = await attach(gw, session, history="full", name="editor")
+                assert own["result"]["role"] == "controller"
+                assert [c["name"] for c in own["result"]["connectedClients"]] == ["boss"]
+                assert [(h["type"], h.get("status")) for h in own["result"]["history"]] == [
+                    ("prompt", None),  # permission
+                    ("permission_request", "resolved"),
+                    ("prompt", None),  # stream 1
+                ]
+            asking = await prompt_in_flight(gw, session, "permission")
+            asked = await gw.expect(lambda m: m.get("method") == "session/request_permission")
+            await boss.send(allow(await boss.expect(lambda m: m.get("method") == "session/request_permission")))
+            assert (await gw.response_to(asking))["result"]["stopReason"] == "end_turn"
+            assert (await gw.expect(lambda m: m.get("method") == "$/cancel_request"))["params"]["requestId"] == asked[
+                "id"
+            ]
+            await boss.expect(is_update("permission_resolved"))
+            await gw.prompt(session, "stream 1")
+            told = [
+                m for m in gw.stashed("session/update") if m["params"]["update"].get("type") == "permission_resolved"
+            ]
+            assert len(told) == turn  # nothing new before it attached itself, the resolution after
+            gw.clear_stash()
+
+
 # --- the pure parts ---------------------------------------------------------------------------------
 
 OPTIONS = [

@@ -32,7 +32,7 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, Message, RequestId
 from acp_proxy.protocol.methods import Method
-from acp_proxy.relay.sharing import History, Sharing, parse_attach, update_line
+from acp_proxy.relay.sharing import History, Sharing, history_items, parse_attach, update_line
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.sockets import addressable, socket_path
@@ -158,10 +158,17 @@ class Links:
         return dict(info) if isinstance(info, dict) else {}
 
     async def _attach_own(self, msg: Message, session_id: str, policy: History) -> None:
-        """The gateway attaches to a session of its own: it is its controller already."""
-        result: dict[str, Any] = {"sessionId": session_id, "role": "controller", "connectedClients": []}
+        """The gateway attaches to a session of its own: it is its controller already, and asks for the
+        draft's updates (``permission_resolved``, ``client_disconnected``) from now on. Nothing is
+        replayed: it saw it."""
+        share = self.sharing.shares.get(session_id)
+        others = [a.info for a in share.attachments.values()] if share is not None else []
+        result: dict[str, Any] = {"sessionId": session_id, "role": "controller", "connectedClients": others}
         if policy is not History.NONE:
-            result["history"] = []
+            asks = [ask for ask in self.sharing.asks.values() if ask.session_id == session_id]
+            entries = await self.sharing.transcripts.read_then(session_id, lambda found: found)
+            result["history"] = history_items(entries, asks, policy)
+        self.sharing.gateway_attached(session_id)
         await self.writer.answer(msg.id, result)
 
     async def _connect(self, holder: str, session_id: str, args: dict[str, Any]) -> tuple[Link, dict[str, Any]]:

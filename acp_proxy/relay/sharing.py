@@ -328,6 +328,8 @@ class Sharing:
         """``$/cancel_request`` for a request of an attached client's already with the adapter."""
         self.shares: dict[str, Share] = {}
         self.asks: dict[int, Ask] = {}
+        self.gateway_notices: set[str] = set()
+        """Sessions whose gateway attached to them itself: it asked for the draft's updates."""
         self.gateway_prompts: dict[tuple[type, object], tuple[str, str]] = {}
         """The gateway's prompts taking turns on a shared session: its id's key -> (session, the id served under)."""
         self._numbers = 0
@@ -417,7 +419,7 @@ class Sharing:
         resolved = {"request": ask.key, "toolCallId": _tool_call_id(ask.params), "outcome": outcome}
         self.transcripts.record(ask.session_id, EntryKind.ANSWERED, msgspec.json.encode(resolved), by)
         share = self.shares.get(ask.session_id)
-        if share is not None and share.attachments:
+        if (share is not None and share.attachments) or ask.session_id in self.gateway_notices:
             notice = update_line(
                 ask.session_id,
                 {
@@ -429,8 +431,7 @@ class Sharing:
                     "resolvedBy": {"name": by},
                 },
             )
-            for attachment in list(share.attachments.values()):
-                attachment.put(notice)
+            self._tell(ask.session_id, notice)
         if not from_gateway and self.journal is not None:
             self.journal.record(
                 journal.Kind.ANSWERED_ELSEWHERE,
@@ -813,13 +814,24 @@ class Sharing:
                 "timestamp": _timestamp(time.time()),
             },
         )
-        for other in list(share.attachments.values()):
-            other.put(notice)
+        self._tell(share.session_id, notice)
         if self.journal is not None:
             self.journal.record(
                 journal.Kind.DETACHED, session_id=share.session_id, label=why, detail=f"{attachment.label} ({why})"
             )
         self._forget_if_idle(share)
+
+    def _tell(self, session_id: str, notice: bytes) -> None:
+        """One of the draft's updates: to every attached client, and to the gateway if it asked for them."""
+        share = self.shares.get(session_id)
+        for attachment in list(share.attachments.values()) if share is not None else ():
+            attachment.put(notice)
+        if session_id in self.gateway_notices:
+            self.background.start(lambda: self.writer.send(notice))
+
+    def gateway_attached(self, session_id: str) -> None:
+        """The gateway attached to its own session: from now on it gets the draft's updates too."""
+        self.gateway_notices.add(session_id)
 
     def _forget_if_idle(self, share: Share) -> None:
         if not share.attachments and not share.lane and self.shares.get(share.session_id) is share:
