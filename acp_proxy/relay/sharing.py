@@ -608,7 +608,7 @@ class Sharing:
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await stream.send(_control_error(request_id, code, str(exc)))
             return
-        why = "detached"
+        why = "holder_stopping"  # unless the client detaches or goes first
         try:
             try:
                 await self.transcripts.read_then(

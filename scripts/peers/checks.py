@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-from . import acpx_checks, install_checks, matrix, raw_checks, remote_checks, sdk_checks, session_checks
+from . import acpx_checks, attach_checks, install_checks, matrix, raw_checks, remote_checks, sdk_checks, session_checks
 from .adapters import ADAPTERS, POOL_ADAPTERS
 from .harness import Peers
 from .report import CheckFailed
@@ -55,5 +55,7 @@ CHECKS: tuple[Check, ...] = (
     *each_adapter("install-acpx", install_checks.install_acpx, POOL_ADAPTERS),
     Check("remote-acpx-echo", remote_checks.remote_acpx_echo),
     *each_adapter("remote-acpx", remote_checks.remote_acpx_adapter, POOL_ADAPTERS),
+    Check("attach-echo", attach_checks.attach_echo),
+    *each_adapter("attach", attach_checks.attach_adapter, POOL_ADAPTERS),
     *each_adapter("matrix", matrix.matrix, ADAPTERS),
 )
