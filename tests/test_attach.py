@@ -11,6 +11,7 @@ in the v1 schema), so theirs is not checked.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +31,7 @@ from acp_proxy.relay.sharing import (
     valid_permission_answer,
 )
 from acp_proxy.sessions.transcript import Entry, EntryKind
-from tests.support import Gateway, adapter_calls, survivors, write_config
+from tests.support import Gateway, adapter_calls, cli, survivors, write_config
 
 
 def allow(request: dict[str, Any]) -> dict[str, Any]:
@@ -169,6 +170,13 @@ async def test_first_answer_wins(proc_env: dict[str, str], tmp_path: Path) -> No
         await gw.prompt(session, "stream 1")
         answers = [json.loads(e["in"]) for e in gw.adapter_record() if '"outcome"' in e.get("in", "")]
         assert len(answers) == 1  # the agent got one answer, the first
+        answered = re.compile(
+            r'acp_proxy_answered_elsewhere_total\{backend="\w+",method="session/request_permission"\} 1\.0'
+        )
+        with anyio.fail_after(10):  # counted (the journal's writes are queued)
+            while not answered.search(metrics := (await cli(proc_env, "metrics"))[1]):
+                await anyio.sleep(0.2)
+        assert re.search(r'acp_proxy_attaches_total\{backend="\w+",role="controller"\} 1\.0', metrics)
 
 
 async def prompt_in_flight(gw: Gateway, session: str, text: str) -> int:

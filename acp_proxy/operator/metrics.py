@@ -94,6 +94,13 @@ COUNTED: Final[Mapping[journal.Kind, Counted]] = {
     journal.Kind.EVICT_ASKED: Counted(
         "peer_evictions_asked", "Other proxies asked to suspend a session for a slot, by answer", "answer"
     ),
+    journal.Kind.ATTACHED: Counted("attaches", "Clients attached to a live session (session/attach), by role", "role"),
+    journal.Kind.DETACHED: Counted("detaches", "Attached clients that left, by why", "why"),
+    journal.Kind.ANSWERED_ELSEWHERE: Counted(
+        "answered_elsewhere",
+        "Agent requests answered by an attached client or an operator rather than the gateway, by method",
+        "method",
+    ),
 }
 
 

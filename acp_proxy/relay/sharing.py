@@ -435,6 +435,7 @@ class Sharing:
         if not from_gateway and self.journal is not None:
             self.journal.record(
                 journal.Kind.ANSWERED_ELSEWHERE,
+                backend=self._backend(ask.session_id),
                 session_id=ask.session_id,
                 label=ask.method,
                 detail=f"{ask.subject or ask.method}: answered by {by}",
@@ -671,6 +672,7 @@ class Sharing:
         if self.journal is not None:
             self.journal.record(
                 journal.Kind.ATTACHED,
+                backend=self._backend(share.session_id),
                 session_id=share.session_id,
                 label=attachment.role.value,
                 detail=f"{attachment.label} attached as {attachment.role.value} ({request.historyPolicy.value})",
@@ -785,6 +787,7 @@ class Sharing:
         if self.journal is not None:
             self.journal.record(
                 journal.Kind.ATTACHED_PROMPT,
+                backend=self._backend(share.session_id),
                 session_id=share.session_id,
                 label="prompt",
                 detail=f"by {attachment.label}",
@@ -817,9 +820,17 @@ class Sharing:
         self._tell(share.session_id, notice)
         if self.journal is not None:
             self.journal.record(
-                journal.Kind.DETACHED, session_id=share.session_id, label=why, detail=f"{attachment.label} ({why})"
+                journal.Kind.DETACHED,
+                backend=self._backend(share.session_id),
+                session_id=share.session_id,
+                label=why,
+                detail=f"{attachment.label} ({why})",
             )
         self._forget_if_idle(share)
+
+    def _backend(self, session_id: str) -> str | None:
+        session = self.intents.table.get(session_id) if self.intents is not None else None
+        return session.record.backend if session is not None else None
 
     def _tell(self, session_id: str, notice: bytes) -> None:
         """One of the draft's updates: to every attached client, and to the gateway if it asked for them."""
