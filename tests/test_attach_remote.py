@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from acp_proxy.sockets import socket_path
-from tests.remote_kit import WsClient, make_token, serve
+from tests.remote_kit import HttpClient, WsClient, make_token, serve
 from tests.support import TEST_INITIALIZE, Gateway, write_config
 
 pytestmark = pytest.mark.anyio
@@ -108,6 +108,37 @@ async def test_watch_and_approve_a_stdio_session_from_serve_clients(proc_env: di
                 assert denied["error"]["data"]["reason"] == "unknown_session"  # as if it did not exist
         # detach is not close: the gateway goes on
         assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
+
+
+async def test_a_streamable_http_client_approves_from_its_session_stream(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The same over HTTP/2: the attach's answer, the agent's request and the live updates on the session's stream."""
+    store = str(tmp_path / "store")
+    cfg = write_config(tmp_path, pool={"max_live": 4}, backends={"fake": {"store": store}})
+    ops = make_token(proc_env, "ops", "--sees", "all")
+    async with Gateway.start(proc_env, tmp_path, proxy_args=["--config", str(cfg)], store=store) as gw:
+        await gw.initialize()
+        session = await gw.new_session()
+        async with serve(proc_env, cfg) as served, HttpClient.open(served.url, ops) as phone:
+            assert (await phone.initialize()).status_code == 200
+            await phone.open_stream()
+            await phone.open_stream(session)
+            attaching = await phone.request(
+                "session/attach", attach_params(session, "controller", "phone", "none"), session
+            )
+            answer = await phone.wait_for(session, lambda m: m.get("id") == attaching)
+            assert answer["result"]["role"] == "controller"
+            asking = gw.new_id()
+            params = prompt(session, "stream 2; permission")
+            await gw.send({"jsonrpc": "2.0", "id": asking, "method": "session/prompt", "params": params})
+            await gw.expect(lambda m: m.get("method") == "session/request_permission")
+            ask = await phone.wait_for(session, lambda m: m.get("method") == "session/request_permission")
+            reply = {"id": ask["id"], "result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
+            assert (await phone.post(reply, session)).status_code == 202
+            assert (await gw.response_to(asking))["result"]["stopReason"] == "end_turn"
+            await phone.wait_for(session, lambda m: "permission granted" in json.dumps(m))
+            assert chunks(phone.events[session]) == ["chunk 0 ", "chunk 1 "]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a client of another uid needs root (setuid to nobody)")
