@@ -355,6 +355,32 @@ async def test_the_gateway_sees_nothing_new_unless_it_attaches_itself(proc_env: 
             gw.clear_stash()
 
 
+@pytest.mark.anyio
+async def test_bad_attaches_are_answered_and_the_proxy_goes_on(proc_env: dict[str, str], tmp_path: Path) -> None:
+    cfg = config(tmp_path, max_clients=1)
+    async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as other:
+        cases = [
+            ({"sessionId": session, "role": "admin"}, -32602, "invalid_params"),
+            ({"sessionId": session, "historyPolicy": "everything"}, -32602, "invalid_params"),
+            ({"role": "observer"}, -32602, "invalid_params"),
+            ({"sessionId": "no-such-session"}, -32001, "not_live"),
+        ]
+        for params, code, reason in cases:
+            answer = await other.request("session/attach", params)
+            assert answer["error"]["code"] == code, (params, answer)
+            assert answer["error"]["data"]["reason"] == reason
+        assert (await other.request("session/detach", {"sessionId": session}))["error"]["code"] == -32602
+        assert "result" in await attach(other, session, history="none")
+        again = await attach(other, session, history="none")
+        assert again["error"]["code"] == -32600  # attached already, through this proxy
+        async with client(proc_env, tmp_path, cfg) as third:
+            full = await attach(third, session, history="none")
+            assert full["error"]["data"]["reason"] == "too_many_clients"
+        other_session = await other.new_session()
+        assert "result" in await attach(other, other_session, history="none")  # its own: answered at once
+        assert (await gw.prompt(session, "stream 1"))["result"]["stopReason"] == "end_turn"
+
+
 # --- the pure parts ---------------------------------------------------------------------------------
 
 OPTIONS = [

@@ -117,9 +117,9 @@ class ProxyError(Exception):
         return cls(ATTACH_NOT_AUTHORISED, f"Not authorised: an observer cannot send {method}", "observer")
 
     @classmethod
-    def too_many_clients(cls, session_id: str, limit: int) -> ProxyError:
-        message = f"Session {session_id} already has {limit} attached clients ([attach] max_clients)"
-        return cls(ATTACH_NOT_AUTHORISED, message, "too_many_clients", sessionId=session_id)
+    def too_many_clients(cls, session_id: str, why: str) -> ProxyError:
+        """The holder refused another attached client: ``[attach] max_clients``, or its own limit."""
+        return cls(ATTACH_NOT_AUTHORISED, f"Not authorised to attach: {why}", "too_many_clients", sessionId=session_id)
 
     @classmethod
     def attach_forbidden(cls, why: str) -> ProxyError:

@@ -311,6 +311,8 @@ def _refusal(session_id: str, code: str, message: str) -> ProxyError:
         return ProxyError.not_attachable(session_id, message)
     if code == "forbidden":
         return ProxyError.attach_forbidden(message)
+    if code == "too_many_clients":
+        return ProxyError.too_many_clients(session_id, message)
     if code == "invalid_args":
         return ProxyError.invalid_params(message)
     return ProxyError.attach_refused(session_id, f"{message} ({code})")

@@ -106,6 +106,14 @@ def client_label(info: dict[str, Any], who: str) -> str:
     return f"{text} ({who[:80]})" if who else text
 
 
+class AttachRefused(Exception):
+    """An attach the holder will not take: ``code`` for the attaching proxy, the message for people."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class Attachment:
     """One attached client: its role, its outbound queue, its copies of the agent's requests."""
 
@@ -604,8 +612,11 @@ class Sharing:
         try:
             request = parse_attach(args)
             attachment, share = self._admit(request)
-        except (ValueError, LookupError) as exc:
-            code = "unknown_session" if isinstance(exc, LookupError) else "invalid_args"
+        except (ValueError, LookupError, AttachRefused) as exc:
+            if isinstance(exc, AttachRefused):
+                code = exc.code
+            else:
+                code = "unknown_session" if isinstance(exc, LookupError) else "invalid_args"
             with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                 await stream.send(_control_error(request_id, code, str(exc)))
             return
@@ -634,9 +645,10 @@ class Sharing:
             raise LookupError(f"this proxy does not hold session {request.sessionId}")
         share = self.shares.setdefault(request.sessionId, Share(request.sessionId))
         if len(share.attachments) >= self.config.attach.max_clients:
-            raise ValueError(str(ProxyError.too_many_clients(request.sessionId, self.config.attach.max_clients)))
+            limit = self.config.attach.max_clients
+            raise AttachRefused("too_many_clients", f"session {request.sessionId} already has {limit} attached clients")
         if self.attached >= ATTACHMENTS_MAX:
-            raise ValueError(f"this proxy already serves {ATTACHMENTS_MAX} attached clients")
+            raise AttachRefused("too_many_clients", f"this proxy already serves {ATTACHMENTS_MAX} attached clients")
         self._numbers += 1
         attachment = Attachment(self._numbers, request.sessionId, request)
         share.attachments[attachment.number] = attachment  # counted now; its stream starts in _begin
