@@ -137,6 +137,7 @@ async def test_a_waiting_permission_is_told_and_answered_from_the_command_line(
         assert notice["status"] == "waiting"
         assert notice["sessionId"] == session
         assert notice["reason"].startswith("session/request_permission")
+        assert "1 waiting for an answer" in (await cli(proc_env, "status"))[1]
         listed = (await cli_json(proc_env, "permissions", "list"))["requests"]
         assert [r["request"] for r in listed] == [notice["request"]]
         assert [o["optionId"] for o in listed[0]["options"]] == [o["optionId"] for o in asked["params"]["options"]]

@@ -835,6 +835,10 @@ def _print_status(report: dict[str, Any], has_db: bool) -> None:
             )
             if "ownership" in proxy:
                 line += f"  {proxy['ownership']['mode']} mode"
+            if proxy.get("attachedClients"):
+                line += f"  {proxy['attachedClients']} attached"
+            if proxy.get("waiting"):
+                line += f"  {len(proxy['waiting'])} waiting for an answer (acp-proxy permissions list)"
         elif entry.get("controlError"):
             line += f"  ({entry['controlError']})"
         print(line)
