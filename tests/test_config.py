@@ -124,6 +124,13 @@ def test_design_example_is_valid() -> None:
         ),
         ({**GOOD, "trace": {"max_size": "huge"}}, 'trace.max_size: expected a size such as "512M"'),
         ({**GOOD, "trace": {"path": "x"}}, "trace.path: unknown key (expected one of: file, max_size)"),
+        ({**GOOD, "attach": {"prompts": "maybe"}}, 'attach.prompts: expected one of "queue", "refuse", got "maybe"'),
+        ({**GOOD, "attach": {"max_clients": 0}}, "attach.max_clients: expected int >= 1, got 0"),
+        ({**GOOD, "attach": {"transcript_max_bytes": "lots"}}, "attach.transcript_max_bytes: expected a size such as"),
+        (
+            {**GOOD, "attach": {"clients": 3}},
+            "attach.clients: unknown key (expected one of: max_clients, prompts, transcript_max_bytes)",
+        ),
         (
             {**GOOD, "default_backend": "claude"},
             'default_backend: "claude" is not a backend (configured: codex)',
@@ -136,6 +143,14 @@ def test_design_example_is_valid() -> None:
 def test_each_problem_names_its_key_path(doc: dict[str, Any], expected: str) -> None:
     found = problems(doc)
     assert any(p.startswith(expected) for p in found), found
+
+
+def test_the_attach_table() -> None:
+    config = validate({**GOOD, "attach": {"prompts": "refuse", "max_clients": 3, "transcript_max_bytes": 0}})
+    assert (config.attach.prompts, config.attach.max_clients, config.attach.transcript_max_bytes) == ("refuse", 3, 0)
+    defaults = validate(GOOD).attach
+    assert (defaults.prompts, defaults.max_clients, defaults.transcript_max_bytes) == ("queue", 16, 2 * 1024 * 1024)
+    assert validate({**GOOD, "attach": {"transcript_max_bytes": "64K"}}).attach.transcript_max_bytes == 65536
 
 
 def test_all_problems_are_reported_at_once() -> None:
