@@ -81,17 +81,7 @@ def permissions_answer(state_dir: Path, key: str, option: str | None, *, as_json
         matches = [instance_id for instance_id in running(db) if instance_id.startswith(prefix)]
     if len(matches) != 1:
         raise OperatorError(f"no running proxy holds request {key}", EXIT_UNREACHABLE if not matches else EXIT_USAGE)
-    args: dict[str, Any] = {"request": key, "by": f"acp-proxy permissions, uid {os.getuid()}"}
-    if option is None:
-        args["cancel"] = True
-    else:
-        args["optionId"] = option
-    try:
-        result = reports.ask(state_dir, matches[0], "answer_permission", args)
-    except OperatorError as exc:
-        if "not waiting" in str(exc) or "answered first" in str(exc):
-            raise OperatorError(str(exc), EXIT_UNREACHABLE) from None
-        raise
+    result = answer_on(state_dir, matches[0], key, option, by=f"acp-proxy permissions, uid {os.getuid()}")
     if as_json:
         print(json.dumps(result, indent=2))
     else:
@@ -99,6 +89,19 @@ def permissions_answer(state_dir: Path, key: str, option: str | None, *, as_json
         chosen = outcome.get("optionId") if outcome.get("outcome") == "selected" else "cancelled"
         print(f"request {key} answered: {chosen} (session {result.get('sessionId')})")
     return 0
+
+
+def answer_on(state_dir: Path, instance_id: str, key: str, option: str | None, *, by: str) -> dict[str, Any]:
+    """Answer request ``key`` in the proxy ``instance_id`` with ``option`` (``None``: cancelled), as ``by``.
+
+    The first answer wins: one someone gave first is refused (``OperatorError``, exit 1); an option
+    the request does not offer is bad input (exit 2)."""
+    args: dict[str, Any] = {"request": key, "by": by}
+    if option is None:
+        args["cancel"] = True
+    else:
+        args["optionId"] = option
+    return reports.ask(state_dir, instance_id, "answer_permission", args)  # not_waiting: exit 1; invalid_args: 2
 
 
 # --- the transcript ----------------------------------------------------------------------------

@@ -30,13 +30,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import Any, Final, TextIO
+from typing import Final, TextIO
 
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
 from acp_proxy.operator import reports
+from acp_proxy.operator.permissions import answer_on
 from acp_proxy.operator.top.snapshot import Gatherer, Snapshot, snapshot_json
 from acp_proxy.operator.top.view import Pending, ViewState, acted, on_key, print_plain, render
 
@@ -157,13 +158,9 @@ class _Refresher:
 def answer_request(state_dir: Path, act: Pending) -> reports.Acted:
     """Answer a waiting request (``act.option``, or deny it) through the proxy it waits in; the first
     answer wins: one already given (by the gateway, an attached client, another operator) is said so."""
-    args: dict[str, Any] = {"request": act.target, "by": f"top, uid {os.getuid()}"}
-    if act.option is None:
-        args["cancel"] = True
-    else:
-        args["optionId"] = act.option
     try:
-        result = reports.ask(state_dir, act.instance, "answer_permission", args)
+        assert act.instance is not None  # an answer names the proxy its request waits in
+        result = answer_on(state_dir, act.instance, act.target, act.option, by=f"top, uid {os.getuid()}")
     except reports.OperatorError as exc:
         return reports.Acted({"request": act.target, "answered": False, "reason": str(exc)}, str(exc), exc.exit_code)
     outcome = result.get("outcome")
