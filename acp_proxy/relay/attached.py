@@ -30,8 +30,9 @@ from acp_proxy.concurrency import Background
 from acp_proxy.config import Config
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
-from acp_proxy.protocol.jsonrpc import BadLine, Kind, Message, RequestId
+from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
+from acp_proxy.relay.adapters import decoded_lines, is_plain_notification_block
 from acp_proxy.relay.sharing import History, Sharing, history_items, parse_attach, update_line
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.registry import SessionRegistry
@@ -197,47 +198,58 @@ class Links:
     # --- the holder's messages, to the gateway ---------------------------------------------------
 
     async def _pump(self, link: Link) -> None:
+        """The holder's messages to the gateway: a block of plain notifications (the streaming path)
+        as it was read, anything else line by line, its ids mapped."""
+        reader = LineReader(link.reader, self.config.max_line_bytes)  # after what the attach already read
         ended_by_detach = False
         try:
-            while True:
+            while not ended_by_detach:
                 try:
-                    line = await link.reader.receive_until(b"\n", self.config.max_line_bytes)
-                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    batch = await reader.receive_batch()
+                except anyio.EndOfStream:
                     return
-                except anyio.DelimiterNotFound:
-                    log.warning("session %s: the holder sent a line over the limit: link dropped", link.session_id)
-                    return
-                decoded = jsonrpc.decode_line(line)
-                if isinstance(decoded, BadLine):
+                if batch.overlong:
+                    log.warning(
+                        "session %s: the holder sent %d line(s) over the limit: dropped",
+                        link.session_id,
+                        batch.overlong,
+                    )
+                if is_plain_notification_block(batch) and ATTACH_ENDED not in batch.block:
+                    await self.writer.send(batch.block)
                     continue
-                msg, kind = decoded
-                if kind is Kind.REQUEST:
-                    upstream_id = self.new_upstream_id()
-                    link.asks[jsonrpc.id_key(msg.id)] = upstream_id
-                    self.by_upstream[upstream_id] = (link, msg.id)  # type: ignore[assignment]
-                    await self.writer.send(jsonrpc.with_id(msg, upstream_id))
-                elif kind is Kind.NOTIFICATION:
-                    if msg.method == Method.CANCEL_REQUEST:
-                        target = (jsonrpc.decode_object(msg.params) or {}).get("requestId")
-                        upstream = link.asks.pop(jsonrpc.id_key(target), None)
-                        if upstream is not None:
-                            self.by_upstream.pop(upstream, None)
-                            await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream}))
-                    else:
-                        if ATTACH_ENDED in line:
-                            link.told = True  # the holder said why: nothing to add when it goes
-                        await self.writer.send(line + b"\n")
-                else:
-                    gateway_id = link.requests.pop(msg.id, None) if isinstance(msg.id, int) else None
-                    if gateway_id is None:
+                for line, decoded in decoded_lines(batch):
+                    if isinstance(decoded, BadLine):
                         continue
-                    await self.writer.send(jsonrpc.with_id(msg, gateway_id))
-                    if link.detaching == msg.id:
+                    if await self._from_holder(link, line, *decoded):
                         ended_by_detach = True
-                        return
+                        break
         finally:
             with anyio.CancelScope(shield=True):
                 await self._ended(link, ended_by_detach)
+
+    async def _from_holder(self, link: Link, line: bytes, msg: Message, kind: Kind) -> bool:
+        """One message of the holder's, to the gateway; ``True`` once it answered the gateway's detach."""
+        if kind is Kind.REQUEST:
+            upstream_id = self.new_upstream_id()
+            link.asks[jsonrpc.id_key(msg.id)] = upstream_id
+            self.by_upstream[upstream_id] = (link, msg.id)  # type: ignore[assignment]
+            await self.writer.send(jsonrpc.with_id(msg, upstream_id))
+        elif kind is Kind.NOTIFICATION and msg.method == Method.CANCEL_REQUEST:
+            target = (jsonrpc.decode_object(msg.params) or {}).get("requestId")
+            upstream = link.asks.pop(jsonrpc.id_key(target), None)
+            if upstream is not None:
+                self.by_upstream.pop(upstream, None)
+                await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream}))
+        elif kind is Kind.NOTIFICATION:
+            if ATTACH_ENDED in line:
+                link.told = True  # the holder said why: nothing to add when it goes
+            await self.writer.send(line + b"\n")
+        else:
+            gateway_id = link.requests.pop(msg.id, None) if isinstance(msg.id, int) else None
+            if gateway_id is not None:
+                await self.writer.send(jsonrpc.with_id(msg, gateway_id))
+                return link.detaching == msg.id
+        return False
 
     async def _ended(self, link: Link, detached: bool) -> None:
         if self.links.get(link.session_id) is link:

@@ -149,9 +149,12 @@ class Transcripts:
             buffer = self._buffers[session_id] = _Buffer()
         buffer.entries.append((time.time(), kind.value, by, message))
         buffer.size += len(message)
-        if buffer.size > 2 * self.max_bytes:  # a flood between two flushes: the oldest go now
-            while buffer.size > self.max_bytes and len(buffer.entries) > 1:
-                buffer.size -= len(buffer.entries.pop(0)[3])
+        if buffer.size > 2 * self.max_bytes:  # a flood between two flushes: the oldest half goes now
+            dropped = 0
+            while buffer.size > self.max_bytes and dropped < len(buffer.entries) - 1:
+                buffer.size -= len(buffer.entries[dropped][3])
+                dropped += 1
+            del buffer.entries[:dropped]
 
     def forget(self, session_id: str) -> None:
         """The session is deleted: its transcript goes (its rows with the next flush)."""
