@@ -15,6 +15,8 @@
     scripts/bench --only remote    serve over WebSocket and streamable HTTP/2, and acp-proxy connect, against
                                    stdio through the proxy (--quick: 200 turns, 20,000 updates, 50 idle
                                    connections, 10 sessions)
+    scripts/bench --only attach    shared sessions: the transcript on the streaming path, an observer attached,
+                                   a controller's answers (--quick: 100,000 updates, 3 rounds, 50 turns)
     scripts/bench --help           every option (--updates N, --round-trips N, --backends ...)
 
 Each benchmark is a module declaring a ``Section`` (``benchmarks/harness.py``): the
@@ -33,7 +35,10 @@ same work run directly and through the proxy, its figures and its targets.
   session each over ``max_live = 4``, as acpx runs them);
 * ``benchmarks/remote.py``: ``acp-proxy serve`` over WebSocket and streamable HTTP/2
   (turns, streaming, idle connections, sessions) and the ``acp-proxy connect`` bridge,
-  against stdio through the proxy.
+  against stdio through the proxy;
+* ``benchmarks/attach.py``: shared sessions (the transcript's cost on the streaming path, a
+  session's gateway with an observer attached through another proxy, a permission request
+  answered by an attached controller), against the same work without them.
 
 The figures are reported, never
 asserted: a missed target is printed, it does not fail the run. A run fails only
@@ -61,7 +66,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks import install, load, measuring, ownership, remote, sessions, streaming, tasks
+from benchmarks import attach, install, load, measuring, ownership, remote, sessions, streaming, tasks
 from benchmarks.common import ROOT
 from benchmarks.harness import Column, Report, Section, fmt, progress, render_table
 
@@ -76,6 +81,7 @@ SECTIONS: tuple[Section, ...] = (
     load.SECTION,
     install.SECTION,
     remote.SECTION,
+    attach.SECTION,
 )
 MEASUREMENTS = tuple(name for section in SECTIONS for name in section.names)
 
@@ -97,6 +103,9 @@ DEFAULTS: dict[str, tuple[int, int]] = {
     "remote_updates": (100_000, 20_000),
     "remote_idle": (200, 50),
     "remote_sessions": (40, 10),
+    "attach_updates": (1_000_000, 100_000),
+    "attach_rounds": (5, 3),
+    "attach_round_trips": (300, 50),
 }
 """The options a full run and ``--quick`` size differently: (full, quick)."""
 
@@ -178,7 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings, "
         "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes, "
         "1 burst of turns per load session, 3 per install session, 200 remote turns, 20,000 remote updates, "
-        "50 idle remote connections, 10 remote sessions",
+        "50 idle remote connections, 10 remote sessions, 100,000 attach updates in 3 rounds, 50 attach turns",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
@@ -240,6 +249,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--remote-sessions", type=int, help="remote: live sessions over serve's connections (40; --quick: 10)"
     )
     parser.add_argument(
+        "--attach-updates", type=int, help="attach: updates in each streaming turn (1,000,000; --quick: 100,000)"
+    )
+    parser.add_argument(
+        "--attach-rounds", type=int, help="attach: streaming turns per case, median reported (5; --quick: 3)"
+    )
+    parser.add_argument(
+        "--attach-round-trips", type=int, help="attach: permission turns per answering client (300; --quick: 50)"
+    )
+    parser.add_argument(
         "--min-idle",
         type=float,
         help="load, install: [pool] min_idle for the proxies, seconds (default: the proxy's own, 2 s)",
@@ -272,6 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--turns, --task-ops and --measure-rounds must be at least 1")
     if min(args.remote_turns, args.remote_updates, args.remote_idle, args.remote_sessions) < 1:
         parser.error("--remote-turns, --remote-updates, --remote-idle and --remote-sessions must be at least 1")
+    if min(args.attach_updates, args.attach_rounds, args.attach_round_trips) < 1:
+        parser.error("--attach-updates, --attach-rounds and --attach-round-trips must be at least 1")
     if args.min_idle is not None and args.min_idle < 0:
         parser.error("--min-idle must not be negative")
     if args.replay < 0:
@@ -309,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             "remote_updates": args.remote_updates,
             "remote_idle": args.remote_idle,
             "remote_sessions": args.remote_sessions,
+            "attach_updates": args.attach_updates,
+            "attach_rounds": args.attach_rounds,
+            "attach_round_trips": args.attach_round_trips,
             "min_idle": args.min_idle,
             "only": sorted(args.only),
         },
