@@ -608,6 +608,39 @@ def test_an_ended_instance_that_could_not_remove_its_cgroup_is_cleared_later(
     assert marked_processes(proc_env[MARKER_VARIABLE]) == {}
 
 
+@needs_cgroups
+def test_a_process_that_joins_as_its_cgroup_is_removed_is_killed_and_the_cgroup_removed(
+    proc_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead proxy's wrapper still starting joins its tree's cgroup after the reaper found it empty:
+    the removal fails (EBUSY), and the reaper kills the newcomer and removes the cgroup after all."""
+    owner = Owner.start(tmp_path / "state", grace=0.5, cgroups="required")
+    try:
+        assert owner.cgroup is not None
+        tree = owner.cgroup.create_tree("late-joiner")
+        newcomer = subprocess.Popen(["sleep", "60"], env=proc_env)
+        real_rmdir = Path.rmdir
+        joined: list[int] = []
+
+        def join_first(self: Path) -> None:
+            if self == tree and not joined:
+                self.joinpath("cgroup.procs").write_text(str(newcomer.pid))  # between the check and the removal
+                joined.append(newcomer.pid)
+            real_rmdir(self)
+
+        monkeypatch.setattr(Path, "rmdir", join_first)
+        cleared = owner.cgroup.clear_tree("late-joiner", timeout=5.0)
+        monkeypatch.undo()
+        assert joined == [newcomer.pid]
+        assert cleared.error == ""
+        assert cleared.removed
+        assert newcomer.pid in cleared.killed
+        assert newcomer.wait(timeout=5) == -signal.SIGKILL
+        assert not tree.exists()
+    finally:
+        owner.close()
+
+
 def test_instance_cgroup_names_carry_install_and_instance() -> None:
     assert cgroups.instance_name("0f1e", "9a61") == "acp-proxy.0f1e.9a61"
     assert InstanceCgroup("/cg/acp-proxy.0f1e.9a61").tree("4f1c") == Path("/cg/acp-proxy.0f1e.9a61/4f1c")

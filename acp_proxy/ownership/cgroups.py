@@ -38,6 +38,7 @@ never moves itself to get it, and never writes a cgroup above its own.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -258,30 +259,40 @@ def _bottom_up(path: Path) -> Iterator[Path]:
 def clear(path: Path, timeout: float, *, dry_run: bool = False) -> Cleared:
     """Kill everything in the cgroup at ``path`` and remove it (with any cgroup under it).
 
-    Only for a cgroup an ``InstanceCgroup`` names: callers reach it through one.
+    A process can join between the check that the cgroup is empty and its removal (a dead
+    proxy's wrapper still starting joins its tree's cgroup before it forks the adapter): the
+    removal then fails with ``EBUSY``, and the cgroup is killed again and removed again, until
+    ``timeout``. Only for a cgroup an ``InstanceCgroup`` names: callers reach it through one.
     """
     cleared = Cleared()
     if not path.is_dir():
         cleared.removed = True
         return cleared
+    deadline = time.monotonic() + timeout
     try:
-        if populated(path):
-            cleared.killed = members(path)
-            if dry_run:
+        while True:
+            if populated(path):
+                cleared.killed += [pid for pid in members(path) if pid not in cleared.killed]
+                if dry_run:
+                    return cleared
+                path.joinpath("cgroup.kill").write_text("1")
+                while populated(path) and time.monotonic() < deadline:
+                    time.sleep(POLL_INTERVAL)
+            elif dry_run:
                 return cleared
-            path.joinpath("cgroup.kill").write_text("1")
-            deadline = time.monotonic() + timeout
-            while populated(path) and time.monotonic() < deadline:
-                time.sleep(POLL_INTERVAL)
-        elif dry_run:
+            if populated(path):
+                cleared.remaining = members(path)
+                return cleared
+            try:
+                for directory in _bottom_up(path):
+                    with contextlib.suppress(FileNotFoundError):  # its wrapper removed it meanwhile (``leave_cgroup``)
+                        directory.rmdir()
+            except OSError as exc:
+                if exc.errno == errno.EBUSY and time.monotonic() < deadline:
+                    continue  # someone joined after the check: killed too, on the next round
+                raise
+            cleared.removed = True
             return cleared
-        if populated(path):
-            cleared.remaining = members(path)
-            return cleared
-        for directory in _bottom_up(path):
-            with contextlib.suppress(FileNotFoundError):  # its wrapper removed it meanwhile (``leave_cgroup``)
-                directory.rmdir()
-        cleared.removed = True
     except OSError as exc:
         cleared.error = f"{exc.filename or path}: {exc.strerror}"
     return cleared
