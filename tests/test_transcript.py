@@ -12,7 +12,16 @@ from pathlib import Path
 import anyio
 import pytest
 
-from acp_proxy.sessions.transcript import DB_NAME, EntryKind, Transcripts, cut_to, read_transcript
+from acp_proxy.sessions.transcript import (
+    DB_NAME,
+    EntryKind,
+    Transcripts,
+    cut_to,
+    decode_entries,
+    encode_entries,
+    newest,
+    read_transcript,
+)
 from tests.support import Gateway, cli, cli_json, write_config
 
 
@@ -30,6 +39,28 @@ def test_cut_keeps_the_newest_whole_lines() -> None:
     assert cut_to(body, 8) == b"bbb\nccc\n"
     assert cut_to(body, 5) == b"ccc\n"
     assert cut_to(body, 2) == b""
+
+
+@pytest.mark.parametrize(
+    ("message", "lines"),
+    [
+        (b'{"n":0}\n{"n":1}\n{"n":2}\n', [b'{"n":0}', b'{"n":1}', b'{"n":2}']),  # a block, as the relay reads it
+        (b'{"n":0}', [b'{"n":0}']),  # one message, no newline
+        (b'\n{"a":1}\n\n{"b":2}\n', [b'{"a":1}', b'{"b":2}']),  # blank lines are not entries
+    ],
+)
+def test_entries_are_one_json_line_per_message(message: bytes, lines: list[bytes]) -> None:
+    encoded = encode_entries([(1767225600.25, "update", "phone", message)])
+    entries = decode_entries(encoded)
+    assert [bytes(e.message) for e in entries] == lines
+    assert all(e.at == 1767225600.25 and e.kind == "update" and e.by == "phone" for e in entries)
+    assert encoded.count(b"\n") == len(lines)
+
+
+def test_only_the_newest_of_a_flood_is_encoded() -> None:
+    entries = [(float(i), "update", None, b"x" * 100) for i in range(10)]
+    assert newest(entries, 250) == entries[-3:]
+    assert newest(entries, 5000) == entries
 
 
 @pytest.mark.anyio

@@ -81,17 +81,38 @@ class Entry(msgspec.Struct, frozen=True, omit_defaults=True):
 _decode_entry: Final = msgspec.json.Decoder(Entry).decode
 
 
-def encode_entries(pending: Iterable[tuple[float, str, str | None, bytes]]) -> bytes:
+Buffered = tuple[float, str, str | None, bytes]
+"""An entry recorded and not yet written: when, its kind, who, and its message (or a block of them)."""
+
+
+def encode_entries(pending: Iterable[Buffered]) -> bytes:
     """The JSON lines of buffered entries; a buffered message may be a block of several lines."""
     out: list[bytes] = []
     for at, kind, by, message in pending:
         head = b'{"at":%.3f,"kind":"%s"' % (at, kind.encode())
         if by is not None:
             head += b',"by":' + msgspec.json.encode(by)
+        prefix = head + b',"message":'
+        body = message[:-1] if message.endswith(b"\n") else message
+        if body and b"\n\n" not in body and not body.startswith(b"\n"):
+            # A block of whole lines (the streaming path): wrapped with one replace, not a split and a join.
+            out.append(prefix + body.replace(b"\n", b"}\n" + prefix) + b"}\n")
+            continue
         for line in message.split(b"\n"):
             if line.strip():
-                out.append(head + b',"message":' + line + b"}\n")
+                out.append(prefix + line + b"}\n")
     return b"".join(out)
+
+
+def newest(entries: list[Buffered], limit: int) -> list[Buffered]:
+    """The newest entries whose messages come to ``limit`` bytes (all, if they come to less): what is
+    kept of a flood, found before encoding it (an entry encoded is only longer)."""
+    size = 0
+    for start in range(len(entries) - 1, -1, -1):
+        size += len(entries[start][3])
+        if size >= limit:
+            return entries[start:]
+    return entries
 
 
 def decode_entries(body: bytes) -> list[Entry]:
@@ -119,7 +140,7 @@ class _Buffer:
     __slots__ = ("entries", "size")
 
     def __init__(self) -> None:
-        self.entries: list[tuple[float, str, str | None, bytes]] = []
+        self.entries: list[Buffered] = []
         self.size = 0
 
 
@@ -203,7 +224,7 @@ class Transcripts:
     def _write(self, buffers: dict[str, _Buffer], forgotten: set[str]) -> None:
         chunks: dict[str, tuple[float, float, bytes]] = {}
         for session_id, buffer in buffers.items():
-            body = cut_to(encode_entries(buffer.entries), self.max_bytes)
+            body = cut_to(encode_entries(newest(buffer.entries, self.max_bytes)), self.max_bytes)
             if body:
                 chunks[session_id] = (buffer.entries[0][0], buffer.entries[-1][0], body)
         if not chunks and not forgotten:
