@@ -10,10 +10,12 @@ resume and load, modes; ``beta``: load only, modes, chatty; ``gamma``: ignores S
 and stdin EOF, turns time out after 2 s). Operations: session/new, prompt (streaming,
 spawning a tree, escaping with setsid and a double fork), a burst of concurrent prompts
 on every session a worker has open, cancel, close, load (of open and of closed sessions:
-close is not delete), delete, list, set_mode, a prompt to a closed or deleted session, and
-a ``state`` prompt that asks the adapter what it knows. Sessions of different proxies
-take each other's slots: the least recently used idle one of the install is suspended
-through its proxy's control socket. Faults: an adapter crash mid-turn, an adapter hang
+close is not delete), delete, list, set_mode, a prompt to a closed or deleted session,
+a ``state`` prompt that asks the adapter what it knows, and now and then an attach: another
+proxy of the install, started for the operation, attaches to a session as an observer
+(``session/attach``) around a turn through the session's own proxy, then detaches or leaves.
+Sessions of different proxies take each other's slots: the least recently used idle one of
+the install is suspended through its proxy's control socket. Faults: an adapter crash mid-turn, an adapter hang
 (turn_idle_timeout, else the turn timeout, ends it), the stubborn backend's teardown, grandchild escapes, and
 each proxy's end, drawn per lifetime: a clean gateway EOF, a gateway EOF in the middle of
 turns, SIGKILL of the proxy (holding slots, as it usually is), or SIGKILL while it waits
@@ -37,7 +39,9 @@ history (``session/load`` replays what the adapter reports, its completed turns 
 within what the gateway saw, its mode is the last one set), ``session/list`` agrees
 (closed sessions listed as closed, deleted ones not at all), the database passes
 ``PRAGMA integrity_check``, and every task and lease has ended. Each ``state`` prompt
-checks turns and mode along the way too.
+checks turns and mode along the way too, and each attach its answer, its replay, and that the
+observer got exactly the updates of the turn its session's gateway got (``Worker.attach``);
+a holder ending meanwhile is an outcome (``attach_ended``, ``holder_gone``), counted.
 
 The sequence of operations and faults follows from the seed; the interleaving of the
 workers and proxies depends on timing, as it would in production. ``scripts/soak --ops N``
@@ -53,6 +57,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import subprocess
@@ -106,7 +111,13 @@ OP_WEIGHTS = {
     "reopen": 2,
     "delete": 1,
     "new": 6,
+    "attach": 0.4,
 }
+DRAWN_TOGETHER = {op: weight for op, weight in OP_WEIGHTS.items() if op != "attach"}
+ATTACH_SHARE = OP_WEIGHTS["attach"] / sum(OP_WEIGHTS.values())
+"""``attach`` is drawn apart, at its weight's share, from a random stream of its own: the other
+operations are drawn from each seed as they were before it was added (``tests/test_soak.py``'s
+seed is chosen for its draw)."""
 ENDINGS = {"clean": 2, "eof_mid_turn": 2, "sigkill": 3, "sigkill_waiting": 1}
 ONE_SESSION_ENDINGS = {"clean": 3, "eof_mid_turn": 1, "sigkill": 2, "sigkill_waiting": 2}
 """acpx-style proxies: a gateway that starts one proxy per session ends it often, cleanly or not."""
@@ -114,6 +125,13 @@ SAMPLE_EVERY = 0.02
 """How often the cap is read from /proc between operations."""
 LEASE_VARIABLE = "ACP_PROXY_LEASE"
 TERMINAL_TASKS = ("done", "failed", "cancelled", "timed_out", "lost")
+CHUNK = re.compile(r"chunk (\d+) ")
+"""The text of the fake adapter's ``stream N`` chunks."""
+ATTACH_NOT_LIVE = -32001
+"""``session/attach`` of a session no running proxy holds (``not_live``)."""
+ATTACH_WAIT = 60.0
+"""How long an observer waits for a turn's updates, or for word that its holder has gone (a holder
+ending by gateway EOF first stops its adapters)."""
 
 
 class ProxyGone(Exception):
@@ -173,6 +191,8 @@ class Report:
     cap_reads: int = 0
     pool: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     """What the proxies' logs say the install's pool did."""
+    attach: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """What the ``attach`` operations saw: observers started, replays checked, turns mirrored, holders gone."""
     seconds: float = 0.0
     violations: list[str] = dataclasses.field(default_factory=list)
 
@@ -197,6 +217,7 @@ class Report:
             f"  pool        {counts(self.pool)}",
             f"  ops         {counts(self.ops)}",
             f"  faults      {counts(self.faults)}",
+            f"  attach      {counts(self.attach)}",
             f"  requests    {self.sent} sent, {self.answered_once} answered exactly once, "
             f"{self.abandoned} in flight at a proxy SIGKILL",
             f"  sessions    {self.sessions_checked} resumed with their history at the end",
@@ -217,14 +238,15 @@ class Report:
 class Link:
     """One proxy lifetime as the soak's gateway sees it: the kit's client, and what the soak counts of it."""
 
-    def __init__(self, gw: Gateway, report: Report, log: Path) -> None:
+    def __init__(self, gw: Gateway, report: Report, log: Path, *, conformance: bool = True) -> None:
         assert gw.process is not None
         self.gw = gw
         self.process = gw.process
         self.gone = gw.gone
         self.report = report
         self.log = log
-        self.conformance = Conversation("client")
+        self.conformance: Conversation | None = Conversation("client") if conformance else None
+        """The ACP v1 schema, checked both ways; None for an attached client, which speaks the draft's extension."""
         self.closing = False
         self.ops_done = 0
         self.prompts_in_flight = 0
@@ -233,12 +255,18 @@ class Link:
         self.updates: collections.Counter[str] = collections.Counter()
         self.last_update: dict[str, dict[str, Any]] = {}
         self.history_resets: set[str] = set()
+        self.recording: dict[str, list[dict[str, Any]]] = {}
+        """Every ``session/update`` of these sessions, in the order read (an ``attach`` operation's)."""
+        self.timeline: list[dict[str, Any]] | None = None
+        """Every message read, in order, when set (an attached client's proxy: few messages)."""
         gw.observers.append(self._observe)
         gw.handler = _answer_agent_request
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def start(cls, env: dict[str, str], config: Path, report: Report, log: Path) -> AsyncIterator[Link]:
+    async def start(
+        cls, env: dict[str, str], config: Path, report: Report, log: Path, *, conformance: bool = True
+    ) -> AsyncIterator[Link]:
         argv = [sys.executable, "-m", "acp_proxy", "--async-backend", report.async_backend, "--config", str(config)]
         # The proxy's log, kept per lifetime. Leaving waits up to 45 s for the proxy to end after EOF.
         stderr = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -246,7 +274,7 @@ class Link:
             async with Gateway.launch(
                 argv, env=env, stderr=stderr, name="the proxy", first_id=1, keep=False, close_timeout=45
             ) as gw:
-                yield cls(gw, report, log)
+                yield cls(gw, report, log, conformance=conformance)
         finally:
             os.close(stderr)
         for line in gw.bad_lines[:5]:
@@ -254,13 +282,17 @@ class Link:
 
     def _observe(self, direction: str, msg: dict[str, Any]) -> None:
         if direction == "out":
-            self.conformance.track_request(msg)
+            if self.conformance is not None:
+                self.conformance.track_request(msg)
             if "method" in msg and isinstance(msg.get("id"), int):
                 self._sent[msg["id"]] = msg["method"]
                 self.report.sent += 1
             return
+        if self.timeline is not None:
+            self.timeline.append(msg)
         try:
-            self.conformance.check(msg)
+            if self.conformance is not None:
+                self.conformance.check(msg)
         except ConformanceError as exc:
             self.report.violation(f"the proxy wrote a bad message to the gateway: {exc}")
         if "method" not in msg:
@@ -273,6 +305,8 @@ class Link:
                 self.report.violation(f"a second answer to {self._sent[request_id]} id {request_id}")
         elif msg["method"] == "session/update" and "id" not in msg:
             session_id, update = msg["params"]["sessionId"], msg["params"]["update"]
+            if session_id in self.recording:
+                self.recording[session_id].append(msg)
             if update["sessionUpdate"] == "agent_message_chunk":  # what the adapter keeps as history
                 self.updates[session_id] += 1
                 self.last_update[session_id] = update
@@ -315,7 +349,8 @@ class Link:
     def answered_once(self) -> int:
         return sum(1 for rid in self._sent if self._answers[rid] == 1)
 
-    async def initialize(self) -> None:
+    async def initialize(self) -> bool:
+        """``initialize``; whether it was answered a result."""
         response = await self.request(
             "initialize",
             {
@@ -328,6 +363,7 @@ class Link:
             self.report.pool["pool_exhausted answers"] += 1
         elif "result" not in response:
             self.report.violation(f"initialize failed: {response}")
+        return "result" in response
 
 
 def _answer_agent_request(msg: dict[str, Any]) -> dict[str, Any]:
@@ -361,12 +397,16 @@ class Worker:
     ) -> None:
         self.peers: list[Worker] = [self]  # every worker of the run, for session/list checks
         self.rng = random.Random(f"{options.seed}-worker-{index}")
+        self.attach_rng = random.Random(f"{options.seed}-attach-{index}")
+        """Whether an operation is an ``attach``, and how it goes: a stream of its own (``ATTACH_SHARE``)."""
         self.options = options
         self.report = report
         self.sessions = sessions  # this worker's, closed ones included
         self.sessions_per_worker = sessions_per_worker or options.sessions_per_worker
         self.cap = cap
         self.unknown_news = 0  # session/new sent, proxy gone before the answer
+        self.install: Install | None = None
+        """Where to start another proxy of the install (``attach``); None: no ``attach``."""
 
     def open_sessions(self) -> list[Tracked]:
         return [s for s in self.sessions if s.closed is False]
@@ -379,7 +419,9 @@ class Worker:
         for _ in range(budget):
             if link.closing or link.gone.is_set():
                 return
-            op = self.rng.choices(list(OP_WEIGHTS), weights=list(OP_WEIGHTS.values()))[0]
+            op = self.rng.choices(list(DRAWN_TOGETHER), weights=list(DRAWN_TOGETHER.values()))[0]
+            if self.attach_rng.random() < ATTACH_SHARE:
+                op = "attach"
             live = self.open_sessions()
             if op == "new" or not live:
                 op = "prompt" if len(live) >= self.sessions_per_worker else "new"
@@ -397,6 +439,8 @@ class Worker:
                 else:
                     session = self.rng.choice(hangable)
             if op == "set_mode" and session is not None and session.backend == HANGING_BACKEND:
+                op = "prompt"
+            if op == "attach" and self.install is None:
                 op = "prompt"
             try:
                 await self.perform(link, op, session)
@@ -449,6 +493,8 @@ class Worker:
             await self.close(link, session)
         elif op == "delete":
             await self.delete(link, session)
+        elif op == "attach":
+            await self.attach(link, session)
 
     def unexpected(self, link: Link, what: str, response: dict[str, Any]) -> None:
         if link.closing and _error_reason(response) == "proxy_shutdown":
@@ -472,7 +518,8 @@ class Worker:
         modes: set[str | None] = {"default"} if BACKENDS[backend].get("modes") else {None}
         self.sessions.append(Tracked(response["result"]["sessionId"], backend, modes=modes))
 
-    async def turn(self, link: Link, s: Tracked, text: str, *, crash: bool = False, hang: bool = False) -> None:
+    async def turn(self, link: Link, s: Tracked, text: str, *, crash: bool = False, hang: bool = False) -> bool:
+        """A prompt turn; whether it ended as it should (``end_turn``, or the crash or timeout asked for)."""
         s.hi += 1  # from here on the adapter may count the turn
         link.prompts_in_flight += 1
         try:
@@ -483,20 +530,20 @@ class Worker:
         if crash:
             if "error" in response:
                 s.hi -= 1  # the adapter exits before it counts the turn
-            else:
-                self.unexpected(link, f"a crashing turn on {s.session_id}", response)
-            return
+                return True
+            self.unexpected(link, f"a crashing turn on {s.session_id}", response)
+            return False
         if hang:
             meta = (result or {}).get("_meta", {}).get("acp-proxy", {})
-            if not (result and result.get("stopReason") == "cancelled" and meta.get("timedOut")):
-                self.unexpected(link, f"a hanging turn on {s.session_id}", response)
-            return
-        if result is None:
-            self.unexpected(link, f"a turn on {s.session_id}", response)
-        elif result.get("stopReason") == "end_turn":
+            if result and result.get("stopReason") == "cancelled" and meta.get("timedOut"):
+                return True
+            self.unexpected(link, f"a hanging turn on {s.session_id}", response)
+            return False
+        if result is not None and result.get("stopReason") == "end_turn":
             s.lo += 1
-        else:
-            self.unexpected(link, f"a turn on {s.session_id}", response)
+            return True
+        self.unexpected(link, f"a turn on {s.session_id}", response)
+        return False
 
     async def burst(self, link: Link) -> None:
         """A turn on every open session at once: more sessions want a process than the install has slots."""
@@ -640,6 +687,233 @@ class Worker:
         if response.get("result") != {}:
             self.unexpected(link, f"session/delete of {s.session_id}", response)
 
+    async def attach(self, link: Link, s: Tracked) -> None:
+        """Another proxy of the install (B) attaches to a session this worker's proxy (A) holds, as an observer.
+
+        A turn through A first: from then on A holds the session (live, or suspended by it), and
+        that turn's updates are the newest of its transcript. B (started as the soak starts every
+        proxy, on the same state dir and config) attaches with history ``full`` (or ``none``); a
+        turn runs on A, and B must get exactly the ``session/update`` lines A's gateway got for
+        it, in the same order. Then B detaches, or its gateway just leaves, and the session goes
+        on: a last turn on A. A may end at any moment (SIGKILL, gateway EOF): B is then told
+        (``attach_ended``, ``holder_gone``), every request of B's is answered all the same, and
+        nothing is compared for a turn A did not finish.
+        """
+        assert self.install is not None
+        policy = self.attach_rng.choice(("full", "full", "none"))
+        first, second = self.attach_rng.randint(1, 10), self.attach_rng.randint(1, 20)
+        detach = self.attach_rng.random() < 0.5
+        recorded: list[dict[str, Any]] = []
+        link.recording[s.session_id] = recorded
+        try:
+            if not await self.turn(link, s, f"stream {first}"):
+                self.report.attach["not attempted: the turn before failed"] += 1
+                return
+            before = list(recorded)
+            self.install.observers += 1
+            log = self.install.workdir / f"proxy-observer-{self.install.observers}.log"
+            install = self.install
+            async with Link.start(install.env, install.config, self.report, log, conformance=False) as observer:
+                observer.timeline = []
+                self.report.attach["observers started"] += 1
+                try:
+                    holder_gone = await self._watch(link, observer, s, policy, before, recorded, second, detach)
+                except ProxyGone:  # the soak never ends B before the operation does
+                    self.report.violation(f"an observer's proxy ended in the middle of its attach; see {log}")
+                    holder_gone = link.closing
+            code = observer.process.returncode
+            if code != 0:
+                self.report.violation(f"an observer's proxy exited with status {code}; see {log}")
+            if observer.unanswered():
+                self.report.violation(f"an observer's proxy never answered: {observer.unanswered()}; see {log}")
+            self.report.answered_once += observer.answered_once()
+        finally:
+            link.recording.pop(s.session_id, None)
+        if holder_gone:
+            raise ProxyGone
+        if link.closing or link.gone.is_set():
+            return  # the next request would find A gone; the epoch counts what it had in flight
+        # B detached or left: the session goes on through A.
+        if await self.turn(link, s, "stream 1"):
+            self.report.attach["turns after the observer left"] += 1
+
+    async def _watch(
+        self,
+        link: Link,
+        observer: Link,
+        s: Tracked,
+        policy: str,
+        before: list[dict[str, Any]],
+        recorded: list[dict[str, Any]],
+        second: int,
+        detach: bool,
+    ) -> bool:
+        """B's part of ``attach``, B's input closed at the end; whether A's turn found A gone."""
+        sid = s.session_id
+
+        def ended() -> bool:
+            return link.closing or link.gone.is_set()
+
+        def after(answer: dict[str, Any]) -> list[dict[str, Any]]:
+            """What B read after ``answer``."""
+            assert observer.timeline is not None
+            at = next(i for i, m in enumerate(observer.timeline) if m is answer)
+            return observer.timeline[at + 1 :]
+
+        def before_answer(answer: dict[str, Any]) -> list[dict[str, Any]]:
+            """What B read before ``answer``."""
+            assert observer.timeline is not None
+            return observer.timeline[: next(i for i, m in enumerate(observer.timeline) if m is answer)]
+
+        def told(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            """The draft's own updates among ``messages`` (``attach_ended``, ...)."""
+            return [m for m in _updates(messages) if "type" in m["params"]["update"]]
+
+        try:
+            if not await observer.initialize():
+                self.report.attach["not attempted: the observer's initialize failed"] += 1
+                return False
+            params = {
+                "sessionId": sid,
+                "role": "observer",
+                "historyPolicy": policy,
+                "clientInfo": {"name": "soak-observer", "version": "1"},
+            }
+            answer = await observer.request("session/attach", params)
+            if "result" not in answer:
+                reason = _error_reason(answer)
+                code = answer.get("error", {}).get("code")
+                if ended() and (reason == "holder_gone" or (reason == "not_live" and code == ATTACH_NOT_LIVE)):
+                    self.report.attach[f"attach answered {reason} (the holder had ended)"] += 1
+                else:
+                    self.report.violation(f"session/attach of {sid}: unexpected answer {json.dumps(answer)[:300]}")
+                return False
+            self.report.attach[f"attached ({policy})"] += 1
+            mark = len(recorded)
+            ended_at_answer = ended()
+            self._check_attach_answer(s, policy, answer, observer, before, first_complete=not ended_at_answer)
+            attached = True
+
+            turn_gone = False
+            completed = False
+            try:
+                completed = await self.turn(link, s, f"stream {second}")
+            except ProxyGone:
+                turn_gone = True
+
+            def live() -> list[dict[str, Any]]:
+                return [m for m in _updates(after(answer)) if "type" not in m["params"]["update"]]
+
+            if completed and not ended():
+                wanted = len(recorded) - mark
+                with anyio.move_on_after(ATTACH_WAIT):
+                    while len(live()) < wanted and not told(after(answer)) and not ended():
+                        await anyio.sleep(0.01)
+            if detach and not told(after(answer)):
+                response = await observer.request("session/detach", {"sessionId": sid})
+                if response.get("result") == {"sessionId": sid, "status": "detached"}:
+                    self.report.attach["detached"] += 1
+                    attached = False
+                elif ended() and _error_reason(response) == "holder_gone":
+                    self.report.attach["detach answered holder_gone"] += 1
+                elif ended() and "error" in response and told(before_answer(response)):
+                    self.report.attach["detach after attach_ended"] += 1  # B had dropped the link already
+                else:
+                    self.report.violation(f"session/detach of {sid}: unexpected answer {json.dumps(response)[:300]}")
+            else:
+                self.report.attach["observer left (stdin closed)"] += 1
+            drafts = told(after(answer))
+            if completed and not ended() and not drafts:
+                got, want = live(), recorded[mark:]
+                if got == want:
+                    self.report.attach["turns mirrored"] += 1
+                else:
+                    self.report.violation(
+                        f"{sid}: an observer got {len(got)} updates of a turn, its holder's gateway {len(want)}: "
+                        f"{_difference(got, want)}"
+                    )
+            if attached and ended():
+                # A ended while B was attached: B must be told, whatever it had in flight answered.
+                with anyio.move_on_after(ATTACH_WAIT):
+                    while not (drafts := told(after(answer))) and not observer.gone.is_set():
+                        await anyio.sleep(0.02)
+            for draft in drafts:
+                update = draft["params"]["update"]
+                if (
+                    update.get("type") == "attach_ended"
+                    and update.get("reason") == "holder_gone"
+                    and ended()
+                    and draft is drafts[-1]
+                ):
+                    self.report.attach["holder gone: attach_ended"] += 1
+                else:
+                    self.report.violation(f"{sid}: an observer got {json.dumps(draft)[:300]}")
+            if attached and ended() and not drafts:
+                self.report.violation(f"{sid}: its holder ended, the observer was not told in {ATTACH_WAIT:.0f} s")
+            return turn_gone
+        finally:
+            with anyio.CancelScope(shield=True):
+                await observer.close_input()
+
+    def _check_attach_answer(
+        self,
+        s: Tracked,
+        policy: str,
+        answer: dict[str, Any],
+        observer: Link,
+        before: list[dict[str, Any]],
+        *,
+        first_complete: bool,
+    ) -> None:
+        """The attach answer's shape, and the replay before it.
+
+        What the soak knows of the transcript is little: it is what the holders' gateways saw over
+        the session's whole life (it survives proxy restarts), less what a gateway's own
+        ``session/load`` replaced, less the newest second of a SIGKILLed holder (written every
+        second), less all but the newest 2 MiB. So the replay is held to what holds anyway: only
+        this session's updates, each stream turn's chunks in order ("chunk 0 ", "chunk 1 "...: a
+        run may be cut short, never reordered or repeated), and last the chunks of the turn this
+        holder ran just before (a few hundred bytes, well within the bound). With the holder
+        ending while B attached, the replay may be cut short too: then only the first two.
+        """
+        sid = s.session_id
+        result = answer["result"]
+        history = result.get("history") if isinstance(result, dict) else None
+        shape = (
+            isinstance(result, dict)
+            and result.get("sessionId") == sid
+            and result.get("role") == "observer"
+            and isinstance(result.get("connectedClients"), list)
+            and (history is None if policy == "none" else isinstance(history, list))
+        )
+        if not shape:
+            self.report.violation(f"session/attach of {sid} ({policy}): answered {json.dumps(answer)[:300]}")
+            return
+        assert observer.timeline is not None
+        at = next(i for i, m in enumerate(observer.timeline) if m is answer)
+        replay = _updates(observer.timeline[:at])
+        strangers = [m for m in replay if m["params"].get("sessionId") != sid]
+        if strangers:
+            self.report.violation(f"attach of {sid} replayed updates of another session: {strangers[0]}")
+        if policy == "none":
+            if replay:
+                self.report.violation(f"attach of {sid} with historyPolicy none replayed {len(replay)} updates")
+            return
+        texts, expected = _chunk_texts(replay), _chunk_texts(before)
+        problem = _out_of_order(texts)
+        if problem is not None:
+            self.report.violation(f"attach of {sid} replayed chunks out of order: {problem}")
+        if not first_complete:
+            return
+        if texts[-len(expected) :] != expected:
+            self.report.violation(
+                f"attach of {sid}: the replay ends {texts[-len(expected) :]}, the turn before was {expected}"
+            )
+        prompts = [item for item in history or [] if item.get("type") == "prompt"]
+        if not prompts or prompts[-1].get("content") != [{"type": "text", "text": f"stream {len(expected)}"}]:
+            self.report.violation(f"attach of {sid}: the last prompt in its history is not the turn before's")
+        self.report.attach["replays checked"] += 1
+
     async def closed_probe(self, link: Link, s: Tracked | None = None) -> None:
         s = s or self.rng.choice([s for s in self.sessions if s.closed is True])
         response = await link.request("session/prompt", _prompt(s.session_id, "stream 1"))
@@ -664,7 +938,7 @@ async def check_list(link: Link, report: Report, sessions: list[Tracked], tolera
 
     asked = {s.session_id: state(s) for s in sessions}
     while True:
-        params = {} if cursor is None else {"cursor": cursor}
+        params: dict[str, Any] = {} if cursor is None else {"cursor": cursor}
         response = await link.request("session/list", params)
         result = response.get("result")
         if result is None:
@@ -689,6 +963,43 @@ async def check_list(link: Link, report: Report, sessions: list[Tracked], tolera
         strangers = [sid for sid in listed if sid not in known]
         if len(strangers) > tolerance:
             report.violation(f"session/list shows {len(strangers)} sessions never created: {strangers[:5]}")
+
+
+def _updates(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [m for m in messages if m.get("method") == "session/update" and "id" not in m]
+
+
+def _chunk_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """The texts of the ``agent_message_chunk`` updates among ``messages``, in order."""
+    return [
+        str(m["params"]["update"].get("content", {}).get("text"))
+        for m in _updates(messages)
+        if m["params"]["update"].get("sessionUpdate") == "agent_message_chunk"
+    ]
+
+
+def _out_of_order(texts: list[str]) -> str | None:
+    """Where the chunks of stream turns ("chunk 0 ", "chunk 1 "...) do not follow on (a run may stop short,
+    and a new one begins at 0); None if they all do. Other texts are not looked at."""
+    last: int | None = None
+    for index, text in enumerate(texts):
+        match = CHUNK.fullmatch(text)
+        if match is None:
+            continue
+        n = int(match[1])
+        if last is not None and n not in (last + 1, 0):
+            return f"{text!r} after 'chunk {last} ' (chunk {index} of {len(texts)})"
+        last = n
+    return None
+
+
+def _difference(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> str:
+    for index, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return f"update {index} differs: {json.dumps(a)[:200]} / {json.dumps(b)[:200]}"
+    common = min(len(got), len(want))
+    longer, which = (got, "observer") if len(got) > len(want) else (want, "holder's gateway")
+    return f"the {which} has more, from update {common}: {json.dumps(longer[common])[:200]}"
 
 
 def _prompt(session_id: str, text: str) -> dict[str, Any]:
@@ -839,6 +1150,17 @@ def write_config(workdir: Path, max_live: int) -> Path:
 
 
 @dataclasses.dataclass
+class Install:
+    """How the run starts a proxy of the install: what an ``attach`` operation starts its observer's proxy with."""
+
+    env: dict[str, str]
+    config: Path
+    workdir: Path
+    observers: int = 0
+    """Observers' proxies started so far (each logs to ``proxy-observer-N.log``)."""
+
+
+@dataclasses.dataclass
 class Station:
     """One agent command a gateway runs: a proxy, started again on the same state dir after each of its ends."""
 
@@ -881,8 +1203,10 @@ async def run(options: Options, workdir: Path, env: dict[str, str]) -> Report:
     cap = InstallCap(env[MARKER_VARIABLE], options.max_live, report, decoys)
     stations = _stations(options, report, cap)
     workers = [worker for station in stations for worker in station.workers]
+    install = Install(env, config, workdir)
     for worker in workers:
         worker.peers = workers
+        worker.install = install
     # A process that looks exactly like an adapter of the proxy's (same argv, same test marker), started
     # outside it: command lines and inherited variables prove nothing.
     decoys.start(fake_command(store=str(workdir / "store"), **BACKENDS["alpha"]), env)
