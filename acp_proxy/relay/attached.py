@@ -151,7 +151,7 @@ class Links:
             pass  # the holder went meanwhile: the pump below finds it gone
         await self.writer.answer(msg.id, result)
         log.info("session %s: attached through instance %s as %s", session_id, holder, request.role.value)
-        self.background.start(lambda: self._pump(link))
+        self.background.start_task(self._pump, link)  # long-lived: a shutdown does not wait for it
 
     def _gateway_client_info(self) -> dict[str, Any]:
         init = jsonrpc.decode_object(self.client_init())
