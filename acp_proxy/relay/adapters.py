@@ -447,6 +447,7 @@ class AdapterRelay:
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
         adapter.upstream_forgotten()
         self.intents.process_ended(adapter, returncode)
+        self.sharing.turn_ended(adapter.gateway_session)  # a prompt waiting its turn behind it goes on
         await self.pool.stop(adapter, drain=False)
 
     async def fail_calls(self, calls: list[PendingCall], error: ProxyError) -> None:

@@ -33,7 +33,7 @@ from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.adapters import decoded_lines, is_plain_notification_block
-from acp_proxy.relay.sharing import History, Sharing, history_items, parse_attach, update_line
+from acp_proxy.relay.sharing import AttachRequest, History, Sharing, history_items, parse_attach, update_line
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.sockets import addressable, socket_path
@@ -96,6 +96,8 @@ class Links:
         self.new_upstream_id = new_upstream_id
         self.client_init = client_init
         self.links: dict[str, Link] = {}
+        self.attaching: set[str] = set()
+        """Sessions whose attach is on its way (a second one is refused, not made twice)."""
         self.by_upstream: dict[int, tuple[Link, RequestId]] = {}
         self.who = os.environ.get(CLIENT_ENV) or f"uid {os.getuid()}"
 
@@ -118,9 +120,16 @@ class Links:
         except ValueError as exc:
             await self.writer.fail(msg.id, ProxyError.invalid_params(str(exc)))
             return
-        if session_id in self.links:
+        if session_id in self.links or session_id in self.attaching:
             await self.writer.fail(msg.id, ProxyError.invalid_request(f"already attached to session {session_id}"))
             return
+        self.attaching.add(session_id)
+        try:
+            await self._attach(msg, session_id, request, args)
+        finally:
+            self.attaching.discard(session_id)
+
+    async def _attach(self, msg: Message, session_id: str, request: AttachRequest, args: dict[str, Any]) -> None:
         assert self.sharing.intents is not None
         if self.sharing.intents.table.get(session_id) is not None:
             await self._attach_own(msg, session_id, request.historyPolicy)
@@ -133,7 +142,17 @@ class Links:
         try:
             with anyio.fail_after(CONNECT_TIMEOUT):
                 link, answer = await self._connect(holder, session_id, args)
-        except (OSError, TimeoutError, anyio.EndOfStream, anyio.IncompleteRead, ValueError) as exc:
+        except (
+            OSError,
+            TimeoutError,
+            ValueError,
+            TypeError,
+            anyio.EndOfStream,
+            anyio.IncompleteRead,
+            anyio.DelimiterNotFound,
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+        ) as exc:
             log.info("session %s: attach through instance %s failed: %r", session_id, holder, exc)
             why = f"its acp-proxy (instance {holder}) did not take the attach: {exc}"
             await self.writer.fail(msg.id, ProxyError.not_attachable(session_id, why))
@@ -144,7 +163,8 @@ class Links:
         self.links[session_id] = link
         result = answer["result"]
         try:
-            for _ in range(int(answer.get("replayLines", 0))):
+            replayed = answer.get("replayLines", 0)
+            for _ in range(replayed if isinstance(replayed, int) else 0):
                 line = await link.reader.receive_until(b"\n", self.config.max_line_bytes)
                 await self.writer.send(line + b"\n")
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound, anyio.BrokenResourceError):

@@ -62,6 +62,8 @@ ATTACHMENT_QUEUE: Final = 4096
 ATTACHMENTS_MAX: Final = 256
 """Attached clients per proxy, all sessions together."""
 CANCELLED: Final = {"stopReason": "cancelled"}
+LANE_RECHECK: Final = 1.0
+"""How often a prompt waiting its turn looks again whether the turn before it has ended."""
 GATEWAY: Final = "the gateway"
 """Who answered or prompted, when it was the session's own gateway."""
 
@@ -136,6 +138,8 @@ class Attachment:
         """Its prompts not answered yet: the id each is served under -> its own id."""
         self._next_id = 0
         self.ended: str | None = None
+        self.closing: str | None = None
+        """Why the attachment ends once its queue is sent (the session was closed or deleted)."""
         self.scope = anyio.CancelScope()
 
     def new_id(self) -> int:
@@ -551,7 +555,11 @@ class Sharing:
         try:
             while share.lane:
                 item = share.lane[0]
-                await share.changed.until(lambda: not self._turn_running(share.session_id))
+                while self._turn_running(share.session_id):
+                    # A turn also ends without its adapter's answer (a crash, a timeout the proxy
+                    # answers, a recycle): woken by its answer, else looked at again each second.
+                    with anyio.move_on_after(LANE_RECHECK):
+                        await share.changed.next().wait()
                 if not item.cancelled:
                     item.sent = True
                     self.prompted(share.session_id, item.msg.params, item.by)  # type: ignore[arg-type]
@@ -697,6 +705,9 @@ class Sharing:
                 await stream.send(data)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             attachment.end("gone")
+            return
+        if attachment.closing is not None:  # the session ended: its notice is out, now the attachment
+            attachment.end(attachment.closing)
 
     async def _read(self, attachment: Attachment, share: Share, reader: BufferedByteReceiveStream) -> str:
         """What the attached client sends, until it detaches (``detached``) or goes (``gone``)."""
@@ -868,7 +879,8 @@ class Sharing:
         notice = update_line(session_id, {"type": "attach_ended", "reason": why})
         for attachment in list(share.attachments.values()):
             attachment.put(notice)
-            attachment.end(why)
+            attachment.closing = why
+            attachment.out.close()  # the pump sends what is queued, the notice last, then ends it
 
 
 def _cancel_request(request_id: RequestId) -> bytes:
