@@ -90,9 +90,6 @@ class AttachRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Who the attaching proxy serves (``uid 1000``, a token's name): for the records."""
 
 
-_decode_attach: Final = msgspec.json.Decoder(AttachRequest).decode
-
-
 def parse_attach(args: dict[str, Any]) -> AttachRequest:
     """``args`` as an ``AttachRequest``; ``ValueError`` saying what is wrong."""
     try:
