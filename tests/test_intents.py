@@ -6,8 +6,9 @@ import anyio
 import pytest
 
 from acp_proxy.concurrency import Background, Changes
-from acp_proxy.protocol.errors import ProxyError
-from acp_proxy.sessions.intents import queued_fate, stable_id, unknown_session_error
+from acp_proxy.sessions.intents import FATE_ERRORS, stable_id, unknown_session_error
+from acp_proxy.sessions.lifecycle import Phase
+from acp_proxy.sessions.machine import Fate, Standing, Waiting, Work, fate_of
 from acp_proxy.sessions.registry import SessionRecord, SessionState
 
 # withdrawn, refusing (shutting down), a prompt cancelled meanwhile, the session closed -> what the request becomes
@@ -27,16 +28,25 @@ QUEUED = [
 def test_what_a_queued_request_becomes(
     withdrawn: bool, refusing: bool, prompt_cancelled: bool, closed: bool, expected: str | None
 ) -> None:
-    fate = queued_fate(
-        withdrawn=withdrawn, refusing=refusing, prompt_cancelled=prompt_cancelled, closed=closed, session_id="s1"
+    """The session machine decides (``fate_of``); the intents answer with the error its fate names."""
+    prompt = Waiting(1, Work.PROMPT if prompt_cancelled else Work.REQUEST, epoch=0)
+    state = Standing(
+        Phase.CLOSING if closed else Phase.LIVE, epoch=1 if closed or prompt_cancelled else 0, process=True
     )
+    fate = fate_of(state, prompt, withdrawn=withdrawn, refusing=refusing)
     if expected is None:
-        assert fate is None
+        assert fate is Fate.SEND
     elif expected == "stopReason cancelled":
-        assert fate == "cancelled"
+        assert fate is Fate.CANCELLED
     else:
-        assert isinstance(fate, ProxyError)
-        assert fate.reason == expected
+        assert fate in FATE_ERRORS
+        assert FATE_ERRORS[fate]("s1").reason == expected
+
+
+def test_an_operator_cancelling_a_queued_prompt_cancels_it_and_nothing_else() -> None:
+    state = Standing(Phase.LIVE, process=True)
+    for work, expected in ((Work.PROMPT, Fate.CANCELLED), (Work.REQUEST, Fate.SEND)):
+        assert fate_of(state, Waiting(1, work, 0), withdrawn=False, refusing=False, task_cancelled=True) is expected
 
 
 def _record(state: SessionState, instance: str | None = "inst-b") -> SessionRecord:

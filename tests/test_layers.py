@@ -151,7 +151,7 @@ def test_only_the_session_table_assigns_a_field_of_a_session() -> None:
     them, whatever the variable is called (no other object of the package has a field of these names
     assigned from outside its own methods)."""
     fields = _session_fields()
-    assert {"phase", "adapter", "cancel_epoch", "queue", "resume_scope", "record"} <= fields
+    assert {"state", "adapter", "work", "resume_scope", "record"} <= fields  # state: phase, epoch, queue
     found = [
         f"{where}: {ast.unparse(part)}"
         for where, part in _assigned_attributes(lambda path: path == PACKAGE / "sessions" / "table.py")

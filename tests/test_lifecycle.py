@@ -16,6 +16,7 @@ import pytest
 
 from acp_proxy.concurrency import Changes
 from acp_proxy.sessions.lifecycle import STEPS, Action, Event, Phase, markdown_table, step
+from acp_proxy.sessions.machine import IllegalEvent, Standing
 from acp_proxy.sessions.registry import SessionRecord
 from acp_proxy.sessions.table import Session, SessionTable
 
@@ -184,20 +185,22 @@ def _table() -> SessionTable:
 
 def _session(phase: Phase, process: _Process | None = None) -> Session:
     record = SessionRecord(session_id="s1", adapter_session_id="s1", backend="fake", cwd="/")
-    return Session(record, phase, adapter=cast(Any, process))
+    return Session(record, Standing(phase, process=process is not None), adapter=cast(Any, process))
 
 
 @pytest.mark.parametrize(("phase", "event"), [(p, e) for p in Phase for e in Event])
 def test_advance_does_in_memory_what_the_step_says_and_nothing_on_a_refusal(phase: Phase, event: Event) -> None:
-    table, process = _table(), _Process()
+    table = _table()
+    process = None if event is Event.REAPED else _Process()  # a reaped session's process is unbound by its reap
     session = _session(phase, process)
-    moved = table.advance(session, event)
     expected = step(phase, event)
-    assert moved.step == expected
     if expected.refused is not None:
+        with pytest.raises(IllegalEvent, match=expected.refused):
+            table.advance(session, event)
         assert (session.phase, session.cancel_epoch, session.adapter) == (phase, 0, process)
-        assert moved.released is None
         return
+    moved = table.advance(session, event)
+    assert moved.effects == expected.actions
     assert session.phase is expected.phase
     assert session.cancel_epoch == (1 if Action.NEW_EPOCH in expected.actions else 0)
     unbinds = Action.UNBIND in expected.actions

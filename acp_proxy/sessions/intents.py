@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import anyio
 import msgspec
@@ -48,6 +48,7 @@ from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method, is_setting
 from acp_proxy.sessions.lifecycle import Action, Event
 from acp_proxy.sessions.listing import session_info, title_changes, titles_listed
+from acp_proxy.sessions.machine import Fate, Work
 from acp_proxy.sessions.registry import (
     LIST_PAGE_SIZE,
     Ownership,
@@ -82,22 +83,6 @@ def unknown_session_error(session_id: str, record: SessionRecord | None) -> Prox
     if record is not None:
         return ProxyError.session_in_use(session_id, record.instance_id)
     return ProxyError.unknown_session(session_id)
-
-
-def queued_fate(
-    *, withdrawn: bool, refusing: bool, prompt_cancelled: bool, closed: bool, session_id: str, deleted: bool = False
-) -> ProxyError | Literal["cancelled"] | None:
-    """What becomes of a request that waited for its session: ``None`` to send it now,
-    ``"cancelled"`` to answer a prompt ``{"stopReason": "cancelled"}``, or the error to answer."""
-    if withdrawn:
-        return ProxyError.cancelled()
-    if refusing:
-        return ProxyError.proxy_shutdown()
-    if prompt_cancelled:
-        return "cancelled"
-    if closed:
-        return ProxyError.session_deleted(session_id) if deleted else ProxyError.session_closed(session_id)
-    return None
 
 
 def stable_id(issued: str, *, taken_here: bool, live_elsewhere: bool) -> str:
@@ -148,6 +133,13 @@ def visibility_row(record: SessionRecord) -> SessionRow:
 
 
 CANCELLED: Final = {"stopReason": "cancelled"}
+FATE_ERRORS: Final[dict[Fate, Callable[[str], ProxyError]]] = {
+    Fate.WITHDRAWN: lambda session_id: ProxyError.cancelled(),
+    Fate.SHUTDOWN: lambda session_id: ProxyError.proxy_shutdown(),
+    Fate.CLOSED: ProxyError.session_closed,
+    Fate.DELETED: ProxyError.session_deleted,
+}
+"""The error a queued request is answered with, by its fate (``machine.fate_of``), when it is not sent."""
 RECYCLES: Final = frozenset(
     {
         SuspendReason.SESSION_MAX_MEMORY,
@@ -306,16 +298,15 @@ class SessionIntents:
             return
         is_prompt = msg.method == Method.PROMPT
         adapter = session.live_adapter
-        sent = Action.SEND in self.table.must_advance(session, Event.REQUEST).actions
-        if sent and session.ready and adapter is not None:  # else behind what the session waits for
+        queued = self.table.request(session, prompt=is_prompt, process_up=adapter is not None)
+        if queued is None and adapter is not None:  # else behind what the session waits for
             lease = adapter.supervised.lease.lease_id
             turn = self._open_turn(session, msg, lease) if is_prompt else None
             await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
             return
         queued_turn = self._open_turn(session, msg, None) if is_prompt else None
-        epoch = session.cancel_epoch
         self._queued_ids.add(msg.id)  # type: ignore[arg-type]
-        self.table.enqueue(session, lambda: self._forward_when_live(session, msg, epoch, queued_turn))
+        self.table.wait_in_queue(session, queued, lambda: self._forward_when_live(session, msg, queued_turn))
 
     def _open_turn(self, session: Session, msg: Message, lease: str | None) -> Turn:
         """The prompt's task, its row queued for writing, and the session's last activity after it."""
@@ -343,10 +334,10 @@ class SessionIntents:
             return remember
         return None
 
-    async def _forward_when_live(self, session: Session, msg: Message, epoch: int, turn: Turn | None) -> None:
+    async def _forward_when_live(self, session: Session, msg: Message, turn: Turn | None) -> None:
         """A request that waited for its session: bring the session back if need be, then forward."""
         try:
-            if await self._answered_while_queued(session, msg, epoch, turn):
+            if await self._answered_while_queued(session, msg, turn):
                 return
             resumed = session.live_adapter is None
             try:
@@ -357,7 +348,7 @@ class SessionIntents:
                 await self.gateway.fail(msg.id, exc)
                 return
             if adapter is None and session.closed:  # a close cut the resume short
-                await self._answered_while_queued(session, msg, epoch, turn, closed=True)
+                await self._answered_while_queued(session, msg, turn)
                 return
             if adapter is None:  # its new process died as it came up: the session stays suspended
                 if self.stopping.begun:  # the shutdown stopped it: what waited ends with the proxy
@@ -368,7 +359,7 @@ class SessionIntents:
                     self.turns.settle(turn, error=(exited.code, exited.message))
                 await self.gateway.fail(msg.id, exited)
                 return
-            if await self._answered_while_queued(session, msg, epoch, turn):
+            if await self._answered_while_queued(session, msg, turn):
                 return
             if turn is not None:
                 self.turns.start_turn(turn, adapter.supervised.lease.lease_id, adapter.pid, resumed=resumed)
@@ -416,32 +407,30 @@ class SessionIntents:
             call.gateway_id, ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
         )
 
-    async def _answered_while_queued(
-        self, session: Session, msg: Message, epoch: int, turn: Turn | None, *, closed: bool = False
-    ) -> bool:
-        """Answer a queued request that must not be sent any more (withdrawn, cancelled, closed, shutdown)."""
+    async def _answered_while_queued(self, session: Session, msg: Message, turn: Turn | None) -> bool:
+        """Answer a queued request that must not be sent any more (withdrawn, cancelled, closed, shutdown),
+        as the session machine's ``fate_of`` says."""
         withdrawn = msg.id in self._withdrawn
         self._withdrawn.discard(msg.id)
-        fate = queued_fate(
+        fate = self.table.fate(
+            session,
             withdrawn=withdrawn,
             refusing=self.stopping.refusing,
-            prompt_cancelled=msg.method == Method.PROMPT
-            and (session.cancel_epoch != epoch or (turn is not None and turn.cancel_requested)),
-            closed=closed or session.closed,
-            deleted=session.deleted,
-            session_id=session.session_id,
+            task_cancelled=turn is not None and turn.cancel_requested,
         )
-        if fate is None:
-            return False
-        if fate == "cancelled":  # session/cancel or close meanwhile, or an operator cancelled this task
+        if fate is Fate.SEND:
+            if not session.forgotten.is_set():
+                return False
+            fate = Fate.DELETED if session.deleted else Fate.CLOSED  # done with here: closed, or deleted
+        if fate is Fate.CANCELLED:  # session/cancel or close meanwhile, or an operator cancelled this task
             if turn is not None:
                 self.turns.settle(turn, stop_reason="cancelled")
             await self.gateway.answer(msg.id, CANCELLED)
             return True
-        assert isinstance(fate, ProxyError)
+        error = FATE_ERRORS[fate](session.session_id)
         if turn is not None:
-            self.turns.settle(turn, error=(fate.code, fate.message))
-        await self.gateway.fail(msg.id, fate)
+            self.turns.settle(turn, error=(error.code, error.message))
+        await self.gateway.fail(msg.id, error)
         return True
 
     async def _ensure_live(self, session: Session) -> Adapter | None:
@@ -489,9 +478,10 @@ class SessionIntents:
         cancel is answered by the proxy (``_cut_short_after``).
         """
         if task is None:
-            if self.table.advance(session, Event.CANCEL).refused is not None:  # else a new epoch
+            if not self.table.accepts(session, Event.CANCEL):
                 log.info("dropped session/cancel for session %s: nothing of it runs or waits", session.session_id)
                 return
+            self.table.advance(session, Event.CANCEL)  # a new epoch: its queued prompts end cancelled
         elif task.status is TaskStatus.QUEUED:
             task.cancel_requested = True
             task.event("cancel_requested", f"by {by} (while queued)")
@@ -559,7 +549,7 @@ class SessionIntents:
         session = await self.table.find(session_id)
         if session is not None and session.closed and not session.deleted:
             if request is not None:  # being closed already: answered once that is done
-                self.table.enqueue(session, lambda: self.gateway.answer(request.id, {}))
+                self.table.enqueue(session, Work.ANSWER, lambda: self.gateway.answer(request.id, {}))
             return None
         if session is None or session.closed:
             if request is not None:
@@ -570,26 +560,26 @@ class SessionIntents:
                     await self._fail_unknown(request.id, session_id)
             return None
         self._ending(session)
-        self.table.enqueue(session, lambda: self._reap_closed(session, request))
+        self.table.enqueue(session, Work.REAP, lambda: self._reap_closed(session, request))
         return session
 
     def _ending(self, session: Session, *, deleted: bool = False) -> None:
         """From now on nothing more is sent to the session: queued requests are answered, a resume is cut short
         (the table's step does both: ``NEW_EPOCH``, ``CUT_SHORT``)."""
-        self.table.must_advance(session, Event.DELETE if deleted else Event.CLOSE)
+        self.table.advance(session, Event.DELETE if deleted else Event.CLOSE)
 
     async def _reap_closed(self, session: Session, request: Message | None) -> None:
         if session.deleted:  # a delete came after the close: its reap, queued behind this, does the work
             if request is not None:
-                self.table.enqueue(session, lambda: self.gateway.answer(request.id, {}))
+                self.table.enqueue(session, Work.ANSWER, lambda: self.gateway.answer(request.id, {}))
             return
-        adapter = self.table.must_advance(session, Event.REAP).released
+        adapter = self.table.advance(session, Event.REAP).released
         if adapter is not None:
             await self._end_turns(session, adapter)
             await self.pool.stop(adapter)
         if session.stopping is not None:
             await session.stopping.wait()
-        self.table.must_advance(session, Event.REAPED)
+        self.table.advance(session, Event.REAPED)
         self.registry.mark_closed(session.session_id)
         self.table.forget(session)
         log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
@@ -634,13 +624,13 @@ class SessionIntents:
                 await self._fail_unknown(msg.id, session_id)  # live in another proxy
             return
         if session.deleted:  # being deleted already: answered once that is done
-            self.table.enqueue(session, lambda: self.gateway.answer(msg.id, {}))
+            self.table.enqueue(session, Work.ANSWER, lambda: self.gateway.answer(msg.id, {}))
             return
         self._ending(session, deleted=True)
-        self.table.enqueue(session, lambda: self._reap_deleted(session, msg))
+        self.table.enqueue(session, Work.REAP, lambda: self._reap_deleted(session, msg))
 
     async def _reap_deleted(self, session: Session, request: Message) -> None:
-        adapter = self.table.must_advance(session, Event.REAP).released
+        adapter = self.table.advance(session, Event.REAP).released
         record = await self.registry.current(session.session_id) or session.record
         self.registry.mark_deleted(session.session_id)  # first: no list shows it from now on
         if adapter is not None:
@@ -651,7 +641,7 @@ class SessionIntents:
             if session.stopping is not None:
                 await session.stopping.wait()
             await self._delete_on_a_process_of(record)
-        self.table.must_advance(session, Event.REAPED)
+        self.table.advance(session, Event.REAPED)
         self.table.forget(session)
         log.info("session %s deleted", session.session_id, extra=ids(session=session.session_id))
         self.pool.journal.record(Kind.DELETED, backend=record.backend, session_id=session.session_id)
@@ -707,7 +697,7 @@ class SessionIntents:
         if parent is None:
             await self._fail_unknown(msg.id, session_id)
             return
-        self.table.enqueue(parent, lambda: self._fork_when_ready(parent, msg))
+        self.table.enqueue(parent, Work.FORK, lambda: self._fork_when_ready(parent, msg))
 
     async def _fork_when_ready(self, parent: Session, msg: Message) -> None:
         if parent.closed:
@@ -797,10 +787,11 @@ class SessionIntents:
         if parent.adapter is not adapter or adapter.gone:  # its process is going: the fork starts suspended
             self.registry.mark_suspended(created.session_id)
             return stable
-        if self.table.advance(parent, Event.HANDED_OVER).refused is not None:
+        if not self.table.accepts(parent, Event.HANDED_OVER):
             # The parent is being closed or deleted: its reap ends this process, so the fork starts suspended.
             self.registry.mark_suspended(created.session_id)
             return stable
+        self.table.advance(parent, Event.HANDED_OVER)
         self.registry.mark_suspended(parent.session_id)
         self.table.open(created, adapter, fork_id)
         log.info(
@@ -829,8 +820,9 @@ class SessionIntents:
         adapter = session.live_adapter
         if adapter is None or not (even_if_busy or session.idle):
             return False
-        if self.table.advance(session, Event.SUSPEND).refused is not None:
+        if not self.table.accepts(session, Event.SUSPEND):
             return False
+        self.table.advance(session, Event.SUSPEND)
         self.registry.mark_suspended(session_id)
         log.info(
             "session %s suspended (%s): stopping pid %s",
@@ -858,7 +850,7 @@ class SessionIntents:
         session = self.table.get(adapter.gateway_session) if adapter.gateway_session else None
         if session is None or session.adapter is not adapter:
             return
-        done = self.table.must_advance(session, Event.PROCESS_ENDED).actions
+        done = self.table.advance(session, Event.PROCESS_ENDED).effects
         if Action.JOURNAL in done and not self.stopping.begun:  # a shutdown suspends every session itself
             how = describe_exit(returncode)
             suspended = Action.WRITE_SUSPENDED in done  # else a restore is under way, and decides
@@ -951,7 +943,7 @@ class SessionIntents:
                 self.background.start(lambda: self._adopt(msg, session_id))
             return
         closed_before = session.closed
-        self.table.enqueue(session, lambda: self._resume_when_ready(session, msg, closed_before))
+        self.table.enqueue(session, Work.RESUME, lambda: self._resume_when_ready(session, msg, closed_before))
 
     async def _resume_when_ready(self, session: Session, msg: Message, closed_before: bool = False) -> None:
         if session.closed and closed_before:  # it came after a close (or delete): now from its row

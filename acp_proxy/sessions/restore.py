@@ -89,12 +89,13 @@ class Restorer:
         A timeout or any other failure stops the new process and leaves the session
         suspended (or closed, for a reopen), mapping kept (``ProxyError``).
         """
-        self.table.must_advance(session, Event.RESTORE)
+        self.table.advance(session, Event.RESTORE)
         try:
             return await self._bring_back(session, gateway_asked)
         except BaseException:
-            # Refused once it is live (a failure after it was bound is not the restore's to undo).
-            self.table.advance(session, Event.RESTORE_FAILED)
+            # Not once it is live: a failure after it was bound is not the restore's to undo.
+            if self.table.accepts(session, Event.RESTORE_FAILED):
+                self.table.advance(session, Event.RESTORE_FAILED)
             raise
 
     async def _bring_back(self, session: Session, gateway_asked: str | None) -> Message:

@@ -8,8 +8,9 @@ live by a proxy that has died since).
 
 from __future__ import annotations
 
-import collections
+import itertools
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -19,7 +20,23 @@ import msgspec
 from acp_proxy.concurrency import Background, Changes
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter
-from acp_proxy.sessions.lifecycle import Action, Event, Phase, Step, step
+from acp_proxy.sessions import machine
+from acp_proxy.sessions.lifecycle import Action, Event, Phase
+from acp_proxy.sessions.machine import (
+    AnyEvent,
+    Begin,
+    Effect,
+    Enqueue,
+    Fate,
+    Finish,
+    Request,
+    Restoring,
+    Send,
+    Standing,
+    Waiting,
+    describe,
+    fate_of,
+)
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 
 log = logging.getLogger("acp_proxy.lifecycle")
@@ -30,20 +47,18 @@ Work = Callable[[], Coroutine[Any, Any, None]]
 class Session(msgspec.Struct, eq=False):
     """A session this proxy has served, with the process (if any) behind it now.
 
-    Every field is assigned by ``SessionTable`` alone (``tests/test_layers.py``): ``phase``, the
-    epoch and the process by ``advance``, as ``acp_proxy.sessions.lifecycle`` says.
+    ``state`` is the session machine's value (sessions/machine.py): every field here is assigned
+    by ``SessionTable`` alone (``tests/test_layers.py``), and ``state`` only from what the
+    machine's ``advance`` returns.
     """
 
     record: SessionRecord
-    phase: Phase
+    state: Standing
     adapter: Adapter | None = None
-    queue: collections.deque[Work] = msgspec.field(default_factory=collections.deque)
-    """Work that must wait for the session (a resume, a close), in the order the gateway sent it."""
-    draining: bool = False
-    """A task is working through ``queue``; requests that arrive meanwhile queue behind."""
-    cancel_epoch: int = 0
-    """Bumped by ``session/cancel`` and ``session/close``: a queued prompt that sees it changed is
-    answered ``cancelled``."""
+    work: dict[int, Work] = msgspec.field(default_factory=dict)
+    """What each piece of work in the machine's queue does when its turn comes, by its key."""
+    drainer: bool = False
+    """A task works through the queue (a failed piece of work ends it; the next enqueue starts another)."""
     stopping: anyio.Event | None = None
     """Set once its last process is gone (a resume waits for that first)."""
     resume_scope: anyio.CancelScope | None = None
@@ -56,17 +71,37 @@ class Session(msgspec.Struct, eq=False):
         return self.record.session_id
 
     @property
+    def phase(self) -> Phase:
+        return self.state.phase
+
+    @property
+    def cancel_epoch(self) -> int:
+        """Bumped by ``session/cancel`` and ``session/close``: a queued prompt that sees it changed is
+        answered ``cancelled``."""
+        return self.state.epoch
+
+    @property
+    def queue(self) -> tuple[Waiting, ...]:
+        """Work that must wait for the session (a resume, a close), in the order the gateway sent it."""
+        return self.state.queue
+
+    @property
+    def draining(self) -> bool:
+        """Work from its queue runs, or is about to; requests that arrive meanwhile queue behind."""
+        return self.state.running is not None or bool(self.state.queue)
+
+    @property
     def closed(self) -> bool:
         """Being closed or deleted here, or done with: nothing more is sent to it from this object.
 
         Not a session held as ``closed`` (found so in the registry, or whose reopening failed): the
         gateway's own load or resume reopens that one.
         """
-        return self.phase in (Phase.CLOSING, Phase.DELETING) or self.forgotten.is_set()
+        return self.state.ending or self.forgotten.is_set()
 
     @property
     def deleted(self) -> bool:
-        return self.phase in (Phase.DELETING, Phase.DELETED)
+        return self.state.deleted
 
     @property
     def live_adapter(self) -> Adapter | None:
@@ -77,29 +112,24 @@ class Session(msgspec.Struct, eq=False):
     @property
     def ready(self) -> bool:
         """Requests can go straight to the process, in order, without waiting."""
-        return self.live_adapter is not None and not self.queue and not self.draining
+        return self.live_adapter is not None and self.state.ready
 
     @property
     def idle(self) -> bool:
         """It has a process with nothing in flight and nothing waiting: it may be suspended."""
         adapter = self.live_adapter
-        return adapter is not None and not adapter.busy and not self.queue and not self.draining
+        return adapter is not None and not adapter.busy and not self.draining
 
 
 class Moved(msgspec.Struct, frozen=True):
-    """What ``SessionTable.advance`` did: the lifecycle's step, and the process it unbound (if any)."""
+    """What ``SessionTable.advance`` did: the machine's effects, and the process it unbound (if any)."""
 
-    step: Step
+    effects: tuple[Effect, ...]
     released: Adapter | None = None
     """The process that served the session until this step (``UNBIND``), if it had one that still runs."""
 
-    @property
-    def actions(self) -> tuple[Action, ...]:
-        return self.step.actions
-
-    @property
-    def refused(self) -> str | None:
-        return self.step.refused
+    def has(self, effect: Effect) -> bool:
+        return effect in self.effects
 
 
 class SessionTable:
@@ -118,38 +148,33 @@ class SessionTable:
         self._on_bound = on_bound
         """The pool learns that a session now runs on a process (``Recency.note_bound``, pool/recency.py)."""
         self.sessions: dict[str, Session] = {}
+        self._keys = itertools.count(1)
+        """Keys of the work waiting in sessions' queues (the machine knows work by key)."""
 
-    def advance(self, session: Session, event: Event) -> Moved:
-        """Move ``session`` as the lifecycle table says ``event`` does (a refused step leaves it as it is).
+    def advance(self, session: Session, event: AnyEvent) -> Moved:
+        """Feed ``event`` to the session's machine and carry out the effects that are memory alone.
 
-        The step's effects in memory happen here, in the same step: a new epoch (``NEW_EPOCH``),
-        the restore in progress cut short (``CUT_SHORT``), the process unbound (``UNBIND``: handed
-        back in ``Moved.released``). The caller performs the rest of ``Moved.actions`` (the writes,
-        the answers, stopping the process).
+        Those happen here, in the same step: the restore in progress cut short (``CUT_SHORT``),
+        the process unbound (``UNBIND``: handed back in ``Moved.released``). The caller performs
+        the rest of ``Moved.effects`` (the writes, the answers, stopping the process). An event
+        that does not apply raises ``IllegalEvent`` and changes nothing (``accepts`` asks first).
         """
-        result = step(session.phase, event)
-        if result.refused is not None:
-            return Moved(result)
-        if result.phase is not session.phase:
-            log.debug("session %s: %s on %s: now %s", session.session_id, event, session.phase, result.phase)
-            session.phase = result.phase
-        if Action.NEW_EPOCH in result.actions:
-            session.cancel_epoch += 1
-        if Action.CUT_SHORT in result.actions and session.resume_scope is not None:
+        before = session.state
+        session.state, effects = machine.advance(before, event, time.monotonic())
+        if session.state.phase is not before.phase:
+            log.debug(
+                "session %s: %s on %s: now %s", session.session_id, describe(event), before.phase, session.state.phase
+            )
+        if Action.CUT_SHORT in effects and session.resume_scope is not None:
             session.resume_scope.cancel()
         released = None
-        if Action.UNBIND in result.actions:
+        if Action.UNBIND in effects:
             released, session.adapter = session.live_adapter, None
-        return Moved(result, released)
+        return Moved(effects, released)
 
-    def must_advance(self, session: Session, event: Event) -> Moved:
-        """``advance`` for an event the caller has checked applies: a refusal is a fault of the proxy, logged."""
-        moved = self.advance(session, event)
-        if moved.refused is not None:
-            log.error(
-                "session %s: %s refused in phase %s (%s)", session.session_id, event, session.phase, moved.refused
-            )
-        return moved
+    def accepts(self, session: Session, event: AnyEvent) -> bool:
+        """Whether ``event`` applies to the session as it stands (``advance`` would not raise)."""
+        return machine.accepts(session.state, event)
 
     def refresh(self, session: Session, record: SessionRecord) -> None:
         """The session's row as just read."""
@@ -158,6 +183,7 @@ class SessionTable:
     def restoring(self, session: Session, scope: anyio.CancelScope | None) -> None:
         """The restore (or fork) in progress (``None``: over), which a close or delete cuts short (``CUT_SHORT``)."""
         session.resume_scope = scope
+        self.advance(session, Restoring(scope is not None))
 
     def stopping(self, session: Session, stopped: anyio.Event) -> None:
         """Its last process is being stopped; ``stopped`` is set once it is gone (a restore waits for it)."""
@@ -165,7 +191,7 @@ class SessionTable:
 
     def open(self, record: SessionRecord, adapter: Adapter, adapter_session_id: str) -> Session:
         """A session a process has just opened (new, adopted or forked): live on it from the start."""
-        session = Session(record, Phase.LIVE)
+        session = Session(record, Standing(Phase.LIVE, process=True, since=time.monotonic()))
         self._attach(session, adapter, adapter_session_id)
         return session
 
@@ -207,13 +233,14 @@ class SessionTable:
             record = await self.registry.current(session_id) or record
         session = self.sessions.get(session_id)  # found by another request while this one waited
         if session is None:
-            session = Session(record, Phase.CLOSED if record.state is SessionState.CLOSED else Phase.SUSPENDED)
+            phase = Phase.CLOSED if record.state is SessionState.CLOSED else Phase.SUSPENDED
+            session = Session(record, Standing(phase, since=time.monotonic()))
             self.sessions[session_id] = session
         return session
 
     def bind(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:
         """A restore took: from now on ``adapter`` serves ``session`` (``Event.RESTORED``)."""
-        self.must_advance(session, Event.RESTORED)
+        self.advance(session, Event.RESTORED)
         self._attach(session, adapter, adapter_session_id)
 
     def _attach(self, session: Session, adapter: Adapter, adapter_session_id: str) -> None:
@@ -229,19 +256,50 @@ class SessionTable:
             del self.sessions[session.session_id]
         session.forgotten.set()
 
-    def enqueue(self, session: Session, work: Work) -> None:
+    def enqueue(self, session: Session, kind: machine.Work, work: Work) -> None:
         """Run ``work`` once everything the gateway sent earlier for this session has run (in order)."""
-        session.queue.append(work)
-        if not session.draining:
-            session.draining = True
+        key = next(self._keys)
+        self.advance(session, Enqueue(key, kind))
+        self._waiting(session, key, work)
+
+    def request(self, session: Session, *, prompt: bool, process_up: bool) -> int | None:
+        """A request of the gateway's (``Event.REQUEST``): ``None`` if the caller is to send it at once, else
+        the key it waits under in the session's queue (``wait_in_queue`` says what runs when its turn comes).
+
+        ``process_up``: the session's process, if bound, has not exited (the machine learns that it
+        has from ``process_ended``, a moment later: until then a request waits, as for a restore).
+        """
+        key = next(self._keys)
+        moved = self.advance(session, Request(key, prompt, process_up))
+        return None if moved.has(Send(key)) else key
+
+    def wait_in_queue(self, session: Session, key: int | None, work: Work) -> None:
+        """What runs when queued request ``key`` (``request``) has its turn: it asks ``fate`` what to do."""
+        assert key is not None
+        self._waiting(session, key, work)
+
+    def fate(self, session: Session, *, withdrawn: bool, refusing: bool, task_cancelled: bool = False) -> Fate:
+        """What becomes of the queued request running now (from the session's queue), as the machine says."""
+        running = session.state.running
+        assert running is not None, "fate() is asked from the work a session's queue runs"
+        return fate_of(session.state, running, withdrawn=withdrawn, refusing=refusing, task_cancelled=task_cancelled)
+
+    def _waiting(self, session: Session, key: int, work: Work) -> None:
+        session.work[key] = work
+        if not session.drainer:
+            session.drainer = True
             self.background.start(lambda: self._drain(session))
 
     async def _drain(self, session: Session) -> None:
+        """Run the session's queue, one piece of work at a time, in order, until it is empty."""
         try:
-            while session.queue:
-                work = session.queue.popleft()
-                await work()
-                self.pool_changed.notify()
+            while session.state.queue:
+                key = session.state.queue[0].key
+                self.advance(session, Begin(key))
+                try:
+                    await session.work.pop(key)()
+                finally:
+                    self.advance(session, Finish(key))
+                    self.pool_changed.notify()  # it may be idle now: a waiter for a slot may suspend it
         finally:
-            session.draining = False
-            self.pool_changed.notify()  # it may be idle now: a waiter for a slot may suspend it
+            session.drainer = False
