@@ -261,6 +261,37 @@ async def test_prompts_of_several_controllers_take_turns(proc_env: dict[str, str
 
 
 @pytest.mark.anyio
+async def test_a_prompt_waiting_its_turn_goes_on_when_the_proxy_ends_the_turn_before_it(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The turn before it ends without its adapter's answer: it runs past turn_timeout and its adapter
+    ignores the proxy's session/cancel, so the proxy answers the prompt itself and recycles the process.
+    The waiting prompt is woken by that turn's end (not by a poll) and runs on the restored session."""
+    cfg = write_config(
+        tmp_path,
+        pool={"max_live": 4},
+        tasks={"turn_timeout": "1s"},
+        backends={"fake": {"store": str(tmp_path / "store")}},
+    )
+    async with holder(proc_env, tmp_path, cfg) as (gw, session), client(proc_env, tmp_path, cfg) as boss:
+        stubborn = await prompt_in_flight(gw, session, "ignore_cancel 60")  # before anyone attached
+        await gw.expect(lambda m: m.get("method") == "session/update")
+        await attach(boss, session, history="none", name="boss")
+        by_boss = boss.new_id()
+        await boss.send(
+            {
+                "jsonrpc": "2.0",
+                "id": by_boss,
+                "method": "session/prompt",
+                "params": {"sessionId": session, "prompt": [{"type": "text", "text": "stream 1"}]},
+            }
+        )
+        with anyio.fail_after(20):
+            assert (await gw.response_to(stubborn))["result"]["stopReason"] == "cancelled"
+            assert (await boss.response_to(by_boss))["result"]["stopReason"] == "end_turn"
+
+
+@pytest.mark.anyio
 async def test_a_busy_session_refuses_another_controllers_prompt_when_configured(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:

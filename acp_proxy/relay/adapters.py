@@ -400,7 +400,6 @@ class AdapterRelay:
             adapter.turn_answered(call.turn)
             self.pool.recency.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
             self.intents.recycle_due(adapter)
-            self.sharing.turn_ended(adapter.gateway_session)
         if not adapter.busy:
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
         if call.method == Method.INITIALIZE and msg.result is not UNSET:
@@ -447,7 +446,6 @@ class AdapterRelay:
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
         adapter.upstream_forgotten()
         self.intents.process_ended(adapter, returncode)
-        self.sharing.turn_ended(adapter.gateway_session)  # a prompt waiting its turn behind it goes on
         await self.pool.stop(adapter, drain=False)
 
     async def fail_calls(self, calls: list[PendingCall], error: ProxyError) -> None:

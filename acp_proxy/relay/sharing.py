@@ -41,7 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from msgspec import UNSET, Raw
 
 from acp_proxy import journal
-from acp_proxy.concurrency import Background, Changes
+from acp_proxy.concurrency import Background
 from acp_proxy.config import Config
 from acp_proxy.journal import Journal
 from acp_proxy.protocol import jsonrpc
@@ -62,8 +62,6 @@ ATTACHMENT_QUEUE: Final = 4096
 ATTACHMENTS_MAX: Final = 256
 """Attached clients per proxy, all sessions together."""
 CANCELLED: Final = {"stopReason": "cancelled"}
-LANE_RECHECK: Final = 1.0
-"""How often a prompt waiting its turn looks again whether the turn before it has ended."""
 GATEWAY: Final = "the gateway"
 """Who answered or prompted, when it was the session's own gateway."""
 
@@ -209,7 +207,6 @@ class Share:
         self.attachments: dict[int, Attachment] = {}
         self.lane: deque[LaneItem] = deque()
         self.lane_running = False
-        self.changed = Changes()
 
     def controllers(self) -> list[Attachment]:
         return [a for a in self.attachments.values() if a.role is Role.CONTROLLER and a.ended is None]
@@ -459,11 +456,6 @@ class Sharing:
             attachment.asks.pop(their_id, None)
             attachment.put(_cancel_request(their_id))
 
-    def turn_ended(self, session_id: str | None) -> None:
-        share = self.shares.get(session_id) if session_id is not None else None
-        if share is not None:
-            share.changed.notify()
-
     # --- answers from elsewhere ----------------------------------------------------------------
 
     async def answer(self, ask: Ask, answer: Message, by: str, attachment: Attachment | None = None) -> bool:
@@ -541,22 +533,23 @@ class Sharing:
             self.background.start(lambda: self._run_lane(share))
         return routed
 
-    def _turn_running(self, session_id: str) -> bool:
+    def _turn_running(self, session_id: str) -> Turn | None:
+        """The turn the session's process runs now, if any."""
         assert self.intents is not None
         session = self.intents.table.get(session_id)
         adapter = session.live_adapter if session is not None else None
-        return adapter is not None and adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING
+        turn = adapter.turn if adapter is not None else None
+        return turn if turn is not None and turn.status is TaskStatus.RUNNING else None
 
     async def _run_lane(self, share: Share) -> None:
         assert self.intents is not None
         try:
             while share.lane:
                 item = share.lane[0]
-                while self._turn_running(share.session_id):
-                    # A turn also ends without its adapter's answer (a crash, a timeout the proxy
-                    # answers, a recycle): woken by its answer, else looked at again each second.
-                    with anyio.move_on_after(LANE_RECHECK):
-                        await share.changed.next().wait()
+                running = self._turn_running(share.session_id)
+                while running is not None:  # woken by its end, however it ends (``TurnBook.until_ended``)
+                    await self.intents.turns.until_ended(running)
+                    running = self._turn_running(share.session_id)
                 if not item.cancelled:
                     item.sent = True
                     self.prompted(share.session_id, item.msg.params, item.by)  # type: ignore[arg-type]
@@ -586,7 +579,6 @@ class Sharing:
                 if deliver is not None:
                     deliver(jsonrpc.result_response(item.msg.id, CANCELLED))  # type: ignore[arg-type]
                 count += 1
-        share.changed.notify()
         return count
 
     async def cancel_prompt(self, session_id: str, routed_id: str) -> None:
@@ -598,8 +590,6 @@ class Sharing:
                 deliver = self.writer.routed_elsewhere(routed_id)
                 if deliver is not None:
                     deliver(ProxyError.cancelled_request().response(routed_id))
-                if share is not None:
-                    share.changed.notify()
                 return
         if self.cancel_sent is not None:
             await self.cancel_sent(routed_id)

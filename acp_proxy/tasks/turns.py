@@ -333,6 +333,11 @@ class TurnBook:
             log.warning("task %s was still open at exit: recorded cancelled", turn.task_id, extra=turn_ids(turn))
             self.settle(turn, error=(jsonrpc.REQUEST_CANCELLED, why))
 
+    async def until_ended(self, turn: Turn) -> None:
+        """Until ``turn`` has ended, however it ends: answered by its adapter, by the proxy (a cancel or
+        timeout it cut short, a recycle), or with its process's exit; each settles it here."""
+        await self.settled.until(lambda: turn.status in TERMINAL)
+
     async def wait_settled(self, turn: Turn, timeout: float) -> bool:
         """Wait at most ``timeout`` for ``turn`` to end; whether it has."""
         with anyio.move_on_after(timeout):
