@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from acp_proxy.concurrency import Changes
+from acp_proxy.sessions import reference
 from acp_proxy.sessions.lifecycle import STEPS, Action, Event, Phase, markdown_table, step
 from acp_proxy.sessions.machine import IllegalEvent, Standing
 from acp_proxy.sessions.registry import SessionRecord
@@ -164,9 +165,15 @@ def test_only_a_live_session_sends_and_every_other_one_queues() -> None:
 
 def test_the_architecture_document_shows_this_table() -> None:
     document = (Path(__file__).parent.parent / "docs" / "architecture.md").read_text()
-    assert markdown_table() in document, (
-        "regenerate it: python -c 'from acp_proxy.sessions.lifecycle import markdown_table; print(markdown_table())'"
-    )
+    assert markdown_table() in document
+    assert reference.markdown() in document, "regenerate it: python -m acp_proxy.sessions.reference"
+
+
+def test_the_reference_names_every_phase_event_and_effect_with_its_meaning() -> None:
+    generated = reference.markdown()
+    for name in [*Phase, *Event, *Action]:
+        row = next(line for line in generated.splitlines() if line.startswith(f"| `{name}` |"))
+        assert row.split("|")[2].strip(), f"{name} has no meaning in the reference"
 
 
 # --- the table carries out each step's effects in memory, in the same step ------------------------
