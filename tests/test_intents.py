@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from acp_proxy.concurrency import Background, Changes
-from acp_proxy.sessions.intents import FATE_ERRORS, stable_id, unknown_session_error
+from acp_proxy.sessions.decisions import FATE_ERRORS, stable_id, unknown_session_error
 from acp_proxy.sessions.lifecycle import Phase
 from acp_proxy.sessions.machine import Fate, Standing, Waiting, Work, fate_of
 from acp_proxy.sessions.registry import SessionRecord, SessionState
