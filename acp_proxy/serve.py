@@ -35,7 +35,7 @@ from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.ceilings import MemoryCeilings
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.leftovers import clear_periodically
-from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.sessions.registry import SessionRegistry, titles_of
 from acp_proxy.sessions.table import SessionTable
 from acp_proxy.sessions.transcript import Transcripts
 from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
@@ -82,6 +82,7 @@ async def serve_gateway(
         session_info=registry.record_title,
         notifier=notifier,
         timings=owner.timings,
+        titles=titles_of,
     )
     turns.maintain()
     async with anyio.create_task_group() as tasks:

@@ -479,6 +479,7 @@ async def test_tasks_watch_prints_a_prompts_changes_and_exits_0_on_sigint(
     assert (done["previousStatus"], done["status"], done["reason"]) == ("running", "done", "end_turn")
     assert (done["sessionId"], done["traceparent"], done["instance"]) == (session, TRACEPARENT, task["instance"])
     assert done["lastText"] == "permission granted"
+    assert done["title"] == "Watched"  # the session's title, as the sessions registry reads it
     assert done["durationSeconds"] == task["durationSeconds"]
 
 

@@ -4,8 +4,8 @@ Every statement on ``sessions`` lives in the sessions registry, every statement 
 the task records, and so on for every table (``OWNERS``), so that the operator's views
 (``status``, ``sessions``, ``metrics``, ``top``, ``tasks``, all read through
 ``operator/install_view.py``) read the same rows the same way. The state module's migrations are the exception: they
-rewrite every table once. The task records still read a session's title alongside its tasks (a
-join): named below.
+rewrite every table once. A task's session title is read by the
+sessions registry (``titles_of``) and joined in Python by whoever shows or tells it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ OWNERS = {
 }
 MIGRATIONS = "state/migrations.py"
 KNOWN = {
-    ("tasks/records.py", "sessions"),  # reads: a task's session title, joined
     ("ownership/instances.py", "leases"),  # an instance ends once none of its leases is active
 }
 """(module, table): statements outside the owner, named so that no new one slips in."""

@@ -17,6 +17,7 @@ from acp_proxy.config import ConfigError, validate
 from acp_proxy.journal import counters
 from acp_proxy.ownership import instances
 from acp_proxy.protocol.jsonrpc import INTERNAL_ERROR, REQUEST_CANCELLED, ErrorObject
+from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, titles_of
 from acp_proxy.state import StateDB, now
 from acp_proxy.tasks.records import AmbiguousId, Swept, TaskRegistry, get_task, list_tasks, prune, sweep_lost
 from acp_proxy.tasks.status import Outcome, TaskStatus, effective_status, outcome_of, prompt_preview, traceparent_of
@@ -289,6 +290,17 @@ def test_a_damaged_row_is_swept_lost_and_only_its_notification_is_lost(db: State
     assert [swept.record.task_id for swept in told] == ["readable0000"]
     statuses = dict(db.conn.execute("SELECT task_id, status FROM tasks").fetchall())
     assert statuses == {"damaged00000": "lost", "readable0000": "lost"}
+
+
+def test_a_task_swept_lost_is_told_with_its_sessions_title_as_the_sessions_registry_reads_it(db: StateDB) -> None:
+    registry = SessionRegistry(db, "inst-x")
+    registry.create(SessionRecord("s", "s", "b", "/w"))
+    registry.record_title("s", {"title": "Long job"})
+    db.settle()
+    os.close(_instance_with_unfinished_task(db, "titled000000").lock_fd)
+    told: list[Swept] = []
+    assert sweep_lost(db, None, told.append, titles_of) == 1
+    assert [(swept.record.task_id, swept.title) for swept in told] == [("titled000000", "Long job")]
 
 
 def test_prune_deletes_only_old_finished_tasks_and_is_idempotent(db: StateDB) -> None:

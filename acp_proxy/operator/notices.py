@@ -19,7 +19,6 @@ once, as ``tasks list`` shows it.
 from __future__ import annotations
 
 import os
-import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -42,9 +41,10 @@ from acp_proxy.operator.reports import (
     resolve_task,
     task_view,
 )
+from acp_proxy.sessions.registry import titles_of
 from acp_proxy.state import StateDB
 from acp_proxy.tasks.notify import Notice, encode_notice, notice_of
-from acp_proxy.tasks.records import LOST_ERROR, TaskRecord, get_task, recent_with_titles
+from acp_proxy.tasks.records import LOST_ERROR, TaskRecord, get_task, recent
 from acp_proxy.tasks.status import ACTIVE, TERMINAL, TaskStatus, effective_status
 
 POLL_INTERVAL: Final = 0.25
@@ -145,7 +145,9 @@ def _changes(
     alive = Liveness(db)
     now_seen: dict[str, TaskStatus] = {}
     notices = []
-    for row in _recent(db, session_id, window):
+    rows = recent(db, time.time() - window, session_id)
+    titles = titles_of(db.conn, {row["session_id"] for row in rows})
+    for row in rows:
         try:
             record = TaskRecord.from_row(row)
         except (ValueError, KeyError, TypeError):
@@ -155,17 +157,15 @@ def _changes(
             record = replace(record, error=LOST_ERROR)
         previous = seen.get(record.task_id)
         if status is not previous:
-            notices.append(notice_of(record, status, previous, title=row["session_title"], instance=record.instance_id))
+            notices.append(
+                notice_of(record, status, previous, title=titles.get(record.session_id), instance=record.instance_id)
+            )
     notices.sort(key=lambda n: (n.at, n.taskId))
     return notices, now_seen
 
 
 def _status(record: TaskRecord, alive: Liveness) -> TaskStatus:
     return effective_status(record.status, alive(record.instance_id) if record.status in ACTIVE else True)
-
-
-def _recent(db: StateDB, session_id: str | None, window: float) -> list[sqlite3.Row]:
-    return recent_with_titles(db, time.time() - window, session_id)
 
 
 def _line(notice: Notice, as_json: bool) -> str:

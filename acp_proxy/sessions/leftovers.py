@@ -26,7 +26,7 @@ from acp_proxy.ownership import cgroups, instances
 from acp_proxy.ownership.owner import Owner, log_reaped
 from acp_proxy.ownership.proctable import ProcessTable
 from acp_proxy.ownership.reaping import ReapAction, reap_dead_instances
-from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.sessions.registry import SessionRegistry, titles_of
 from acp_proxy.state import StateDB
 from acp_proxy.state.connection import StateError
 from acp_proxy.tasks.notify import Notifier
@@ -66,7 +66,7 @@ def clear(state_dir: Path, own_instance: str, *, grace: float, table: ProcessTab
     try:
         reaped = reap_dead_instances(db, own_instance, grace=grace, table=table, when="periodic")
         lost: list[Swept] = []
-        sweep_lost(db, own_instance, lost.append)
+        sweep_lost(db, own_instance, lost.append, titles_of)
         suspended = SessionRegistry(db, own_instance).adopt_orphans()
         return Cleared(reaped, lost, suspended)
     finally:

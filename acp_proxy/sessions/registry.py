@@ -495,3 +495,20 @@ def recent_for_view(db: StateDB, closed_since: float, limit: int) -> list[tuple[
            ORDER BY last_active_at DESC LIMIT ?""",
         (closed_since, limit),
     ).fetchall()
+
+
+TITLES_AT_ONCE: Final = 500
+"""Session ids per ``titles_of`` statement: well under SQLite's limit on bound variables."""
+
+
+def titles_of(conn: sqlite3.Connection, session_ids: Iterable[str]) -> dict[str, str | None]:
+    """The titles of the sessions named (a session with no row is left out): for what reads tasks with them."""
+    wanted = sorted(set(session_ids))
+    titles: dict[str, str | None] = {}
+    for start in range(0, len(wanted), TITLES_AT_ONCE):
+        chunk = wanted[start : start + TITLES_AT_ONCE]
+        rows = conn.execute(
+            f"SELECT session_id, title FROM sessions WHERE session_id IN ({', '.join('?' * len(chunk))})", chunk
+        )
+        titles.update((row[0], row[1]) for row in rows)
+    return titles

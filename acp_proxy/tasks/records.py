@@ -256,11 +256,6 @@ def _upsert(values: tuple[object, ...], conn: sqlite3.Connection) -> int:
 
 # --- reading, for the CLI and the control socket ---------------------------------------------
 
-_WITH_SESSION_TITLE: Final = (
-    "SELECT tasks.*, sessions.title AS session_title FROM tasks LEFT JOIN sessions USING (session_id)"
-)
-"""Task rows, each with its session's title (the one statement here that reads ``sessions``)."""
-
 
 class AmbiguousId(Exception):
     def __init__(self, prefix: str, matches: Sequence[str]) -> None:
@@ -325,12 +320,12 @@ def counts_since(db: StateDB, since: float) -> dict[str, int]:
     )
 
 
-def recent_with_titles(db: StateDB, since: float, session_id: str | None = None) -> list[sqlite3.Row]:
-    """Task rows active or ended since ``since`` (wall clock), each with its session's title (``session_title``)."""
-    query = f"{_WITH_SESSION_TITLE} WHERE (tasks.status IN ('queued', 'running') OR tasks.ended_at >= ?)"
+def recent(db: StateDB, since: float, session_id: str | None = None) -> list[sqlite3.Row]:
+    """Task rows active or ended since ``since`` (wall clock)."""
+    query = "SELECT * FROM tasks WHERE (status IN ('queued', 'running') OR ended_at >= ?)"
     args: list[object] = [since]
     if session_id is not None:
-        query += " AND tasks.session_id = ?"
+        query += " AND session_id = ?"
         args.append(session_id)
     return db.conn.execute(query, args).fetchall()
 
@@ -362,8 +357,18 @@ def unfinished_by(db: StateDB, own_instance: str | None) -> list[str]:
     return [row[0] for row in rows]
 
 
-def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], None] | None = None) -> int:
-    """Mark ``lost`` the unfinished tasks of proxies that are gone; idempotent. ``told`` of each one.
+Titles = Callable[[sqlite3.Connection, Iterable[str]], dict[str, str | None]]
+"""Sessions' titles by id, read on the connection given (``sessions.registry.titles_of``: their SQL is theirs)."""
+
+
+def sweep_lost(
+    db: StateDB,
+    own_instance: str | None,
+    told: Callable[[Swept], None] | None = None,
+    titles: Titles | None = None,
+) -> int:
+    """Mark ``lost`` the unfinished tasks of proxies that are gone; idempotent. ``told`` of each one,
+    with its session's title where ``titles`` reads it.
 
     A proxy that dies (SIGKILL, OOM, power) cannot record how its turns ended;
     its lock being free is the proof it is gone, never its PID.
@@ -376,10 +381,10 @@ def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], No
         with db.transaction() as conn:
             if told is not None:
                 rows = conn.execute(
-                    f"{_WITH_SESSION_TITLE} WHERE tasks.instance_id = ? AND tasks.status IN ('queued', 'running')",
-                    (instance_id,),
+                    "SELECT * FROM tasks WHERE instance_id = ? AND status IN ('queued', 'running')", (instance_id,)
                 ).fetchall()
-                lost += filter(None, (_swept(row, at) for row in rows))
+                named = titles(conn, {row["session_id"] for row in rows}) if titles is not None else {}
+                lost += filter(None, (_swept(row, at, named.get(row["session_id"])) for row in rows))
             for backend, count in conn.execute(
                 """SELECT backend, COUNT(*) FROM tasks WHERE instance_id = ? AND status IN ('queued', 'running')
                    GROUP BY backend""",
@@ -398,7 +403,7 @@ def sweep_lost(db: StateDB, own_instance: str | None, told: Callable[[Swept], No
     return swept
 
 
-def _swept(row: Any, at: float) -> Swept | None:
+def _swept(row: Any, at: float, title: str | None) -> Swept | None:
     """What a notification of a task swept lost needs; ``None`` for a row too damaged to read
     (it is marked lost all the same; only its notification is lost)."""
     try:
@@ -411,7 +416,7 @@ def _swept(row: Any, at: float) -> Swept | None:
         msgspec.structs.replace(record, status=TaskStatus.LOST, ended_at=at, error=LOST_ERROR, updated_at=at),
         record.status,
         notify,
-        row["session_title"],
+        title,
     )
 
 

@@ -35,7 +35,7 @@ from acp_proxy.ownership.leases import prune_ended
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.tasks.notify import Notifier
-from acp_proxy.tasks.records import TaskRegistry, prune, sweep_lost
+from acp_proxy.tasks.records import TaskRegistry, Titles, prune, sweep_lost
 from acp_proxy.tasks.status import TERMINAL, TaskStatus, outcome_of, prompt_preview, traceparent_of
 from acp_proxy.tasks.turn import Limit, Turn, new_task_id
 from acp_proxy.timings import Timing, Timings
@@ -101,6 +101,7 @@ class TurnBook:
         session_info: Callable[[str, dict[str, str | None]], None] | None = None,
         notifier: Notifier | None = None,
         timings: Timings | None = None,
+        titles: Titles | None = None,
     ) -> None:
         self.tasks = tasks
         self.timings = timings
@@ -110,6 +111,8 @@ class TurnBook:
         self._prune_also = prune_also
         """Also forget what else ends with the retention (the sessions' tombstones): how many."""
         self._session_info = session_info
+        self._titles = titles
+        """Sessions' titles, for the notices of tasks swept ``lost`` (``sessions.registry.titles_of``)."""
         """Record on its session what a turn's ``session_info_update``s announced (title, ``updatedAt``)."""
         self.turns: dict[str, Turn] = {}
         """Tasks of this proxy not yet settled, by task id."""
@@ -192,7 +195,8 @@ class TurnBook:
     def maintain(self) -> None:
         """At startup: unfinished tasks of proxies that are gone become ``lost``; old finished ones are pruned."""
         try:
-            lost = sweep_lost(self.tasks.db, self.tasks.instance_id, self.notifier.swept if self.notifier else None)
+            told = self.notifier.swept if self.notifier else None
+            lost = sweep_lost(self.tasks.db, self.tasks.instance_id, told, self._titles)
         except sqlite3.Error as exc:
             log.error("task sweep skipped: the state database: %s", exc)
         else:
