@@ -218,7 +218,7 @@ def check_config(path: Path, origin: str, *, uid: int) -> ConfigCheck:
 def _validation_fix(text: str, source: str) -> str:
     key, _, what = text.partition(": ")
     if what.startswith("unknown key"):
-        return f"remove or rename {key} in {source} (every key: docs/operations.md#configuration-reference)"
+        return f"remove or rename {key} in {source} (every key: docs/configuration.md#configuration-reference)"
     if what.startswith("required key"):
         return f"add {key} to {source}"
     return f"correct {key} in {source}"
