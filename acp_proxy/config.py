@@ -1,9 +1,12 @@
 """Configuration: TOML in, frozen msgspec Structs out, every error with its key path.
 
-Validation collects *all* problems in one pass, each as ``path: what was expected,
-what was found`` (``backends.codex.max_live: expected int >= 1, got "two"``), so a
-user fixes a config in one edit rather than one error per run. The checks are
-plain functions over plain data; nothing here touches a process or a socket.
+Each key is declared once, as a field of its table's Struct whose ``Annotated`` type names the
+``Check`` that validates it (a ``Literal`` is checked against its choices), and, for a backend's
+key, the table key it ``Overrides``; ``validate`` reads the tables from the Structs, and
+``Config.resolved`` is the one place an override resolves. Validation collects *all* problems
+in one pass, each as ``path: what was expected, what was found`` (``backends.codex.max_live:
+expected int >= 1, got "two"``), so a user fixes a config in one edit rather than one error per
+run. The checks are plain functions over plain data; nothing here touches a process or a socket.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import os
 import re
 import stat
 import sys
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -28,161 +32,6 @@ NotifyPolicy = Literal["done_only", "waiting", "state_changes", "silent"]
 NOTIFY_POLICIES: Final = ("done_only", "waiting", "state_changes", "silent")
 CgroupSetting = Literal["auto", "off", "required"]
 CGROUP_SETTINGS: Final = ("auto", "off", "required")
-
-
-class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
-    max_live: int = 4
-    idle_ttl: float = 15 * 60.0
-    acquire_timeout: float = 30.0
-    resume_timeout: float = 120.0
-    """Bound on bringing a suspended session back (spawn, initialize, authenticate, restore)."""
-    quiet_after: float = 3.0
-    """A session whose agent sent work updates after its turn ended is busy until this long
-    without one (background shells, sub-agents): the pool and ``idle_ttl`` leave it alone."""
-    start_timeout: float = 60.0
-    """A new process must answer ``initialize`` and the request it was started for within this; 0 = no limit."""
-    min_idle: float = 2.0
-    """A session active this recently (a turn just ended) is not taken for another while one idle
-    longer exists; a waiter for a slot waits for it at most this long (and no longer than a start
-    of its backend takes)."""
-    max_memory: int | None = None
-    """Bytes all live adapter trees of the install may use together (PSS, else RSS); None: no budget."""
-    session_max_memory: int | None = None
-    """Bytes one session's tree may use: an idle one over it is recycled (suspended, restored on its
-    next request), a busy one as soon as its turn ends; None: no ceiling."""
-    session_kill_memory: int | None = None
-    """Bytes past which a session's running turn is ended (cancelled, answered, the tree recycled)."""
-
-
-class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
-    close_timeout: float = 1.5
-    stdin_grace: float = 1.0
-    term_grace: float = 3.0
-
-
-class OwnershipConfig(msgspec.Struct, frozen=True, kw_only=True):
-    reap_interval: float = 180.0
-    """How often a running proxy reaps what the install's dead proxies left (their trees, their
-    unfinished tasks), besides at its start; 0: only at its start."""
-    cgroups: CgroupSetting = "auto"
-    """Each adapter tree in a cgroup v2 of its own where this process may make them (``auto``), never
-    (``off``), or refuse to start without (``required``): ``ownership.cgroups``."""
-
-
-class TraceConfig(msgspec.Struct, frozen=True, kw_only=True):
-    file: str | None = None
-    """Where a proxy appends every wire message (``acp_proxy.trace``); ``--trace`` overrides it."""
-    max_size: int = 64 * 1024 * 1024
-
-
-class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
-    turn_timeout: float = 0.0
-    """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
-    turn_idle_timeout: float = 0.0
-    """A turn from which nothing is heard this long (no update, no request to the client; a request
-    the client has not answered yet stops the clock) is cut like a ``turn_timeout``; 0 = never."""
-    cancel_timeout: float = 30.0
-    """A turn still running this long after ``session/cancel`` is answered ``cancelled`` by the proxy and
-    its process stopped (the session suspended); 0 = wait for the adapter however long it takes."""
-    retention: float = 7 * 86400.0
-    """Finished tasks are kept this long, then pruned."""
-    notify: NotifyPolicy = "silent"
-    """Which status changes run ``notify_command`` (a task's own policy overrides it)."""
-    notify_command: tuple[str, ...] | None = None
-    """The argv run with one JSON object on its stdin per notification; never a shell."""
-    notify_timeout: float = 10.0
-    """A notification command running longer is killed."""
-
-
-PromptPolicy = Literal["queue", "refuse"]
-PROMPT_POLICIES: Final[tuple[str, ...]] = ("queue", "refuse")
-
-
-class AttachConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Shared sessions: clients attached to a live session (``session/attach``), and its transcript."""
-
-    prompts: PromptPolicy = "queue"
-    """A prompt that arrives while another controller's turn runs: queued in arrival order, or refused."""
-    max_clients: int = 16
-    """Attached clients per session, beside the gateway that opened it."""
-    transcript_max_bytes: int = 2 * 1024 * 1024
-    """The newest part of each session's transcript that is kept (what a ``full`` attach replays); 0: none."""
-
-
-class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
-    command: tuple[str, ...]
-    env: Mapping[str, str] = msgspec.field(default_factory=dict)
-    cwd: str | None = None
-    resume: ResumeStrategy = "auto"
-    max_live: int | None = None
-    turn_timeout: float | None = None
-    """Overrides ``[tasks] turn_timeout`` for this backend."""
-    cancel_timeout: float | None = None
-    """Overrides ``[tasks] cancel_timeout`` for this backend."""
-    start_timeout: float | None = None
-    """Overrides ``[pool] start_timeout`` for this backend."""
-    max_memory: int | None = None
-    """Bytes the live trees of this backend may use together, across the install."""
-    turn_idle_timeout: float | None = None
-    """Overrides ``[tasks] turn_idle_timeout`` for this backend."""
-    session_max_memory: int | None = None
-    """Overrides ``[pool] session_max_memory`` for this backend's sessions."""
-    session_kill_memory: int | None = None
-    """Overrides ``[pool] session_kill_memory`` for this backend's sessions."""
-
-
-class Config(msgspec.Struct, frozen=True, kw_only=True):
-    backends: Mapping[str, BackendConfig]
-    default_backend: str | None = None
-    state_dir: str | None = None
-    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
-    pool: PoolConfig = PoolConfig()
-    shutdown: ShutdownConfig = ShutdownConfig()
-    tasks: TasksConfig = TasksConfig()
-    ownership: OwnershipConfig = OwnershipConfig()
-    trace: TraceConfig = TraceConfig()
-    attach: AttachConfig = AttachConfig()
-    source: str | None = None
-
-    def backend(self, name: str | None = None) -> BackendConfig:
-        """The named backend, else the default one. Raises ``KeyError`` naming the choices."""
-        chosen = name or self.default_backend
-        if chosen is None and len(self.backends) == 1:
-            chosen = next(iter(self.backends))
-        if chosen is None or chosen not in self.backends:
-            configured = ", ".join(sorted(self.backends)) or "none"
-            what = f"unknown backend {chosen!r}" if chosen else "no default_backend set"
-            raise KeyError(f"{what} (configured: {configured})")
-        return self.backends[chosen]
-
-    def turn_idle_timeout(self, backend: str) -> float:
-        """``turn_idle_timeout`` for the named backend: its own, else ``[tasks]``'; 0 means none."""
-        own = self.backends.get(backend)
-        if own is not None and own.turn_idle_timeout is not None:
-            return own.turn_idle_timeout
-        return self.tasks.turn_idle_timeout
-
-    def session_memory(self, backend: str) -> tuple[int | None, int | None]:
-        """``(session_max_memory, session_kill_memory)`` for the named backend's sessions: its own, else ``[pool]``'."""
-        return session_limits(self.pool, self.backends.get(backend))
-
-    def cancel_timeout(self, backend: str) -> float:
-        """``cancel_timeout`` for the named backend: its own, else ``[tasks]``'; 0 means none."""
-        own = self.backends.get(backend)
-        if own is not None and own.cancel_timeout is not None:
-            return own.cancel_timeout
-        return self.tasks.cancel_timeout
-
-
-def session_limits(pool: PoolConfig, own: BackendConfig | None) -> tuple[int | None, int | None]:
-    """``(session_max_memory, session_kill_memory)`` of a backend (``own``), each falling back to ``pool``'s."""
-    soft = own.session_max_memory if own is not None else None
-    hard = own.session_kill_memory if own is not None else None
-    return (
-        pool.session_max_memory if soft is None else soft,
-        pool.session_kill_memory if hard is None else hard,
-    )
 
 
 class ConfigError(Exception):
@@ -306,6 +155,210 @@ def _command(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _identity(value: object) -> object:
+    return value
+
+
+class Check:
+    """How a config key's value is checked and converted: its Struct field says so, once.
+
+    ``Annotated[float, DURATION]`` on a field is the whole declaration of a key: ``validate`` reads
+    the fields of each table's Struct for its keys, and each field's ``Check`` for its value; a
+    ``Literal`` field is checked against its choices, a Struct field is a table of its own.
+    """
+
+    def __init__(self, convert: Callable[[object], Any]) -> None:
+        self.convert = convert
+
+
+DURATION: Final = Check(parse_duration)
+POSITIVE_DURATION: Final = Check(_positive_duration)
+SIZE: Final = Check(parse_size)
+SIZE_OR_ZERO: Final = Check(_size_or_zero)
+TEXT: Final = Check(_string)
+COMMAND: Final = Check(_command)
+AT_LEAST_1: Final = Check(_int_at_least(1))
+AT_LEAST_1024: Final = Check(_int_at_least(1024))
+NOT_A_KEY: Final = Check(_identity)
+"""A field that is not a key of its table (set by ``validate`` itself)."""
+TEMPLATES: Final = Check(_identity)
+"""A table of strings, each with ``${VAR}``s to expand (``[backends.NAME] env``): checked key by key."""
+
+
+def _metadata(struct: type[msgspec.Struct], field: str) -> tuple[object, ...]:
+    """What ``Annotated`` says of ``struct``'s ``field`` beside its type (``Check``, ``Overrides``)."""
+    hint = typing.get_type_hints(struct, include_extras=True)[field]
+    return tuple(hint.__metadata__) if typing.get_origin(hint) is Annotated else ()
+
+
+class Overrides:
+    """A backend's key that overrides a key of a table for that backend's sessions (``Config.resolved``)."""
+
+    def __init__(self, section: str, key: str) -> None:
+        self.section = section
+        self.key = key
+
+
+class PoolConfig(msgspec.Struct, frozen=True, kw_only=True):
+    max_live: Annotated[int, AT_LEAST_1] = 4
+    idle_ttl: Annotated[float, DURATION] = 15 * 60.0
+    acquire_timeout: Annotated[float, DURATION] = 30.0
+    resume_timeout: Annotated[float, DURATION] = 120.0
+    """Bound on bringing a suspended session back (spawn, initialize, authenticate, restore)."""
+    quiet_after: Annotated[float, DURATION] = 3.0
+    """A session whose agent sent work updates after its turn ended is busy until this long
+    without one (background shells, sub-agents): the pool and ``idle_ttl`` leave it alone."""
+    start_timeout: Annotated[float, DURATION] = 60.0
+    """A new process must answer ``initialize`` and the request it was started for within this; 0 = no limit."""
+    min_idle: Annotated[float, DURATION] = 2.0
+    """A session active this recently (a turn just ended) is not taken for another while one idle
+    longer exists; a waiter for a slot waits for it at most this long (and no longer than a start
+    of its backend takes)."""
+    max_memory: Annotated[int | None, SIZE] = None
+    """Bytes all live adapter trees of the install may use together (PSS, else RSS); None: no budget."""
+    session_max_memory: Annotated[int | None, SIZE] = None
+    """Bytes one session's tree may use: an idle one over it is recycled (suspended, restored on its
+    next request), a busy one as soon as its turn ends; None: no ceiling."""
+    session_kill_memory: Annotated[int | None, SIZE] = None
+    """Bytes past which a session's running turn is ended (cancelled, answered, the tree recycled)."""
+
+
+class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
+    close_timeout: Annotated[float, DURATION] = 1.5
+    stdin_grace: Annotated[float, DURATION] = 1.0
+    term_grace: Annotated[float, DURATION] = 3.0
+
+
+class OwnershipConfig(msgspec.Struct, frozen=True, kw_only=True):
+    reap_interval: Annotated[float, DURATION] = 180.0
+    """How often a running proxy reaps what the install's dead proxies left (their trees, their
+    unfinished tasks), besides at its start; 0: only at its start."""
+    cgroups: CgroupSetting = "auto"
+    """Each adapter tree in a cgroup v2 of its own where this process may make them (``auto``), never
+    (``off``), or refuse to start without (``required``): ``ownership.cgroups``."""
+
+
+class TraceConfig(msgspec.Struct, frozen=True, kw_only=True):
+    file: Annotated[str | None, TEXT] = None
+    """Where a proxy appends every wire message (``acp_proxy.trace``); ``--trace`` overrides it."""
+    max_size: Annotated[int, SIZE] = 64 * 1024 * 1024
+
+
+class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
+    turn_timeout: Annotated[float, DURATION] = 0.0
+    """A turn running longer is cancelled (``session/cancel``) and recorded ``timed_out``; 0 = no limit."""
+    turn_idle_timeout: Annotated[float, DURATION] = 0.0
+    """A turn from which nothing is heard this long (no update, no request to the client; a request
+    the client has not answered yet stops the clock) is cut like a ``turn_timeout``; 0 = never."""
+    cancel_timeout: Annotated[float, DURATION] = 30.0
+    """A turn still running this long after ``session/cancel`` is answered ``cancelled`` by the proxy and
+    its process stopped (the session suspended); 0 = wait for the adapter however long it takes."""
+    retention: Annotated[float, DURATION] = 7 * 86400.0
+    """Finished tasks are kept this long, then pruned."""
+    notify: NotifyPolicy = "silent"
+    """Which status changes run ``notify_command`` (a task's own policy overrides it)."""
+    notify_command: Annotated[tuple[str, ...] | None, COMMAND] = None
+    """The argv run with one JSON object on its stdin per notification; never a shell."""
+    notify_timeout: Annotated[float, POSITIVE_DURATION] = 10.0
+    """A notification command running longer is killed."""
+
+
+PromptPolicy = Literal["queue", "refuse"]
+PROMPT_POLICIES: Final[tuple[str, ...]] = ("queue", "refuse")
+
+
+class AttachConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Shared sessions: clients attached to a live session (``session/attach``), and its transcript."""
+
+    prompts: PromptPolicy = "queue"
+    """A prompt that arrives while another controller's turn runs: queued in arrival order, or refused."""
+    max_clients: Annotated[int, AT_LEAST_1] = 16
+    """Attached clients per session, beside the gateway that opened it."""
+    transcript_max_bytes: Annotated[int, SIZE_OR_ZERO] = 2 * 1024 * 1024
+    """The newest part of each session's transcript that is kept (what a ``full`` attach replays); 0: none."""
+
+
+class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
+    name: Annotated[str, NOT_A_KEY]
+    """The ``NAME`` of ``[backends.NAME]``."""
+    command: Annotated[tuple[str, ...], COMMAND]
+    env: Annotated[Mapping[str, str], TEMPLATES] = msgspec.field(default_factory=dict)
+    cwd: Annotated[str | None, TEXT] = None
+    resume: ResumeStrategy = "auto"
+    max_live: Annotated[int | None, AT_LEAST_1, Overrides("pool", "max_live")] = None
+    """A cap of its own within the install's (``[pool] max_live`` where it sets none)."""
+    turn_timeout: Annotated[float | None, DURATION, Overrides("tasks", "turn_timeout")] = None
+    cancel_timeout: Annotated[float | None, DURATION, Overrides("tasks", "cancel_timeout")] = None
+    start_timeout: Annotated[float | None, DURATION, Overrides("pool", "start_timeout")] = None
+    max_memory: Annotated[int | None, SIZE] = None
+    """Bytes the live trees of this backend may use together, across the install."""
+    turn_idle_timeout: Annotated[float | None, DURATION, Overrides("tasks", "turn_idle_timeout")] = None
+    session_max_memory: Annotated[int | None, SIZE, Overrides("pool", "session_max_memory")] = None
+    session_kill_memory: Annotated[int | None, SIZE, Overrides("pool", "session_kill_memory")] = None
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    backends: Annotated[Mapping[str, BackendConfig], NOT_A_KEY]
+    """``[backends.NAME]``: a table of tables, checked on its own (``validate``)."""
+    default_backend: Annotated[str | None, TEXT] = None
+    state_dir: Annotated[str | None, TEXT] = None
+    max_line_bytes: Annotated[int, AT_LEAST_1024] = DEFAULT_MAX_LINE_BYTES
+    pool: PoolConfig = PoolConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
+    tasks: TasksConfig = TasksConfig()
+    ownership: OwnershipConfig = OwnershipConfig()
+    trace: TraceConfig = TraceConfig()
+    attach: AttachConfig = AttachConfig()
+    source: Annotated[str | None, NOT_A_KEY] = None
+
+    def backend(self, name: str | None = None) -> BackendConfig:
+        """The named backend, else the default one. Raises ``KeyError`` naming the choices."""
+        chosen = name or self.default_backend
+        if chosen is None and len(self.backends) == 1:
+            chosen = next(iter(self.backends))
+        if chosen is None or chosen not in self.backends:
+            configured = ", ".join(sorted(self.backends)) or "none"
+            what = f"unknown backend {chosen!r}" if chosen else "no default_backend set"
+            raise KeyError(f"{what} (configured: {configured})")
+        return self.backends[chosen]
+
+    def resolved(self, backend: str | BackendConfig | None, key: str) -> Any:
+        """A setting for a backend's sessions: the backend's own value of ``key`` where it sets one, else
+        the key of ``[pool]`` or ``[tasks]`` it overrides (``Overrides``). The one place overrides resolve."""
+        own = self.backends.get(backend) if isinstance(backend, str) else backend
+        return resolve(self, own, key)
+
+    def turn_idle_timeout(self, backend: str) -> float:
+        """``turn_idle_timeout`` for the named backend (``resolved``); 0 means none."""
+        return float(self.resolved(backend, "turn_idle_timeout"))
+
+    def session_memory(self, backend: str) -> tuple[int | None, int | None]:
+        """``(session_max_memory, session_kill_memory)`` for the named backend's sessions (``resolved``)."""
+        return self.resolved(backend, "session_max_memory"), self.resolved(backend, "session_kill_memory")
+
+    def cancel_timeout(self, backend: str) -> float:
+        """``cancel_timeout`` for the named backend (``resolved``); 0 means none."""
+        return float(self.resolved(backend, "cancel_timeout"))
+
+
+def _overridden(key: str) -> Overrides:
+    marker = next((m for m in _metadata(BackendConfig, key) if isinstance(m, Overrides)), None)
+    if marker is None:
+        raise KeyError(f"[backends.NAME] {key} overrides nothing")
+    return marker
+
+
+def resolve(tables: Config | PoolConfig | TasksConfig, own: BackendConfig | None, key: str) -> Any:
+    """``own``'s value of ``key`` if set, else the overridden key's value in ``tables`` (a ``Config``, or
+    the one table it names itself: a ``PoolConfig`` for ``pool`` keys, a ``TasksConfig`` for ``tasks``'s)."""
+    marker = _overridden(key)
+    value = getattr(own, key) if own is not None else None
+    if value is not None:
+        return value
+    table = getattr(tables, marker.section) if isinstance(tables, Config) else tables
+    return getattr(table, marker.key)
+
+
 class _Checker:
     """Walks a TOML document, converting known keys and recording every problem."""
 
@@ -333,92 +386,64 @@ class _Checker:
         return out
 
 
-def _identity(value: object) -> object:
-    return value
+def _key_checks(struct: type[msgspec.Struct]) -> dict[str, Callable[[object], Any]]:
+    """The keys of the table ``struct`` is, each with the check its field declares."""
+    checks: dict[str, Callable[[object], Any]] = {}
+    for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+        declared = next((m for m in _metadata(struct, name) if isinstance(m, Check)), None)
+        if declared is NOT_A_KEY:
+            continue
+        if declared is not None:
+            checks[name] = declared.convert
+        elif typing.get_origin(hint) is Literal:
+            checks[name] = _one_of(tuple(typing.get_args(hint)))
+        elif isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+            checks[name] = _identity  # a table of its own, checked by ``_table``
+        else:
+            raise TypeError(f"{struct.__name__}.{name} declares no Check")
+    return checks
+
+
+def _table(
+    checker: _Checker, struct: type[msgspec.Struct], doc: object, path: str, *, apart: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """A table's keys, checked as ``struct``'s fields declare, its sub-tables made into their Structs;
+    the keys ``apart`` are known but checked by the caller (left out of what is returned)."""
+    checks = {**_key_checks(struct), **dict.fromkeys(apart, _identity)}
+    fields = checker.table(doc, path, checks)
+    for name in apart:
+        fields.pop(name, None)
+    hints = typing.get_type_hints(struct)
+    for name in list(fields):
+        kind = hints[name]
+        if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            fields[name] = kind(**_table(checker, kind, fields[name], f"{path}.{name}" if path else name))
+    return fields
+
+
+def _backend(checker: _Checker, name: str, raw: object) -> BackendConfig | None:
+    path = f"backends.{name}"
+    fields = checker.table(raw, path, _key_checks(BackendConfig))
+    if isinstance(raw, dict) and "command" not in raw:
+        checker.fail(f"{path}.command", "required key is missing")
+    env = fields.pop("env", {})
+    if not isinstance(env, dict):
+        checker.fail(f"{path}.env", str(_expect("a table of strings", env)))
+        env = {}
+    checked_env = checker.table(env, f"{path}.env", dict.fromkeys(env, _templated_string))
+    return BackendConfig(name=name, env=checked_env, **fields) if "command" in fields else None
 
 
 def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
-    """Turn a parsed TOML document into a ``Config`` or raise ``ConfigError`` with all problems."""
+    """Turn a parsed TOML document into a ``Config`` or raise ``ConfigError`` with all problems.
+
+    Each table's keys and their checks are its Struct's fields (``Check``); what remains here
+    are the rules that span keys.
+    """
     checker = _Checker()
-    top = checker.table(
-        dict(doc),
-        "",
-        {
-            "default_backend": _string,
-            "state_dir": _string,
-            "max_line_bytes": _int_at_least(1024),
-            "pool": _identity,
-            "shutdown": _identity,
-            "tasks": _identity,
-            "ownership": _identity,
-            "trace": _identity,
-            "attach": _identity,
-            "backends": _identity,
-        },
-    )
-    pool = PoolConfig(
-        **checker.table(
-            top.get("pool", {}),
-            "pool",
-            {
-                "max_live": _int_at_least(1),
-                "idle_ttl": parse_duration,
-                "acquire_timeout": parse_duration,
-                "resume_timeout": parse_duration,
-                "quiet_after": parse_duration,
-                "start_timeout": parse_duration,
-                "min_idle": parse_duration,
-                "max_memory": parse_size,
-                "session_max_memory": parse_size,
-                "session_kill_memory": parse_size,
-            },
-        )
-    )
-    shutdown = ShutdownConfig(
-        **checker.table(
-            top.get("shutdown", {}),
-            "shutdown",
-            {
-                "close_timeout": parse_duration,
-                "stdin_grace": parse_duration,
-                "term_grace": parse_duration,
-            },
-        )
-    )
-    tasks = TasksConfig(
-        **checker.table(
-            top.get("tasks", {}),
-            "tasks",
-            {
-                "turn_timeout": parse_duration,
-                "turn_idle_timeout": parse_duration,
-                "cancel_timeout": parse_duration,
-                "retention": parse_duration,
-                "notify": _one_of(NOTIFY_POLICIES),
-                "notify_command": _command,
-                "notify_timeout": _positive_duration,
-            },
-        )
-    )
-    ownership = OwnershipConfig(
-        **checker.table(
-            top.get("ownership", {}),
-            "ownership",
-            {"reap_interval": parse_duration, "cgroups": _one_of(CGROUP_SETTINGS)},
-        )
-    )
-    trace = TraceConfig(**checker.table(top.get("trace", {}), "trace", {"file": _string, "max_size": parse_size}))
-    attach = AttachConfig(
-        **checker.table(
-            top.get("attach", {}),
-            "attach",
-            {
-                "prompts": _one_of(PROMPT_POLICIES),
-                "max_clients": _int_at_least(1),
-                "transcript_max_bytes": _size_or_zero,
-            },
-        )
-    )
+    top = _table(checker, Config, dict(doc), "", apart=("backends",))
+    tasks: TasksConfig = top.get("tasks", TasksConfig())
+    pool: PoolConfig = top.get("pool", PoolConfig())
     if tasks.notify != "silent" and tasks.notify_command is None:
         checker.fail(
             "tasks.notify_command",
@@ -426,70 +451,31 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
             'or notify = "silent"',
         )
     backends: dict[str, BackendConfig] = {}
-    raw_backends = top.get("backends", {})
+    raw_backends = doc.get("backends", {})
     if not isinstance(raw_backends, dict):
         checker.fail("backends", str(_expect("a table of backends", raw_backends)))
         raw_backends = {}
     for name, raw in raw_backends.items():
-        path = f"backends.{name}"
-        fields = checker.table(
-            raw,
-            path,
-            {
-                "command": _command,
-                "env": _identity,
-                "cwd": _string,
-                "resume": _one_of(RESUME_STRATEGIES),
-                "max_live": _int_at_least(1),
-                "turn_timeout": parse_duration,
-                "cancel_timeout": parse_duration,
-                "start_timeout": parse_duration,
-                "max_memory": parse_size,
-                "turn_idle_timeout": parse_duration,
-                "session_max_memory": parse_size,
-                "session_kill_memory": parse_size,
-            },
-        )
-        if isinstance(raw, dict) and "command" not in raw:
-            checker.fail(f"{path}.command", "required key is missing")
-        env = fields.pop("env", {})
-        if not isinstance(env, dict):
-            checker.fail(f"{path}.env", str(_expect("a table of strings", env)))
-            env = {}
-        checked_env = checker.table(env, f"{path}.env", dict.fromkeys(env, _templated_string))
-        if "command" in fields:
-            backends[name] = BackendConfig(name=name, env=checked_env, **fields)
+        backend = _backend(checker, name, raw)
+        if backend is not None:
+            backends[name] = backend
     if not raw_backends and not checker.problems:
         checker.fail("backends", "at least one backend is required, e.g. [backends.codex]")
-    for path, (soft, hard) in [
-        ("pool", session_limits(pool, None)),
-        *((f"backends.{b.name}", session_limits(pool, b)) for b in backends.values()),
-    ]:
+    for path, own in [("pool", None), *((f"backends.{b.name}", b) for b in backends.values())]:
+        soft, hard = resolve(pool, own, "session_max_memory"), resolve(pool, own, "session_kill_memory")
         if soft is not None and hard is not None and hard <= soft:
             checker.fail(
                 f"{path}.session_kill_memory",
                 f"{hard} bytes must be larger than session_max_memory, {soft} bytes (the hard limit past which "
                 "a turn is ended; a backend's limits fall back to [pool]'s)",
             )
-    default = top.get("default_backend")
+    default = doc.get("default_backend")
     if default is not None and raw_backends and default not in raw_backends:
         configured = ", ".join(sorted(raw_backends))
         checker.fail("default_backend", f"{_show(default)} is not a backend (configured: {configured})")
     if checker.problems:
         raise ConfigError(checker.problems, source)
-    sections = ("pool", "shutdown", "tasks", "ownership", "trace", "attach", "backends")
-    rest = {k: v for k, v in top.items() if k not in sections}
-    return Config(
-        backends=backends,
-        pool=pool,
-        shutdown=shutdown,
-        tasks=tasks,
-        ownership=ownership,
-        trace=trace,
-        attach=attach,
-        source=source,
-        **rest,
-    )
+    return Config(backends=backends, source=source, **top)
 
 
 def unsafe_ownership(info: os.stat_result, source: str, uid: int | None = None) -> str | None:

@@ -415,3 +415,95 @@ def test_nul_in_argv_or_env_is_a_config_error() -> None:
     found = problems({"backends": {"x": {"command": ["echo\0x"], "env": {"K": "a\0b"}}}})
     assert any(p.startswith("backends.x.command: contains a NUL") for p in found), found
     assert any(p.startswith("backends.x.env.K: contains a NUL") for p in found), found
+
+
+# --- each key declared once: on its Struct field, with its check and what it overrides ------------
+
+TABLES = [
+    ("", configuration.Config),
+    ("pool", configuration.PoolConfig),
+    ("shutdown", configuration.ShutdownConfig),
+    ("tasks", configuration.TasksConfig),
+    ("ownership", configuration.OwnershipConfig),
+    ("trace", configuration.TraceConfig),
+    ("attach", configuration.AttachConfig),
+    ("backends.NAME", configuration.BackendConfig),
+]
+
+
+def _keys() -> list[str]:
+    """Every key of the config file, as the Structs declare them."""
+    keys = []
+    for section, struct in TABLES:
+        for key in configuration._key_checks(struct):
+            kind = struct.__annotations__[key]
+            if section == "" and kind.endswith("Config"):
+                continue  # a table, not a key
+            keys.append(f"[{section}] {key}" if section else key)
+    return keys
+
+
+def test_every_key_is_its_structs_field_and_nothing_else_is_a_key() -> None:
+    for section, struct in TABLES:
+        fields = set(struct.__struct_fields__) - {"name", "source", "backends"}
+        assert set(configuration._key_checks(struct)) == fields, section
+
+
+@pytest.mark.parametrize(("key", "bad"), [(k, v) for k, v in [("idle_ttl", "soon"), ("max_live", 0)]])
+def test_a_keys_check_is_the_one_its_field_declares_wherever_it_appears(key: str, bad: object) -> None:
+    in_pool = problems({**GOOD, "pool": {key: bad}})
+    assert len(in_pool) == 1
+    assert in_pool[0].startswith(f"pool.{key}: expected ")
+
+
+OVERRIDDEN = [
+    ("turn_timeout", "tasks", 60.0, 5.0),
+    ("turn_idle_timeout", "tasks", 60.0, 5.0),
+    ("cancel_timeout", "tasks", 60.0, 5.0),
+    ("start_timeout", "pool", 60.0, 5.0),
+    ("max_live", "pool", 4, 2),
+    ("session_max_memory", "pool", 1 << 30, 1 << 20),
+    ("session_kill_memory", "pool", 1 << 31, 1 << 21),
+]
+
+
+@pytest.mark.parametrize(("key", "section", "table_value", "own_value"), OVERRIDDEN)
+def test_a_backends_own_value_overrides_its_tables_and_only_for_its_sessions(
+    key: str, section: str, table_value: object, own_value: object
+) -> None:
+    doc = {
+        section: {key: table_value},
+        "backends": {"own": {"command": ["a"], key: own_value}, "other": {"command": ["b"]}},
+    }
+    config = validate(doc)
+    assert config.resolved("own", key) == own_value
+    assert config.resolved(config.backends["own"], key) == own_value
+    assert config.resolved("other", key) == table_value
+    assert config.resolved("unknown", key) == table_value
+
+
+def test_exactly_the_keys_that_override_a_table_resolve_and_each_names_a_key_of_it() -> None:
+    overriding = {
+        key
+        for key in configuration.BackendConfig.__struct_fields__
+        if any(
+            isinstance(m, configuration.Overrides) for m in configuration._metadata(configuration.BackendConfig, key)
+        )
+    }
+    assert overriding == {key for key, *_ in OVERRIDDEN}
+    config = validate(GOOD)
+    for key in sorted(set(configuration.BackendConfig.__struct_fields__) - overriding):
+        with pytest.raises(KeyError, match="overrides nothing"):
+            config.resolved("codex", key)
+
+
+def test_the_configuration_reference_lists_every_key_and_no_other() -> None:
+    """docs/configuration.md's table of every key, against the Structs that declare them."""
+    text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    table = text[text.index("| key | type | default | meaning |") :].split("\n\n")[0]
+    documented = set()
+    for line in table.splitlines()[2:]:
+        first, *more = (name.strip("`") for name in line.split("|")[1].strip().split(", "))
+        section, _, key = first.rpartition(" ")  # "[pool] max_live, min_idle": both of [pool]
+        documented |= {f"{section} {name}" if section else name for name in (key, *more)}
+    assert documented == set(_keys())

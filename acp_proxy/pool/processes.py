@@ -299,12 +299,12 @@ class ProcessPool:
         return {index for h in held for scope, index in h.scope_indexes if scope == "all"}
 
     def backend_cap(self, backend: BackendConfig) -> int:
-        return backend.max_live if backend.max_live is not None else self.config.pool.max_live
+        """Live processes ``backend`` may have: its own ``max_live``, else the install's (``Config.resolved``)."""
+        return int(self.config.resolved(backend, "max_live"))
 
     def start_timeout(self, backend: BackendConfig) -> float:
         """``start_timeout`` for ``backend``, the backend's own first; ``inf`` when it is 0 (no limit)."""
-        timeout = backend.start_timeout if backend.start_timeout is not None else self.config.pool.start_timeout
-        return timeout or math.inf
+        return float(self.config.resolved(backend, "start_timeout")) or math.inf
 
     def refuse(self) -> None:
         """From now on, requests waiting for a slot (and new ones) fail fast with ``proxy_shutdown``."""

@@ -258,10 +258,8 @@ class TurnBook:
         log.debug("task %s running", turn.task_id, extra=turn_ids(turn))
 
     def turn_timeout(self, turn: Turn) -> float:
-        backend = self.config.backends.get(turn.backend)
-        if backend is not None and backend.turn_timeout is not None:
-            return backend.turn_timeout
-        return self.config.tasks.turn_timeout
+        """``turn_timeout`` for the turn's backend (``Config.resolved``); 0 means none."""
+        return float(self.config.resolved(turn.backend, "turn_timeout"))
 
     # --- settling ------------------------------------------------------------------------
 
