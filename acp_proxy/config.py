@@ -336,6 +336,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         """``(session_max_memory, session_kill_memory)`` for the named backend's sessions (``resolved``)."""
         return self.resolved(backend, "session_max_memory"), self.resolved(backend, "session_kill_memory")
 
+    def has_session_ceilings(self) -> bool:
+        """Whether any backend's sessions have a memory ceiling (``session_max_memory``, ``session_kill_memory``)."""
+        return any(limit is not None for name in self.backends for limit in self.session_memory(name))
+
     def cancel_timeout(self, backend: str) -> float:
         """``cancel_timeout`` for the named backend (``resolved``); 0 means none."""
         return float(self.resolved(backend, "cancel_timeout"))

@@ -1,10 +1,11 @@
 """The composition root: wires the layers for one ``acp-proxy`` process (``main`` runs it).
 
-Everything below is built here, once, and handed what it needs. The calls that
-must go upward are callables made or picked here: the pool asking the sessions to
-suspend one (``suspend``), the pool handing a new adapter to the relay
-(``attach``), and the task book handing a turn past its deadline to the sessions
-(``intents.expire_turn``).
+Everything below is built here, once, each object after those it needs, and handed
+what it needs in its constructor; nothing is assigned to an object afterwards. The
+calls that must go upward are callables made or picked here: the pool asking the
+sessions to suspend one (``suspend``), the pool handing a new adapter to the relay
+(``attach``), a signal stopping the gateway connection (``stop``), and the task book
+handing a turn past its deadline to the sessions (``intents.expire_turn``).
 
     protocol -> state, config -> ownership -> tasks -> pool -> sessions -> relay -> operator -> serve
 """
@@ -67,26 +68,18 @@ async def serve_gateway(
     registry = SessionRegistry(owner.db, owner.instance_id)
     for session_id in registry.adopt_orphans():
         log.info("session %s: left live by a proxy that is gone; suspended, resumable", session_id)
-    notifier = Notifier.for_tasks(config.tasks, owner.instance_id, owner.journal)
     transcripts = Transcripts(owner.db.state_dir, config.attach.transcript_max_bytes)
 
     def prune_also(retention: float) -> int:
         transcripts.prune(retention, registry.existing)
         return registry.prune_deleted(retention)
 
-    turns = TurnBook(
-        TaskRegistry(owner.db, owner.instance_id),
-        config,
-        stopping,
-        prune_also=prune_also,
-        session_info=registry.record_title,
-        notifier=notifier,
-        timings=owner.timings,
-        titles=titles_of,
-    )
-    turns.maintain()
     async with anyio.create_task_group() as tasks:
         background = Background(tasks, owner.db.path)
+        # Built in the order each needs the one before. Three calls go back up, each a callable over a
+        # name bound further down (the only ones left): the pool suspends a session it chose
+        # (``suspend``) and hands each new adapter to the relay (``attach``), and a signal stops the
+        # gateway connection (``stop``).
         gateway: GatewayConnection | None = None
         intents: SessionIntents | None = None
         relay: AdapterRelay | None = None
@@ -114,12 +107,24 @@ async def serve_gateway(
             suspend=suspend,
             attach=attach,
             peers=InstallPeers(owner.db),
+            trace=trace,
         )
-        pool.trace = trace
         table = SessionTable(registry, background, pool.changed, on_bound=pool.recency.note_bound)
+        title_of = functools.partial(session_title, table)
+        notifier = Notifier.for_tasks(config.tasks, owner.instance_id, owner.journal, title_of=title_of)
+        turns = TurnBook(
+            TaskRegistry(owner.db, owner.instance_id),
+            config,
+            stopping,
+            prune_also=prune_also,
+            session_info=registry.record_title,
+            notifier=notifier,
+            timings=owner.timings,
+            titles=titles_of,
+        )
+        turns.maintain()
         intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
-        sharing = Sharing(config, owner.instance_id, transcripts, writer, background, owner.journal, notifier)
-        sharing.intents = intents
+        sharing = Sharing(config, owner.instance_id, intents, transcripts, writer, background, owner.journal, notifier)
         relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping, sharing)
         links = Links(
             config,
@@ -131,8 +136,7 @@ async def serve_gateway(
             relay.new_upstream_id,
             lambda: pool.client_init,
         )
-        if MemoryCeilings.configured(config):
-            pool.memory.on_measured = MemoryCeilings(config, intents, background).check
+        ceilings = MemoryCeilings(config, intents, background)
         gateway = GatewayConnection(
             config,
             pool=pool,
@@ -151,6 +155,7 @@ async def serve_gateway(
         tasks.start_soon(pool.suspend_idle)
         tasks.start_soon(pool.publish_slots)
         tasks.start_soon(pool.memory.keep)
+        tasks.start_soon(ceilings.watch, pool)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)
         tasks.start_soon(operations.serve)
         tasks.start_soon(transcripts.keep_flushing)
@@ -158,7 +163,6 @@ async def serve_gateway(
             interval, grace = config.ownership.reap_interval, config.shutdown.term_grace
             tasks.start_soon(clear_periodically, owner, interval, grace, stopping, notifier)
         if notifier is not None:
-            notifier.title_of = functools.partial(session_title, table)
             tasks.start_soon(notifier.run)
         await gateway.run(gateway_in)
         if notifier is not None:

@@ -13,7 +13,7 @@ import functools
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final, Protocol
 
 import anyio
@@ -207,26 +207,26 @@ class MemoryKeeper:
         """Notified when a new adapter has answered: measure it now, rather than at the next round."""
         self._overruns: set[str | None] = set()
         """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
-        self.on_measured: Callable[[list[Adapter]], None] | None = None
-        """Called with this proxy's live processes once each round has measured them (the sessions'
-        memory ceilings, ``sessions.ceilings``); set by the composition root."""
+        self.for_ceilings = pool.config.has_session_ceilings()
+        """Some backend's sessions have a memory ceiling: measure this proxy's trees for them too."""
+        self.measured = Changes()
+        """Notified once each round has measured this proxy's trees (``MemoryCeilings.watch`` waits on it)."""
 
     async def keep(self) -> None:
         """With ``max_memory`` set: measure this proxy's trees every few seconds (for its slot records),
         and, if this proxy keeps the install's budget, suspend idle sessions until the install fits.
-        With a memory ceiling per session: measure them, and hand them to ``on_measured``.
+        With a memory ceiling per session: measure them, and tell whoever waits on ``measured``.
 
         One proxy of the install keeps the budget at a time (``InstallSlots.lead``): two keepers
         reading the same records would suspend twice what is needed. A budget is not a kill
         switch: busy sessions are never suspended; an overrun nothing can relieve is logged once.
         """
-        if self.budget.empty and self.on_measured is None:
+        if self.budget.empty and not self.for_ceilings:
             return
         while not self.pool.stopping.begun:
             due = self._measure_due.next()
             await self._measure()
-            if self.on_measured is not None:
-                self.on_measured(self.pool.live())
+            self.measured.notify()
             if not self.budget.empty and self.pool.install.lead(BUDGET_ROLE):
                 measured, by_key = self._memory_slots()
                 await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")

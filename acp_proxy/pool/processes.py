@@ -146,6 +146,7 @@ class ProcessPool:
         suspend: Suspend,
         attach: Callable[[Adapter], None],
         peers: Peers | None = None,
+        trace: Trace | None = None,
     ) -> None:
         self.config = config
         self.owner = owner
@@ -159,7 +160,7 @@ class ProcessPool:
         self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
         self.journal = owner.journal
         self.timings = owner.timings
-        self.trace: Trace | None = None
+        self.trace = trace
         """Where every wire message is recorded (``--trace``), handed to each adapter it starts."""
         self.peaks = Peaks(Learned(owner.db))
         self.memory = MemoryKeeper(self, self.peaks)

@@ -314,6 +314,7 @@ class Sharing:
         self,
         config: Config,
         instance_id: str,
+        intents: SessionIntents,
         transcripts: Transcripts,
         writer: GatewayWriter,
         background: Background,
@@ -327,7 +328,7 @@ class Sharing:
         self.background = background
         self.journal = journal
         self.notifier = notifier
-        self.intents: SessionIntents | None = None
+        self.intents = intents
         self.deliver: Deliver | None = None
         """Set by the relay that owns the agent's requests."""
         self.cancel_sent: Callable[[str], Awaitable[None]] | None = None
@@ -509,7 +510,6 @@ class Sharing:
 
         ``msg`` keeps its sender's id; ``reply`` gets the answer under it. The id it is served
         under, ``None`` if it was refused."""
-        assert self.intents is not None
         share = self.shares.setdefault(session_id, Share(session_id))
         their_id = msg.id
         if self.config.attach.prompts == "refuse" and (share.lane or self._turn_running(session_id)):
@@ -535,14 +535,12 @@ class Sharing:
 
     def _turn_running(self, session_id: str) -> Turn | None:
         """The turn the session's process runs now, if any."""
-        assert self.intents is not None
         session = self.intents.table.get(session_id)
         adapter = session.live_adapter if session is not None else None
         turn = adapter.turn if adapter is not None else None
         return turn if turn is not None and turn.status is TaskStatus.RUNNING else None
 
     async def _run_lane(self, share: Share) -> None:
-        assert self.intents is not None
         try:
             while share.lane:
                 item = share.lane[0]
@@ -634,7 +632,6 @@ class Sharing:
             self._detached(attachment, share, attachment.ended or why)
 
     def _admit(self, request: AttachRequest) -> tuple[Attachment, Share]:
-        assert self.intents is not None
         session = self.intents.table.get(request.sessionId)
         if session is None or session.closed:
             raise LookupError(f"this proxy does not hold session {request.sessionId}")
@@ -748,7 +745,6 @@ class Sharing:
             )
 
     async def _notified_by(self, attachment: Attachment, share: Share, msg: Message) -> None:
-        assert self.intents is not None
         if msg.method == Method.CANCEL:
             if attachment.role is not Role.CONTROLLER:
                 log.info(
@@ -839,7 +835,7 @@ class Sharing:
         self._forget_if_idle(share)
 
     def _backend(self, session_id: str) -> str | None:
-        session = self.intents.table.get(session_id) if self.intents is not None else None
+        session = self.intents.table.get(session_id)
         return session.record.backend if session is not None else None
 
     def _tell(self, session_id: str, notice: bytes) -> None:

@@ -30,6 +30,7 @@ from acp_proxy.concurrency import Background
 from acp_proxy.config import Config
 from acp_proxy.journal import SuspendReason
 from acp_proxy.pool.adapter import Adapter
+from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.tasks.status import TaskStatus
 from acp_proxy.tasks.turn import Limit
@@ -71,10 +72,13 @@ class MemoryCeilings:
         self.intents = intents
         self.background = background
 
-    @staticmethod
-    def configured(config: Config) -> bool:
-        """Whether any backend's sessions have a ceiling: else nothing needs measuring for them."""
-        return any(limit is not None for name in config.backends for limit in config.session_memory(name))
+    async def watch(self, pool: ProcessPool) -> None:
+        """After each round of the pool's measurements (``MemoryKeeper.measured``), ``check`` the trees."""
+        if not pool.memory.for_ceilings:
+            return  # no backend's sessions have a ceiling
+        while not pool.stopping.begun:
+            await pool.memory.measured.next().wait()
+            self.check(pool.live())
 
     def check(self, adapters: list[Adapter]) -> None:
         """This proxy's processes, just measured: recycle, mark or cut those over their ceilings."""

@@ -177,6 +177,7 @@ class Notifier:
         timeout: float,
         instance_id: str,
         journal: Journal | None = None,
+        title_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self.command = command
         self.default = default
@@ -184,8 +185,8 @@ class Notifier:
         self.timeout = timeout
         self.instance_id = instance_id
         self.journal = journal
-        self.title_of: Callable[[str], str | None] | None = None
-        """A session's title as this proxy holds it in memory (set by the composition root)."""
+        self.title_of = title_of
+        """A session's title as this proxy holds it in memory."""
         self.titles: dict[str, str | None] = {}
         """Titles announced during this proxy's turns, by session: newer than ``title_of``'s."""
         self._lanes: list[tuple[MemoryObjectSendStream[Notice], MemoryObjectReceiveStream[Notice]]] = [
@@ -196,7 +197,13 @@ class Notifier:
         self._changes = Changes()
 
     @classmethod
-    def for_tasks(cls, config: TasksConfig, instance_id: str, journal: Journal | None) -> Notifier | None:
+    def for_tasks(
+        cls,
+        config: TasksConfig,
+        instance_id: str,
+        journal: Journal | None,
+        title_of: Callable[[str], str | None] | None = None,
+    ) -> Notifier | None:
         """The notifier ``[tasks]`` asks for; ``None`` without a ``notify_command`` (nothing could be told)."""
         if config.notify_command is None:
             return None
@@ -206,6 +213,7 @@ class Notifier:
             timeout=config.notify_timeout,
             instance_id=instance_id,
             journal=journal,
+            title_of=title_of,
         )
 
     # --- on the event loop: deciding and queueing, never waiting ---------------------------------
