@@ -71,15 +71,17 @@ def strip_proxy_meta(messages: list[Any], proxied: bool, where: str) -> list[Any
     return messages
 
 
-SERVED_SESSION_CAPABILITIES = ("close", "list", "delete")
+SERVED_SESSION_CAPABILITIES = ("close", "list", "delete", "attach")
+ATTACH_ROLES = {"roles": ["controller", "observer"]}
+"""What the proxy advertises of ``session/attach``, which it serves for every backend (protocol.md)."""
 
 
 def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -> None:
     """An initialize result with the session capabilities the proxy serves itself.
 
-    The proxy adds ``sessionCapabilities.close``, ``.list`` and ``.delete`` always,
-    and ``.resume`` when the adapter can load or resume; ``.fork`` it relays as the
-    adapter advertised it (README). Proxied, the first three must be there; both
+    The proxy adds ``sessionCapabilities.close``, ``.list``, ``.delete`` and ``.attach``
+    (its roles) always, and ``.resume`` when the adapter can load or resume; ``.fork`` it
+    relays as the adapter advertised it. Proxied, the first four must be there; both
     sides then get the same adjustments, so what remains compared is everything
     else the adapter itself advertised, ``fork`` included.
     """
@@ -90,8 +92,10 @@ def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -
     missing = [key for key in SERVED_SESSION_CAPABILITIES if not isinstance(sessions.get(key), dict)]
     if proxied and missing:
         raise CheckFailed(f"{where}: the initialize result lacks sessionCapabilities {missing}, served by the proxy")
+    if proxied and sessions.get("attach") != ATTACH_ROLES:
+        raise CheckFailed(f"{where}: sessionCapabilities.attach is {sessions.get('attach')}, not {ATTACH_ROLES}")
     for key in SERVED_SESSION_CAPABILITIES:
-        sessions.setdefault(key, {})
+        sessions.setdefault(key, ATTACH_ROLES if key == "attach" else {})
     if caps.get("loadSession") is True or isinstance(sessions.get("resume"), dict):
         sessions.setdefault("resume", {})
     caps["sessionCapabilities"] = sessions
