@@ -71,9 +71,10 @@ def strip_proxy_meta(messages: list[Any], proxied: bool, where: str) -> list[Any
     return messages
 
 
-SERVED_SESSION_CAPABILITIES = ("close", "list", "delete", "attach")
+SERVED_SESSION_CAPABILITIES = ("close", "list", "delete")
 ATTACH_ROLES = {"roles": ["controller", "observer"]}
-"""What the proxy advertises of ``session/attach``, which it serves for every backend (protocol.md)."""
+"""What the proxy advertises of ``session/attach``, which it serves for every backend (protocol.md). A
+client of the SDK's typed models may drop it (it is not in ACP v1's schema), so it is not required."""
 
 
 def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -> None:
@@ -81,9 +82,10 @@ def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -
 
     The proxy adds ``sessionCapabilities.close``, ``.list``, ``.delete`` and ``.attach``
     (its roles) always, and ``.resume`` when the adapter can load or resume; ``.fork`` it
-    relays as the adapter advertised it. Proxied, the first four must be there; both
-    sides then get the same adjustments, so what remains compared is everything
-    else the adapter itself advertised, ``fork`` included.
+    relays as the adapter advertised it. Proxied, the first three must be there, and
+    ``attach`` as the proxy advertises it where the client kept it; both sides then get
+    the same adjustments, so what remains compared is everything else the adapter itself
+    advertised, ``fork`` included.
     """
     caps = result.get("agentCapabilities")
     caps = dict(caps) if isinstance(caps, dict) else {}
@@ -92,10 +94,11 @@ def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -
     missing = [key for key in SERVED_SESSION_CAPABILITIES if not isinstance(sessions.get(key), dict)]
     if proxied and missing:
         raise CheckFailed(f"{where}: the initialize result lacks sessionCapabilities {missing}, served by the proxy")
-    if proxied and sessions.get("attach") != ATTACH_ROLES:
+    if proxied and sessions.get("attach", ATTACH_ROLES) != ATTACH_ROLES:
         raise CheckFailed(f"{where}: sessionCapabilities.attach is {sessions.get('attach')}, not {ATTACH_ROLES}")
     for key in SERVED_SESSION_CAPABILITIES:
-        sessions.setdefault(key, ATTACH_ROLES if key == "attach" else {})
+        sessions.setdefault(key, {})
+    sessions.setdefault("attach", ATTACH_ROLES)
     if caps.get("loadSession") is True or isinstance(sessions.get("resume"), dict):
         sessions.setdefault("resume", {})
     caps["sessionCapabilities"] = sessions
