@@ -31,9 +31,14 @@ RELEASE_BEFORE = "f4c93edabcf8907c58c025158008a04ee5d135c4"
 
 
 def changelog_releases() -> list[tuple[str, int]]:
-    """(version, schema) of each release CHANGELOG.md lists, newest first."""
-    found = []
+    """(version, schema) of each release CHANGELOG.md lists, newest first.
+
+    An ``[Unreleased]`` section (Keep a Changelog's: what ``main`` holds beyond the last release)
+    may come first, above every release, and only there: anywhere else it fails as no version."""
+    found: list[tuple[str, int]] = []
     for heading, body in re.findall(r"^## \[([^\]]+)\][^\n]*\n(.*?)(?=^## |\Z)", CHANGELOG.read_text(), re.M | re.S):
+        if heading == "Unreleased" and not found:
+            continue
         schema = re.search(r"[Ss]tate schema (\d+)", body)
         assert schema, f"the release {heading} names its state schema"
         found.append((heading, int(schema.group(1))))
