@@ -488,6 +488,7 @@ def measure_registry(workdir: Path, args: argparse.Namespace) -> list[dict[str, 
                 registry.mark_live(session_id, "lease-bench", session_id)
 
         timed("mark_suspended/mark_live", "mark_suspended / mark_live (alternating)", ops, suspend_or_live)
+        db.settle()  # page() reads what is written: the writer thread applies the queued writes first
         sizes: set[int] = set()
         timed(
             "page",
