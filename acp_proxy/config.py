@@ -11,6 +11,7 @@ run. The checks are plain functions over plain data; nothing here touches a proc
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -345,8 +346,20 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         return float(self.resolved(backend, "cancel_timeout"))
 
 
+@functools.cache
+def _overrides() -> dict[str, Overrides]:
+    """The keys of a backend that override a table's, read from ``BackendConfig`` once: ``resolve`` runs
+    for every turn and every start, and reading a Struct's annotations costs about a millisecond."""
+    found = {}
+    for key in BackendConfig.__struct_fields__:
+        marker = next((m for m in _metadata(BackendConfig, key) if isinstance(m, Overrides)), None)
+        if marker is not None:
+            found[key] = marker
+    return found
+
+
 def _overridden(key: str) -> Overrides:
-    marker = next((m for m in _metadata(BackendConfig, key) if isinstance(m, Overrides)), None)
+    marker = _overrides().get(key)
     if marker is None:
         raise KeyError(f"[backends.NAME] {key} overrides nothing")
     return marker
