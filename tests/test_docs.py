@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_LIMIT = 10_000
 """Bytes: what it is, the two commands, one config, where to read on."""
+PAGE_LIMIT = 40_000
+"""Bytes a page of docs/ may hold: past it, a page is two subjects."""
 
 
 def _anchor(heading: str) -> str:
@@ -43,3 +45,8 @@ def test_every_link_lands_on_a_file_and_a_heading_there(page: Path) -> None:
 
 def test_the_readme_is_a_front_page() -> None:
     assert len((ROOT / "README.md").read_bytes()) <= README_LIMIT
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda page: page.name)
+def test_a_page_of_docs_is_one_subject(page: Path) -> None:
+    assert len(page.read_bytes()) <= PAGE_LIMIT
