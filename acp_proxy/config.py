@@ -186,9 +186,15 @@ TEMPLATES: Final = Check(_identity)
 """A table of strings, each with ``${VAR}``s to expand (``[backends.NAME] env``): checked key by key."""
 
 
+@functools.cache
+def _hints(struct: type[msgspec.Struct]) -> dict[str, Any]:
+    """``struct``'s field types, ``Annotated`` kept: evaluated once per Struct (a millisecond or so each)."""
+    return typing.get_type_hints(struct, include_extras=True)
+
+
 def _metadata(struct: type[msgspec.Struct], field: str) -> tuple[object, ...]:
     """What ``Annotated`` says of ``struct``'s ``field`` beside its type (``Check``, ``Overrides``)."""
-    hint = typing.get_type_hints(struct, include_extras=True)[field]
+    hint = _hints(struct)[field]
     return tuple(hint.__metadata__) if typing.get_origin(hint) is Annotated else ()
 
 
@@ -406,7 +412,7 @@ class _Checker:
 def _key_checks(struct: type[msgspec.Struct]) -> dict[str, Callable[[object], Any]]:
     """The keys of the table ``struct`` is, each with the check its field declares."""
     checks: dict[str, Callable[[object], Any]] = {}
-    for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+    for name, hint in _hints(struct).items():
         declared = next((m for m in _metadata(struct, name) if isinstance(m, Check)), None)
         if declared is NOT_A_KEY:
             continue
@@ -430,7 +436,7 @@ def _table(
     fields = checker.table(doc, path, checks)
     for name in apart:
         fields.pop(name, None)
-    hints = typing.get_type_hints(struct)
+    hints = _hints(struct)
     for name in list(fields):
         kind = hints[name]
         if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
