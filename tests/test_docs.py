@@ -13,6 +13,8 @@ README_LIMIT = 10_000
 """Bytes: what it is, the two commands, one config, where to read on."""
 PAGE_LIMIT = 40_000
 """Bytes a page of docs/ may hold: past it, a page is two subjects."""
+DOCS_LIMIT = 220_000
+"""Bytes docs/ holds in all: reference, not history (that is CHANGELOG.md's)."""
 
 
 def _anchor(heading: str) -> str:
@@ -50,3 +52,7 @@ def test_the_readme_is_a_front_page() -> None:
 @pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda page: page.name)
 def test_a_page_of_docs_is_one_subject(page: Path) -> None:
     assert len(page.read_bytes()) <= PAGE_LIMIT
+
+
+def test_docs_hold_reference_not_history() -> None:
+    assert sum(len(page.read_bytes()) for page in (ROOT / "docs").iterdir()) <= DOCS_LIMIT
