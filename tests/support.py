@@ -13,6 +13,7 @@ which ``marked_processes`` finds.
 from __future__ import annotations
 
 import collections
+import io
 import json
 import os
 import shutil
@@ -20,9 +21,11 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -301,8 +304,75 @@ def run_together(code: str, argvs: list[list[str]], timeout: float = 60) -> list
 # --- the operator's CLI ------------------------------------------------------------------------
 
 
-async def cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    """Run ``acp-proxy ARGS`` as an operator would; exit status, stdout, stderr."""
+_CLI_HERE = threading.Lock()
+"""One command line at a time runs in this process: it has the process's environment and streams."""
+
+
+def _cli_here(env: dict[str, str], args: tuple[str, ...]) -> tuple[int, str, str]:
+    """``acp-proxy ARGS`` run by its own ``main`` in this process, under ``env``, its streams captured.
+
+    What the program does besides ``main`` (the interpreter's start, ``__main__``'s garbage
+    collector held off) is the same for every command; the tests that hold the program itself to
+    its exit status and streams run it as a process (``cli(..., process=True)``, ``test_config``).
+    """
+    from acp_proxy.main import main
+
+    out, err = _captured(), _captured()
+    with _CLI_HERE:
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            with redirect_stdout(out), redirect_stderr(err), _stdin_closed():
+                try:
+                    code = main(list(args))
+                except SystemExit as exit_:
+                    code = _exit_status(exit_, err)
+                except Exception:  # as the interpreter would: the traceback, status 1
+                    traceback.print_exc(file=err)
+                    code = 1
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return code, _written(out), _written(err)
+
+
+def _captured() -> io.TextIOWrapper:
+    """A text stream over bytes, as a process's stdout is (``metrics`` writes to its ``buffer``)."""
+    return io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+
+
+def _written(stream: io.TextIOWrapper) -> str:
+    stream.flush()
+    return stream.buffer.getvalue().decode()  # type: ignore[attr-defined]
+
+
+def _exit_status(exit_: SystemExit, err: io.TextIOWrapper) -> int:
+    """The status the interpreter exits with for ``exit_``, printing a message as it would."""
+    if exit_.code is None or isinstance(exit_.code, int):
+        return exit_.code or 0
+    print(exit_.code, file=err)
+    return 1
+
+
+@contextmanager
+def _stdin_closed() -> Iterator[None]:
+    saved = sys.stdin
+    sys.stdin = io.StringIO("")
+    try:
+        yield
+    finally:
+        sys.stdin = saved
+
+
+async def cli(env: dict[str, str], *args: str, process: bool = False) -> tuple[int, str, str]:
+    """Run ``acp-proxy ARGS`` as an operator would; exit status, stdout, stderr.
+
+    It runs in a worker thread of this process (the CLI's start is most of its cost, and the
+    tests run hundreds), or with ``process=True`` as a process of its own.
+    """
+    if not process:
+        return await anyio.to_thread.run_sync(_cli_here, env, args)
     result = await anyio.run_process(
         [sys.executable, "-m", "acp_proxy", *args], env=env, check=False, stdin=subprocess.DEVNULL
     )

@@ -94,9 +94,10 @@ def _ended(outcome: dict[str, Any], status: str, as_json: bool) -> int:
 
 
 def tasks_watch(
-    state_dir: Path, *, session_id: str | None, since: float | None, as_json: bool, out: TextIO = sys.stdout
+    state_dir: Path, *, session_id: str | None, since: float | None, as_json: bool, out: TextIO | None = None
 ) -> int:
-    """Print task status changes until interrupted; exit 0 on Ctrl-C and when the reader goes away."""
+    """Print task status changes until interrupted (to stdout unless ``out``); exit 0 on Ctrl-C or a closed reader."""
+    out = out or sys.stdout
     try:
         _watch(state_dir, session_id, since, as_json, out)
     except KeyboardInterrupt:

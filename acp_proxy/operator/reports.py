@@ -112,8 +112,8 @@ def opened(state_dir: Path) -> Iterator[StateDB | None]:
             db.close()
 
 
-def _print_json(document: object, out: TextIO = sys.stdout) -> None:
-    out.write(json.dumps(document, indent=2, default=str) + "\n")
+def _print_json(document: object, out: TextIO | None = None) -> None:
+    (out or sys.stdout).write(json.dumps(document, indent=2, default=str) + "\n")
 
 
 def _when(timestamp: float | None) -> str:
@@ -138,8 +138,9 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() else " " if ch.isspace() else "?" for ch in " ".join(text.split()))
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO = sys.stdout) -> None:
-    """Left-aligned columns, as wide as their widest cell; the last column is never padded."""
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO | None = None) -> None:
+    """Left-aligned columns, as wide as their widest cell; the last column is never padded (to stdout by default)."""
+    out = out or sys.stdout
     cells = [[str(h) for h in headers]] + [["-" if c is None else printable(str(c)) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
