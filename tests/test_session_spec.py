@@ -347,7 +347,9 @@ async def test_background_updates_keep_a_session_from_eviction_until_it_is_quiet
         worker = await gw.new_session()
         # Long enough for the command below to start and ask while it runs, on a loaded machine too.
         assert (await gw.prompt(worker, "stream 1; background 4"))["result"]["stopReason"] == "end_turn"
-        # The only slot is the worker's, idle as far as turns go but still reporting work.
+        # The only slot is the worker's, idle as far as turns go but still reporting work: its first
+        # report after the turn has come (the operator's command below must not outrun it).
+        await gw.expect(lambda m: m.get("method") == "session/update" and "working" in str(m["params"]["update"]))
         code, out, _ = await cli(proc_env, "sessions", "suspend", worker, "--json")
         assert (code, json.loads(out)["done"]) == (1, False), "busy: not suspended"
         assert "background" in json.loads(out)["reason"]
