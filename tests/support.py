@@ -141,9 +141,14 @@ class Gateway(gateway.Gateway):
         *,
         proxy_args: list[str] | None = None,
         record: bool = True,
+        forked: bool = True,
         **adapter_options: Any,
     ) -> AsyncIterator[Gateway]:
-        """A proxy in front of ``adapter`` (default: the fake adapter with ``adapter_options``, recorded)."""
+        """A proxy in front of ``adapter`` (default: the fake adapter with ``adapter_options``, recorded).
+
+        ``forked``: the proxy is forked from the tests' fork server (``tests/kit/forked.py``), not
+        exec'd; ``False`` for a test that finds it as a gateway's child is found (by its marker).
+        """
         record_path = None
         if adapter is None:
             record_path = tmp_path / f"adapter-{uuid.uuid4().hex[:8]}.jsonl"
@@ -153,7 +158,7 @@ class Gateway(gateway.Gateway):
         backend = sniffio.current_async_library()
         argv = [sys.executable, "-m", "acp_proxy", "--async-backend", backend, *(proxy_args or []), "--", *adapter]
         # Ids from 1001: the tests' own ids (0 for initialize, small numbers, strings) never collide.
-        async with cls.launch(argv, env=env, name="the proxy", first_id=1001) as gw:
+        async with cls.launch(argv, env=env, name="the proxy", first_id=1001, forked=forked) as gw:
             gw.record = record_path if record else None
             yield gw
         assert gw.bad_lines == [], f"the proxy wrote lines that are not JSON objects: {gw.bad_lines[:3]}"
@@ -228,11 +233,18 @@ def write_config(
     return path
 
 
-def start(env: dict[str, str], tmp_path: Path, *, pool: dict[str, str | int] | None = None, **options: Any) -> Any:
+def start(
+    env: dict[str, str],
+    tmp_path: Path,
+    *,
+    pool: dict[str, str | int] | None = None,
+    forked: bool = True,
+    **options: Any,
+) -> Any:
     """A proxy serving one fake backend with ``options``, its sessions stored under tmp_path/store."""
     options.setdefault("store", str(tmp_path / "store"))
     config = write_config(tmp_path, pool={"max_live": 1, **(pool or {})})
-    return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], **options)
+    return Gateway.start(env, tmp_path, proxy_args=["--config", str(config)], forked=forked, **options)
 
 
 async def state_of(gw: Gateway, session: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -217,3 +218,46 @@ def test_descendants_counts_the_live_processes_at_a_depth(proc_env: dict[str, st
             child.kill()
         parent.kill()
         parent.wait()
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter ``/proc`` gives ``pid`` (``Z``: a zombie, ended and not reaped), None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+@pytest.mark.anyio
+async def test_a_forked_proxy_is_a_process_of_its_own(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """The fork server's proxies: their own pid, pipes, stderr and exit status; a pid that stays theirs until told."""
+    from tests.kit import forked
+
+    initialize = b'{"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {"protocolVersion": 1}}\n'
+    with tempfile.TemporaryFile() as stderr:
+        version = await forked.spawn(["--version"], env=proc_env, cwd=tmp_path, stderr=stderr)
+        assert version.pid not in (os.getpid(), 0)
+        out = b"".join([chunk async for chunk in version.stdout])
+        assert await version.wait() == 0
+        assert out.startswith(b"acp-proxy ")
+        refused = await forked.spawn(["--log-level", "loud"], env=proc_env, cwd=tmp_path, stderr=stderr)
+        assert await refused.wait() == 2, "bad input: exit status 2, as the program's own"
+        stderr.seek(0)
+        assert b"loud" in stderr.read()
+
+        serving = await forked.spawn(["--", *fake_command()], env=proc_env, cwd=tmp_path, stderr=stderr)
+        await serving.stdin.send(initialize)
+        with anyio.fail_after(30):
+            assert b'"protocolVersion"' in await serving.stdout.receive()
+        assert (tmp_path / "state").is_dir(), "it ran with the environment it was given"
+        serving.kill()
+        with anyio.fail_after(10):
+            while _process_state(serving.pid) != "Z":
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.1)
+        assert _process_state(serving.pid) == "Z", "ended, and not reaped before its requester was told"
+        await serving.aclose()
+        assert serving.returncode == -signal.SIGKILL
+        with anyio.fail_after(10):
+            while _process_state(serving.pid) is not None:
+                await anyio.sleep(0.01)

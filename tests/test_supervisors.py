@@ -55,7 +55,7 @@ async def busy_proxy(gw: Gateway) -> tuple[str, int]:
 
 
 async def test_sigterm_to_the_whole_tree_at_once_is_a_clean_stop(proc_env: dict[str, str], tmp_path: Path) -> None:
-    async with start(proc_env, tmp_path) as gw:
+    async with start(proc_env, tmp_path, forked=False) as gw:  # found by its marker, as a service manager finds it
         session, request_id = await busy_proxy(gw)
         running = await wait_for_task(proc_env, "running")
         # The proxy, wrapper, adapter, child, grandchild and the escapee: all at once.
@@ -84,7 +84,7 @@ async def test_sigterm_to_the_whole_tree_at_once_is_a_clean_stop(proc_env: dict[
 async def test_sigkill_to_the_whole_tree_at_once_is_recovered_by_the_next_start(
     proc_env: dict[str, str], tmp_path: Path
 ) -> None:
-    async with start(proc_env, tmp_path) as gw:
+    async with start(proc_env, tmp_path, forked=False) as gw:  # found by its marker, as a service manager finds it
         session, _request_id = await busy_proxy(gw)
         running = await wait_for_task(proc_env, "running")
         assert signal_every_marked_process(proc_env, signal.SIGKILL) >= 6

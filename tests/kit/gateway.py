@@ -37,6 +37,7 @@ import anyio.abc
 import msgspec
 
 from acp_proxy.protocol.methods import Method
+from tests.kit import forked as forking
 
 Message = dict[str, Any]
 Handler = Callable[[Message], Message | None]
@@ -372,11 +373,21 @@ class Gateway(_Connection):
         stderr: Stderr = "capture",
         start_new_session: bool = False,
         close_timeout: float = 15.0,
+        forked: bool = False,
         **options: Any,
     ) -> AsyncIterator[Self]:
-        """Run ``argv`` and talk to it; on the way out, ``close(close_timeout)`` and reap it."""
+        """Run ``argv`` and talk to it; on the way out, ``close(close_timeout)`` and reap it.
+
+        ``forked``: a proxy (``argv`` is ``python -m acp_proxy ...``) is forked from the fork server
+        (``tests/kit/forked.py``), where it is on, rather than exec'd.
+        """
         with _child_options(env, cwd, stderr, start_new_session) as (child, log):
-            process = await anyio.open_process(list(argv), **child)
+            if forked and forking.ENABLED and list(argv[1:3]) == ["-m", "acp_proxy"]:
+                process: Any = await forking.spawn(
+                    list(argv[3:]), env=env, cwd=cwd, stderr=log, start_new_session=start_new_session
+                )
+            else:
+                process = await anyio.open_process(list(argv), **child)
         gateway = cls(*_pipes(process), process=process, stderr_file=log, **options)
         try:
             async with gateway._serving(close_timeout):

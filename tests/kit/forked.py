@@ -1,0 +1,156 @@
+"""Proxies forked from this test worker's fork server (``tests/kit/zygote.py``) instead of exec'd afresh.
+
+``spawn`` gives a ``ForkedProcess``, which a ``Gateway`` drives as it drives an ``anyio`` process:
+its ``pid``, its ``stdin`` and ``stdout`` pipes, ``wait`` for its exit status, ``aclose``. The
+server is started on first use, one per process of the tests, and ends with it (EOF on its stdin).
+``ACP_PROXY_TEST_FORK=0`` turns it off: every proxy is exec'd, as a gateway starts one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO
+
+import anyio
+
+from acp_proxy.stdio import FdReceiveStream, FdSendStream
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+ENABLED = os.environ.get("ACP_PROXY_TEST_FORK", "1") != "0"
+
+
+class _Server:
+    _running: _Server | None = None
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="acp-proxy-zygote-")
+        self.path = os.path.join(self.directory, "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.kit.zygote", self.path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        assert self.process.stdout is not None
+        if self.process.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"the fork server did not start (exit status {self.process.wait()})")
+        atexit.register(self.close)
+
+    @classmethod
+    def get(cls) -> _Server:
+        if cls._running is None or cls._running.process.poll() is not None:
+            cls._running = cls()
+        return cls._running
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+            os.rmdir(self.directory)
+
+
+class ForkedProcess:
+    """A proxy forked by the fork server, as ``anyio.abc.Process`` gives the kit a child."""
+
+    def __init__(self, pid: int, connection: socket.socket, stdin: FdSendStream, stdout: FdReceiveStream) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = stdin
+        self.stdout = stdout
+        self._connection = connection
+        self._told = b""
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # the server reaps it only once told it is over: the pid is still its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> int:
+        while self.returncode is None:
+            line = await self._line()
+            if line.startswith(b"exit "):
+                self.returncode = int(line.split()[1])
+                self._connection.close()
+            elif not line:  # the server went away: the child is reaped by nobody we can ask
+                raise RuntimeError(f"the fork server went away before proxy {self.pid} ended")
+        return self.returncode
+
+    async def _line(self) -> bytes:
+        while b"\n" not in self._told:
+            await anyio.wait_readable(self._connection.fileno())
+            try:
+                chunk = self._connection.recv(256)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                return b""
+            self._told += chunk
+        line, _, self._told = self._told.partition(b"\n")
+        return line
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stdin.aclose()
+            await self.wait()
+            await self.stdout.aclose()
+
+
+async def spawn(
+    args: list[str],
+    *,
+    env: dict[str, str] | None,
+    cwd: str | os.PathLike[str] | None,
+    stderr: IO[bytes] | None,
+    start_new_session: bool = False,
+) -> ForkedProcess:
+    """``python -m acp_proxy ARGS``, forked: stdin and stdout pipes to this process, stderr to ``stderr``."""
+    server = _Server.get()
+    stdin_read, stdin_write = os.pipe()
+    stdout_read, stdout_write = os.pipe()
+    error = stderr.fileno() if stderr is not None else os.open(os.devnull, os.O_WRONLY)
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(server.path)
+        request = {
+            "args": args,
+            "env": dict(os.environ if env is None else env),
+            "cwd": None if cwd is None else str(cwd),
+            "session": start_new_session,
+        }
+        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [stdin_read, stdout_write, error])
+    except BaseException:
+        connection.close()
+        for fd in (stdin_write, stdout_read):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (stdin_read, stdout_write, *([] if stderr is not None else [error])):
+            os.close(fd)
+    connection.setblocking(False)
+    stdin, stdout = FdSendStream(stdin_write, owned=True), FdReceiveStream(stdout_read, owned=True)
+    process = ForkedProcess(0, connection, stdin, stdout)
+    line = await process._line()
+    if not line.startswith(b"pid "):
+        await process.stdin.aclose()
+        await process.stdout.aclose()
+        connection.close()
+        raise RuntimeError(f"the fork server could not start a proxy: {line!r}")
+    process.pid = int(line.split()[1])
+    return process
