@@ -397,12 +397,18 @@ async def cli_json(env: dict[str, str], *args: str) -> Any:
     return json.loads(out)
 
 
-async def wait_for_task(env: dict[str, str], status: str, timeout: float = 10) -> dict[str, Any]:
+async def wait_for_task(env: dict[str, str], status: str, *, prompt: str, timeout: float = 10) -> dict[str, Any]:
+    """The newest task in ``status`` whose prompt holds ``prompt``, once there is one.
+
+    Named by its prompt: a turn whose answer the gateway has read may still be ``running`` on record
+    for a moment (its row is written after the answer), and must not be taken for the one asked about.
+    """
     with anyio.fail_after(timeout):
         while True:
             listed = await cli_json(env, "tasks", "list", "--status", status)
-            if listed["tasks"]:
-                return dict(listed["tasks"][0])
+            for task in listed["tasks"]:
+                if prompt in (task["prompt"] or ""):
+                    return dict(task)
             await anyio.sleep(0.05)
 
 

@@ -399,7 +399,8 @@ async def test_a_busy_session_over_the_memory_budget_is_left_alone(proc_env: dic
         first = await a.new_session()
         # Busy from here on: idle for a moment (after a turn of its own), it would rightly be suspended.
         turn = await send_prompt(a, first, "sleep 5")
-        await wait_for_task(proc_env, "running")  # running, not merely sent, before the second start looks
+        # Running, not merely sent, before the second start looks.
+        await wait_for_task(proc_env, "running", prompt="sleep 5")
         serving = registry(proc_env).get(first)
         assert serving is not None
         [pid] = [lease.adapter_pid for lease in all_leases(state_db(proc_env)) if lease.lease_id == serving.lease_id]

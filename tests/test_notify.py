@@ -268,7 +268,7 @@ async def test_a_task_given_a_policy_of_its_own_from_the_cli(proc_env: dict[str,
         await gw.initialize()
         session = await gw.new_session()
         request_id = await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         result = await cli_json(proc_env, "tasks", "notify", running["taskId"][:6], "state_changes")
         assert result == {
             "taskId": running["taskId"],
@@ -305,7 +305,7 @@ async def test_a_policy_of_its_own_needs_a_notify_command(proc_env: dict[str, st
         await gw.initialize()
         session = await gw.new_session()
         request_id = await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         code, _, err = await cli(proc_env, "tasks", "notify", running["taskId"], "done_only")
         assert code == 2
         assert "no [tasks] notify_command" in err
@@ -321,7 +321,7 @@ async def test_tasks_of_a_killed_proxy_are_told_lost_by_the_next_one(proc_env: d
         await gw.initialize()
         session = await gw.new_session()
         await send_prompt(gw, session, "title Long job; wait_cancel", {"traceparent": TRACEPARENT})
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         gw.process.kill()
         await gw.process.wait()
     async with start(proc_env, tmp_path, tasks) as gw:
@@ -555,7 +555,7 @@ async def test_tasks_watch_shows_a_killed_proxys_task_lost_at_once(proc_env: dic
         await gw.initialize()
         session = await gw.new_session()
         await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         async with watching([*WATCH, "--json", "--since", "1m"], proc_env) as watcher:
             assert watcher.stdout is not None
             output = b""

@@ -127,7 +127,7 @@ async def test_outcomes_after_errors_crashes_and_cancels(proc_env: dict[str, str
         assert "error" in await gw.prompt(crashing, "stream 2; crash 3")
         cancelled = await gw.new_session()
         request_id = await send_prompt(gw, cancelled, "wait_cancel")
-        await wait_for_task(proc_env, "running")
+        await wait_for_task(proc_env, "running", prompt="wait_cancel")
         await gw.notify("session/cancel", {"sessionId": cancelled})
         assert (await gw.response_to(request_id))["result"]["stopReason"] == "cancelled"
     tasks = {t.session_id: t for t in list_tasks(state_db(proc_env))}
@@ -246,7 +246,7 @@ async def test_tasks_of_a_killed_proxy_are_lost_at_once_to_readers_and_swept_at_
         await gw.initialize()
         session = await gw.new_session()
         await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         gw.process.kill()
         await gw.process.wait()
     shown = await cli_json(proc_env, "tasks", "show", running["taskId"])
@@ -272,7 +272,7 @@ async def test_tasks_cancel_ends_a_running_turn_and_keeps_the_process(proc_env: 
         session = await gw.new_session()
         pid = await adapter_pid(gw, session)
         request_id = await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         result = await cli_json(proc_env, "tasks", "cancel", running["taskId"][:6])
         assert result == {
             "taskId": running["taskId"],
@@ -297,7 +297,7 @@ async def test_tasks_show_follow_prints_until_the_task_ends(proc_env: dict[str, 
         await gw.initialize()
         session = await gw.new_session()
         request_id = await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         argv = [sys.executable, "-m", "acp_proxy", "tasks", "show", running["taskId"], "--follow", "--json"]
         async with await anyio.open_process(argv, env=proc_env) as follower:
             assert follower.stdout is not None
@@ -326,9 +326,9 @@ async def test_a_queued_task_cancelled_by_an_operator_is_answered_cancelled_and_
         first = await gw.new_session()
         second = await gw.new_session()  # the only slot: the first is suspended
         busy = await send_prompt(gw, first, "wait_cancel")  # resumes the first, suspending the second
-        await wait_for_task(proc_env, "running")
+        await wait_for_task(proc_env, "running", prompt="wait_cancel")
         waiting = await send_prompt(gw, second, "stream 1; never sent")
-        queued = await wait_for_task(proc_env, "queued")
+        queued = await wait_for_task(proc_env, "queued", prompt="never sent")
         result = await cli_json(proc_env, "tasks", "cancel", queued["taskId"], "--no-wait")
         assert (result["cancelled"], result["status"]) == (True, "queued")
         await gw.notify("session/cancel", {"sessionId": first})
@@ -383,7 +383,7 @@ async def test_a_busy_session_is_not_suspended(proc_env: dict[str, str], tmp_pat
         await gw.initialize()
         session = await gw.new_session()
         request_id = await send_prompt(gw, session, "wait_cancel")
-        await wait_for_task(proc_env, "running")
+        await wait_for_task(proc_env, "running", prompt="wait_cancel")
         code, _, err = await cli(proc_env, "sessions", "suspend", session)
         assert code == 1
         assert "busy" in err
@@ -410,7 +410,7 @@ async def test_status_reports_proxies_sessions_leases_processes_and_turns(
         await gw.initialize()
         session = await gw.new_session()
         request_id = await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         report = await cli_json(proc_env, "status")
         code, text, _ = await cli(proc_env, "status")
         await gw.notify("session/cancel", {"sessionId": session})
@@ -635,7 +635,7 @@ async def test_a_turn_in_flight_when_the_gateway_leaves_is_recorded_cancelled(
         await gw.initialize()
         session = await gw.new_session()
         request_id = await send_prompt(gw, session, "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         assert await gw.close() == 0
     [answer] = [m for m in gw.received if m.get("id") == request_id]
     assert answer["error"]["code"] == -32800

@@ -303,7 +303,7 @@ async def test_a_running_proxy_clears_what_a_killed_sibling_left(
             pids = (await gw.request("_fake/pids"))["result"]
             trees[gw.pid] = [pids["adapter"], *pids["children"]]
         await send_prompt(doomed, sessions[doomed.pid], "wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         doomed.signal(signal.SIGSTOP)  # neither it nor its wrapper may end the tree: the live proxy must
         (doomed_lease,) = [lease for lease in read_leases(proc_env) if lease.adapter_pid == trees[doomed.pid][0]]
         assert doomed_lease.wrapper_pid is not None

@@ -189,7 +189,7 @@ async def test_an_installed_proxy_runs_the_wrapper_from_its_install(
     """An installed proxy in front of the bundled echo agent: its wrapper runs from the install."""
     env = installed_env(proc_env, installed)
     echo = [sys.executable, "-m", "acp_proxy.examples.echo_agent"]
-    async with Gateway.start(env, tmp_path, adapter=echo) as gw:
+    async with Gateway.start(env, tmp_path, adapter=echo, forked=False) as gw:  # the installed package, exec'd
         response = await gw.initialize()
         assert "result" in response
         await gw.new_session()

@@ -473,7 +473,7 @@ async def test_a_dropped_link_lets_the_turn_in_flight_finish(proc_env: dict[str,
     token = make_token(proc_env, "laptop")
     async with serve(proc_env, config_for(tmp_path)) as served:
         session = await drop_mid_turn(served, token, "trickle 1.5; permission; stream 2")
-        finished = await wait_for_task(proc_env, "done", timeout=20)  # not cut by the drop
+        finished = await wait_for_task(proc_env, "done", prompt="trickle 1.5", timeout=20)  # not cut by the drop
         assert finished["sessionId"] == session
         # then its proxy lets go: the session is suspended, resumable
         await until_state(proc_env, session, SessionState.SUSPENDED, timeout=20)
@@ -657,9 +657,9 @@ async def test_connect_cancels_the_turns_of_a_gateway_that_left(proc_env: dict[s
             await gw.send(
                 {"jsonrpc": "2.0", "id": turn, "method": "session/prompt", "params": prompt(session, "silent")}
             )
-            await wait_for_task(proc_env, "running")
+            await wait_for_task(proc_env, "running", prompt="silent")
             assert await gw.close(timeout=30) == 0  # EOF: the turn gets its grace (1 s), then is cancelled
-        cancelled = await wait_for_task(proc_env, "cancelled", timeout=20)
+        cancelled = await wait_for_task(proc_env, "cancelled", prompt="silent", timeout=20)
         assert cancelled["sessionId"] == session
         # and the session is suspended at once, not left to linger
         await until_state(proc_env, session, SessionState.SUSPENDED, timeout=20)

@@ -57,7 +57,7 @@ async def busy_proxy(gw: Gateway) -> tuple[str, int]:
 async def test_sigterm_to_the_whole_tree_at_once_is_a_clean_stop(proc_env: dict[str, str], tmp_path: Path) -> None:
     async with start(proc_env, tmp_path, forked=False) as gw:  # found by its marker, as a service manager finds it
         session, request_id = await busy_proxy(gw)
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         # The proxy, wrapper, adapter, child, grandchild and the escapee: all at once.
         assert signal_every_marked_process(proc_env, signal.SIGTERM) >= 6
         answer = await gw.response_to(request_id)
@@ -86,7 +86,7 @@ async def test_sigkill_to_the_whole_tree_at_once_is_recovered_by_the_next_start(
 ) -> None:
     async with start(proc_env, tmp_path, forked=False) as gw:  # found by its marker, as a service manager finds it
         session, _request_id = await busy_proxy(gw)
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         assert signal_every_marked_process(proc_env, signal.SIGKILL) >= 6
         with anyio.fail_after(10):
             assert await gw.process.wait() == -signal.SIGKILL

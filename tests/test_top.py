@@ -658,7 +658,7 @@ async def test_a_snapshot_of_a_real_install(proc_env: dict[str, str], tmp_path: 
         code, _, err = await cli(proc_env, "sessions", "suspend", idle)
         assert code == 0, err
         request_id = await send_prompt(gw, working, "stream 3; wait_cancel")
-        running = await wait_for_task(proc_env, "running")
+        running = await wait_for_task(proc_env, "running", prompt="wait_cancel")
         snapshot = await anyio.to_thread.run_sync(gather_once, state_dir)
         code, table, _ = await cli(proc_env, "top")
         document = await cli_json(proc_env, "top")

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -26,6 +27,13 @@ from acp_proxy.stdio import FdReceiveStream, FdSendStream
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ENABLED = os.environ.get("ACP_PROXY_TEST_FORK", "1") != "0"
+
+
+def can_fork(argv: Sequence[str], env: Mapping[str, str] | None) -> bool:
+    """Whether ``argv`` (under ``env``) is a proxy the fork server can start: ``python -m acp_proxy ...``
+    importing the package this process imports (the server's imports are this process's)."""
+    same_imports = env is None or env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    return ENABLED and list(argv[1:3]) == ["-m", "acp_proxy"] and argv[0] == sys.executable and same_imports
 
 
 class _Server:

@@ -382,7 +382,7 @@ class Gateway(_Connection):
         (``tests/kit/forked.py``), where it is on, rather than exec'd.
         """
         with _child_options(env, cwd, stderr, start_new_session) as (child, log):
-            if forked and forking.ENABLED and list(argv[1:3]) == ["-m", "acp_proxy"]:
+            if forked and forking.can_fork(argv, env):
                 process: Any = await forking.spawn(
                     list(argv[3:]), env=env, cwd=cwd, stderr=log, start_new_session=start_new_session
                 )
