@@ -1,11 +1,12 @@
 """The composition root: wires the layers for one ``acp-proxy`` process (``main`` runs it).
 
 Everything below is built here, once, each object after those it needs, and handed
-what it needs in its constructor; nothing is assigned to an object afterwards. The
-calls that must go upward are callables made or picked here: the pool asking the
-sessions to suspend one (``suspend``), the pool handing a new adapter to the relay
-(``attach``), a signal stopping the gateway connection (``stop``), and the task book
-handing a turn past its deadline to the sessions (``intents.expire_turn``).
+what it needs in its constructor; nothing is assigned to an object afterwards. What
+must go upward is pulled where it can be: new adapters reach the relay through a
+channel, a gateway that closed our output and a signal stop the connection through
+tasks started here. Two calls go up, callables made or picked here: the pool asking
+the sessions to suspend one (``suspend``), and the task book handing a turn past its
+deadline to the sessions (``intents.expire_turn``, given to the task that watches).
 
     protocol -> state, config -> ownership -> tasks -> pool -> sessions -> relay -> operator -> serve
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import signal
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from acp_proxy.relay.adapters import AdapterRelay
 from acp_proxy.relay.attached import Links
 from acp_proxy.relay.gateway import GatewayConnection
 from acp_proxy.relay.sharing import Sharing
+from acp_proxy.relay.upstream import AgentRequests
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.ceilings import MemoryCeilings
 from acp_proxy.sessions.intents import SessionIntents
@@ -76,27 +79,19 @@ async def serve_gateway(
 
     async with anyio.create_task_group() as tasks:
         background = Background(tasks, owner.db.path)
-        # Built in the order each needs the one before. Three calls go back up, each a callable over a
-        # name bound further down (the only ones left): the pool suspends a session it chose
-        # (``suspend``) and hands each new adapter to the relay (``attach``), and a signal stops the
-        # gateway connection (``stop``).
-        gateway: GatewayConnection | None = None
+        # Built in the order each needs the one before. What goes back up is pulled, not called: new
+        # adapters reach the relay through a channel (``started``), a gateway that closed its output is
+        # an event (``stop_when_closed``). One call goes up: the pool suspends the idle session its plan
+        # chose (``suspend``, a callable over the intents, bound further down), in the same step as the
+        # choice, with no point in between where another task could take the session.
         intents: SessionIntents | None = None
-        relay: AdapterRelay | None = None
-
-        def stop(reason: str) -> None:
-            assert gateway is not None
-            gateway.stop(reason)
 
         def suspend(session_id: str, why: str, reason: SuspendReason) -> bool:
             assert intents is not None
             return intents.suspend(session_id, why, reason)
 
-        def attach(adapter: Adapter) -> None:
-            assert relay is not None
-            relay.attach(adapter)
-
-        writer = GatewayWriter(gateway_out, stopping, on_broken=lambda: stop("gateway closed its output"), trace=trace)
+        started, new_adapters = anyio.create_memory_object_stream[Adapter](math.inf)
+        writer = GatewayWriter(gateway_out, stopping, trace=trace)
         pool = ProcessPool(
             config,
             owner,
@@ -105,7 +100,7 @@ async def serve_gateway(
             default_backend=config.backend(backend),
             warm=warm,
             suspend=suspend,
-            attach=attach,
+            started=started,
             peers=InstallPeers(owner.db),
             trace=trace,
         )
@@ -124,8 +119,11 @@ async def serve_gateway(
         )
         turns.maintain()
         intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
-        sharing = Sharing(config, owner.instance_id, intents, transcripts, writer, background, owner.journal, notifier)
-        relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping, sharing)
+        requests = AgentRequests(pool, turns)
+        sharing = Sharing(
+            config, owner.instance_id, intents, transcripts, writer, background, requests, owner.journal, notifier
+        )
+        relay = AdapterRelay(config, pool, turns, intents, writer, background, stopping, sharing, requests)
         links = Links(
             config,
             owner.db.state_dir,
@@ -133,7 +131,7 @@ async def serve_gateway(
             sharing,
             writer,
             background,
-            relay.new_upstream_id,
+            requests.new_id,
             lambda: pool.client_init,
         )
         ceilings = MemoryCeilings(config, intents, background)
@@ -151,7 +149,9 @@ async def serve_gateway(
             links=links,
         )
         operations = Operations(ServedProxy(config, owner, pool, turns, intents, stopping, time.time(), sharing))
+        tasks.start_soon(relay.follow, new_adapters)
         tasks.start_soon(stop_on_signals, gateway)
+        tasks.start_soon(stop_when_closed, writer, gateway)
         tasks.start_soon(pool.suspend_idle)
         tasks.start_soon(pool.publish_slots)
         tasks.start_soon(pool.memory.keep)
@@ -175,6 +175,12 @@ def session_title(table: SessionTable, session_id: str) -> str | None:
     """A session's title as this proxy holds it, read from no database."""
     session = table.get(session_id)
     return session.record.title if session is not None else None
+
+
+async def stop_when_closed(writer: GatewayWriter, gateway: GatewayConnection) -> None:
+    """The gateway closed its end of our output: nothing more can reach it, so stop."""
+    await writer.closed_by_gateway.wait()
+    gateway.stop("gateway closed its output")
 
 
 async def stop_on_signals(gateway: GatewayConnection) -> None:

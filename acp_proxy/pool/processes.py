@@ -23,6 +23,7 @@ from typing import Final, Protocol
 
 import anyio
 import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Changes, Stopping
@@ -144,7 +145,7 @@ class ProcessPool:
         default_backend: BackendConfig,
         warm: WarmStart | None,
         suspend: Suspend,
-        attach: Callable[[Adapter], None],
+        started: MemoryObjectSendStream[Adapter],
         peers: Peers | None = None,
         trace: Trace | None = None,
     ) -> None:
@@ -155,7 +156,8 @@ class ProcessPool:
         self.default_backend = default_backend
         self._warm = warm
         self._suspend = suspend
-        self._attach = attach
+        self._started = started
+        """Every adapter it starts goes here as it starts, to the relay that reads its output."""
         self.peers = peers
         self.install = InstallSlots(owner.db.state_dir, owner.instance_id)
         self.journal = owner.journal
@@ -567,7 +569,7 @@ class ProcessPool:
         finally:
             self._release_reservation(backend, held)
         adapter.trace = self.trace
-        self._attach(adapter)
+        self._started.send_nowait(adapter)
         self.background.start_task(self._watch_exit, adapter)
         if prepare:
             try:

@@ -17,6 +17,7 @@ from contextlib import suppress
 from typing import Final
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Background, Stopping
@@ -35,13 +36,13 @@ from acp_proxy.protocol.acp import (
     target_request,
 )
 from acp_proxy.protocol.errors import ProxyError, describe_exit
-from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message, RequestId
+from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.sharing import GATEWAY, Sharing
+from acp_proxy.relay.upstream import AgentRequests
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.tasks.status import TaskStatus
-from acp_proxy.tasks.turn import Turn
 from acp_proxy.tasks.turns import TurnBook
 
 log = logging.getLogger("acp_proxy.proxy")
@@ -88,20 +89,6 @@ def permission_subject(msg: Message) -> str:
     return title[:200] if isinstance(title, str) else ""
 
 
-def permission_choice(msg: Message) -> str:
-    """What the gateway answered a permission request: the option chosen, or ``cancelled``."""
-    if msg.error is not UNSET:
-        return f"error {msg.error.code}"
-    result = jsonrpc.decode_object(msg.result) or {}
-    outcome = result.get("outcome")
-    if isinstance(outcome, dict):
-        option = outcome.get("optionId")
-        return (
-            str(option) if outcome.get("outcome") == "selected" and option is not None else str(outcome.get("outcome"))
-        )
-    return ""
-
-
 def gateway_scope(adapter: Adapter, params: Raw | UnsetType) -> Raw | UnsetType:
     """A request-scoped ``elicitation/create`` names a request of the gateway's by the id the
     adapter got it under: the gateway's own id instead.
@@ -129,71 +116,36 @@ class AdapterRelay:
         background: Background,
         stopping: Stopping,
         sharing: Sharing,
+        requests: AgentRequests,
     ) -> None:
         self.config = config
         self.background = background
         self.pool = pool
         self.sharing = sharing
         """The session's attached clients: what the gateway is sent about a session goes to them too."""
-        sharing.deliver = self.deliver_answer
-        sharing.cancel_sent = self._cancel_routed
+        self.requests = requests
+        """Agent->client requests awaiting an answer, by their upstream id."""
         self.turns = turns
         self.intents = intents
         self.writer = writer
         self.stopping = stopping
-        self._upstream: dict[int, tuple[Adapter, RequestId, str, Turn | None]] = {}
-        """Agent->client requests awaiting the gateway's answer: the adapter, its id, the method, and the
-        turn it was asked during (whose idle clock stops while it waits)."""
-        self._next_upstream_id = 0
         self._routed: list[tuple[Callable[[bytes], None], bytes]] = []
         """Answers of this batch to attached clients' requests (``GatewayWriter.routed``), delivered with it."""
-
-    def new_upstream_id(self) -> int:
-        """A fresh id for a request to the gateway (an adapter's, or an attached session holder's)."""
-        upstream_id = self._next_upstream_id
-        self._next_upstream_id += 1
-        return upstream_id
 
     # --- the gateway's side of agent->client requests -----------------------------------------
 
     async def answer_from_gateway(self, msg: Message) -> None:
         """The gateway answered an agent->client request: hand it to the adapter that asked."""
         key = msg.id
-        if not isinstance(key, int) or not await self.deliver_answer(key, msg, GATEWAY, from_gateway=True):
+        waiting = self.requests.take(key) if isinstance(key, int) else None
+        if waiting is None:
             log.info(
                 "gateway answered request id %r, which waits no more (answered elsewhere, or unknown): dropped", key
             )
-
-    async def deliver_answer(self, upstream_id: int, msg: Message, by: str, *, from_gateway: bool = False) -> bool:
-        """An answer to the agent->client request sent upstream as ``upstream_id``, from ``by``: to the
-        adapter that asked, if it still waits (the first answer wins; whether this was it)."""
-        route = self._upstream.pop(upstream_id, None)
-        if route is None:
-            return False
-        adapter, adapter_id, method, turn = route
-        self.sharing.settled(upstream_id, msg, by, from_gateway=from_gateway)
-        if turn is not None:
-            turn.answered()
-        if method == Method.REQUEST_PERMISSION:
-            choice = permission_choice(msg)
-            self.turns.note(adapter.turn, "permission_answered", choice if from_gateway else f"{choice} by {by}")
-        adapter.answered_upstream()
-        if not adapter.busy:
-            self.pool.changed.notify()
-        try:
-            await adapter.send(jsonrpc.with_id(msg, adapter_id))
-        except AdapterGone:
-            log.info("answer to request %r dropped: the adapter has exited", adapter_id)
-        return True
-
-    async def _cancel_routed(self, routed_id: str) -> None:
-        """``$/cancel_request`` for an attached client's request already with an adapter."""
-        for adapter in list(self.pool.running):
-            call_id = adapter.find_gateway_call(routed_id)
-            if call_id is not None:
-                with suppress(AdapterGone):
-                    await adapter.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": call_id}))
-                return
+            return
+        assert isinstance(key, int)
+        self.sharing.settled(key, msg, GATEWAY, from_gateway=True)
+        await self.requests.hand_back(waiting, msg, GATEWAY, from_gateway=True)
 
     async def cancel_request_from_gateway(self, msg: Message, line: bytes) -> None:
         """The gateway's ``$/cancel_request``: to the adapter running that request, or withdraw it if queued."""
@@ -212,9 +164,10 @@ class AdapterRelay:
 
     # --- adapter -> gateway -------------------------------------------------------------------
 
-    def attach(self, adapter: Adapter) -> None:
-        """A new adapter is running: relay its output from now on (the pool calls this)."""
-        self.background.start_task(self._relay, adapter)
+    async def follow(self, started: MemoryObjectReceiveStream[Adapter]) -> None:
+        """Relay the output of every adapter the pool starts, from its start on (until cancelled)."""
+        async for adapter in started:
+            self.background.start_task(self._relay, adapter)
 
     async def _relay(self, adapter: Adapter) -> None:
         reader = adapter.lines
@@ -316,13 +269,10 @@ class AdapterRelay:
                 self.sharing.saw(adapter.gateway_session, line, adapter.replaying)
             return line + b"\n"
         ok, target = target_request(msg.params)
-        upstream = self._find_upstream(adapter, target) if ok else None
+        upstream = self.requests.find(adapter, target) if ok else None
         if upstream is None:
             return None
-        owner, their_id, method, turn = self._upstream[upstream]
-        if turn is not None:  # the agent no longer waits for it: the turn's idle clock runs again
-            turn.answered()
-            self._upstream[upstream] = (owner, their_id, method, None)
+        self.requests.no_longer_waited_for(upstream)
         self.sharing.withdrawn(upstream)
         return jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, upstream))
 
@@ -352,12 +302,8 @@ class AdapterRelay:
     def _request(self, adapter: Adapter, msg: Message) -> bytes:
         if msg.method == Method.ELICITATION_CREATE:
             msg.params = gateway_scope(adapter, msg.params)
-        upstream_id = self.new_upstream_id()
         turn = adapter.turn if adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING else None
-        self._upstream[upstream_id] = (adapter, msg.id, str(msg.method), turn)  # type: ignore[assignment]
-        adapter.asked_upstream()
-        if turn is not None:
-            turn.asked()
+        upstream_id = self.requests.register(adapter, msg.id, str(msg.method), turn)  # type: ignore[arg-type]
         if msg.method == Method.REQUEST_PERMISSION:
             self.turns.note(adapter.turn, "permission_asked", permission_subject(msg))
         self.sharing.asked(adapter.gateway_session, upstream_id, msg, turn)
@@ -411,12 +357,6 @@ class AdapterRelay:
             return None, call.on_answer is not None
         return jsonrpc.with_id(msg, call.gateway_id), call.on_answer is not None
 
-    def _find_upstream(self, adapter: Adapter, adapter_id: RequestId) -> int | None:
-        for upstream_id, (owner, their_id, _, _) in self._upstream.items():
-            if owner is adapter and their_id == adapter_id:
-                return upstream_id
-        return None
-
     async def _adapter_gone(self, adapter: Adapter) -> None:
         """The adapter's stdout closed: answer everything it still owed, with its exit status.
 
@@ -439,9 +379,7 @@ class AdapterRelay:
                 len(failed),
             )
         await self.fail_calls(failed, self.pool.gone_error(adapter))
-        orphaned = [uid for uid, (owner, _, _, _) in self._upstream.items() if owner is adapter]
-        for upstream_id in orphaned:
-            del self._upstream[upstream_id]
+        for upstream_id in self.requests.of(adapter):
             self.sharing.withdrawn(upstream_id)
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
         adapter.upstream_forgotten()

@@ -30,7 +30,7 @@ import os
 import sqlite3
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Final
 
 import anyio
@@ -48,6 +48,7 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, Message, RequestId
 from acp_proxy.protocol.methods import Method
+from acp_proxy.relay.upstream import AgentRequests
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.transcript import Entry, EntryKind, Transcripts
@@ -303,10 +304,6 @@ def _tool_call_id(params: Raw) -> str | None:
     return found if isinstance(found, str) else None
 
 
-Deliver = Callable[[int, Message, str], Awaitable[bool]]
-"""Hand an answer to the adapter that asked (``AdapterRelay.deliver_answer``): whether it was still waiting."""
-
-
 class Sharing:
     """This proxy's shared sessions: their attachments, the agent's requests waiting, the prompt lanes."""
 
@@ -318,6 +315,7 @@ class Sharing:
         transcripts: Transcripts,
         writer: GatewayWriter,
         background: Background,
+        requests: AgentRequests,
         journal: Journal | None = None,
         notifier: Notifier | None = None,
     ) -> None:
@@ -329,10 +327,8 @@ class Sharing:
         self.journal = journal
         self.notifier = notifier
         self.intents = intents
-        self.deliver: Deliver | None = None
-        """Set by the relay that owns the agent's requests."""
-        self.cancel_sent: Callable[[str], Awaitable[None]] | None = None
-        """``$/cancel_request`` for a request of an attached client's already with the adapter."""
+        self.requests = requests
+        """The agent's requests waiting upstream: an answer given here is handed back through it."""
         self.shares: dict[str, Share] = {}
         self.asks: dict[int, Ask] = {}
         self.gateway_notices: set[str] = set()
@@ -461,14 +457,18 @@ class Sharing:
 
     async def answer(self, ask: Ask, answer: Message, by: str, attachment: Attachment | None = None) -> bool:
         """An answer to ``ask`` from an attached client or an operator: to the agent if it is the first."""
-        assert self.deliver is not None
         if self.asks.get(ask.upstream_id) is not ask:
+            return False
+        waiting = self.requests.take(ask.upstream_id)
+        if waiting is None:
             return False
         self._answering = attachment
         try:
-            return await self.deliver(ask.upstream_id, answer, by)
+            self.settled(ask.upstream_id, answer, by, from_gateway=False)
+            await self.requests.hand_back(waiting, answer, by, from_gateway=False)
         finally:
             self._answering = None
+        return True
 
     def pending(self) -> list[dict[str, Any]]:
         """The agent's requests waiting for an answer, oldest first (``acp-proxy permissions``, ``top``)."""
@@ -589,8 +589,7 @@ class Sharing:
                 if deliver is not None:
                     deliver(ProxyError.cancelled_request().response(routed_id))
                 return
-        if self.cancel_sent is not None:
-            await self.cancel_sent(routed_id)
+        await self.requests.cancel_routed(routed_id)
 
     # --- an attachment, served over the control socket ------------------------------------------
 

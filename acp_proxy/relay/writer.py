@@ -35,13 +35,13 @@ class GatewayWriter:
         self,
         stream: anyio.abc.ByteSendStream,
         stopping: Stopping,
-        on_broken: Callable[[], None],
         trace: Trace | None = None,
     ) -> None:
         self._out = LineWriter(stream)
         self._stopping = stopping
-        self._on_broken = on_broken
         self.broken = False
+        self.closed_by_gateway = anyio.Event()
+        """Set when a write finds the gateway's end closed: whoever serves the connection stops on it."""
         self.trace = trace
         """Where every wire message is recorded, both sides (``--trace``), if anywhere."""
         self.routed: dict[str, Callable[[bytes], None]] = {}
@@ -89,7 +89,7 @@ class GatewayWriter:
                 await self._out.send(data)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.broken = True
-            self._on_broken()
+            self.closed_by_gateway.set()
             return
         if scope.cancelled_caught:
             log.warning("gateway stopped reading during shutdown: its remaining answers are dropped")
