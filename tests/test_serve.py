@@ -296,7 +296,7 @@ async def test_the_rfd_status_codes_over_http2(proc_env: dict[str, str], tmp_pat
         assert malformed.status_code == 400
         assert malformed.json()["error"]["code"] == -32700
         huge = b'{"jsonrpc":"2.0","method":"x","params":{"p":"' + b"x" * (2**20) + b'"}}'
-        async with httpx.AsyncClient(headers=http.headers) as other:  # HTTP/1.1: the answer comes mid-body
+        async with httpx.AsyncClient(headers=http.headers, timeout=20) as other:  # HTTP/1.1: the answer comes mid-body
             headers = {**client.headers(), "content-type": "application/json"}
             assert (await other.post(url, content=huge, headers=headers)).status_code == 413
         assert (await client.initialize()).status_code == 200  # and it keeps serving
@@ -367,7 +367,7 @@ async def test_browser_origins_are_refused_and_revoking_a_token_ends_its_connect
         with pytest.raises(WsRefused) as refused:
             await WebSocket.connect(served.target(token), headers=evil)
         assert refused.value.status == 403
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(timeout=20) as http:
             response = await http.post(served.url, json={}, headers={"authorization": f"Bearer {token}", **evil})
             assert response.status_code == 403
         listed = await WebSocket.connect(served.target(token), headers={"origin": "https://app.example"})
@@ -622,7 +622,9 @@ async def test_tls_on_a_public_listener_for_websocket_and_http2(proc_env: dict[s
     options = ("--tls-cert", str(cert), "--tls-key", str(key))
     async with serve(proc_env, config_for(tmp_path), *options) as served:
         assert served.url.startswith("https://")
-        async with httpx.AsyncClient(http2=True, verify=ssl.create_default_context(cafile=str(cert))) as http:
+        async with httpx.AsyncClient(
+            http2=True, verify=ssl.create_default_context(cafile=str(cert)), timeout=30
+        ) as http:
             init = {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": TEST_INITIALIZE}
             response = await http.post(served.url, json=init, headers={"authorization": f"Bearer {token}"})
             assert response.status_code == 200
