@@ -128,6 +128,8 @@ async def test_outcomes_after_errors_crashes_and_cancels(proc_env: dict[str, str
         cancelled = await gw.new_session()
         request_id = await send_prompt(gw, cancelled, "wait_cancel")
         await wait_for_task(proc_env, "running", prompt="wait_cancel")
+        # Its first output first (it is a task event too, and would otherwise come after the cancel).
+        await gw.expect(lambda m: m.get("method") == "session/update" and m["params"]["sessionId"] == cancelled)
         await gw.notify("session/cancel", {"sessionId": cancelled})
         assert (await gw.response_to(request_id))["result"]["stopReason"] == "cancelled"
     tasks = {t.session_id: t for t in list_tasks(state_db(proc_env))}
