@@ -287,6 +287,7 @@ class Operations:
         if stopping is not None:
             with anyio.move_on_after(self._stop_budget()):
                 await stopping.wait()
+        await self.proxy.owner.db.caught_up()  # answered once the row says so, as a close is
         return {"sessionId": session.session_id, "suspended": True, "already": False, "pid": adapter.pid}
 
     async def close_session(self, args: dict[str, Any]) -> dict[str, Any]:
