@@ -229,6 +229,7 @@ def _process_state(pid: int) -> str | None:
 
 
 @pytest.mark.anyio
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="the fork server needs pidfds (Linux 5.3 and later)")
 async def test_a_forked_proxy_is_a_process_of_its_own(proc_env: dict[str, str], tmp_path: Path) -> None:
     """The fork server's proxies: their own pid, pipes, stderr and exit status; a pid that stays theirs until told."""
     from tests.kit import forked

@@ -26,7 +26,8 @@ import anyio
 from acp_proxy.stdio import FdReceiveStream, FdSendStream
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-ENABLED = os.environ.get("ACP_PROXY_TEST_FORK", "1") != "0"
+ENABLED = os.environ.get("ACP_PROXY_TEST_FORK", "1") != "0" and hasattr(os, "pidfd_open") and hasattr(os, "waitid")
+"""The server watches its children through pidfds (Linux 5.3 and later); elsewhere every proxy is exec'd."""
 
 
 def can_fork(argv: Sequence[str], env: Mapping[str, str] | None) -> bool:
