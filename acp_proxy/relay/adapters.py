@@ -137,15 +137,10 @@ class AdapterRelay:
     async def answer_from_gateway(self, msg: Message) -> None:
         """The gateway answered an agent->client request: hand it to the adapter that asked."""
         key = msg.id
-        waiting = self.requests.take(key) if isinstance(key, int) else None
-        if waiting is None:
+        if not isinstance(key, int) or not await self.sharing.hand_back(key, msg, GATEWAY, from_gateway=True):
             log.info(
                 "gateway answered request id %r, which waits no more (answered elsewhere, or unknown): dropped", key
             )
-            return
-        assert isinstance(key, int)
-        self.sharing.settled(key, msg, GATEWAY, from_gateway=True)
-        await self.requests.hand_back(waiting, msg, GATEWAY, from_gateway=True)
 
     async def cancel_request_from_gateway(self, msg: Message, line: bytes) -> None:
         """The gateway's ``$/cancel_request``: to the adapter running that request, or withdraw it if queued."""

@@ -459,15 +459,20 @@ class Sharing:
         """An answer to ``ask`` from an attached client or an operator: to the agent if it is the first."""
         if self.asks.get(ask.upstream_id) is not ask:
             return False
-        waiting = self.requests.take(ask.upstream_id)
-        if waiting is None:
-            return False
         self._answering = attachment
         try:
-            self.settled(ask.upstream_id, answer, by, from_gateway=False)
-            await self.requests.hand_back(waiting, answer, by, from_gateway=False)
+            return await self.hand_back(ask.upstream_id, answer, by, from_gateway=False)
         finally:
             self._answering = None
+
+    async def hand_back(self, upstream_id: int, answer: Message, by: str, *, from_gateway: bool) -> bool:
+        """An answer to the agent's request ``upstream_id``, from ``by``: to the agent, and every other copy
+        withdrawn, if it is the first (the gateway's answers come here too); whether it was."""
+        waiting = self.requests.take(upstream_id)
+        if waiting is None:
+            return False
+        self.settled(upstream_id, answer, by, from_gateway=from_gateway)
+        await self.requests.hand_back(waiting, answer, by, from_gateway=from_gateway)
         return True
 
     def pending(self) -> list[dict[str, Any]]:

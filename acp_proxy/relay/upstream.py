@@ -3,8 +3,9 @@
 An adapter's ``session/request_permission`` (or ``fs/*``, ``elicitation/create``) reaches the gateway,
 and an attached client, under an id of this proxy's counter; whoever answers first, the answer goes
 back to the adapter that asked under that adapter's own id. The relay registers each request as it
-passes and hands the gateway's answers back; the shared sessions hand back the answers of attached
-clients and operators. Both use this one table, built before either, so neither calls the other.
+passes; every answer, the gateway's, an attached client's or an operator's, goes back through
+``Sharing.hand_back`` over this table, which is built before both, so the shared sessions never call
+the relay.
 """
 
 from __future__ import annotations
