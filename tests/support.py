@@ -38,6 +38,7 @@ from acp_proxy.state import DB_NAME, StateDB
 from acp_proxy.state.connection import StateError
 from tests.conformance import Conversation
 from tests.kit import gateway, markers
+from tests.kit.forked import exit_status
 
 TESTS = Path(__file__).parent
 FAKE_ADAPTER = TESTS / "fake_adapter.py"
@@ -325,7 +326,8 @@ def _cli_here(env: dict[str, str], args: tuple[str, ...]) -> tuple[int, str, str
 
     What the program does besides ``main`` (the interpreter's start, ``__main__``'s garbage
     collector held off) is the same for every command; the tests that hold the program itself to
-    its exit status and streams run it as a process (``cli(..., process=True)``, ``test_config``).
+    its exit status and streams run it as a process (``cli(..., process=True)``, ``test_config``,
+    ``test_security``, ``test_doctor``).
     """
     from acp_proxy.main import main
 
@@ -339,7 +341,7 @@ def _cli_here(env: dict[str, str], args: tuple[str, ...]) -> tuple[int, str, str
                 try:
                     code = main(list(args))
                 except SystemExit as exit_:
-                    code = _exit_status(exit_, err)
+                    code = exit_status(exit_, err)
                 except Exception:  # as the interpreter would: the traceback, status 1
                     traceback.print_exc(file=err)
                     code = 1
@@ -357,14 +359,6 @@ def _captured() -> io.TextIOWrapper:
 def _written(stream: io.TextIOWrapper) -> str:
     stream.flush()
     return stream.buffer.getvalue().decode()  # type: ignore[attr-defined]
-
-
-def _exit_status(exit_: SystemExit, err: io.TextIOWrapper) -> int:
-    """The status the interpreter exits with for ``exit_``, printing a message as it would."""
-    if exit_.code is None or isinstance(exit_.code, int):
-        return exit_.code or 0
-    print(exit_.code, file=err)
-    return 1
 
 
 @contextmanager

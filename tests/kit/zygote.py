@@ -37,6 +37,7 @@ import anyio._backends._trio  # noqa: F401
 
 import acp_proxy.main
 import acp_proxy.serve
+from tests.kit.forked import exit_status
 
 MAX_REQUEST = 1 << 20
 """Bytes a request may hold (an environment and arguments)."""
@@ -59,7 +60,7 @@ def serve(path: str) -> None:
                     return
             elif key.data == "accept":
                 connection, _ = listener.accept()
-                child = _fork(connection, listener, selector, children)
+                child = _fork(connection)
                 if child is not None:
                     pidfd = os.pidfd_open(child)
                     children[pidfd] = (child, connection)
@@ -83,12 +84,7 @@ def serve(path: str) -> None:
                 os.waitpid(pid, 0)
 
 
-def _fork(
-    connection: socket.socket,
-    listener: socket.socket,
-    selector: selectors.BaseSelector,
-    children: dict[int, tuple[int, socket.socket]],
-) -> int | None:
+def _fork(connection: socket.socket) -> int | None:
     request, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST, 3)
     if len(fds) != 3 or not request.endswith(b"\n"):
         for fd in fds:
@@ -129,11 +125,7 @@ def _become_the_proxy(asked: dict[str, object], fds: list[int]) -> None:
         try:
             code = acp_proxy.main.main(args)
         except SystemExit as exit_:
-            if exit_.code is None or isinstance(exit_.code, int):
-                code = exit_.code or 0
-            else:
-                print(exit_.code, file=sys.stderr)
-                code = 1
+            code = exit_status(exit_, sys.stderr)
     except BaseException:
         traceback.print_exc()
         code = 1
