@@ -7,7 +7,6 @@ put first on the path of the processes under test, ahead of this checkout.
 
 from __future__ import annotations
 
-import contextlib
 import email
 import fcntl
 import os
@@ -15,7 +14,7 @@ import re
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,39 +40,41 @@ def pip(*args: str) -> None:
     assert done.returncode == 0, f"pip {args[0]} failed:\n{done.stdout}{done.stderr}"
 
 
-@contextlib.contextmanager
-def once_per_run(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str) -> Iterator[tuple[Path, bool]]:
-    """A directory of this test run's, shared by its xdist workers, and whether it is still to be made:
-    the first worker to get here makes it, under a lock, and the others use it (building the wheel
-    and installing it take about 15 s of CPU each)."""
+def once_per_run(
+    tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str, make: Callable[[Path], None]
+) -> Path:
+    """A directory of this test run's, shared by its xdist workers: the first to ask makes it (``make``
+    fills a directory beside it, renamed into place once complete) under a lock, and the others use
+    it (building the wheel and installing it take about 15 s of CPU each)."""
     base = tmp_path_factory.getbasetemp()
     shared = base if worker_id == "master" else base.parent  # under xdist: the run's, above each worker's
+    made = shared / name
     with open(shared / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        made = shared / name
-        yield made, not made.exists()
+        if not made.exists():
+            making = shared / f"{name}.{os.getpid()}"
+            make(making)
+            making.rename(made)
+    return made
 
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    with once_per_run(tmp_path_factory, worker_id, "wheel") as (out, to_make):
-        if to_make:
-            building = out.with_name(f"{out.name}.{os.getpid()}")
-            pip("wheel", "--no-build-isolation", "--wheel-dir", str(building), str(ROOT))
-            building.rename(out)
-    (built,) = out.glob("acp_proxy-*.whl")
+    def build(into: Path) -> None:
+        pip("wheel", "--no-build-isolation", "--wheel-dir", str(into), str(ROOT))
+
+    (built,) = once_per_run(tmp_path_factory, worker_id, "wheel", build).glob("acp_proxy-*.whl")
     return built
 
 
 @pytest.fixture(scope="session")
 def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
     """A directory with the wheel installed in it, as site-packages would have it."""
-    with once_per_run(tmp_path_factory, worker_id, "site") as (target, to_make):
-        if to_make:
-            installing = target.with_name(f"{target.name}.{os.getpid()}")
-            pip("install", "--target", str(installing), str(wheel))
-            installing.rename(target)
-    return target.resolve()
+
+    def install(into: Path) -> None:
+        pip("install", "--target", str(into), str(wheel))
+
+    return once_per_run(tmp_path_factory, worker_id, "site", install).resolve()
 
 
 def installed_env(base: dict[str, str], site: Path) -> dict[str, str]:
