@@ -538,7 +538,7 @@ async def test_bad_input_exits_2_with_a_clear_message(proc_env: dict[str, str], 
             (("sessions", "suspend", "nope-nope"), "no session nope-nope"),
             (("tasks", "list", "--limit", "0"), "expected a positive integer"),
         ]:
-            code, _, err = await cli(proc_env, *args)
+            code, _, err = await cli(proc_env, *args, process=True)  # the program's own exit status
             assert code == 2, (args, err)
             assert message in err, (args, err)
         done = await cli_json(proc_env, "tasks", "list", "--status", "done", "--session", session[:8])
