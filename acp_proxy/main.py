@@ -15,7 +15,7 @@ from acp_proxy.operator import cli
 if TYPE_CHECKING:
     from acp_proxy.config import Config
     from acp_proxy.ownership.owner import Owner
-    from acp_proxy.pool.processes import WarmStart
+    from acp_proxy.pool.running import WarmStart
 
 
 def main(argv: Sequence[str] | None = None) -> int:

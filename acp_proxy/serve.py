@@ -29,7 +29,8 @@ from acp_proxy.journal import SuspendReason
 from acp_proxy.operator.operations import InstallPeers, Operations, ServedProxy
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.adapter import Adapter
-from acp_proxy.pool.processes import ProcessPool, WarmStart
+from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.running import WarmStart
 from acp_proxy.relay.adapters import AdapterRelay
 from acp_proxy.relay.attached import Links
 from acp_proxy.relay.gateway import GatewayConnection
@@ -152,8 +153,8 @@ async def serve_gateway(
         tasks.start_soon(relay.follow, new_adapters)
         tasks.start_soon(stop_on_signals, gateway)
         tasks.start_soon(stop_when_closed, writer, gateway)
-        tasks.start_soon(pool.suspend_idle)
-        tasks.start_soon(pool.publish_slots)
+        tasks.start_soon(pool.processes.suspend_idle)
+        tasks.start_soon(pool.processes.publish_slots)
         tasks.start_soon(pool.memory.keep)
         tasks.start_soon(ceilings.watch, pool)
         tasks.start_soon(turns.watch, intents.expire_turn, background.start)

@@ -35,9 +35,9 @@ processes; each proxy's memory; requests lost.
 
 Cross-proxy eviction latency is measured inside the proxy that needs the slot, by
 ``load_proxy.py``: from the moment a request for a session with no live process asks
-the pool for a slot (``ProcessPool._acquire_slot`` is entered) to the moment the slot
+the pool for a slot (``SlotAdmission.acquire`` is entered) to the moment the slot
 is held (it returns), for every such wait that began in the turn phase and got its
-slot by having another proxy suspend a session (``ProcessPool.evict_anywhere`` asked
+slot by having another proxy suspend a session (``SlotAdmission.evict_anywhere`` asked
 a peer, and the peer agreed). Each is split into: *plan* (from the request to the
 granted ask: waiting in the install's queue, or for a session that was active moments
 ago to stop being protected), *ask* (the control-socket round trip, the peer's own

@@ -3,10 +3,10 @@
     load_proxy.py ACQUIRES_FILE ACP_PROXY_ARGS...
 
 Runs the proxy's own command line unchanged, except that the pool's
-``ProcessPool._acquire_slot`` (the one place a request waits for room to
+``SlotAdmission.acquire`` (the one place a request waits for room to
 start a process: suspending the least recently used idle session, here or in
 another proxy of the install, and waiting for its process to exit, or waiting for
-a busy one to become idle) is wrapped, and so is ``ProcessPool.evict_anywhere``
+a busy one to become idle) is wrapped, and so is ``SlotAdmission.evict_anywhere``
 (the one place an acquire suspends what the plan chose). Each acquire appends one
 line to ACQUIRES_FILE::
 
@@ -28,9 +28,9 @@ learns its backend's start cost from (slot held -> session bound), and ``protect
 (``Recency.protection``: ``[pool] min_idle``, at most the start cost and twice the
 session's gateway turnaround). At exit it
 adds ``wakeups <woken> <timed out>``: how often a waiter for a slot woke up
-(``ProcessPool.wait_for_change``), because something changed or because its pause
+(``SlotAdmission.wait_for_change``), because something changed or because its pause
 (the install poll, or a protection ending) ran out, and ``plans <count> <seconds>``: how
-often a waiter read the install's slots to plan (``ProcessPool.install_slots``) and the
+often a waiter read the install's slots to plan (``SlotAdmission.install_slots``) and the
 time that took in all.
 
 The writes are a few microseconds per process start or turn, on the event loop;
@@ -49,8 +49,8 @@ import time
 from typing import Any
 
 from acp_proxy.main import main
-from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.pool.recency import Recency
+from acp_proxy.pool.slots import SlotAdmission
 
 _acquire: contextvars.ContextVar[tuple[float, list[str]] | None] = contextvars.ContextVar("acquire", default=None)
 """The acquire this task is in: when it began, and the evictions it asked for so far."""
@@ -58,11 +58,11 @@ _acquire: contextvars.ContextVar[tuple[float, list[str]] | None] = contextvars.C
 
 def time_acquires(path: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    acquire = ProcessPool._acquire_slot
-    evict = ProcessPool.evict_anywhere
+    acquire = SlotAdmission.acquire
+    evict = SlotAdmission.evict_anywhere
 
     @functools.wraps(acquire)
-    async def timed(self: ProcessPool, backend: Any) -> Any:
+    async def timed(self: SlotAdmission, backend: Any) -> Any:
         start = time.monotonic()
         evictions: list[str] = []
         token = _acquire.set((start, evictions))
@@ -77,7 +77,7 @@ def time_acquires(path: str) -> None:
             os.write(fd, line.encode())
 
     @functools.wraps(evict)
-    async def timed_evict(self: ProcessPool, slot: Any, *args: Any) -> bool:
+    async def timed_evict(self: SlotAdmission, slot: Any, *args: Any) -> bool:
         current = _acquire.get()
         if current is None:  # the memory budget's suspensions: no acquire's
             return await evict(self, slot, *args)
@@ -108,18 +108,18 @@ def time_acquires(path: str) -> None:
             os.write(windows, f"start {time.monotonic() - started:.6f}\n".encode())
         note_bound(self, adapter)
 
-    wait_for_change = ProcessPool.wait_for_change
+    wait_for_change = SlotAdmission.wait_for_change
     wakeups = {"woken": 0, "timed_out": 0}
 
     async def counted_wait(changed: Any, timeout: float) -> None:
         await wait_for_change(changed, timeout)
         wakeups["woken" if changed.is_set() else "timed_out"] += 1
 
-    install_slots = ProcessPool.install_slots
+    install_slots = SlotAdmission.install_slots
     plans = {"count": 0, "seconds": 0.0}
 
     @functools.wraps(install_slots)
-    def timed_install_slots(self: ProcessPool, *args: Any, **kwargs: Any) -> Any:
+    def timed_install_slots(self: SlotAdmission, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
             return install_slots(self, *args, **kwargs)
@@ -132,13 +132,13 @@ def time_acquires(path: str) -> None:
         os.write(windows, f"plans {plans['count']} {plans['seconds']:.6f}\n".encode())
 
     atexit.register(write_totals)
-    ProcessPool.install_slots = timed_install_slots  # type: ignore[method-assign,assignment]
+    SlotAdmission.install_slots = timed_install_slots  # type: ignore[method-assign,assignment]
 
-    ProcessPool._acquire_slot = timed  # type: ignore[method-assign]
-    ProcessPool.wait_for_change = staticmethod(counted_wait)  # type: ignore[method-assign]
+    SlotAdmission.acquire = timed  # type: ignore[method-assign]
+    SlotAdmission.wait_for_change = staticmethod(counted_wait)  # type: ignore[method-assign]
     Recency.protection = timed_protection  # type: ignore[method-assign]
     Recency.note_bound = timed_note_bound  # type: ignore[method-assign]
-    ProcessPool.evict_anywhere = timed_evict  # type: ignore[method-assign,assignment]
+    SlotAdmission.evict_anywhere = timed_evict  # type: ignore[method-assign,assignment]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Admission, as a table: what a waiter for a process slot does next, for every case the driver meets.
 
 ``admit`` is pure: each row builds a ``Waiting`` and asserts the step, its target and its
-deadline. The driver (``ProcessPool._acquire_slot``) is exercised with real processes by
-``test_install_pool.py`` and ``test_pool_budget*.py``; these rows are the rules it carries out.
+deadline. The driver (``SlotAdmission.acquire``) is exercised with real processes by
+``test_install_pool.py`` and ``test_memory.py``; these rows are the rules it carries out: the
+line for a slot, then (holding one) room in the memory budget.
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from acp_proxy.pool.admission import (
     GiveUp,
     Granted,
     Look,
+    Measure,
+    Room,
     Rule,
     Sleep,
+    Start,
     Take,
     Waiting,
     admit,
     markdown_table,
 )
+from acp_proxy.pool.memory import BudgetPlan, MemorySlot, Overrun
 from acp_proxy.pool.plan import Slot
 
 NOW = 100.0
@@ -81,6 +86,10 @@ def describe(step: object) -> str:
         return f"ask:{step.slot.key} ({step.rule})"
     if isinstance(step, Sleep):
         return f"sleep{'[line]' if step.line else ''}@{step.until - NOW:g} ({step.rule})"
+    if isinstance(step, Measure):
+        return f"measure ({step.rule})"
+    if isinstance(step, Start):
+        return f"start{f'[{step.overdue} overdue]' if step.overdue else ''} ({step.rule})"
     assert isinstance(step, GiveUp)
     return f"give-up:{step.reason} ({step.rule})"
 
@@ -249,6 +258,126 @@ CASES: list[tuple[str, dict[str, Any], str, Rule]] = [
         {"slots": FULL_IDLE[:3], "reserved": {"a": 1}},
         "take/ask:old",
         Rule.EVICT,
+    ),
+]
+
+
+def chosen(key: str, memory: int = 100, stopping: bool = False) -> MemorySlot:
+    return MemorySlot(key=key, backend="a", memory=memory, last_active=1.0, stopping=stopping)
+
+
+TWO_CHOSEN = BudgetPlan(suspend=(chosen("old"), chosen("mid")))
+BY_KEY = {"old": slot("old", 1.0), "mid": slot("mid", 2.0), "going": slot("going", 0.5, stopping=True)}
+
+CASES += [
+    (
+        "holding a slot, no memory budget set: start",
+        {"room": Room()},
+        "start",
+        Rule.FITS,
+    ),
+    (
+        "holding a slot, a memory budget: measure the install's trees first",
+        {"room": Room(), "budget": True},
+        "measure",
+        Rule.FITS,
+    ),
+    (
+        "the new tree fits the budget as measured: start",
+        {"room": Room(plan=BudgetPlan()), "budget": True},
+        "start",
+        Rule.FITS,
+    ),
+    (
+        "a budget nothing can relieve: start anyway (the overrun is logged, the budget is no kill switch)",
+        {"room": Room(plan=BudgetPlan(overrun=(Overrun(None, 300, 200),))), "budget": True},
+        "start",
+        Rule.FITS,
+    ),
+    (
+        "the new tree would not fit: ask for the plan's first choice",
+        {"room": Room(plan=TWO_CHOSEN, slots=BY_KEY), "budget": True},
+        "ask:old",
+        Rule.MEMORY,
+    ),
+    (
+        "then its second, whatever the first answered",
+        {"room": Room(plan=TWO_CHOSEN, slots=BY_KEY, asked={"old": False}), "budget": True},
+        "ask:mid",
+        Rule.MEMORY,
+    ),
+    (
+        "a tree already being stopped is not asked for, only waited for",
+        {
+            "room": Room(
+                plan=BudgetPlan(suspend=(chosen("going", stopping=True),)),
+                slots=BY_KEY,
+                going=(BY_KEY["going"],),
+                until=NOW + 30,
+            ),
+            "budget": True,
+        },
+        f"sleep@{POLL:g}",
+        Rule.MAKING_ROOM,
+    ),
+    (
+        "every choice asked, the granted ones still there: wait for them, a poll at a time",
+        {
+            "room": Room(plan=TWO_CHOSEN, slots=BY_KEY, asked={"old": True, "mid": True}, going=(BY_KEY["old"],)),
+            "budget": True,
+        },
+        f"sleep@{POLL:g}",
+        Rule.MAKING_ROOM,
+    ),
+    (
+        "the wait for them is bounded: it never sleeps past it",
+        {
+            "room": Room(
+                plan=TWO_CHOSEN,
+                slots=BY_KEY,
+                asked={"old": True, "mid": True},
+                going=(BY_KEY["old"],),
+                until=NOW + 0.003,
+            ),
+            "budget": True,
+        },
+        "sleep@0.003",
+        Rule.MAKING_ROOM,
+    ),
+    (
+        "granted trees still there past the bound: start anyway",
+        {
+            "room": Room(
+                plan=TWO_CHOSEN, slots=BY_KEY, asked={"old": True, "mid": True}, going=(BY_KEY["old"],), until=NOW
+            ),
+            "budget": True,
+        },
+        "start[1 overdue]",
+        Rule.OVERDUE,
+    ),
+    (
+        "every granted tree gone and none refused: start",
+        {"room": Room(plan=TWO_CHOSEN, slots=BY_KEY, asked={"old": True, "mid": True}), "budget": True},
+        "start",
+        Rule.FITS,
+    ),
+    (
+        "one refused (not idle after all): measure again, planning without it",
+        {"room": Room(plan=TWO_CHOSEN, slots=BY_KEY, asked={"old": True, "mid": False}), "budget": True},
+        "measure",
+        Rule.MAKING_ROOM,
+    ),
+    (
+        "holding a slot, shutting down: give up (the slot is let go of)",
+        {"room": Room(plan=TWO_CHOSEN, slots=BY_KEY), "budget": True, "refusing": True},
+        "give-up:shutdown",
+        Rule.SHUTDOWN,
+    ),
+    (
+        "holding a slot past the line's deadline: the deadline was the line's, room is still made",
+        {"room": Room(plan=TWO_CHOSEN, slots=BY_KEY), "budget": True, "now": DEADLINE + 1},
+        "ask:old",
+        Rule.MEMORY,
     ),
 ]
 

@@ -45,7 +45,7 @@ from acp_proxy.state.migrations import SCHEMA_VERSION
 
 if TYPE_CHECKING:
     from acp_proxy.ownership.owner import Owner
-    from acp_proxy.pool.processes import WarmStart
+    from acp_proxy.pool.running import WarmStart
 
 Serve = Callable[[Config, "Owner", str | None, "WarmStart | None", str], int]
 """Runs a proxy: config, owner, backend name, the warm adapter, the async backend -> exit status."""

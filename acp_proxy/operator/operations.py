@@ -307,7 +307,8 @@ class Operations:
         why = args.get("why") if isinstance(args.get("why"), str) else "another proxy needs a slot"
         # The asker's reason is kept only where it says more than "for another proxy" (its memory budget).
         reason = SuspendReason.MEMORY if args.get("reason") == SuspendReason.MEMORY.value else SuspendReason.PEER
-        return {"key": key, "evicted": self.proxy.pool.evict_for_peer(key, f"{why}, for another proxy", reason)}
+        evicted = self.proxy.pool.processes.evict_for_peer(key, f"{why}, for another proxy", reason)
+        return {"key": key, "evicted": evicted}
 
     def _stop_budget(self) -> float:
         shutdown = self.proxy.config.shutdown

@@ -1,17 +1,23 @@
 """Admission: what one waiter for a process slot does next, decided over a snapshot of the install.
 
-A request for a session with no process waits for a slot (``ProcessPool._acquire_slot``).
-Each time something may have changed, its driver reads the install (the slot files, the
-install's queue, the clocks) into a ``Waiting`` and asks ``admit`` what to do; ``admit``
-does no I/O and keeps no state, and the driver does what it says:
+A request for a session with no process is admitted in two parts: it waits for a slot, then
+(with a memory budget) for room in the budget. Both are one decision: each time something may
+have changed, the driver (``SlotAdmission.acquire``, pool/slots.py) reads the install (the slot
+files, the install's queue, the clocks, the trees' memory) into a ``Waiting`` and asks ``admit``
+what to do; ``admit`` does no I/O and keeps no state, and the driver does what it says:
 
 * ``Take``: try to take a free slot file (only the first in line does, and before it reads
-  anything else of the install); if none is free, ask again with ``tried_take``.
+  anything else of the install); if none is free, ask again with ``tried_take``. Once it has
+  one, the waiter leaves the line and its ``room`` is what is left to decide.
 * ``Look``: read the install's slots (every slot file's record) into ``slots``, and ask again.
+* ``Measure``: measure the install's trees now and plan whom to suspend so that the new tree
+  fits the memory budget (``memory.plan_spawn``) into ``room``, and ask again.
 * ``Ask``: have that slot's session suspended (or its spare stopped), by this proxy or by
   the proxy that holds it. A yes is ``Granted``: the slot comes free once its tree is gone.
 * ``Sleep``: until something changes (or, far back in line, until the line moves), at the
   latest ``until``.
+* ``Start``: admitted: the slot is held, and the new tree fits the budget (or nothing more
+  can be done for it: ``overdue`` trees granted for it did not end in time).
 * ``GiveUp``: the proxy is shutting down, or ``acquire_timeout`` has passed.
 
 Whom to suspend is ``plan.plan_acquire``'s choice (the least recently used idle session,
@@ -36,6 +42,7 @@ from typing import Final, Literal
 
 import msgspec
 
+from acp_proxy.pool.memory import BudgetPlan
 from acp_proxy.pool.plan import Admit, Slot, plan_acquire
 
 POLL: Final = 0.02
@@ -64,6 +71,10 @@ class Rule(enum.StrEnum):
     RECENT = "recent"
     BUSY = "busy"
     DEADLINE = "deadline"
+    FITS = "fits"
+    MEMORY = "memory"
+    MAKING_ROOM = "making room"
+    OVERDUE = "overdue"
 
 
 RULES: Final[tuple[tuple[Rule, str, str], ...]] = (
@@ -108,6 +119,26 @@ RULES: Final[tuple[tuple[Rule, str, str], ...]] = (
         "`acquire_timeout` has passed",
         "give up: `pool_exhausted` (the first in line tries one last take)",
     ),
+    (
+        Rule.FITS,
+        "it holds a slot, and no memory budget is set or the new tree fits it (measured now)",
+        "start",
+    ),
+    (
+        Rule.MEMORY,
+        "it holds a slot, and the new tree (as large as its backend's largest) would exceed `max_memory`",
+        "ask for the suspension of the idle trees the budget's plan chose, one by one",
+    ),
+    (
+        Rule.MAKING_ROOM,
+        "it holds a slot, and trees suspended for its room are still there",
+        "wait for them to be gone (at most `acquire_timeout`); then measure again if one was refused",
+    ),
+    (
+        Rule.OVERDUE,
+        "trees suspended for its room are still there after `acquire_timeout`",
+        "start anyway: the budget is not a kill switch (logged)",
+    ),
 )
 """The rules ``admit`` follows, in the order it applies them (``docs/architecture.md`` shows them)."""
 
@@ -125,6 +156,25 @@ class Granted(msgspec.Struct, frozen=True):
     slot: Slot
     until: float
     """By then its tree should be gone (its session's close, then the teardown's graces)."""
+
+
+class Room(msgspec.Struct, frozen=True, kw_only=True):
+    """The second part of an admission: the slot file is held, and the new tree must fit the memory
+    budget. Each round measures the install, plans, asks, and waits for what it was granted to end."""
+
+    plan: BudgetPlan | None = None
+    """Whom to suspend so that the new tree fits, over the install's trees measured now (``None``:
+    not measured yet, ``Measure``)."""
+    slots: Mapping[str, Slot] = msgspec.field(default_factory=dict)
+    """The plan's trees by their key (``budget.budget_key``), to ask for them by."""
+    asked: Mapping[str, bool] = msgspec.field(default_factory=dict)
+    """The chosen trees asked for this round: granted (``True``) or refused."""
+    going: Sequence[Slot] = ()
+    """The trees granted (or already being stopped) whose slots are still held."""
+    until: float = math.inf
+    """Trees still there after this are no longer waited for (``acquire_timeout`` after the measuring)."""
+    refused: frozenset[str] = frozenset()
+    """Trees whose proxies refused, in earlier rounds: planned as busy."""
 
 
 class Waiting(msgspec.Struct, frozen=True, kw_only=True):
@@ -157,6 +207,10 @@ class Waiting(msgspec.Struct, frozen=True, kw_only=True):
     """The proxy is shutting down: waiters fail fast."""
     tried_take: bool = False
     """It is first in line and has just found no slot file free: what now (``slots`` are read for this)."""
+    budget: bool = False
+    """A memory budget is set (``[pool] max_memory`` or a backend's): a start must fit it."""
+    room: Room | None = None
+    """It holds a slot file: the memory budget is what is left to decide (``None``: still in line)."""
 
 
 class Take(msgspec.Struct, frozen=True):
@@ -165,6 +219,12 @@ class Take(msgspec.Struct, frozen=True):
 
 class Look(msgspec.Struct, frozen=True):
     """Read the install's slots into ``Waiting.slots``, and ask ``admit`` again."""
+
+
+class Measure(msgspec.Struct, frozen=True):
+    """Measure the install's trees now and plan the memory budget into ``Waiting.room``, and ask again."""
+
+    rule: Rule = Rule.FITS
 
 
 class Ask(msgspec.Struct, frozen=True):
@@ -183,12 +243,19 @@ class Sleep(msgspec.Struct, frozen=True):
     line: bool = False
 
 
+class Start(msgspec.Struct, frozen=True):
+    """Admitted: start the process (``overdue``: trees granted for its room that were still there)."""
+
+    rule: Rule = Rule.FITS
+    overdue: int = 0
+
+
 class GiveUp(msgspec.Struct, frozen=True):
     reason: Literal["shutdown", "exhausted"]
     rule: Rule
 
 
-Step = Take | Look | Ask | Sleep | GiveUp
+Step = Take | Look | Measure | Ask | Sleep | Start | GiveUp
 
 
 def admit(waiting: Waiting) -> Step:
@@ -196,6 +263,8 @@ def admit(waiting: Waiting) -> Step:
     w = waiting
     if w.refusing:
         return GiveUp("shutdown", Rule.SHUTDOWN)
+    if w.room is not None:
+        return _room(w.room, w) if w.budget else Start()
     if w.position >= w.depth:
         if w.now >= w.deadline:
             return GiveUp("exhausted", Rule.DEADLINE)
@@ -238,3 +307,19 @@ def _plan(live: Sequence[Slot], w: Waiting) -> Ask | Sleep:
         # free, and suspending a second session for the same start would take one too many.
         return Sleep(poll, "a session suspended for it is ending", Rule.ENDING)
     return Ask(decision.evict)
+
+
+def _room(room: Room, w: Waiting) -> Measure | Ask | Sleep | Start:
+    """The memory budget's part: the slot is held (no deadline of the line applies any more)."""
+    if room.plan is None:
+        return Measure()
+    for chosen in room.plan.suspend:
+        if not chosen.stopping and chosen.key not in room.asked:
+            return Ask(room.slots[chosen.key], Rule.MEMORY)
+    if room.going:
+        if w.now < room.until:
+            return Sleep(min(room.until, w.now + POLL), "trees suspended for its room are ending", Rule.MAKING_ROOM)
+        return Start(Rule.OVERDUE, overdue=len(room.going))
+    if not all(room.asked.values()):
+        return Measure(Rule.MAKING_ROOM)  # one was not idle after all: plan again without it
+    return Start()

@@ -3,8 +3,9 @@
 The decisions are pure (``pool.memory``: ``plan_budget`` for the install as it is,
 ``plan_spawn`` for a start); here they meet the install. Every proxy measures its own trees
 for its slot records; one proxy of the install (``InstallSlots.lead``) keeps the budget; and a
-start first makes room (``MemoryKeeper.make_room``): the install's trees measured now, starts
-in progress counted as large as their backend's largest tree (``counted_trees``).
+start makes room as part of its admission (``admission.admit``'s ``Room``, over ``plan_start``):
+the install's trees measured now, starts in progress counted as large as their backend's
+largest tree (``counted_trees``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from acp_proxy.journal import SuspendReason
 from acp_proxy.ownership.cgroups import memory_working_set
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.adapter import Adapter
-from acp_proxy.pool.admission import POLL
 from acp_proxy.pool.install import Held, InstallSlots
 from acp_proxy.pool.learned import Learned, all_peaks, command_of
 from acp_proxy.pool.memory import (
@@ -39,7 +39,7 @@ from acp_proxy.pool.memory import (
     plan_spawn,
 )
 from acp_proxy.pool.plan import Slot
-from acp_proxy.pool.publishing import slot_of_record, starting_record, starting_slot
+from acp_proxy.pool.publishing import slot_of_record, starting_record
 
 log = logging.getLogger("acp_proxy.lifecycle")
 
@@ -171,22 +171,18 @@ def fits_at_once(budget: MemoryBudget, owner: Owner, backend: BackendConfig, ins
     return not plan.suspend and not plan.overrun
 
 
-class Pool(Protocol):
-    """What the keeper needs of the process pool."""
-
-    config: Config
-    owner: Owner
-    install: InstallSlots
-    stopping: Stopping
-    changed: Changes
+class Adapters(Protocol):
+    """The processes this proxy runs (``running.Processes``), as the keeper measures them."""
 
     def live(self) -> list[Adapter]: ...
 
+
+class Install(Protocol):
+    """The install's slots as the admission sees them (``slots.SlotAdmission``), as the keeper keeps them."""
+
+    install: InstallSlots
+
     def install_slots(self, *, fresh: bool = False) -> list[Slot]: ...
-
-    def starts_in_progress(self) -> list[Held]: ...
-
-    def tree_there(self, slot: Slot) -> bool: ...
 
     async def wait_for_change(self, changed: anyio.Event, timeout: float) -> None:
         """Until ``changed`` is set, or ``timeout`` seconds have passed."""
@@ -196,18 +192,31 @@ class Pool(Protocol):
 
 
 class MemoryKeeper:
-    """Holds the install to ``max_memory``: measures this proxy's trees, keeps the budget while this proxy
-    leads it, and makes room before each start."""
+    """Holds the install to ``max_memory``: measures this proxy's trees, and keeps the budget while this
+    proxy leads it. (A start makes room for itself as part of its admission: ``slots.SlotAdmission``.)"""
 
-    def __init__(self, pool: Pool, peaks: Peaks) -> None:
-        self.pool = pool
-        self.budget = MemoryBudget.of(pool.config)
+    def __init__(
+        self,
+        config: Config,
+        owner: Owner,
+        adapters: Adapters,
+        install: Install,
+        peaks: Peaks,
+        changed: Changes,
+        stopping: Stopping,
+    ) -> None:
+        self.owner = owner
+        self.adapters = adapters
+        self.install = install
+        self.changed = changed
+        self.stopping = stopping
+        self.budget = MemoryBudget.of(config)
         self.peaks = peaks
         self._measure_due = Changes()
         """Notified when a new adapter has answered: measure it now, rather than at the next round."""
         self._overruns: set[str | None] = set()
         """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
-        self.for_ceilings = pool.config.has_session_ceilings()
+        self.for_ceilings = config.has_session_ceilings()
         """Some backend's sessions have a memory ceiling: measure this proxy's trees for them too."""
         self.measured = Changes()
         """Notified once each round has measured this proxy's trees (``MemoryCeilings.watch`` waits on it)."""
@@ -223,18 +232,18 @@ class MemoryKeeper:
         """
         if self.budget.empty and not self.for_ceilings:
             return
-        while not self.pool.stopping.begun:
+        while not self.stopping.begun:
             due = self._measure_due.next()
             await self._measure()
             self.measured.notify()
-            if not self.budget.empty and self.pool.install.lead(BUDGET_ROLE):
+            if not self.budget.empty and self.install.install.lead(BUDGET_ROLE):
                 measured, by_key = self._memory_slots()
                 await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
-            await self.pool.wait_for_change(due, MEMORY_EVERY)
+            await self.install.wait_for_change(due, MEMORY_EVERY)
 
     async def _measure(self) -> None:
         """Measure this proxy's trees, for its slot records; what they measure is learned by the install."""
-        adapters = self.pool.live()
+        adapters = self.adapters.live()
         roots = {a.supervised.process.pid: a for a in adapters}
         sizes = await anyio.to_thread.run_sync(measure_adapters, list(roots), self.cgroups_of(adapters))
         for root, (size, kind) in sizes.items():
@@ -242,11 +251,11 @@ class MemoryKeeper:
             adapter.usage.memory, adapter.usage.memory_kind = size, kind
             if size:
                 self.peaks.saw(adapter.backend.name, adapter.supervised.lease.command_hash, size)
-        self.pool.changed.notify()  # the slot records carry the figures
+        self.changed.notify()  # the slot records carry the figures
 
     def cgroups_of(self, adapters: list[Adapter]) -> dict[int, str]:
         """The trees whose cgroup has ``memory.current`` (cgroup mode, with the memory controller), by root."""
-        owned = self.pool.owner.cgroup
+        owned = self.owner.cgroup
         if owned is None or not owned.memory:
             return {}
         return {
@@ -259,58 +268,6 @@ class MemoryKeeper:
         """A new adapter has answered: measure it now, rather than at the next round."""
         self._measure_due.notify()
 
-    async def make_room(self, backend: BackendConfig, held: Held) -> None:
-        """Before a start (``held``: its slot): suspend idle sessions until the new tree fits the budget,
-        and wait until their trees are gone.
-
-        Every live tree of the install counts, measured now, and every other start in progress too
-        (``counted_trees``); the new tree is expected to be as large as the largest its backend has
-        had. A spawn waits for the budget only while the trees it counted on end (at most
-        ``acquire_timeout``): with nothing left to suspend it goes ahead, and the overrun is logged.
-        """
-        if self.budget.empty:
-            return
-        refused: set[str] = set()
-        while True:
-            moment = time.monotonic()
-            # A start decides on the install as it is now, this proxy's other starts in progress too.
-            slots = [*self.pool.install_slots(fresh=True), *self._own_starts(held, moment)]
-            trees = await anyio.to_thread.run_sync(measure_trees, roots_of(slots))  # /proc reads block
-            plan = plan_start(slots, trees, self.peaks, backend, self.budget, moment, frozenset(refused))
-            by_key = {budget_key(slot): slot for slot in slots}
-            going = await self._carry_out(plan, by_key, f"room in the memory budget for a {backend.name} start")
-            await self._until_gone([by_key[key] for key in going])
-            declined = {chosen.key for chosen in plan.suspend} - set(going)
-            if not declined:
-                return
-            refused |= declined  # not idle after all: plan again without them
-
-    def _own_starts(self, exclude: Held, moment: float) -> list[Slot]:
-        """This proxy's other starts in progress (slots taken, no process yet), as the plan's slots."""
-        backends = self.pool.config.backends
-        return [
-            starting_slot(held.index, held.backend, moment, command_of(backends[held.backend]))
-            for held in self.pool.starts_in_progress()
-            if held is not exclude and held.backend in backends
-        ]
-
-    async def _until_gone(self, slots: list[Slot]) -> None:
-        """Wait until the trees of ``slots`` are gone: their slot files let go of, or held for another tree.
-
-        A tree's wrapper holds its slot until the whole tree has ended. At most ``acquire_timeout``:
-        a tree that will not end is left to its own proxy, and the start goes ahead.
-        """
-        waiting = [slot for slot in slots if slot.index is not None]
-        timeout = self.pool.config.pool.acquire_timeout
-        with anyio.move_on_after(timeout):
-            while True:
-                changed = self.pool.changed.next()
-                waiting = [slot for slot in waiting if self.pool.tree_there(slot)]
-                if not waiting:
-                    return
-                await self.pool.wait_for_change(changed, POLL)
-        log.warning("memory budget: %d suspended trees still there after %gs; starting anyway", len(waiting), timeout)
-
     async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> list[str]:
         """Suspend what the plan chose; the keys of the trees now on their way out (those refused are not)."""
         going = []
@@ -318,7 +275,7 @@ class MemoryKeeper:
             slot = by_key[chosen.key]
             if not chosen.stopping:
                 log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
-                if not await self.pool.evict_anywhere(slot, why, SuspendReason.MEMORY):
+                if not await self.install.evict_anywhere(slot, why, SuspendReason.MEMORY):
                     continue
             going.append(chosen.key)
         exceeded = {overrun.backend for overrun in plan.overrun}
@@ -333,7 +290,7 @@ class MemoryKeeper:
         each one's plan slot, to suspend it by."""
         moment = time.monotonic()
         slots = [
-            slot for slot in self.pool.install_slots() if not slot.stopping and not slot.key.startswith("starting:")
+            slot for slot in self.install.install_slots() if not slot.stopping and not slot.key.startswith("starting:")
         ]
         measured = [memory_slot(slot, slot.memory or 0, moment) for slot in slots]
         return measured, {budget_key(slot): slot for slot in slots}

@@ -117,17 +117,17 @@ class GatewayConnection:
                 with anyio.move_on_after(shutdown.stdin_grace):
                     await self._until_answered()
             self.pool.refuse()  # requests still waiting for a process slot give up (proxy_shutdown)
-            await self.pool.stop_warm()
+            await self.pool.processes.stop_warm()
             await self.links.close_all()
             if self.stopping.reason is not None:
                 for adapter in list(self.pool.running):
                     await self.relay.fail_calls(adapter.take_gateway_calls(), ProxyError.proxy_shutdown())
-            await self.pool.stop_all()
+            await self.pool.processes.stop_all()
             # Requests still being handled (waiting for a slot, a resume in progress) now fail
             # fast and are answered; anything they started meanwhile is stopped too.
             with anyio.move_on_after(SHUTDOWN_WRITE_GRACE + shutdown.term_grace):
                 await self.background.wait_idle()
-            await self.pool.stop_all()
+            await self.pool.processes.stop_all()
             self.turns.settle_leftovers("acp-proxy shut down before the turn was answered")
             self.turns.write_settled()
             if self.turns.unwritten:
@@ -283,7 +283,7 @@ class GatewayConnection:
             await self.writer.fail(msg.id, exc)
             return
         self.pool.auth_params = UNSET  # from now on, no process is authenticated with what the gateway gave
-        live = self.pool.serving(backend)  # spares included
+        live = self.pool.processes.serving(backend)  # spares included
         if not live:
             await self._started(msg, backend, prepare=True)
             return
@@ -321,7 +321,7 @@ class GatewayConnection:
                     self.pool.auth_params = msg.params
 
             on_answer = remember
-        adapter = self.pool.spare(backend)
+        adapter = self.pool.processes.spare(backend)
         if adapter is None:
             await self._started(msg, backend, prepare=msg.method != Method.INITIALIZE, on_answer=on_answer)
         else:
@@ -329,7 +329,7 @@ class GatewayConnection:
 
     async def _to_any(self, msg: Message) -> None:
         """A request naming no session (``logout``, extensions): a spare, else the most recently used process."""
-        adapter = self.pool.any_adapter()
+        adapter = self.pool.processes.any_adapter()
         if adapter is None:
             await self._started(msg, self.pool.default_backend, prepare=True)
         else:
@@ -375,7 +375,7 @@ class GatewayConnection:
         if session is not None and session.live_adapter is not None:
             adapter = session.live_adapter
         elif session_id is None:
-            adapter = self.pool.any_adapter()
+            adapter = self.pool.processes.any_adapter()
         else:
             log.info("dropped %s for session %s: it has no live process", msg.method, session_id)
             return

@@ -110,4 +110,4 @@ class SessionCatalog:
         backend = self.config.backends.get(backend_name)
         if backend is None:
             return None
-        return next((adapter for adapter in self.pool.serving(backend) if adapter.capabilities.list), None)
+        return next((adapter for adapter in self.pool.processes.serving(backend) if adapter.capabilities.list), None)

@@ -433,7 +433,7 @@ class SessionIntents:
         known = self.pool.known_capabilities.get(record.backend)
         if backend is None or (known is not None and not known.delete):
             return
-        spare = self.pool.spare(backend)
+        spare = self.pool.processes.spare(backend)
         try:
             with anyio.fail_after(self.config.pool.resume_timeout):
                 adapter = await self.pool.take(backend)
@@ -485,7 +485,7 @@ class SessionIntents:
         )
         if reason in RECYCLES and self.turns.notifier is not None:
             self.turns.notifier.recycled(session_id, session.record.backend, reason, why)
-        self.table.stopping(session, self.pool.stop_in_background(adapter))
+        self.table.stopping(session, self.pool.processes.stop_in_background(adapter))
         return True
 
     def recycle_due(self, adapter: Adapter) -> None:
