@@ -292,7 +292,7 @@ class SlotAdmission:
                     break
                 waited = True
                 if isinstance(step, Ask):
-                    waiting = await self._ask(step, waiting)
+                    waiting = await self._ask(step, waiting, changed)
                     continue
                 if step.line:
                     waiter.moved = anyio.Event()
@@ -342,7 +342,7 @@ class SlotAdmission:
             self._install_ahead.pop(backend.name, None)
         self.changed.notify()
 
-    async def _ask(self, step: Ask, waiting: Waiting) -> Waiting:
+    async def _ask(self, step: Ask, waiting: Waiting, changed: anyio.Event) -> Waiting:
         """Carry out an ``Ask``, and what its answer changes in the waiter's view."""
         if waiting.room is not None:  # for the memory budget
             slot, room, key = step.slot, waiting.room, budget_key(step.slot)
@@ -359,7 +359,7 @@ class SlotAdmission:
             # not by acquire_timeout (that is for busy sessions).
             granted_slot = Granted(step.slot, time.monotonic() + self._teardown_bound())
             waiting = msgspec.structs.replace(waiting, granted=[*waiting.granted, granted_slot])
-            await self.wait_for_change(self.changed.next(), POLL)
+            await self.wait_for_change(changed, POLL)
             return waiting
         # Not idle after all (its record was stale, or its session is mid-change): the next candidate
         # is planned for; this one not again for a while.
