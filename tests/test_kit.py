@@ -262,3 +262,39 @@ async def test_a_forked_proxy_is_a_process_of_its_own(proc_env: dict[str, str], 
         with anyio.fail_after(10):
             while _process_state(serving.pid) is not None:
                 await anyio.sleep(0.01)
+
+
+JSON_VALUES: list[Any] = [
+    {"jsonrpc": "2.0", "id": 7, "result": {"b": [1.5, None, True, False], "a": 'é\n"x\u2028', "n": -0.0}},
+    [],
+    {},
+    "text",
+    3,
+    1e100,
+    {"nested": [{"z": 1, "a": [2, {"y": None}]}]},
+]
+
+
+@pytest.mark.parametrize("value", JSON_VALUES)
+def test_the_fake_adapters_json_writes_and_reads_as_json_does(value: Any) -> None:
+    """The fake adapter avoids ``import json`` at start (tests/fake_json.py): what it writes and reads
+    must be json's, with every option it uses."""
+    import json
+
+    from tests import fake_json
+
+    for options in ({}, {"sort_keys": True}, {"separators": (",", ":"), "ensure_ascii": False}):
+        text = json.dumps(value, **options)  # type: ignore[arg-type]
+        assert fake_json.dumps(value, **options) == text  # type: ignore[arg-type]
+        assert fake_json.loads(text) == json.loads(text)
+        assert fake_json.loads(f" \n{text}\r\n".encode()) == json.loads(text)
+
+
+@pytest.mark.parametrize("bad", ["", " ", "{", "[1,]", "1 2", "nul", '{"a" 1}', '"open'])
+def test_the_fake_adapters_json_refuses_what_json_refuses(bad: str) -> None:
+    from tests import fake_json
+
+    with pytest.raises(ValueError):  # noqa: PT011 - json's own error is a ValueError too
+        fake_json.loads(bad)
+    with pytest.raises(TypeError):
+        fake_json.dumps({"a": object()})
