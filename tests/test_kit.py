@@ -283,9 +283,10 @@ def test_the_fake_adapters_json_writes_and_reads_as_json_does(value: Any) -> Non
 
     from tests import fake_json
 
-    for options in ({}, {"sort_keys": True}, {"separators": (",", ":"), "ensure_ascii": False}):
-        text = json.dumps(value, **options)  # type: ignore[arg-type]
-        assert fake_json.dumps(value, **options) == text  # type: ignore[arg-type]
+    every: list[dict[str, Any]] = [{}, {"sort_keys": True}, {"separators": (",", ":"), "ensure_ascii": False}]
+    for options in every:
+        text = json.dumps(value, **options)
+        assert fake_json.dumps(value, **options) == text
         assert fake_json.loads(text) == json.loads(text)
         assert fake_json.loads(f" \n{text}\r\n".encode()) == json.loads(text)
 
