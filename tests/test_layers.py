@@ -74,9 +74,19 @@ def test_an_import_in_a_function_or_for_type_checking_is_not_module_level(tmp_pa
 
 def _adapter_fields() -> set[str]:
     """The instance fields of ``pool.adapter.Adapter``: what ``__init__`` assigns on ``self``."""
-    tree = ast.parse((PACKAGE / "pool" / "adapter.py").read_text())
-    adapter = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Adapter")
-    init = next(node for node in adapter.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    return _init_fields("pool/adapter.py", "Adapter")
+
+
+def _tenancy_fields() -> set[str]:
+    """The instance fields of ``pool.tenancy.Tenancy``: what a process is to the sessions."""
+    return _init_fields("pool/tenancy.py", "Tenancy")
+
+
+def _init_fields(module: str, name: str) -> set[str]:
+    """What ``__init__`` of the class ``name`` in ``acp_proxy/<module>`` assigns on ``self``."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    found = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
+    init = next(node for node in found.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
     return {
         target.attr
         for node in ast.walk(init)
@@ -121,21 +131,34 @@ def _assigned_attributes(skip: Callable[[Path], bool]) -> Iterator[tuple[str, as
 
 def test_an_adapter_is_a_connection_and_the_pool_keeps_the_account_of_its_process() -> None:
     """``Adapter`` holds its process, pipes, pending calls and id maps; the slot, the clocks and the memory
-    figures are the pool's (``Usage``), assigned by no module outside pool/ (the test below)."""
+    figures are the pool's (``Usage``), assigned by no module outside pool/ (the test below); what the
+    process is to the sessions (claimed, the turn on it, muted, its replay swallowed, requests the gateway
+    owes, a recycle due) is its ``Tenancy``, and whether it is busy is decided there, not by the connection."""
     accounting = {"slot", "started_at", "recent_until", "memory", "last_active", "turnaround", "quiet_at"}
     assert accounting <= _usage_fields()
     assert not accounting & _adapter_fields()
+    lifecycle = {"claimed", "first_answered", "muted", "swallow_updates", "upstream_pending", "turn", "recycle"}
+    assert lifecycle <= _tenancy_fields()
+    assert not lifecycle & _adapter_fields()
+    adapter = next(
+        node
+        for node in ast.parse((PACKAGE / "pool" / "adapter.py").read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "Adapter"
+    )
+    methods = {node.name for node in adapter.body if isinstance(node, ast.FunctionDef)}
+    assert "busy" not in methods
 
 
 def test_no_module_outside_the_pool_assigns_a_field_of_an_adapter() -> None:
     """An adapter is changed through its methods (``pool/adapter.py``), never field by field from above;
-    the pool's account of its process (``adapter.usage``) likewise."""
-    fields = _adapter_fields() | _usage_fields()
+    the pool's account of its process (``adapter.usage``) and what it is to the sessions
+    (``adapter.tenancy``) likewise."""
+    fields = _adapter_fields() | _usage_fields() | _tenancy_fields()
     assert {"gateway_session", "claimed", "swallow_updates", "upstream_pending", "last_active"} <= fields
     found = [
         f"{where}: {ast.unparse(part)}"
         for where, part in _assigned_attributes(lambda path: path.parent.name == "pool")
-        if part.attr in fields and ast.unparse(part.value).endswith(("adapter", "adapter.usage"))
+        if part.attr in fields and ast.unparse(part.value).endswith(("adapter", "adapter.usage", "adapter.tenancy"))
     ]
     assert found == []
 

@@ -47,6 +47,7 @@ from acp_proxy.operator.control import (
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.tenancy import busy
 from acp_proxy.relay.sharing import Sharing
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.lifecycle import Phase
@@ -79,7 +80,7 @@ def turn_view(turn: Turn) -> dict[str, Any]:
 
 def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
     adapter = session.live_adapter
-    turn = adapter.turn if adapter is not None else None
+    turn = adapter.tenancy.turn if adapter is not None else None
     if session.closed:
         state = "closing"
     elif adapter is not None:
@@ -94,7 +95,7 @@ def session_view(session: Session, now_monotonic: float) -> dict[str, Any]:
         "state": state,
         "pid": adapter.pid if adapter is not None else None,
         "lease": adapter.supervised.lease.lease_id if adapter is not None else None,
-        "busy": adapter.busy if adapter is not None else False,
+        "busy": busy(adapter) if adapter is not None else False,
         "idleSeconds": round(now_monotonic - adapter.usage.last_active, 3) if adapter is not None else None,
         "queued": len(session.queue),
         "taskId": turn.task_id if turn is not None and turn.status is TaskStatus.RUNNING else None,

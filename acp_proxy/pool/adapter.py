@@ -1,4 +1,5 @@
-"""One adapter process and the JSON-RPC connection the proxy holds to it.
+"""One adapter process and the JSON-RPC connection the proxy holds to it (what the process is to the
+sessions is its ``tenancy``, ``pool.tenancy``; the connection decides nothing with it).
 
 The connection owns the id space the adapter sees: requests the gateway sent
 and requests the proxy makes itself draw from one counter, so they can never
@@ -20,11 +21,11 @@ from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.concurrency import Changes
 from acp_proxy.config import BackendConfig, MissingVariable, ShutdownConfig, expand
-from acp_proxy.journal import SuspendReason
 from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.proctable import TableUnavailable
 from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed
+from acp_proxy.pool.tenancy import Tenancy
 from acp_proxy.pool.usage import Usage
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import AgentCapabilities, rewrite_session_id, session_of
@@ -103,29 +104,12 @@ class Adapter:
         """The stable id of the session this process serves (``None``: a spare)."""
         self.adapter_session: str | None = None
         """The id the adapter knows that session under, if it differs from the stable one."""
-        self.claimed = False
-        """Taken for a ``session/new`` or a restore in progress: not a spare, not idle."""
-        self.first_answered: anyio.Event | None = None
-        """Set once the request it was started for (``initialize``, most often) is answered: until then
-        a spare does not know what its agent can do, and a restore on it waits for this."""
-        self.swallow_updates = False
-        """Drop ``session/update``s (the replay of a load the gateway did not ask for)."""
-        self.muted = False
-        """The proxy answered its turn for it and is stopping it: of what it writes from now on only
-        answers to requests still pending are relayed (its late updates and requests are dropped)."""
-        self.upstream_pending = 0
-        """Agent->client requests of this adapter the gateway has not answered yet."""
         self.stopping = False
         """``stop`` has begun: if it exits now, it is because we are ending it."""
-        self.turn: Turn | None = None
-        """The prompt turn running on this process, whose streamed updates are counted against it."""
         self.usage = Usage()
         """The pool's account of this process (``pool.usage``): only the pool assigns its fields."""
-        self.on_turn_start: Callable[[Adapter], None] | None = None
-        """Called when a turn starts here, so that the install's record of this slot says busy at once."""
-        self.recycle: tuple[str, SuspendReason] | None = None
-        """Why (and the journal's reason) its session is to be recycled as soon as it is idle: its tree
-        is over the session's memory ceiling (``sessions.ceilings``)."""
+        self.tenancy = Tenancy()
+        """What this process is to the proxy's sessions (``pool.tenancy``): the connection decides nothing with it."""
 
     # The rest of the proxy changes what a process is to it through these methods, never by
     # assigning its fields (tests/test_layers.py holds every module outside pool/ to that).
@@ -133,8 +117,8 @@ class Adapter:
     def release_to_spare(self) -> None:
         """A session/new, load or restore on this process did not take: it serves no session again."""
         self.assign(None)
-        self.unclaim()
-        self.swallow(False)
+        self.tenancy.unclaim()
+        self.tenancy.swallow(False)
 
     def assign(self, gateway_session: str | None, adapter_session: str | None = None) -> None:
         """It is to serve ``gateway_session``, known to it as ``adapter_session`` (default: the same id)."""
@@ -145,44 +129,11 @@ class Adapter:
         """From now on it serves ``gateway_session`` (its only open session): no longer claimed."""
         self.assign(gateway_session, adapter_session)
         self.open_sessions = {adapter_session}
-        self.claimed = False
+        self.tenancy.unclaim()
 
     def renamed(self, adapter_session: str) -> None:
         """The adapter now knows its session under ``adapter_session`` (restored afresh)."""
         self.adapter_session = adapter_session
-
-    def unclaim(self) -> None:
-        """The request it was taken for is answered: it serves the session it opened, or is a spare again."""
-        self.claimed = False
-
-    def swallow(self, replay: bool) -> None:
-        """Drop its ``session/update``s from now on (the replay of a load the gateway did not ask for), or stop."""
-        self.swallow_updates = replay
-
-    def mute(self) -> None:
-        """The proxy answered its turn for it: see ``muted``."""
-        self.muted = True
-
-    def asked_upstream(self) -> None:
-        """It sent the gateway a request."""
-        self.upstream_pending += 1
-
-    def answered_upstream(self) -> None:
-        """The gateway answered one of its requests."""
-        self.upstream_pending -= 1
-
-    def upstream_forgotten(self) -> None:
-        """Its requests to the gateway are given up (it has exited)."""
-        self.upstream_pending = 0
-
-    def recycle_when_idle(self, why: str, reason: SuspendReason) -> None:
-        """Its session is to be recycled as soon as nothing of it runs (see ``recycle``)."""
-        self.recycle = (why, reason)
-
-    def turn_answered(self, turn: Turn) -> None:
-        """``turn`` has its answer: it runs here no more."""
-        if self.turn is turn:
-            self.turn = None
 
     @property
     def rewrites_session(self) -> bool:
@@ -200,12 +151,6 @@ class Adapter:
     async def until_answered(self) -> None:
         """Until the gateway's requests in flight on this process are answered, or it is gone."""
         await self.answered.until(lambda: self.gone or not self.turn_in_flight)
-
-    @property
-    def busy(self) -> bool:
-        """Not suspendable: a request of the gateway's or a request to the gateway is pending,
-        or it reported background work moments ago."""
-        return self.claimed or self.upstream_pending > 0 or self.turn_in_flight or self.working_in_background
 
     @property
     def replaying(self) -> bool:
@@ -331,18 +276,13 @@ class Adapter:
         call_id = self.register(msg.method, msg.id, msg.params)
         call = self.pending[call_id]
         call.on_answer = on_answer
+        call.turn = turn
         self.usage.used()
         if turn is not None:
-            call.turn = self.turn = turn
             self.usage.turn_started()
         out = Message(jsonrpc="2.0", id=call_id, method=msg.method, params=self.to_adapter_ids(msg.params))
         with suppress(AdapterGone):
             await self.send(jsonrpc.encode(out))
-        if turn is not None and self.turn is turn and not self.gone and self.on_turn_start is not None:
-            # Once the prompt is on its way, and only if its turn has not ended meanwhile: its slot record
-            # says busy, a hint to the install's other proxies (who ask before they take a slot), not a
-            # step between the gateway and the adapter.
-            self.on_turn_start(self)
         return call_id
 
     def note_answer(self, call: PendingCall, msg: Message) -> None:

@@ -198,8 +198,9 @@ class ProcessPool:
             adapter.usage.last_active = time.monotonic()
             adapter.usage.started_at = started
             adapter.usage.slot = held
-            adapter.on_turn_start = self.processes.publish
-            adapter.claimed = prepare
+            adapter.tenancy.on_turn_start = functools.partial(self.processes.publish, adapter)
+            if prepare:
+                adapter.tenancy.claim()
             adapter.usage.start_deadline = deadline
             self.processes.add(adapter)
             self.journal.record(Kind.ADAPTER_STARTED, backend=backend.name, label="warm" if warm else "started")
@@ -240,9 +241,10 @@ class ProcessPool:
         """
         adapter = self.processes.spare(backend)
         if adapter is not None:
-            adapter.claimed = True
-            if adapter.first_answered is not None:
-                await adapter.first_answered.wait()  # a gateway that sent initialize and a session request together
+            adapter.tenancy.claim()
+            first_answered = adapter.tenancy.first_answered
+            if first_answered is not None:
+                await first_answered.wait()  # a gateway that sent initialize and a session request together
             if not adapter.gone and not self.processes.being_stopped(adapter):  # else its first request failed: stopped
                 adapter.usage.start_deadline = anyio.current_time() + self.start_timeout(backend)
                 return adapter
@@ -253,12 +255,12 @@ class ProcessPool:
     ) -> None:
         """A gateway request no process is there for: to a new one, which is a spare once it has answered."""
         adapter = await self.start(backend, prepare=prepare)
-        adapter.claimed = False
-        adapter.first_answered = anyio.Event()
+        adapter.tenancy.unclaim()
+        adapter.tenancy.first_answered = first_answered = anyio.Event()
         try:
             await self.forward_first(adapter, msg, on_answer)
         finally:
-            adapter.first_answered.set()
+            first_answered.set()
 
     async def forward_first(self, adapter: Adapter, msg: Message, on_answer: Answer | None = None) -> None:
         """Send a process the request it was started (or taken) for, and wait until its start deadline.

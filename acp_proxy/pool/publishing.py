@@ -19,6 +19,7 @@ from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.install import Held, HeldSlot, SlotRecord
 from acp_proxy.pool.learned import command_of
 from acp_proxy.pool.plan import Slot
+from acp_proxy.pool.tenancy import busy
 
 WARM_KEY: Final = "spare:warm"
 """The key of the adapter launched with the proxy, before any request took it."""
@@ -40,7 +41,7 @@ def slot_of_adapter(adapter: Adapter, *, stopping: bool) -> Slot:
         key=slot_key(adapter),
         backend=adapter.backend.name,
         last_active=adapter.usage.last_active,
-        busy=adapter.busy,
+        busy=busy(adapter),
         spare=adapter.gateway_session is None,
         pinned=_pinned(adapter),
         recent_until=adapter.usage.recent_until,
@@ -65,7 +66,7 @@ def record_of(adapter: Adapter, instance_id: str, *, stopping: bool) -> SlotReco
         since=adapter.usage.slot_since,
         last_active=adapter.usage.last_active,
         recent_until=adapter.usage.recent_until,
-        busy=adapter.busy,
+        busy=busy(adapter),
         pinned=_pinned(adapter),
         stopping=stopping,
         memory=adapter.usage.memory,

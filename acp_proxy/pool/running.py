@@ -28,6 +28,7 @@ from acp_proxy.pool.install import Held, SlotRecord
 from acp_proxy.pool.plan import Slot
 from acp_proxy.pool.publishing import WARM_KEY, record_of, slot_key, slot_of_adapter
 from acp_proxy.pool.recency import sweep_idle
+from acp_proxy.pool.tenancy import busy
 
 log = logging.getLogger("acp_proxy.lifecycle")
 
@@ -98,7 +99,7 @@ class Processes:
             if (
                 adapter.backend.name == backend.name
                 and adapter.gateway_session is None
-                and not adapter.claimed
+                and not adapter.tenancy.claimed
                 and not adapter.gone
                 and adapter not in self._evicting
             ):
@@ -212,7 +213,7 @@ class Processes:
             if slot_key(adapter) != slot.key:
                 continue
             if adapter.gateway_session is None:
-                if adapter.busy:
+                if busy(adapter):
                     return False
                 log.info("pool: stopping a spare %s adapter (%s)", adapter.backend.name, why)
                 self.stop_in_background(adapter)

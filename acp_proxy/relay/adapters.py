@@ -24,6 +24,7 @@ from acp_proxy.concurrency import Background, Stopping
 from acp_proxy.config import Config
 from acp_proxy.pool.adapter import Adapter, AdapterGone, PendingCall
 from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.tenancy import busy
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import (
     SESSION_INFO_MARK,
@@ -182,12 +183,12 @@ class AdapterRelay:
                         self.config.max_line_bytes,
                     )
                 if (
-                    not adapter.swallow_updates
+                    not adapter.tenancy.swallow_updates
                     and not adapter.rewrites_session
-                    and not adapter.muted
+                    and not adapter.tenancy.muted
                     and is_plain_notification_block(batch)
                 ):
-                    turn = adapter.turn
+                    turn = adapter.tenancy.turn
                     if turn is not None and turn.status is TaskStatus.RUNNING:
                         turn.observe(batch.block, batch.count)  # titles included, as the turn reads it
                     elif adapter.gateway_session is not None:
@@ -235,7 +236,7 @@ class AdapterRelay:
             log.warning("adapter pid=%d wrote non-JSON-RPC to stdout, skipped: %s", adapter.pid, preview(line))
             return None, False
         msg, kind = decoded
-        if adapter.muted and kind is not Kind.RESPONSE:
+        if adapter.tenancy.muted and kind is not Kind.RESPONSE:
             return None, False  # the proxy has answered its turn for it: what it says now is too late
         if kind is not Kind.RESPONSE and adapter.rewrites_session:
             assert adapter.adapter_session is not None
@@ -252,9 +253,9 @@ class AdapterRelay:
 
     def _notification(self, adapter: Adapter, msg: Message, line: bytes) -> bytes | None:
         if msg.method == Method.UPDATE:
-            if adapter.swallow_updates:
+            if adapter.tenancy.swallow_updates:
                 return None
-            turn = adapter.turn
+            turn = adapter.tenancy.turn
             if turn is not None and turn.status is TaskStatus.RUNNING:
                 turn.observe(line, 1)
             elif adapter.gateway_session is not None:
@@ -275,7 +276,7 @@ class AdapterRelay:
         """Updates with no turn running: if they report work, the session is busy for ``quiet_after``
         (the replay of a load is history, not work); a title is recorded at once. (During a turn,
         the turn reads both where it reads its tool calls.)"""
-        if adapter.turn is None and not adapter.replaying and any(reports_work(line) for line in lines):
+        if adapter.tenancy.turn is None and not adapter.replaying and any(reports_work(line) for line in lines):
             adapter.heard_working(self.config.pool.quiet_after)
         if SESSION_INFO_MARK in block:
             self._note_session_info(adapter, lines)
@@ -297,17 +298,17 @@ class AdapterRelay:
     def _request(self, adapter: Adapter, msg: Message) -> bytes:
         if msg.method == Method.ELICITATION_CREATE:
             msg.params = gateway_scope(adapter, msg.params)
-        turn = adapter.turn if adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING else None
+        turn = adapter.tenancy.running_turn
         upstream_id = self.requests.register(adapter, msg.id, str(msg.method), turn)  # type: ignore[arg-type]
         if msg.method == Method.REQUEST_PERMISSION:
-            self.turns.note(adapter.turn, "permission_asked", permission_subject(msg))
+            self.turns.note(adapter.tenancy.turn, "permission_asked", permission_subject(msg))
         self.sharing.asked(adapter.gateway_session, upstream_id, msg, turn)
         return jsonrpc.with_id(msg, upstream_id)
 
     def _response(self, adapter: Adapter, msg: Message) -> tuple[bytes | None, bool]:
         """What to send for an answer, and whether it had bookkeeping (see ``_translate``)."""
         call = adapter.take_pending(msg.id)
-        if call is None and adapter.muted:
+        if call is None and adapter.tenancy.muted:
             log.info("adapter pid=%d answered request id %r after the proxy had: dropped", adapter.pid, msg.id)
             return None, False
         if call is None:
@@ -316,7 +317,7 @@ class AdapterRelay:
         if call.internal is not None:
             # In stream order, so that what the adapter writes right after an answer is seen right:
             if call.method == Method.LOAD:
-                adapter.swallow(False)  # what follows the answer is not replay
+                adapter.tenancy.swallow(False)  # what follows the answer is not replay
             elif call.method == Method.NEW and adapter.gateway_session is not None:
                 fresh = session_of(msg.result)  # a fallback: from now on its id is rewritten
                 if fresh:
@@ -338,10 +339,10 @@ class AdapterRelay:
                 log.error("could not record the answer to %s in the state database: %s", call.method, exc)
         if call.turn is not None:
             self.turns.settle_answer(call.turn, msg, write_later=True)
-            adapter.turn_answered(call.turn)
+            adapter.tenancy.turn_answered(call.turn)
             self.pool.recency.note_turn_ended(adapter)  # the gateway's next prompt may be on its way
             self.intents.recycle_due(adapter)
-        if not adapter.busy:
+        if not busy(adapter):
             self.pool.changed.notify()  # a waiter for a slot may now suspend this one
         if call.method == Method.INITIALIZE and msg.result is not UNSET:
             self.pool.known_capabilities[adapter.backend.name] = adapter.capabilities
@@ -377,7 +378,7 @@ class AdapterRelay:
         for upstream_id in self.requests.of(adapter):
             self.sharing.withdrawn(upstream_id)
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
-        adapter.upstream_forgotten()
+        adapter.tenancy.upstream_forgotten()
         self.intents.process_ended(adapter, returncode)
         await self.pool.stop(adapter, drain=False)
 

@@ -542,7 +542,7 @@ class Sharing:
         """The turn the session's process runs now, if any."""
         session = self.intents.table.get(session_id)
         adapter = session.live_adapter if session is not None else None
-        turn = adapter.turn if adapter is not None else None
+        turn = adapter.tenancy.turn if adapter is not None else None
         return turn if turn is not None and turn.status is TaskStatus.RUNNING else None
 
     async def _run_lane(self, share: Share) -> None:

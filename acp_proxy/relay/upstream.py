@@ -17,6 +17,7 @@ from msgspec import UNSET
 
 from acp_proxy.pool.adapter import Adapter, AdapterGone
 from acp_proxy.pool.processes import ProcessPool
+from acp_proxy.pool.tenancy import busy
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method
@@ -63,7 +64,7 @@ class AgentRequests:
         """``adapter`` asks the client something: the id it goes upstream under."""
         upstream_id = self.new_id()
         self.waiting[upstream_id] = (adapter, adapter_id, method, turn)
-        adapter.asked_upstream()
+        adapter.tenancy.asked_upstream()
         if turn is not None:
             turn.asked()
         return upstream_id
@@ -100,9 +101,11 @@ class AgentRequests:
             turn.answered()
         if method == Method.REQUEST_PERMISSION:
             choice = permission_choice(msg)
-            self.turns.note(adapter.turn, "permission_answered", choice if from_gateway else f"{choice} by {by}")
-        adapter.answered_upstream()
-        if not adapter.busy:
+            self.turns.note(
+                adapter.tenancy.turn, "permission_answered", choice if from_gateway else f"{choice} by {by}"
+            )
+        adapter.tenancy.answered_upstream()
+        if not busy(adapter):
             self.pool.changed.notify()
         try:
             await adapter.send(jsonrpc.with_id(msg, adapter_id))

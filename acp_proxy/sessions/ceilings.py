@@ -10,7 +10,7 @@ RSS, ``pool.memory``; a cgroup's working set where the tree's cgroup has the mem
 
 * over ``session_max_memory`` and idle: recycled now;
 * over it and busy (a turn, a request in flight): recycled as soon as it is idle
-  (``Adapter.recycle``: the relay looks when a turn ends, and the next round again);
+  (``Tenancy.recycle``: the relay looks when a turn ends, and the next round again);
 * past ``session_kill_memory`` with a turn running: the turn is cut as a ``turn_timeout`` cuts
   it (``session/cancel``, then the proxy's own answer after ``close_timeout``), and the tree is
   recycled once the turn has ended, however it ended. Idle past it: recycled now.
@@ -32,7 +32,6 @@ from acp_proxy.journal import SuspendReason
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.sessions.intents import SessionIntents
-from acp_proxy.tasks.status import TaskStatus
 from acp_proxy.tasks.turn import Limit
 
 log = logging.getLogger("acp_proxy.lifecycle")
@@ -85,13 +84,13 @@ class MemoryCeilings:
         for adapter in adapters:
             session_id = adapter.gateway_session
             memory = adapter.usage.memory
-            if session_id is None or memory is None or adapter.gone or adapter.muted:
+            if session_id is None or memory is None or adapter.gone or adapter.tenancy.muted:
                 continue  # a spare holds no session; a muted process is being stopped already
             session = self.intents.table.get(session_id)
             if session is None or session.live_adapter is not adapter:
                 continue
             soft, hard = self.config.session_memory(adapter.backend.name)
-            turn = adapter.turn if adapter.turn is not None and adapter.turn.status is TaskStatus.RUNNING else None
+            turn = adapter.tenancy.running_turn
             verdict = judge(memory, soft=soft, hard=hard, busy=not session.idle, turn_running=turn is not None)
             if verdict is None:
                 continue
@@ -105,9 +104,9 @@ class MemoryCeilings:
             if verdict is Verdict.RECYCLE:
                 self.intents.suspend(session_id, why, reason)
                 continue
-            if adapter.recycle is None:
+            if adapter.tenancy.recycle is None:
                 log.info("session %s: %s; recycled once its turn ends", session_id, why)
-            adapter.recycle_when_idle(why, reason)
+            adapter.tenancy.recycle_when_idle(why, reason)
             if verdict is Verdict.END_TURN and turn is not None and turn.cut is None and not turn.timed_out:
                 turn.cut = f"session_kill_memory: {why}"
                 self.background.start(functools.partial(self.intents.cut_turn, turn, Limit.SESSION_KILL_MEMORY, why))

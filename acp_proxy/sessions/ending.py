@@ -91,9 +91,9 @@ class TurnEnder:
             log.info("dropped session/cancel for session %s: it has no live process", session.session_id)
             return
         if by is not None:
-            self.turns.note(adapter.turn, "cancel_requested", f"by {by}")
+            self.turns.note(adapter.tenancy.turn, "cancel_requested", f"by {by}")
         await self.ask_to_end_turn(session, adapter, notification)
-        turn = adapter.turn if task is None else task
+        turn = adapter.tenancy.turn if task is None else task
         if bounded and turn is not None and turn.status is TaskStatus.RUNNING and not turn.cancel_bounded:
             limit = self.config.cancel_timeout(session.record.backend)
             if limit > 0:
@@ -203,7 +203,7 @@ class TurnEnder:
         call = adapter.take_call_of(turn)
         self.turns.settle(turn, stop_reason="cancelled", ended_by=ended_by)
         if session.adapter is adapter and not session.closed:
-            adapter.mute()
+            adapter.tenancy.mute()
             log.warning(
                 "session %s: pid %s did not end its cancelled turn (%s); stopping it (session suspended)",
                 session.session_id,

@@ -141,11 +141,23 @@ class SessionIntents:
         if queued is None and adapter is not None:  # else behind what the session waits for
             lease = adapter.supervised.lease.lease_id
             turn = self._open_turn(session, msg, lease) if is_prompt else None
-            await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
+            await self._send(adapter, session, msg, turn)
             return
         queued_turn = self._open_turn(session, msg, None) if is_prompt else None
         self._queued_ids.add(msg.id)  # type: ignore[arg-type]
         self.table.wait_in_queue(session, queued, lambda: self._forward_when_live(session, msg, queued_turn))
+
+    async def _send(self, adapter: Adapter, session: Session, msg: Message, turn: Turn | None) -> int:
+        """Forward a request of ``session`` to its process (a prompt: its turn runs there from now on)."""
+        if turn is not None:
+            adapter.tenancy.begin_turn(turn)
+        call_id = await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
+        if turn is not None and not adapter.gone:
+            # Once the prompt is on its way, and only if its turn has not ended meanwhile: its slot record says
+            # busy, a hint to the install's other proxies (who ask before they take a slot), not a step between
+            # the gateway and the adapter.
+            adapter.tenancy.turn_sent(turn)
+        return call_id
 
     def _open_turn(self, session: Session, msg: Message, lease: str | None) -> Turn:
         """The prompt's task, its row queued for writing, and the session's last activity after it."""
@@ -202,7 +214,7 @@ class SessionIntents:
                 return
             if turn is not None:
                 self.turns.start_turn(turn, adapter.supervised.lease.lease_id, adapter.pid, resumed=resumed)
-            call_id = await adapter.forward(msg, self._bookkeeping(session, msg), turn=turn)
+            call_id = await self._send(adapter, session, msg, turn)
             if resumed and turn is None and not str(msg.method).startswith("_"):
                 self.background.start(functools.partial(self._expect_answer, session, adapter, call_id, msg))
         finally:
@@ -223,7 +235,7 @@ class SessionIntents:
             await adapter.until_call_answered(call_id)
         if adapter.gone or call_id not in adapter.pending or session.live_adapter is not adapter:
             return
-        if adapter.turn is not None:  # a turn runs there: its own limits judge the process
+        if adapter.tenancy.turn is not None:  # a turn runs there: its own limits judge the process
             log.warning(
                 "session %s: pid %s has not answered %s within start_timeout (%gs) after a restore; "
                 "a turn runs there, so it is kept",
@@ -240,7 +252,7 @@ class SessionIntents:
         log.warning(
             "session %s: %s: a broken process, recycled", session.session_id, why, extra=ids(session=session.session_id)
         )
-        adapter.mute()
+        adapter.tenancy.mute()
         self.suspend(session.session_id, why, SuspendReason.BROKEN, even_if_busy=True)
         await self.gateway.fail(
             call.gateway_id, ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
@@ -489,9 +501,9 @@ class SessionIntents:
         return True
 
     def recycle_due(self, adapter: Adapter) -> None:
-        """A turn of ``adapter`` has just ended: if its session is to be recycled (``Adapter.recycle``), now."""
-        if adapter.recycle is not None and adapter.gateway_session is not None:
-            why, reason = adapter.recycle
+        """A turn of ``adapter`` has just ended: if its session is to be recycled (``Tenancy.recycle``), now."""
+        if adapter.tenancy.recycle is not None and adapter.gateway_session is not None:
+            why, reason = adapter.tenancy.recycle
             self.suspend(adapter.gateway_session, why, reason)
 
     def process_ended(self, adapter: Adapter, returncode: int | None) -> None:

@@ -95,7 +95,7 @@ class Opener:
         backend = adapter.backend
 
         def created(answer: Message) -> Message | None:
-            adapter.unclaim()
+            adapter.tenancy.unclaim()
             session_id = session_of(answer.result) if answer.error is UNSET else None
             if session_id is None:
                 return None  # the error goes to the gateway; the process stays as a spare
@@ -159,7 +159,7 @@ class Opener:
         caps = adapter.capabilities
         if msg.method == Method.RESUME and not caps.resume and caps.load:
             # The proxy advertised resume on the strength of load: load it, without the replay.
-            adapter.swallow(True)
+            adapter.tenancy.swallow(True)
             try:
                 answer = await self.pool.call_answer(adapter, Method.LOAD, msg.params)
             except ProxyError as exc:

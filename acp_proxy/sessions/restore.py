@@ -192,12 +192,12 @@ class Restorer:
         for method in order:
             if method == Method.NEW:
                 break
-            adapter.swallow(not (method == Method.LOAD and gateway_asked == Method.LOAD))
+            adapter.tenancy.swallow(not (method == Method.LOAD and gateway_asked == Method.LOAD))
             try:
                 restoring = {**params, "sessionId": record.adapter_session_id}
                 answer = await self.pool.call_answer(adapter, method, restoring)
             finally:
-                adapter.swallow(False)
+                adapter.tenancy.swallow(False)
             if answer.error is UNSET:
                 if method != known.restore_method:
                     self.learned.restored_with(backend.name, command, method)

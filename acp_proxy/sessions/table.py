@@ -20,6 +20,7 @@ import msgspec
 from acp_proxy.concurrency import Background, Changes
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter
+from acp_proxy.pool.tenancy import busy
 from acp_proxy.sessions import machine
 from acp_proxy.sessions.lifecycle import Action, Event, Phase
 from acp_proxy.sessions.machine import (
@@ -118,7 +119,7 @@ class Session(msgspec.Struct, eq=False):
     def idle(self) -> bool:
         """It has a process with nothing in flight and nothing waiting: it may be suspended."""
         adapter = self.live_adapter
-        return adapter is not None and not adapter.busy and not self.draining
+        return adapter is not None and not busy(adapter) and not self.draining
 
 
 class Moved(msgspec.Struct, frozen=True):
