@@ -19,19 +19,15 @@ import sniffio
 
 from acp_proxy.remote.tokens import RemoteStore
 from acp_proxy.remote.wsclient import Target, WebSocket
+from tests.kit import forked
+from tests.support import run_program
 
 
 def make_token(env: dict[str, str], name: str, *args: str) -> str:
     """A token made with ``acp-proxy token create NAME ARGS`` (the CLI when there are ``args``, else the
     store it writes to, in this process: the CLI's own start is tested once is enough)."""
     if args:
-        done = subprocess.run(
-            [sys.executable, "-m", "acp_proxy", "token", "create", name, *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        done = run_program(env, "token", "create", name, *args, timeout=30)
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
     state = Path(env["ACP_PROXY_STATE_DIR"])
@@ -44,13 +40,11 @@ def make_token(env: dict[str, str], name: str, *args: str) -> str:
 
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "acp_proxy", *args], env=env, capture_output=True, text=True, timeout=30
-    )
+    return run_program(env, *args, timeout=30)
 
 
 class Served:
-    def __init__(self, process: anyio.abc.Process, url: str) -> None:
+    def __init__(self, process: anyio.abc.Process | forked.ForkedProcess, url: str) -> None:
         self.process = process
         self.url = url
         self.ws_url = url.replace("http://", "ws://")
@@ -68,7 +62,11 @@ async def serve(
     argv = [sys.executable, "-m", "acp_proxy", "serve", "--async-backend", sniffio.current_async_library()]
     argv += ["--listen", listen, "--config", str(config), *extra]
     stderr = log.open("ab") if log is not None else None
-    process = await anyio.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=stderr)
+    process: anyio.abc.Process | forked.ForkedProcess
+    if forked.can_fork(argv, env):  # forked from the fork server: a process of its own, without an interpreter's start
+        process = await forked.spawn(argv[3:], env=env, cwd=None, stderr=stderr or 2)  # 2: the test's own, as exec'd
+    else:
+        process = await anyio.open_process(argv, env=env, stdout=subprocess.PIPE, stderr=stderr)
     assert process.stdout is not None
     buffered = b""
     with anyio.fail_after(20):

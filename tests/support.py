@@ -37,7 +37,7 @@ from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.state import DB_NAME, StateDB
 from acp_proxy.state.connection import StateError
 from tests.conformance import Conversation
-from tests.kit import gateway, markers
+from tests.kit import forked, gateway, markers
 from tests.kit.forked import exit_status
 
 TESTS = Path(__file__).parent
@@ -375,14 +375,23 @@ async def cli(env: dict[str, str], *args: str, process: bool = False) -> tuple[i
     """Run ``acp-proxy ARGS`` as an operator would; exit status, stdout, stderr.
 
     It runs in a worker thread of this process (the CLI's start is most of its cost, and the
-    tests run hundreds), or with ``process=True`` as a process of its own.
+    tests run hundreds), or with ``process=True`` as a process of its own (``run_program``).
     """
     if not process:
         return await anyio.to_thread.run_sync(_cli_here, env, args)
-    result = await anyio.run_process(
-        [sys.executable, "-m", "acp_proxy", *args], env=env, check=False, stdin=subprocess.DEVNULL
-    )
-    return result.returncode, result.stdout.decode(), result.stderr.decode()
+    result = await anyio.to_thread.run_sync(lambda: run_program(env, *args))
+    return result.returncode, result.stdout, result.stderr
+
+
+def run_program(
+    env: dict[str, str], *args: str, stdin: str = "", cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``python -m acp_proxy ARGS`` as a process of its own, given ``stdin`` (then EOF): its exit status,
+    stdout and stderr, as ``subprocess.run(..., capture_output=True, text=True)`` gives them. Forked
+    from the fork server (``tests/kit/forked.py``): a process with its own pid, streams, environment
+    and exit status, without an interpreter's start."""
+    done = forked.run(args, env=env, stdin=stdin.encode(), cwd=cwd, timeout=timeout)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
 
 
 async def cli_json(env: dict[str, str], *args: str) -> Any:

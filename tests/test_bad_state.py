@@ -37,7 +37,7 @@ from acp_proxy.state import StateDB
 from acp_proxy.tasks.records import TaskRegistry, get_task
 from acp_proxy.tasks.status import TaskStatus
 from acp_proxy.tasks.turns import TurnBook
-from tests.support import Gateway, fake_command
+from tests.support import Gateway, fake_command, run_program
 
 IS_ROOT = os.geteuid() == 0
 PR_CAPBSET_DROP = 24
@@ -60,7 +60,10 @@ def _without_capabilities() -> None:
 def run(
     env: dict[str, str], *args: str, stdin: str = "", as_owner_only: bool = False
 ) -> subprocess.CompletedProcess[str]:
-    """``acp-proxy ARGS``; ``as_owner_only``: bound by file modes even when running as root."""
+    """``acp-proxy ARGS``; ``as_owner_only``: bound by file modes even when running as root (exec'd, to drop
+    the capabilities before it runs)."""
+    if not (as_owner_only and IS_ROOT):
+        return run_program(env, *args, stdin=stdin)
     return subprocess.run(
         [sys.executable, "-m", "acp_proxy", *args],
         input=stdin,
@@ -68,7 +71,7 @@ def run(
         text=True,
         env=env,
         timeout=60,
-        preexec_fn=_without_capabilities if as_owner_only and IS_ROOT else None,
+        preexec_fn=_without_capabilities,
     )
 
 

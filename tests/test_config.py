@@ -12,6 +12,7 @@ import pytest
 
 from acp_proxy import config as configuration
 from acp_proxy.config import ConfigError, parse_duration, parse_size, validate
+from tests.support import run_program
 
 
 def problems(doc: dict[str, Any]) -> list[str]:
@@ -287,15 +288,7 @@ def test_state_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 def run_cli(
     *args: str, env: dict[str, str], stdin: bytes = b"", cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "acp_proxy", *args],
-        input=stdin.decode(),
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=30,
-    )
+    return run_program(env, *args, stdin=stdin.decode(), cwd=cwd, timeout=30)
 
 
 @pytest.fixture

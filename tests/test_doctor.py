@@ -11,7 +11,6 @@ import os
 import signal
 import sqlite3
 import stat
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from acp_proxy.state import StateDB
 from acp_proxy.state.connection import StateError
 from acp_proxy.state.directory import check_private_dir
 from acp_proxy.state.migrations import SCHEMA_VERSION
-from tests.support import FAKE_ADAPTER, Gateway, cli, survivors
+from tests.support import FAKE_ADAPTER, Gateway, cli, run_program, survivors
 
 UID = os.getuid()
 ECHO_AGENT = [sys.executable, "-m", "acp_proxy.examples.echo_agent"]
@@ -516,14 +515,7 @@ def test_exit_status(sentence: str, found: list[str], unusable: bool, status: in
 
 
 def run_doctor(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "acp_proxy", "doctor", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
+    result = run_program(env, "doctor", *args)
     return result.returncode, result.stdout, result.stderr
 
 
@@ -658,14 +650,7 @@ def test_the_notify_command_is_checked_when_there_is_one(env: dict[str, str], tm
 def test_config_check_says_what_an_unset_variable_stops(env: dict[str, str], tmp_path: Path) -> None:
     config = notifying_config(tmp_path)
     run_env = {name: value for name, value in env.items() if not name.startswith("DOCTOR_TEST_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "acp_proxy", "config", "check", "--config", str(config)],
-        env=run_env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
+    result = run_program(run_env, "config", "check", "--config", str(config))
     assert result.returncode == 0, result.stderr
     notes = [line.strip() for line in result.stdout.splitlines() if "note:" in line]
     assert notes == [

@@ -41,6 +41,7 @@ from tests.support import (
     GONE_WITHIN,
     MARKER_VARIABLE,
     Gateway,
+    cli,
     cli_json,
     fake_command,
     marked_processes,
@@ -265,11 +266,9 @@ async def test_sigkilled_proxy_beside_a_live_one(proc_env: dict[str, str], tmp_p
         os.kill(doomed_leases[0].wrapper_pid, signal.SIGKILL)
         doomed.signal(signal.SIGKILL)
         await doomed.process.wait()
-        reap = await anyio.run_process(
-            [sys.executable, "-m", "acp_proxy", "reap", "--json", "--config", str(config)], env=proc_env, check=False
-        )
-        assert reap.returncode == 0, reap.stderr
-        actions = json.loads(reap.stdout)["actions"]
+        code, out, err = await cli(proc_env, "reap", "--json", "--config", str(config), process=True)
+        assert code == 0, err
+        actions = json.loads(out)["actions"]
         assert [a["lease"] for a in actions] == [doomed_leases[0].lease_id]
         assert actions[0]["after"] == "closed"
         assert await survivors(trees[doomed.pid]) == [], live.stderr.decode()[-3000:]

@@ -30,7 +30,7 @@ from acp_proxy.ownership.leases import Lease, LeaseState, all_leases
 from acp_proxy.ownership.proctable import ProcFS
 from acp_proxy.state import StateDB
 from acp_proxy.state.connection import StateError
-from tests.support import Gateway, fake_command, pid_alive
+from tests.support import Gateway, fake_command, pid_alive, run_program
 
 IS_ROOT = os.geteuid() == 0
 NOBODY = 65534
@@ -38,16 +38,12 @@ NEEDS_ROOT_FOR_OTHER_OWNER = "needs root to create a file or directory owned by 
 
 
 def cli(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "acp_proxy", *args], input=stdin, capture_output=True, text=True, env=env, timeout=60
-    )
+    return run_program(env, *args, stdin=stdin)
 
 
 async def acli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
-    result = await anyio.run_process(
-        [sys.executable, "-m", "acp_proxy", *args], env=env, check=False, stdin=subprocess.DEVNULL
-    )
-    return result.returncode, result.stdout.decode(), result.stderr.decode()
+    result = await anyio.to_thread.run_sync(lambda: run_program(env, *args))
+    return result.returncode, result.stdout, result.stderr
 
 
 def leases_of(env: dict[str, str]) -> list[Lease]:

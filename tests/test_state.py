@@ -28,7 +28,7 @@ from acp_proxy.ownership.verify import Claim, Verdict, check_claim, send_verifie
 from acp_proxy.state import StateDB
 from acp_proxy.state.connection import StateError
 from acp_proxy.state.migrations import SCHEMA_VERSION
-from tests.support import run_together
+from tests.support import run_program, run_together
 from wrappers import adapter_wrapper
 
 
@@ -288,9 +288,7 @@ def test_leases_command_shows_the_owned_tree(proc_env: dict[str, str], tmp_path:
             )
             proxy.stdin.flush()
             proxy.stdout.readline()
-        shown = subprocess.run(
-            [sys.executable, "-m", "acp_proxy", "leases", "--json"], env=proc_env, capture_output=True, text=True
-        )
+        shown = run_program(proc_env, "leases", "--json")
         assert shown.returncode == 0, shown.stderr
         view = json.loads(shown.stdout)
         (lease,) = view["leases"]
@@ -299,27 +297,21 @@ def test_leases_command_shows_the_owned_tree(proc_env: dict[str, str], tmp_path:
         pids = {p["pid"] for p in lease["processes"]}
         assert {lease["wrapperPid"], lease["adapterPid"]} <= pids
         assert all(p["rssBytes"] > 0 and p["command"] for p in lease["processes"])
-        human = subprocess.run(
-            [sys.executable, "-m", "acp_proxy", "leases"], env=proc_env, capture_output=True, text=True
-        )
+        human = run_program(proc_env, "leases")
         assert lease["lease"] in human.stdout
         assert "(alive)" in human.stdout
         assert "ownership: full" in human.stdout
     finally:
         proxy.stdin.close()
         proxy.wait(timeout=30)
-    after = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "acp_proxy", "leases", "--json"], env=proc_env, capture_output=True
-        ).stdout
-    )
+    after = json.loads(run_program(proc_env, "leases", "--json").stdout)
     assert after["leases"][0]["state"] == "closed"
     assert after["leases"][0]["processes"] == []
 
 
 @pytest.mark.parametrize("command", [["leases"], ["leases", "--json"], ["reap"], ["reap", "--dry-run", "--json"]])
 def test_operator_commands_on_an_empty_state_dir(proc_env: dict[str, str], command: list[str]) -> None:
-    result = subprocess.run([sys.executable, "-m", "acp_proxy", *command], env=proc_env, capture_output=True, text=True)
+    result = run_program(proc_env, *command)
     assert result.returncode == 0, result.stderr
     if "--json" in command:
         json.loads(result.stdout)

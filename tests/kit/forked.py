@@ -1,9 +1,11 @@
 """Proxies forked from this test worker's fork server (``tests/kit/zygote.py``) instead of exec'd afresh.
 
 ``spawn`` gives a ``ForkedProcess``, which a ``Gateway`` drives as it drives an ``anyio`` process:
-its ``pid``, its ``stdin`` and ``stdout`` pipes, ``wait`` for its exit status, ``aclose``. The
-server is started on first use, one per process of the tests, and ends with it (EOF on its stdin).
-``ACP_PROXY_TEST_FORK=0`` turns it off: every proxy is exec'd, as a gateway starts one.
+its ``pid``, its ``stdin`` and ``stdout`` pipes, ``wait`` for its exit status, ``aclose``. ``run``
+is ``subprocess.run`` of ``python -m acp_proxy ARGS`` (an operator's command, a proxy given its
+input at once), forked the same way. The server is started on first use, one per process of the
+tests, and ends with it (EOF on its stdin). ``ACP_PROXY_TEST_FORK=0`` turns it off: every proxy is
+exec'd, as a gateway starts one.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import atexit
 import contextlib
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TextIO
@@ -47,6 +52,7 @@ def can_fork(argv: Sequence[str], env: Mapping[str, str] | None) -> bool:
 
 class _Server:
     _running: _Server | None = None
+    _starting = threading.Lock()
 
     def __init__(self) -> None:
         self.directory = tempfile.mkdtemp(prefix="acp-proxy-zygote-")
@@ -64,9 +70,10 @@ class _Server:
 
     @classmethod
     def get(cls) -> _Server:
-        if cls._running is None or cls._running.process.poll() is not None:
-            cls._running = cls()
-        return cls._running
+        with cls._starting:  # the tests' threads may ask at once
+            if cls._running is None or cls._running.process.poll() is not None:
+                cls._running = cls()
+            return cls._running
 
     def close(self) -> None:
         assert self.process.stdin is not None
@@ -134,14 +141,21 @@ async def spawn(
     *,
     env: dict[str, str] | None,
     cwd: str | os.PathLike[str] | None,
-    stderr: IO[bytes] | None,
+    stderr: IO[bytes] | int | None,
     start_new_session: bool = False,
 ) -> ForkedProcess:
-    """``python -m acp_proxy ARGS``, forked: stdin and stdout pipes to this process, stderr to ``stderr``."""
+    """``python -m acp_proxy ARGS``, forked: stdin and stdout pipes to this process, stderr to ``stderr``
+    (a file, a descriptor of this process, or ``None``: nowhere)."""
     server = _Server.get()
     stdin_read, stdin_write = os.pipe()
     stdout_read, stdout_write = os.pipe()
-    error = stderr.fileno() if stderr is not None else os.open(os.devnull, os.O_WRONLY)
+    error = (
+        stderr
+        if isinstance(stderr, int)
+        else stderr.fileno()
+        if stderr is not None
+        else os.open(os.devnull, os.O_WRONLY)
+    )
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.connect(server.path)
@@ -171,3 +185,93 @@ async def spawn(
         raise RuntimeError(f"the fork server could not start a proxy: {line!r}")
     process.pid = int(line.split()[1])
     return process
+
+
+def run(
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    stdin: bytes = b"",
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float,
+) -> subprocess.CompletedProcess[bytes]:
+    """``subprocess.run([python, -m, acp_proxy, *ARGS], input=stdin, capture_output=True, ...)``, forked by
+    the fork server where it can be (else exactly that): its exit status, stdout and stderr, read until
+    both are closed (by it and anything it left holding them). Past ``timeout`` it is killed and
+    ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
+    argv = [sys.executable, "-m", "acp_proxy", *args]
+    if not can_fork(argv, env):
+        return subprocess.run(argv, input=stdin, capture_output=True, env=dict(env), cwd=cwd, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    server = _Server.get()
+    ends = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr
+    theirs, ours = [ends[0][0], ends[1][1], ends[2][1]], [ends[0][1], ends[1][0], ends[2][0]]
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(server.path)
+        request = {"args": list(args), "env": dict(env), "cwd": None if cwd is None else str(cwd), "session": False}
+        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], theirs)
+    except BaseException:
+        connection.close()
+        for fd in ours:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    with connection, selectors.DefaultSelector() as selector:
+        told, pid, code = b"", 0, None
+        streams = {ours[1]: bytearray(), ours[2]: bytearray()}
+        pending = memoryview(stdin)
+        for fd in ours:
+            os.set_blocking(fd, False)
+        if pending:
+            selector.register(ours[0], selectors.EVENT_WRITE)
+        else:
+            os.close(ours[0])
+        for fd in streams:
+            selector.register(fd, selectors.EVENT_READ)
+        selector.register(connection, selectors.EVENT_READ)
+        try:
+            while code is None or any(fd in selector.get_map() for fd in streams):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if pid:
+                        os.kill(pid, signal.SIGKILL)  # still its own: the server reaps it only once we hang up
+                    raise subprocess.TimeoutExpired(argv, timeout)
+                for key, _ in selector.select(left):
+                    fd = key.fd
+                    if fd == ours[0]:
+                        try:
+                            pending = pending[os.write(fd, pending) :]
+                        except BrokenPipeError:
+                            pending = pending[:0]
+                        if not pending:
+                            selector.unregister(fd)
+                            os.close(fd)
+                    elif fd in streams:
+                        chunk = os.read(fd, 65536)
+                        if chunk:
+                            streams[fd] += chunk
+                        else:
+                            selector.unregister(fd)
+                            os.close(fd)
+                    else:
+                        chunk = connection.recv(256)
+                        told += chunk
+                        while b"\n" in told:
+                            line, _, told = told.partition(b"\n")
+                            word, _, number = line.partition(b" ")
+                            if word == b"pid":
+                                pid = int(number)
+                            elif word == b"exit":
+                                code = int(number)
+                        if not chunk:
+                            selector.unregister(connection)
+                            if code is None:
+                                raise RuntimeError("the fork server went away before its child ended")
+        finally:
+            for key in list(selector.get_map().values()):
+                if key.fd != connection.fileno():
+                    os.close(key.fd)
+    return subprocess.CompletedProcess(argv, code, bytes(streams[ours[1]]), bytes(streams[ours[2]]))
