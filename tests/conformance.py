@@ -40,14 +40,24 @@ def _index() -> dict[tuple[str, str, str], str]:
 
 INDEX = _index()
 _validators: dict[str, jsonschema.Draft202012Validator] = {}
+_valid: dict[tuple[str, str], None] = {}
+"""Values found valid, by definition and canonical JSON: a test's messages repeat (every ``initialize``,
+every chunk of the same text), and validating one costs far more than writing it out."""
+VALID_KEPT = 50_000
 
 
 def validate_def(name: str, value: Any) -> None:
+    key = (name, json.dumps(value, sort_keys=True, separators=(",", ":")))
+    if key in _valid:
+        return
     validator = _validators.get(name)
     if validator is None:
         validator = jsonschema.Draft202012Validator({"$defs": DEFS, "$ref": f"#/$defs/{name}"})
         _validators[name] = validator
     validator.validate(value)
+    if len(_valid) >= VALID_KEPT:
+        _valid.clear()
+    _valid[key] = None
 
 
 class ConformanceError(AssertionError):
