@@ -29,8 +29,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The slow tier first: run in parallel, a soak that starts last would be the whole run's tail.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # The slow tier first, then the tests that start processes, the pure ones last: run in parallel, a
+    # long test that starts last would be the whole run's tail, and the short ones fill the gaps.
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, not starts_processes(item)))
     if not config.getoption("--one-loop"):
         return
     kept: list[pytest.Item] = []
@@ -42,6 +43,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def starts_processes(item: pytest.Item) -> bool:
+    """Whether a test starts processes (its fixtures give it the environment for them)."""
+    return bool({"proc_env", "cli_env"} & set(getattr(item, "fixturenames", ())))
 
 
 @pytest.fixture(params=EVENT_LOOPS)
