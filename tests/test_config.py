@@ -500,3 +500,49 @@ def test_the_configuration_reference_lists_every_key_and_no_other() -> None:
         section, _, key = first.rpartition(" ")  # "[pool] max_live, min_idle": both of [pool]
         documented |= {f"{section} {name}" if section else name for name in (key, *more)}
     assert documented == set(_keys())
+
+
+PROXY_OPTIONS = [
+    [],
+    ["--async-backend", "trio"],
+    ["--backend", "fake", "--log-level", "debug", "--log-format", "json"],
+    ["--config", "proxy.toml", "--trace", "trace.jsonl"],
+    ["--asy", "trio"],  # an abbreviation, as argparse takes it
+]
+NOT_PROXY_OPTIONS = [
+    ["sessions", "list", "--json"],
+    ["serve", "--listen", "8080"],
+    ["--config", "proxy.toml", "status"],
+]
+
+
+@pytest.mark.parametrize("options", PROXY_OPTIONS)
+def test_a_proxys_options_parse_as_the_whole_parser_parses_them(options: list[str]) -> None:
+    """A proxy's start parses its options with the top-level parser alone (no command's parser built):
+    what it gets is what the whole parser gives."""
+    from acp_proxy.operator import cli
+
+    assert vars(cli.parse_options(list(options))) == vars(cli._parser().parse_args(list(options)))
+
+
+@pytest.mark.parametrize("options", NOT_PROXY_OPTIONS)
+def test_a_command_line_naming_a_command_is_parsed_by_the_whole_parser(options: list[str]) -> None:
+    from acp_proxy.operator import cli
+
+    parsed = cli.parse_options(list(options))
+    assert parsed.command is not None
+    assert vars(parsed) == vars(cli._parser().parse_args(list(options)))
+
+
+@pytest.mark.parametrize("options", [["--bogus"], ["--log-level", "loud"], ["--help"], ["--async-backend"]])
+def test_mistakes_and_help_get_the_whole_parsers_words(options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Help lists the commands, and a mistake is shown with the program's usage (commands included), exit 2."""
+    from acp_proxy.operator import cli
+
+    with pytest.raises(SystemExit) as light:
+        cli.parse_options(list(options))
+    light_out = capsys.readouterr()
+    with pytest.raises(SystemExit) as whole:
+        cli._parser().parse_args(list(options))
+    assert (light.value.code, light_out) == (whole.value.code, capsys.readouterr())
+    assert "COMMAND" in light_out.out + light_out.err

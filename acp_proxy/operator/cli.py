@@ -60,17 +60,57 @@ class UsageError(Exception):
     """Bad input from the command line or a config: printed, then exit 2."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def parse_options(options: list[str]) -> argparse.Namespace:
+    """The command line's options (before ``--``).
+
+    A proxy's own options, naming no command (the stdio relay a gateway starts, ``acp-proxy
+    [OPTIONS] -- ADAPTER``), are parsed by the top-level parser alone: building the parser of every
+    command is most of the parsing's cost at each proxy's start. Anything else (a command, help, a
+    mistake) is parsed by the whole parser, whose usage and messages are the program's.
+    """
+    if "-h" not in options and "--help" not in options:
+        try:
+            args, rest = _top_parser(_Quiet, add_help=False).parse_known_args(options)
+        except _Misparsed:
+            pass  # the whole parser says what is wrong, in its words
+        else:
+            if not rest:
+                args.command = None
+                return args
+    return _parser().parse_args(options)
+
+
+class _Misparsed(Exception):
+    pass
+
+
+class _Quiet(argparse.ArgumentParser):
+    """A parser that raises on a mistake instead of printing its usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _Misparsed(message)
+
+
+def _top_parser(
+    kind: type[argparse.ArgumentParser] = argparse.ArgumentParser, *, add_help: bool = True
+) -> argparse.ArgumentParser:
+    """The program's own options, without its commands."""
+    parser = kind(
         prog="acp-proxy",
         description="ACP sidecar: serves ACP on stdio in front of coding-agent adapters.",
         epilog="Run an adapter without a config: acp-proxy -- codex-acp",
+        add_help=add_help,
     )
     parser.add_argument(
         "--version", action="version", version=f"acp-proxy {__version__} (state schema {SCHEMA_VERSION})"
     )
     _add_config_option(parser)
     _add_serve_options(parser)
+    return parser
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _top_parser()
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
         "serve",
@@ -809,7 +849,7 @@ def _fail(message: str) -> NoReturn:
 def main(argv: Sequence[str] | None, serve: Serve) -> int:
     """Run one command line; ``serve`` runs the proxy itself (the composition root, handed in from above)."""
     options, command = split_command(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(options)
+    args = parse_options(options)
     if args.command not in (None, "serve"):
         gc.enable()  # off while starting (acp_proxy.__main__); a proxy turns it on once it serves
     try:
