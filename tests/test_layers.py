@@ -181,3 +181,35 @@ def test_only_the_session_table_assigns_a_field_of_a_session() -> None:
         if part.attr in fields and ast.unparse(part.value) != "self"
     ]
     assert found == []
+
+
+def test_the_composition_root_builds_in_order_and_wires_nothing_afterwards() -> None:
+    """``serve.py`` builds each object after those it needs and hands them in: it assigns no attribute of
+    any object, and the one name a function of it uses before the name is bound is the pool's ``suspend``
+    over the intents (the one call that goes up, built before the intents it calls)."""
+    tree = ast.parse((PACKAGE / "serve.py").read_text())
+    assigned = [
+        ast.unparse(part)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for part in (target.elts if isinstance(target, ast.Tuple) else [target])
+        if isinstance(part, ast.Attribute)
+    ]
+    assert assigned == []
+    root = next(node for node in tree.body if isinstance(node, ast.AsyncFunctionDef) and node.name == "serve_gateway")
+    bound_at = {
+        target.id: node.lineno
+        for node in ast.walk(root)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+    used_early = {
+        (getattr(inner, "name", "<lambda>"), name.id)
+        for inner in ast.walk(root)
+        if isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and inner is not root
+        for name in ast.walk(inner)
+        if isinstance(name, ast.Name) and name.id in bound_at and bound_at[name.id] > getattr(inner, "lineno", 0)
+    }
+    assert used_early <= {("suspend", "intents")}, used_early
