@@ -171,13 +171,29 @@ def fits_at_once(budget: MemoryBudget, owner: Owner, backend: BackendConfig, ins
     return not plan.suspend and not plan.overrun
 
 
+class Overruns:
+    """The memory budgets found exceeded with nothing left to suspend, each logged once until it fits
+    again: a budget is not a kill switch. One per proxy, for its keeper and its starts alike."""
+
+    def __init__(self) -> None:
+        self._logged: set[str | None] = set()
+
+    def note(self, plan: BudgetPlan) -> None:
+        """What ``plan`` could not relieve: logged if it was not already."""
+        exceeded = {overrun.backend for overrun in plan.overrun}
+        for overrun in plan.overrun:
+            if overrun.backend not in self._logged:
+                log.warning("memory budget: %s; serving on", overrun)
+        self._logged = exceeded
+
+
 class Adapters(Protocol):
     """The processes this proxy runs (``running.Processes``), as the keeper measures them."""
 
     def live(self) -> list[Adapter]: ...
 
 
-class Install(Protocol):
+class Admission(Protocol):
     """The install's slots as the admission sees them (``slots.SlotAdmission``), as the keeper keeps them."""
 
     install: InstallSlots
@@ -200,22 +216,22 @@ class MemoryKeeper:
         config: Config,
         owner: Owner,
         adapters: Adapters,
-        install: Install,
+        admission: Admission,
         peaks: Peaks,
+        overruns: Overruns,
         changed: Changes,
         stopping: Stopping,
     ) -> None:
         self.owner = owner
         self.adapters = adapters
-        self.install = install
+        self.admission = admission
         self.changed = changed
         self.stopping = stopping
         self.budget = MemoryBudget.of(config)
         self.peaks = peaks
         self._measure_due = Changes()
         """Notified when a new adapter has answered: measure it now, rather than at the next round."""
-        self._overruns: set[str | None] = set()
-        """Budgets found exceeded with nothing left to suspend, already logged (until they fit again)."""
+        self.overruns = overruns
         self.for_ceilings = config.has_session_ceilings()
         """Some backend's sessions have a memory ceiling: measure this proxy's trees for them too."""
         self.measured = Changes()
@@ -236,10 +252,10 @@ class MemoryKeeper:
             due = self._measure_due.next()
             await self._measure()
             self.measured.notify()
-            if not self.budget.empty and self.install.install.lead(BUDGET_ROLE):
+            if not self.budget.empty and self.admission.install.lead(BUDGET_ROLE):
                 measured, by_key = self._memory_slots()
                 await self._carry_out(plan_budget(measured, self.budget), by_key, "over the memory budget")
-            await self.install.wait_for_change(due, MEMORY_EVERY)
+            await self.admission.wait_for_change(due, MEMORY_EVERY)
 
     async def _measure(self) -> None:
         """Measure this proxy's trees, for its slot records; what they measure is learned by the install."""
@@ -268,29 +284,23 @@ class MemoryKeeper:
         """A new adapter has answered: measure it now, rather than at the next round."""
         self._measure_due.notify()
 
-    async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> list[str]:
-        """Suspend what the plan chose; the keys of the trees now on their way out (those refused are not)."""
-        going = []
+    async def _carry_out(self, plan: BudgetPlan, by_key: dict[str, Slot], why: str) -> None:
+        """Suspend what the plan chose (a tree already being stopped is on its way out)."""
         for chosen in plan.suspend:
-            slot = by_key[chosen.key]
             if not chosen.stopping:
+                slot = by_key[chosen.key]
                 log.info("pool: suspending %s (%.0f MB): %s", slot.key, chosen.memory / 1e6, why)
-                if not await self.install.evict_anywhere(slot, why, SuspendReason.MEMORY):
-                    continue
-            going.append(chosen.key)
-        exceeded = {overrun.backend for overrun in plan.overrun}
-        for overrun in plan.overrun:
-            if overrun.backend not in self._overruns:
-                log.warning("memory budget: %s; serving on", overrun)
-        self._overruns = exceeded
-        return going
+                await self.admission.evict_anywhere(slot, why, SuspendReason.MEMORY)
+        self.overruns.note(plan)
 
     def _memory_slots(self) -> tuple[list[MemorySlot], dict[str, Slot]]:
         """The install's live trees for the budget (being stopped: already on their way out), and
         each one's plan slot, to suspend it by."""
         moment = time.monotonic()
         slots = [
-            slot for slot in self.install.install_slots() if not slot.stopping and not slot.key.startswith("starting:")
+            slot
+            for slot in self.admission.install_slots()
+            if not slot.stopping and not slot.key.startswith("starting:")
         ]
         measured = [memory_slot(slot, slot.memory or 0, moment) for slot in slots]
         return measured, {budget_key(slot): slot for slot in slots}

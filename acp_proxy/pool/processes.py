@@ -29,7 +29,7 @@ from acp_proxy.logs import ids
 from acp_proxy.ownership.owner import Owner
 from acp_proxy.ownership.supervised import SupervisedProcess
 from acp_proxy.pool.adapter import Adapter, AdapterGone, SpawnError
-from acp_proxy.pool.budget import MemoryKeeper, Peaks, fits_at_once
+from acp_proxy.pool.budget import MemoryKeeper, Overruns, Peaks, fits_at_once
 from acp_proxy.pool.install import Held, InstallSlots
 from acp_proxy.pool.learned import Learned
 from acp_proxy.pool.memory import MemoryBudget
@@ -115,6 +115,7 @@ class ProcessPool:
             suspend=suspend,
         )
         peaks = Peaks(Learned(owner.db))
+        overruns = Overruns()
         self.admission = SlotAdmission(
             config,
             InstallSlots(owner.db.state_dir, owner.instance_id),
@@ -124,9 +125,12 @@ class ProcessPool:
             peaks,
             journal=owner.journal,
             timings=owner.timings,
+            overruns=overruns,
             peers=peers,
         )
-        self.memory = MemoryKeeper(config, owner, self.processes, self.admission, peaks, self.changed, stopping)
+        self.memory = MemoryKeeper(
+            config, owner, self.processes, self.admission, peaks, overruns, self.changed, stopping
+        )
         """The memory budget (``[pool] max_memory``): measuring this proxy's trees, keeping the install to it."""
         self.recency = Recency(config.pool.min_idle)
         """Start costs and gateway turnarounds learned, and how long a session just active is not taken."""

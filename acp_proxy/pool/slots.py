@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterable
 from typing import Final, Protocol
 
 import anyio
@@ -37,10 +36,10 @@ from acp_proxy.pool.admission import (
     Waiting,
     admit,
 )
-from acp_proxy.pool.budget import Peaks, budget_key, plan_start, roots_of
+from acp_proxy.pool.budget import Overruns, Peaks, budget_key, plan_start, roots_of
 from acp_proxy.pool.install import Held, InstallSlots, Ticket
 from acp_proxy.pool.learned import command_of
-from acp_proxy.pool.memory import MemoryBudget, Overrun, measure_trees
+from acp_proxy.pool.memory import MemoryBudget, measure_trees
 from acp_proxy.pool.plan import Slot
 from acp_proxy.pool.publishing import slot_of_record, starting_record, starting_slot
 from acp_proxy.protocol.errors import ProxyError
@@ -98,6 +97,7 @@ class SlotAdmission:
         *,
         journal: Journal,
         timings: Timings,
+        overruns: Overruns,
         peers: Peers | None = None,
     ) -> None:
         self.config = config
@@ -120,8 +120,7 @@ class SlotAdmission:
         self._instances_alive: dict[str, tuple[float, bool]] = {}
         self._install_ahead: dict[str, int] = {}
         """Per backend, how many waiters of other proxies stand before this proxy's first."""
-        self._overruns: set[str | None] = set()
-        """Memory budgets a start found exceeded with nothing left to suspend, already logged."""
+        self.overruns = overruns
 
     # --- the install as the plan sees it ------------------------------------------------------------
 
@@ -131,10 +130,6 @@ class SlotAdmission:
         if fresh:
             self._others = None
         return [*self.local.slots(), *self._others_slots(time.monotonic())]
-
-    def starts_in_progress(self) -> list[Held]:
-        """The install slots this proxy took for starts that are not running yet."""
-        return list(self._taking)
 
     def tree_there(self, slot: Slot) -> bool:
         """Whether the tree that held ``slot`` still holds its slot file (its wrapper lets go once it is gone)."""
@@ -176,6 +171,10 @@ class SlotAdmission:
     def backend_cap(self, backend: BackendConfig) -> int:
         """Live processes ``backend`` may have: its own ``max_live``, else the install's (``Config.resolved``)."""
         return int(self.config.resolved(backend, "max_live"))
+
+    def _depth(self, backend: BackendConfig) -> int:
+        """How many waiters of one line plan at once: the most slots it could take."""
+        return max(1, min(self.backend_cap(backend), self.config.pool.max_live))
 
     def _teardown_bound(self) -> float:
         """How long a suspended session's tree may take to end: its close, then stdin EOF, then SIGTERM."""
@@ -219,7 +218,7 @@ class SlotAdmission:
             now=arrived,
             deadline=arrived + self.config.pool.acquire_timeout,
             position=0,
-            depth=max(1, min(self.backend_cap(backend), self.config.pool.max_live)),
+            depth=self._depth(backend),
             reserved=self._reserved,
             budget=not self.budget.empty,
         )
@@ -334,7 +333,7 @@ class SlotAdmission:
             place.leave()
         position = line.index(waiter)
         line.remove(waiter)
-        depth = max(1, min(self.backend_cap(backend), self.config.pool.max_live))
+        depth = self._depth(backend)
         if position < depth <= len(line):
             line[depth - 1].moved.set()  # the line moved up to it
         if not line:
@@ -375,7 +374,7 @@ class SlotAdmission:
         slots = [*self.install_slots(fresh=True), *self._own_starts(held, moment)]
         trees = await anyio.to_thread.run_sync(measure_trees, roots_of(slots))  # /proc reads block
         plan = plan_start(slots, trees, self.peaks, backend, self.budget, moment, refused)
-        self._log_overruns(plan.overrun)
+        self.overruns.note(plan)
         by_key = {budget_key(slot): slot for slot in slots}
         going = [by_key[chosen.key] for chosen in plan.suspend if chosen.stopping]
         until = time.monotonic() + self.config.pool.acquire_timeout
@@ -389,14 +388,6 @@ class SlotAdmission:
             for held in self._taking
             if held is not exclude and held.backend in backends
         ]
-
-    def _log_overruns(self, overruns: Iterable[Overrun]) -> None:
-        """A budget nothing can relieve is logged once, until it fits again: it is not a kill switch."""
-        exceeded = {overrun.backend for overrun in overruns}
-        for overrun in overruns:
-            if overrun.backend not in self._overruns:
-                log.warning("memory budget: %s; serving on", overrun)
-        self._overruns = exceeded
 
     def _take_install_slot(self, backend: BackendConfig) -> Held | None:
         held = self.install.try_take(backend.name, global_cap=self.config.pool.max_live, backend_cap=backend.max_live)
