@@ -155,7 +155,7 @@ class Operations:
 
     async def status(self, args: dict[str, Any]) -> dict[str, Any]:
         proxy = self.proxy
-        live = proxy.pool.live()
+        live = proxy.pool.processes.live()
         return {
             "instance": proxy.owner.instance_id,
             "pid": os.getpid(),

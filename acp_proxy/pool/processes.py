@@ -141,18 +141,6 @@ class ProcessPool:
         self.known_capabilities: dict[str, AgentCapabilities] = {}
         """Per backend, what its last initialized process advertised."""
 
-    @property
-    def running(self) -> set[Adapter]:
-        """Every adapter process started and not yet stopped."""
-        return self.processes.running
-
-    def live(self) -> list[Adapter]:
-        return self.processes.live()
-
-    async def stop(self, adapter: Adapter, *, drain: bool = True) -> None:
-        """End one adapter process and its tree (``Processes.stop``)."""
-        await self.processes.stop(adapter, drain=drain)
-
     def start_timeout(self, backend: BackendConfig) -> float:
         """``start_timeout`` for ``backend``, the backend's own first; ``inf`` when it is 0 (no limit)."""
         return float(self.config.resolved(backend, "start_timeout")) or math.inf

@@ -148,7 +148,7 @@ class AdapterRelay:
         ok, target = target_request(msg.params)
         if not ok:
             return
-        for adapter in list(self.pool.running):
+        for adapter in list(self.pool.processes.running):
             call_id = adapter.find_gateway_call(target)
             if call_id is not None:
                 data = jsonrpc.notification(Method.CANCEL_REQUEST, retarget_request(msg.params, call_id))
@@ -380,7 +380,7 @@ class AdapterRelay:
             await self.writer.send(jsonrpc.notification(Method.CANCEL_REQUEST, {"requestId": upstream_id}))
         adapter.tenancy.upstream_forgotten()
         self.intents.process_ended(adapter, returncode)
-        await self.pool.stop(adapter, drain=False)
+        await self.pool.processes.stop(adapter, drain=False)
 
     async def fail_calls(self, calls: list[PendingCall], error: ProxyError) -> None:
         """Answer the gateway's requests in flight with ``error``; their prompts end with it."""

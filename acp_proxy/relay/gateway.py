@@ -120,7 +120,7 @@ class GatewayConnection:
             await self.pool.processes.stop_warm()
             await self.links.close_all()
             if self.stopping.reason is not None:
-                for adapter in list(self.pool.running):
+                for adapter in list(self.pool.processes.running):
                     await self.relay.fail_calls(adapter.take_gateway_calls(), ProxyError.proxy_shutdown())
             await self.pool.processes.stop_all()
             # Requests still being handled (waiting for a slot, a resume in progress) now fail
@@ -145,7 +145,7 @@ class GatewayConnection:
 
     async def _until_answered(self) -> None:
         """Until every request the gateway sent to an adapter is answered (or its adapter is gone)."""
-        for adapter in list(self.pool.running):
+        for adapter in list(self.pool.processes.running):
             await adapter.until_answered()
 
     # --- reading ------------------------------------------------------------------------------

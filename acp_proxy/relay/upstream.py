@@ -114,7 +114,7 @@ class AgentRequests:
 
     async def cancel_routed(self, routed_id: str) -> None:
         """``$/cancel_request`` for an attached client's request already with an adapter."""
-        for adapter in list(self.pool.running):
+        for adapter in list(self.pool.processes.running):
             call_id = adapter.find_gateway_call(routed_id)
             if call_id is not None:
                 with suppress(AdapterGone):

@@ -77,7 +77,7 @@ class MemoryCeilings:
             return  # no backend's sessions have a ceiling
         while not pool.stopping.begun:
             await pool.memory.measured.next().wait()
-            self.check(pool.live())
+            self.check(pool.processes.live())
 
     def check(self, adapters: list[Adapter]) -> None:
         """This proxy's processes, just measured: recycle, mark or cut those over their ceilings."""

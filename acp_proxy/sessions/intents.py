@@ -370,7 +370,7 @@ class SessionIntents:
         adapter = self.table.advance(session, Event.REAP).released
         if adapter is not None:
             await self.ender.end_turns(session, adapter)
-            await self.pool.stop(adapter)
+            await self.pool.processes.stop(adapter)
         if session.stopping is not None:
             await session.stopping.wait()
         self.table.advance(session, Event.REAPED)
@@ -414,7 +414,7 @@ class SessionIntents:
         if adapter is not None:
             await self.ender.end_turns(session, adapter)
             await self._delete_on_backend(adapter, record.adapter_session_id)
-            await self.pool.stop(adapter)
+            await self.pool.processes.stop(adapter)
         else:
             if session.stopping is not None:
                 await session.stopping.wait()
@@ -463,7 +463,7 @@ class SessionIntents:
             if adapter is spare:
                 adapter.release_to_spare()
             else:
-                await self.pool.stop(adapter)
+                await self.pool.processes.stop(adapter)
 
     # --- suspend ------------------------------------------------------------------------------
 

@@ -133,7 +133,7 @@ class Restorer:
             with anyio.CancelScope(shield=True):
                 adapter.assign(None)
                 await self._release_claim(record.session_id, was)
-                await self.pool.stop(adapter)
+                await self.pool.processes.stop(adapter)
             raise
         # Bound in the same step as the row is written: a close from here on finds it live, and reaps it.
         self.registry.mark_live(record.session_id, adapter.supervised.lease.lease_id, adapter_session_id)
