@@ -136,6 +136,26 @@ class ForkedProcess:
             await self.stdout.aclose()
 
 
+def _ask_for_child(
+    args: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str] | None,
+    session: bool,
+    fds: list[int],
+) -> socket.socket:
+    """Ask this process's fork server for ``python -m acp_proxy ARGS`` with ``fds`` as its stdin, stdout and
+    stderr (``session``: in a session of its own); the connection its pid and exit status come back on."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(_Server.get().path)
+        request = {"args": list(args), "env": dict(env), "cwd": None if cwd is None else str(cwd), "session": session}
+        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], fds)
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
 async def spawn(
     args: list[str],
     *,
@@ -146,7 +166,6 @@ async def spawn(
 ) -> ForkedProcess:
     """``python -m acp_proxy ARGS``, forked: stdin and stdout pipes to this process, stderr to ``stderr``
     (a file, a descriptor of this process, or ``None``: nowhere)."""
-    server = _Server.get()
     stdin_read, stdin_write = os.pipe()
     stdout_read, stdout_write = os.pipe()
     error = (
@@ -156,18 +175,11 @@ async def spawn(
         if stderr is not None
         else os.open(os.devnull, os.O_WRONLY)
     )
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(server.path)
-        request = {
-            "args": args,
-            "env": dict(os.environ if env is None else env),
-            "cwd": None if cwd is None else str(cwd),
-            "session": start_new_session,
-        }
-        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [stdin_read, stdout_write, error])
+        connection = _ask_for_child(
+            args, os.environ if env is None else env, cwd, start_new_session, [stdin_read, stdout_write, error]
+        )
     except BaseException:
-        connection.close()
         for fd in (stdin_write, stdout_read):
             os.close(fd)
         raise
@@ -203,16 +215,11 @@ def run(
     if not can_fork(argv, env):
         return subprocess.run(argv, input=stdin, capture_output=True, env=dict(env), cwd=cwd, timeout=timeout)
     deadline = time.monotonic() + timeout
-    server = _Server.get()
     ends = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr
     theirs, ours = [ends[0][0], ends[1][1], ends[2][1]], [ends[0][1], ends[1][0], ends[2][0]]
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.connect(server.path)
-        request = {"args": list(args), "env": dict(env), "cwd": None if cwd is None else str(cwd), "session": False}
-        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], theirs)
+        connection = _ask_for_child(args, env, cwd, False, theirs)
     except BaseException:
-        connection.close()
         for fd in ours:
             os.close(fd)
         raise
