@@ -285,6 +285,14 @@ class AttachConfig(msgspec.Struct, frozen=True, kw_only=True):
     """The newest part of each session's transcript that is kept (what a ``full`` attach replays); 0: none."""
 
 
+class SessionsConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Sessions of the install: handing them between its proxies, and retiring those nobody closes."""
+
+    handover_timeout: Annotated[float, DURATION] = 60.0
+    """How long a proxy asked for a session another proxy of the install holds waits for that proxy's running
+    turn to end before it answers ``session_busy``."""
+
+
 class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     name: Annotated[str, NOT_A_KEY]
     """The ``NAME`` of ``[backends.NAME]``."""
@@ -316,6 +324,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     ownership: OwnershipConfig = OwnershipConfig()
     trace: TraceConfig = TraceConfig()
     attach: AttachConfig = AttachConfig()
+    sessions: SessionsConfig = SessionsConfig()
     source: Annotated[str | None, NOT_A_KEY] = None
 
     def backend(self, name: str | None = None) -> BackendConfig:

@@ -79,6 +79,10 @@ class Kind(enum.StrEnum):
     """a prompt sent by an attached client"""
     ANSWERED_ELSEWHERE = "answered_elsewhere"
     """a request of the agent's answered by an attached client or an operator, not the gateway; label: its method"""
+    HANDOVER = "handover"
+    """a session handed between two proxies of the install (seconds: how long it took); label: ``released`` (by
+    its holder), ``taken`` (by the proxy that asked), ``kept`` (its holder's turn ran past ``handover_timeout``),
+    ``unanswered`` (its holder did not answer)"""
 
 
 SHOWN: Final = frozenset(
@@ -97,6 +101,7 @@ SHOWN: Final = frozenset(
         Kind.DETACHED,
         Kind.ATTACHED_PROMPT,
         Kind.ANSWERED_ELSEWHERE,
+        Kind.HANDOVER,
     }
 )
 """Kinds that are shown as events too. A tree reaped at a stop is only counted (the suspension or close
@@ -223,12 +228,14 @@ class Counter(msgspec.Struct, frozen=True):
     seconds: float
 
 
-def recent_events(conn: sqlite3.Connection, limit: int = 50, *, after: int = 0) -> list[Event]:
-    """The newest events (newest first), or only those after ``after`` (an ``event_id``)."""
+def recent_events(
+    conn: sqlite3.Connection, limit: int = 50, *, after: int = 0, session_id: str | None = None
+) -> list[Event]:
+    """The newest events (newest first), or only those after ``after`` (an ``event_id``); of one session, if given."""
     rows = conn.execute(
         """SELECT event_id, at, instance_id, kind, backend, label, session_id, detail FROM events
-           WHERE event_id > ? ORDER BY event_id DESC LIMIT ?""",
-        (after, limit),
+           WHERE event_id > ? AND (? IS NULL OR session_id = ?) ORDER BY event_id DESC LIMIT ?""",
+        (after, session_id, session_id, limit),
     ).fetchall()
     return [Event(*row) for row in rows]
 

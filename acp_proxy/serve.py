@@ -93,6 +93,7 @@ async def serve_gateway(
 
         started, new_adapters = anyio.create_memory_object_stream[Adapter](math.inf)
         writer = GatewayWriter(gateway_out, stopping, trace=trace)
+        peers = InstallPeers(owner.db)
         pool = ProcessPool(
             config,
             owner,
@@ -102,7 +103,7 @@ async def serve_gateway(
             warm=warm,
             suspend=suspend,
             started=started,
-            peers=InstallPeers(owner.db),
+            peers=peers,
             trace=trace,
         )
         table = SessionTable(registry, background, pool.changed, on_bound=pool.recency.note_bound)
@@ -119,7 +120,7 @@ async def serve_gateway(
             titles=titles_of,
         )
         turns.maintain()
-        intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping)
+        intents = SessionIntents(config, registry, table, pool, turns, writer, background, stopping, holders=peers)
         requests = AgentRequests(pool, turns)
         sharing = Sharing(
             config, owner.instance_id, intents, transcripts, writer, background, requests, owner.journal, notifier

@@ -188,7 +188,7 @@ class Gateway(gateway.Gateway):
 # --- proxies with sessions over a pool -----------------------------------------------------------
 
 
-BACKEND_KEYS = ("turn_idle_timeout", "session_max_memory", "session_kill_memory", "turn_timeout")
+BACKEND_KEYS = ("turn_idle_timeout", "session_max_memory", "session_kill_memory", "turn_timeout", "on_eof")
 """Backend keys ``write_config`` writes as they are (the other options are the fake adapter's)."""
 
 
@@ -200,6 +200,7 @@ def write_config(
     default_backend: str | None = None,
     tasks: dict[str, Any] | None = None,
     shutdown: dict[str, str] | None = None,
+    sessions: dict[str, str] | None = None,
 ) -> Path:
     """A TOML config: fast shutdown (unless ``shutdown`` says otherwise), the given pool, backends (each a
     dict of fake adapter options, but ``resume``, ``max_live``, ``start_timeout``, ``cancel_timeout`` and
@@ -212,6 +213,8 @@ def write_config(
     lines += [f"{key} = {json.dumps(value)}" for key, value in (pool or {}).items()]
     if tasks:
         lines += ["[tasks]", *(f"{key} = {json.dumps(value)}" for key, value in tasks.items())]
+    if sessions:
+        lines += ["[sessions]", *(f"{key} = {json.dumps(value)}" for key, value in sessions.items())]
     for name, options in (backends or {"unused": {}}).items():
         settings = dict(options)
         resume = settings.pop("resume", None)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import typing
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from acp_proxy import config as configuration
@@ -414,12 +416,11 @@ def test_nul_in_argv_or_env_is_a_config_error() -> None:
 
 TABLES = [
     ("", configuration.Config),
-    ("pool", configuration.PoolConfig),
-    ("shutdown", configuration.ShutdownConfig),
-    ("tasks", configuration.TasksConfig),
-    ("ownership", configuration.OwnershipConfig),
-    ("trace", configuration.TraceConfig),
-    ("attach", configuration.AttachConfig),
+    *(
+        (name, kind)
+        for name, kind in typing.get_type_hints(configuration.Config).items()
+        if isinstance(kind, type) and issubclass(kind, msgspec.Struct)
+    ),  # [pool], [shutdown], [tasks], ...: every table the Config has
     ("backends.NAME", configuration.BackendConfig),
 ]
 

@@ -40,7 +40,29 @@ def test_what_a_queued_request_becomes(
         assert fate is Fate.CANCELLED
     else:
         assert fate in FATE_ERRORS
-        assert FATE_ERRORS[fate]("s1").reason == expected
+        assert FATE_ERRORS[fate]("s1", None).reason == expected
+
+
+@pytest.mark.parametrize(
+    ("phase", "served", "fate"),
+    [
+        (Phase.ELSEWHERE, True, Fate.MOVED),
+        (Phase.TAKING_OVER, True, Fate.MOVED),
+        (Phase.ELSEWHERE, False, Fate.SEND),
+        (Phase.RELEASING, True, Fate.SEND),
+    ],
+)
+def test_a_request_for_a_session_handed_away_from_here_is_answered_that_it_moved(
+    phase: Phase, served: bool, fate: Fate
+) -> None:
+    """A request queued here for a session this proxy served and another took is answered ``session_moved``, naming
+    the holder, never sent after it; one this proxy never served is sent (taken over first)."""
+    state = Standing(phase, holder="inst-b", served=served)
+    assert fate_of(state, Waiting(1, Work.PROMPT, 0), withdrawn=False, refusing=False) is fate
+    if fate is Fate.MOVED:
+        error = FATE_ERRORS[fate]("s1", state.holder)
+        assert (error.reason, error.code, error.data["holder"]) == ("session_moved", -32010, "inst-b")
+        assert "session/load brings it back" in error.message
 
 
 def test_an_operator_cancelling_a_queued_prompt_cancels_it_and_nothing_else() -> None:
@@ -57,8 +79,8 @@ def _record(state: SessionState, instance: str | None = "inst-b") -> SessionReco
 UNKNOWN = [
     (None, "unknown_session", -32002),
     (_record(SessionState.CLOSED), "session_closed", -32002),
-    (_record(SessionState.LIVE), "session_in_use", -32603),
-    (_record(SessionState.RESUMING), "session_in_use", -32603),
+    (_record(SessionState.LIVE), "session_in_use", -32010),
+    (_record(SessionState.RESUMING), "session_in_use", -32010),
 ]
 
 

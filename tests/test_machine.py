@@ -24,8 +24,10 @@ from acp_proxy.sessions.machine import (
     Enqueue,
     Fate,
     Finish,
+    HeldBy,
     IllegalEvent,
     Queue,
+    Release,
     Request,
     Restoring,
     Run,
@@ -236,6 +238,183 @@ def test_the_clock_says_when_a_session_entered_its_phase_and_nothing_else_moves_
     assert state.since == 10.0
     state, _ = _run(state, Event.RESTORE, now=30.0)
     assert (state.phase, state.since) == (Phase.RESUMING, 30.0)
+
+
+# --- a handover: the holder's side and the asker's ---------------------------------------------------------
+
+SERVED = Standing(Phase.LIVE, process=True, served=True)
+"""A live session as the proxy that opened or restored it holds it."""
+
+RELEASES = [
+    # the holder's session, the events of its release -> where it ends, the effects the last step has
+    (SERVED, (Release("b"), Event.QUIET), Phase.ELSEWHERE, (Action.UNBIND, Action.WRITE_HANDED, Action.STOP_PROCESS)),
+    (SERVED, (Release("b"), Event.PROCESS_ENDED), Phase.ELSEWHERE, (Action.UNBIND, Action.WRITE_HANDED)),
+    (SERVED, (Release("b"), Event.RELEASE_EXPIRED), Phase.LIVE, ()),  # a turn ran past the asker's timeout: kept
+    (Standing(Phase.SUSPENDED), (Release("b"),), Phase.ELSEWHERE, (Action.WRITE_HANDED, Action.ANSWER_RELEASED)),
+    (Standing(Phase.CLOSED), (Release("b"),), Phase.ELSEWHERE, (Action.ANSWER_RELEASED,)),  # its row stays closed
+]
+
+
+@pytest.mark.parametrize(("state", "events", "phase", "effects"), RELEASES)
+def test_a_holder_lets_a_session_go_only_once_nothing_of_it_runs(
+    state: Standing, events: tuple[AnyEvent, ...], phase: Phase, effects: tuple[Action, ...]
+) -> None:
+    after, done = _run(state, *events)
+    assert after.phase is phase
+    assert set(effects) <= set(advance(_run(state, *events[:-1])[0], events[-1], 1.0)[1])
+    assert not after.process or phase is Phase.LIVE
+    assert after.holder == ("b" if phase is Phase.ELSEWHERE else None)
+    if phase is Phase.ELSEWHERE:
+        assert Action.ANSWER_RELEASED in done  # the asker is told, once the row says so
+
+
+def test_what_arrives_while_a_session_is_released_waits_and_learns_where_it_went() -> None:
+    releasing, _ = _run(SERVED, Release("b"))
+    assert releasing.phase is Phase.RELEASING
+    assert not releasing.ready
+    waiting, effects = _run(releasing, Request(1, prompt=True), Request(2))
+    assert effects == [Queue(1), Queue(2)]
+    handed, _ = _run(waiting, Event.QUIET, Begin(1))
+    assert fate_of(handed, handed.running, withdrawn=False, refusing=False) is Fate.MOVED  # type: ignore[arg-type]
+    kept, _ = _run(waiting, Event.RELEASE_EXPIRED, Begin(1))
+    assert fate_of(kept, kept.running, withdrawn=False, refusing=False) is Fate.SEND  # type: ignore[arg-type]
+    with pytest.raises(IllegalEvent, match="being restored, closed, deleted or taken over"):
+        advance(Standing(Phase.RESUMING, process=True), Release("c"), 1.0)
+    with pytest.raises(IllegalEvent, match="not being released"):
+        advance(SERVED, Event.QUIET, 1.0)
+
+
+TAKE_OVERS = [
+    # events at the proxy that asks, from a session found held by "a" -> its phase, who holds it as far as it knows
+    ((Event.TAKE_OVER,), Phase.TAKING_OVER, "a"),
+    ((Event.TAKE_OVER, Event.RELEASED), Phase.SUSPENDED, None),  # its own now: restored as any suspended one
+    ((Event.TAKE_OVER, HeldBy(Event.KEPT, "a")), Phase.ELSEWHERE, "a"),  # kept: session_busy
+    ((Event.TAKE_OVER, Event.RELEASED, Event.RESTORE, Event.RESTORED), Phase.LIVE, None),
+    # another proxy took it between the release and the claim: held there now
+    ((Event.TAKE_OVER, Event.RELEASED, Event.RESTORE, HeldBy(Event.HELD_ELSEWHERE, "c")), Phase.ELSEWHERE, "c"),
+]
+
+
+@pytest.mark.parametrize(("events", "phase", "holder"), TAKE_OVERS)
+def test_a_session_held_elsewhere_is_taken_over_then_restored(
+    events: tuple[AnyEvent, ...], phase: Phase, holder: str | None
+) -> None:
+    state, _ = _run(Standing(Phase.ELSEWHERE, holder="a"), *events)
+    assert (state.phase, state.holder) == (phase, holder)
+    assert state.served is (phase is Phase.LIVE)
+
+
+def test_a_gateway_that_knew_the_session_here_is_told_it_moved_and_one_that_did_not_takes_it_over() -> None:
+    served, _ = _run(SERVED, Release("b"), Event.QUIET)
+    assert served.served
+    never, _ = _run(Standing(Phase.ELSEWHERE, holder="b"))
+    for state, fate in ((served, Fate.MOVED), (never, Fate.SEND)):
+        queued, _ = _run(state, Request(1, prompt=True), Begin(1))
+        assert fate_of(queued, queued.running, withdrawn=False, refusing=False) is fate  # type: ignore[arg-type]
+    with pytest.raises(IllegalEvent, match="another proxy of the install holds it"):
+        advance(served, Event.CLOSE, 1.0)  # taken over first (the intents queue that)
+
+
+class TwoProxies(RuleBasedStateMachine):
+    """One session, two proxies of an install, the handover as the runner sequences it: an asker's
+    ``take_over`` asks the holder, whose ``Release`` ends ``quiet`` (handed) or ``expired`` (kept), and the
+    asker learns which. Checked after every step: never do both serve the session, and whenever one
+    holds it the other knows it is held elsewhere, by that one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proxies = {"a": Standing(Phase.LIVE, process=True, served=True), "b": Standing(Phase.SUSPENDED)}
+        self.row = "a"
+        """Which proxy the session's row names as its holder (``None``: suspended, anyone may claim it)."""
+        self.proxies["b"] = Standing(Phase.ELSEWHERE, holder="a")
+        self.handovers = 0
+
+    def _feed(self, name: str, event: AnyEvent) -> None:
+        self.proxies[name] = advance(self.proxies[name], event, 1.0)[0]
+
+    @staticmethod
+    def _other(name: str) -> str:
+        return "b" if name == "a" else "a"
+
+    @rule(asker=st.sampled_from(["a", "b"]))
+    def ask(self, asker: str) -> None:
+        holder = self._other(asker)
+        if self.proxies[asker].phase is not Phase.ELSEWHERE:
+            return
+        self._feed(asker, Event.TAKE_OVER)
+        if not accepts(self.proxies[holder], Release(asker)):
+            self._feed(asker, HeldBy(Event.KEPT, holder))
+            return
+        self._feed(holder, Release(asker))
+        if self.proxies[holder].phase is Phase.ELSEWHERE:  # it held no process: released at once
+            self._released(holder, asker)
+
+    @rule(holder=st.sampled_from(["a", "b"]), quiet=st.booleans())
+    def settle(self, holder: str, quiet: bool) -> None:
+        """The holder's turn ended (quiet) or the asker's timeout passed first (kept)."""
+        asker = self._other(holder)
+        if self.proxies[holder].phase is not Phase.RELEASING:
+            return
+        if quiet:
+            self._feed(holder, Event.QUIET)
+            self._released(holder, asker)
+        else:
+            self._feed(holder, Event.RELEASE_EXPIRED)
+            self._feed(asker, HeldBy(Event.KEPT, holder))
+
+    def _released(self, holder: str, asker: str) -> None:
+        self.row = None  # write_handed: suspended, under the asker
+        self._feed(asker, Event.RELEASED)
+        self.handovers += 1
+
+    @rule(name=st.sampled_from(["a", "b"]))
+    def restore(self, name: str) -> None:
+        """A request restores the session where it is suspended: the claim succeeds only on a free row."""
+        if self.proxies[name].phase is not Phase.SUSPENDED:
+            return
+        self._feed(name, Event.RESTORE)
+        if self.row is None:
+            self.row = name
+            self._feed(name, Event.RESTORED)
+        else:
+            self._feed(name, HeldBy(Event.HELD_ELSEWHERE, self.row))
+
+    @rule(name=st.sampled_from(["a", "b"]))
+    def suspend(self, name: str) -> None:
+        if accepts(self.proxies[name], Event.SUSPEND):
+            self._feed(name, Event.SUSPEND)
+
+    @rule(name=st.sampled_from(["a", "b"]), prompt=st.booleans())
+    def request(self, name: str, prompt: bool) -> None:
+        if accepts(self.proxies[name], Request(0, prompt)):
+            self._feed(name, Request(next(KEYS), prompt))
+            state = self.proxies[name]
+            if state.queue and state.running is None:
+                self._feed(name, Begin(state.queue[0].key))
+                self._feed(name, Finish(state.queue[0].key if state.queue else self.proxies[name].running.key))  # type: ignore[union-attr]
+
+    @invariant()
+    def never_two_processes(self) -> None:
+        assert not (self.proxies["a"].process and self.proxies["b"].process)
+
+    @invariant()
+    def the_one_that_serves_it_is_the_one_its_row_names(self) -> None:
+        for name, state in self.proxies.items():
+            if state.process:
+                assert self.row == name
+                assert self.proxies[self._other(name)].phase in (Phase.ELSEWHERE, Phase.TAKING_OVER, Phase.SUSPENDED)
+
+    @invariant()
+    def a_release_is_asked_by_the_other_only(self) -> None:
+        for name, state in self.proxies.items():
+            if state.phase is Phase.RELEASING:
+                assert state.holder == self._other(name)
+                assert self.proxies[self._other(name)].phase is Phase.TAKING_OVER
+
+
+KEYS = itertools.count(1)
+TwoProxies.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+test_two_proxies_handing_a_session_over_never_both_serve_it = TwoProxies.TestCase
 
 
 # --- random sequences of events --------------------------------------------------------------------------------

@@ -65,6 +65,12 @@ COUNTED: Final[Mapping[journal.Kind, Counted]] = {
         "method",
     ),
     journal.Kind.SUSPENDED: Counted("evictions", "Sessions suspended (tree reaped, session kept), by reason", "reason"),
+    journal.Kind.HANDOVER: Counted(
+        "handovers",
+        "Sessions handed between proxies of the install, by outcome (released, taken, kept, unanswered)",
+        "outcome",
+        seconds="handover_seconds",
+    ),
     journal.Kind.CRASHED: Counted("adapter_exits", "Adapter processes that ended on their own, by how", "how"),
     journal.Kind.CLOSED: Counted("sessions_closed", "Sessions closed, by who asked", "by"),
     journal.Kind.DELETED: Counted("sessions_deleted", "Sessions deleted", None),

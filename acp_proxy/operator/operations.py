@@ -49,6 +49,7 @@ from acp_proxy.ownership.owner import Owner
 from acp_proxy.pool.processes import ProcessPool
 from acp_proxy.pool.tenancy import busy
 from acp_proxy.relay.sharing import Sharing
+from acp_proxy.sessions.handover import Answer
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.lifecycle import Phase
 from acp_proxy.sessions.table import Session
@@ -63,6 +64,11 @@ log = logging.getLogger("acp_proxy.operations")
 CANCEL_WAIT: Final = 10.0
 """How long ``cancel_task`` waits for the agent to end the turn before answering "still running"."""
 PEER_TIMEOUT: Final = 2.0
+MAX_HANDOVER_WAIT: Final = 3600.0
+"""The longest an asker may have a holder wait for its turn to end (``[sessions] handover_timeout``)."""
+RELEASE_MARGIN: Final = 10.0
+"""Beyond its ``handover_timeout``, how long a handover's asker waits for the holder's answer: the holder's
+process stops (its graces) and its row is written before it answers."""
 """How long another proxy has to answer a request to suspend one of its sessions for us."""
 
 
@@ -130,6 +136,7 @@ class Operations:
             "notify_task": self.notify_task,
             "permissions": self.permissions,
             "answer_permission": self.answer_permission,
+            "release_session": self.release_session,
         }
 
     async def serve(self) -> None:
@@ -311,6 +318,19 @@ class Operations:
         evicted = self.proxy.pool.processes.evict_for_peer(key, f"{why}, for another proxy", reason)
         return {"key": key, "evicted": evicted}
 
+    async def release_session(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Another proxy of the install asks for a session this one holds (a handover): released once nothing of it
+        runs here, within the asker's ``timeout``; ``busy`` if a turn still runs then."""
+        self._acting()
+        session_id = _text_arg(args, "sessionId")
+        to = _text_arg(args, "to")
+        timeout = args.get("timeout")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 <= timeout <= MAX_HANDOVER_WAIT:
+            raise ControlError("invalid_args", f"'timeout' must be a number of seconds from 0 to {MAX_HANDOVER_WAIT:g}")
+        if not await self.proxy.intents.release(session_id, to, float(timeout)):
+            raise ControlError("turn_running", f"session {session_id} is running a turn here; it stays here")
+        return {"sessionId": session_id, "released": True}
+
     def _stop_budget(self) -> float:
         shutdown = self.proxy.config.shutdown
         return shutdown.stdin_grace + shutdown.term_grace + 2.0
@@ -335,6 +355,23 @@ class InstallPeers:
             log.info("proxy %s did not suspend %s for us: %s", instance_id, key, exc)
             return False
         return result.get("evicted") is True
+
+    async def release(self, instance_id: str, session_id: str, to: str, timeout: float) -> Answer:
+        """Ask proxy ``instance_id`` to hand ``session_id`` over to proxy ``to`` (``Handover.take_over``)."""
+        path = socket_path(self.db.state_dir, instance_id)
+        args = {"sessionId": session_id, "to": to, "timeout": timeout}
+        ask = functools.partial(request, path, "release_session", args, timeout=timeout + RELEASE_MARGIN)
+        try:
+            result = await anyio.to_thread.run_sync(ask, abandon_on_cancel=True)
+        except ControlError as exc:
+            if exc.code == "turn_running":
+                return Answer.KEPT
+            log.info("proxy %s did not release session %s: %s", instance_id, session_id, exc)
+            return Answer.UNANSWERED
+        except (ControlUnavailable, TimeoutError, OSError) as exc:
+            log.info("proxy %s did not answer for session %s: %s", instance_id, session_id, exc)
+            return Answer.UNANSWERED
+        return Answer.RELEASED if result.get("released") is True else Answer.UNANSWERED
 
 
 def _text_arg(args: dict[str, Any], name: str) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Final, TextIO
 
 import msgspec
 
-from acp_proxy import timings
+from acp_proxy import journal, timings
 from acp_proxy.config import CgroupSetting
 from acp_proxy.operator import control
 from acp_proxy.operator.commands import _age, lease_view, open_existing
@@ -534,6 +534,9 @@ def sessions_show(state_dir: Path, session_id: str, *, as_json: bool) -> int:
         view["recentTasks"] = [
             task_view(t, alive, events=False) for t in list_tasks(db, session_id=session_id, limit=10)
         ]
+        view["recentEvents"] = [
+            msgspec.structs.asdict(event) for event in journal.recent_events(db.conn, 10, session_id=session_id)
+        ]
     if as_json:
         _print_json(view)
         return 0
@@ -557,6 +560,11 @@ def sessions_show(state_dir: Path, session_id: str, *, as_json: bool) -> int:
         print(f"  {name + ':':<16}{value}")
     for proc in view["processes"]:
         print(f"  process pid {proc['pid']} rss {proc['rssBytes'] / 1e6:.1f} MB  {proc['command'][:80]}")
+    if view["recentEvents"]:
+        print("  recent events (handovers, suspensions, restores, crashes):")
+        for event in view["recentEvents"]:
+            what = f"{event['kind']} {event['label']}".strip()
+            print(f"    {_ago(event['at'], moment):<9} {what:<20} {event['detail'][:70]}")
     if view["recentTasks"]:
         print("  recent tasks:")
         for task in view["recentTasks"]:

@@ -96,7 +96,8 @@ class Adapter:
         self.open_sessions: set[str] = set()
         self.drained = anyio.Event()
         self.answered = Changes()
-        """Notified whenever a request in ``pending`` is answered or given up (and when the adapter is gone)."""
+        """Notified whenever a request in ``pending`` is answered or given up, the gateway answers one of its requests,
+        or the adapter is gone."""
         self._stdin = jsonrpc.LineWriter(supervised.stdin)
         self._next_id = 0
         # What the pool and the router need to know about this process.

@@ -105,3 +105,11 @@ def busy(adapter: Adapter) -> bool:
     pending, or it reported background work moments ago."""
     tenancy = adapter.tenancy
     return tenancy.claimed or tenancy.upstream_pending > 0 or adapter.turn_in_flight or adapter.working_in_background
+
+
+def quiet(adapter: Adapter) -> bool:
+    """Nothing of its session runs on it: no request of the gateway's in flight (a turn or any other), none of
+    the agent's waiting for the gateway, not claimed. What a handover waits for; unlike ``busy``, background
+    work reported after a turn (``quiet_after``) does not count."""
+    tenancy = adapter.tenancy
+    return not tenancy.claimed and tenancy.upstream_pending == 0 and not adapter.turn_in_flight

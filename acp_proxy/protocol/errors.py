@@ -43,6 +43,9 @@ def _decoded(data: Raw | UnsetType) -> Any:
 
 ATTACH_NOT_FOUND: Final = -32001
 ATTACH_NOT_AUTHORISED: Final = -32002
+SESSION_ELSEWHERE: Final = -32010
+"""The session is held by another proxy of the install, or busy there: a state to retry or load from, not a
+fault (ACP leaves -32000 to -32099 to implementations; ``data.reason`` says which)."""
 
 
 class ProxyError(Exception):
@@ -137,10 +140,25 @@ class ProxyError(Exception):
         )
 
     @classmethod
-    def session_busy(cls, session_id: str) -> ProxyError:
-        """A prompt while another controller's turn runs, under ``[attach] prompts = "refuse"``."""
-        message = f"Session {session_id} is running another client's turn; try again when it ends"
-        return cls(jsonrpc.INTERNAL_ERROR, message, "session_busy", sessionId=session_id)
+    def session_busy(cls, session_id: str, *, holder: str | None = None, waited: float | None = None) -> ProxyError:
+        """A prompt while another controller's turn runs, under ``[attach] prompts = "refuse"``; or (``holder``)
+        a session whose holder's turn ran past ``[sessions] handover_timeout`` (``waited``) while it was asked
+        to hand it over."""
+        if holder is None:
+            message = f"Session {session_id} is running another client's turn; try again when it ends"
+            return cls(SESSION_ELSEWHERE, message, "session_busy", sessionId=session_id)
+        message = (
+            f"Session {session_id} is running a turn in another acp-proxy process of this install (instance "
+            f"{holder}), which did not end within handover_timeout ({waited:g}s); try again when it ends"
+        )
+        return cls(SESSION_ELSEWHERE, message, "session_busy", sessionId=session_id, holder=holder)
+
+    @classmethod
+    def session_moved(cls, session_id: str, holder: str | None) -> ProxyError:
+        """A request for a session this proxy served, handed since to another proxy of the install."""
+        where = f"another acp-proxy process of this install (instance {holder})" if holder else "another acp-proxy"
+        message = f"Session {session_id} has moved to {where}; session/load brings it back here"
+        return cls(SESSION_ELSEWHERE, message, "session_moved", sessionId=session_id, holder=holder)
 
     @classmethod
     def holder_gone(cls, session_id: str) -> ProxyError:
@@ -167,11 +185,16 @@ class ProxyError(Exception):
 
     @classmethod
     def session_in_use(cls, session_id: str, instance_id: str | None = None) -> ProxyError:
+        """A session held by another proxy of the install that could not be asked for it (its control socket
+        did not answer), or that another proxy claimed again while this one took it over."""
         if instance_id is None:
             message = f"Session {session_id} is being served by another acp-proxy process"
-            return cls(jsonrpc.INTERNAL_ERROR, message, "session_in_use", sessionId=session_id)
-        message = f"Session {session_id} is live in another acp-proxy process (instance {instance_id})"
-        return cls(jsonrpc.INTERNAL_ERROR, message, "session_in_use", sessionId=session_id, instanceId=instance_id)
+            return cls(SESSION_ELSEWHERE, message, "session_in_use", sessionId=session_id)
+        message = (
+            f"Session {session_id} is live in another acp-proxy process (instance {instance_id}), "
+            "which did not hand it over"
+        )
+        return cls(SESSION_ELSEWHERE, message, "session_in_use", sessionId=session_id, instanceId=instance_id)
 
     @classmethod
     def unknown_backend(cls, name: object, configured: Iterable[str]) -> ProxyError:

@@ -105,6 +105,7 @@ class AgentRequests:
                 adapter.tenancy.turn, "permission_answered", choice if from_gateway else f"{choice} by {by}"
             )
         adapter.tenancy.answered_upstream()
+        adapter.answered.notify()  # a handover waiting for its session to be quiet looks again
         if not busy(adapter):
             self.pool.changed.notify()
         try:

@@ -79,13 +79,15 @@ def visibility_row(record: SessionRecord) -> SessionRow:
 
 
 CANCELLED: Final = {"stopReason": "cancelled"}
-FATE_ERRORS: Final[dict[Fate, Callable[[str], ProxyError]]] = {
-    Fate.WITHDRAWN: lambda session_id: ProxyError.cancelled(),
-    Fate.SHUTDOWN: lambda session_id: ProxyError.proxy_shutdown(),
-    Fate.CLOSED: ProxyError.session_closed,
-    Fate.DELETED: ProxyError.session_deleted,
+FATE_ERRORS: Final[dict[Fate, Callable[[str, str | None], ProxyError]]] = {
+    Fate.WITHDRAWN: lambda session_id, holder: ProxyError.cancelled(),
+    Fate.SHUTDOWN: lambda session_id, holder: ProxyError.proxy_shutdown(),
+    Fate.CLOSED: lambda session_id, holder: ProxyError.session_closed(session_id),
+    Fate.DELETED: lambda session_id, holder: ProxyError.session_deleted(session_id),
+    Fate.MOVED: ProxyError.session_moved,
 }
-"""The error a queued request is answered with, by its fate (``machine.fate_of``), when it is not sent."""
+"""The error a queued request is answered with, by its fate (``machine.fate_of``), when it is not sent
+(from the session's id and the proxy that holds it now, if another does)."""
 RECYCLES: Final = frozenset(
     {
         SuspendReason.SESSION_MAX_MEMORY,

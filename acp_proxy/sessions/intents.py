@@ -9,7 +9,9 @@
     delete         session/delete: as close, then delete it on the backend too and leave a tombstone
     fork           session/fork: on the parent's process, which the fork then keeps (``Opener``)
     suspend        stop an idle session's process; it keeps its mapping and is resumable
-    resume         the gateway's session/load or session/resume: restore a suspended or closed session
+    resume         the gateway's session/load or session/resume: restore a suspended or closed session, taking it
+                   over first if another proxy of the install holds it (``Handover``)
+    release        another proxy of the install asks for a session this one holds (``Handover``)
     list_sessions  session/list from the registry, filtered by who asks (``SessionCatalog``)
     process_ended  the process of a session exited by itself: the session is suspended
     expire_turn    a turn ran past turn_timeout or was quiet past turn_idle_timeout: cut_turn
@@ -50,12 +52,13 @@ from acp_proxy.sessions.decisions import (
     RECYCLES,
     unknown_session_error,
 )
+from acp_proxy.sessions.deleting import BackendDelete
 from acp_proxy.sessions.ending import TurnEnder
-from acp_proxy.sessions.lifecycle import Action, Event
+from acp_proxy.sessions.handover import Handover, Holders
+from acp_proxy.sessions.lifecycle import Action, Event, Phase
 from acp_proxy.sessions.machine import Fate, Work
 from acp_proxy.sessions.opening import Opener
 from acp_proxy.sessions.registry import (
-    SessionRecord,
     SessionRegistry,
     SessionState,
 )
@@ -83,6 +86,7 @@ class SessionIntents:
         gateway: GatewayPort,
         background: Background,
         stopping: Stopping,
+        holders: Holders | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -93,6 +97,8 @@ class SessionIntents:
         self.background = background
         self.stopping = stopping
         self.restorer = Restorer(config, registry, table, pool, gateway)
+        self.handover = Handover(config, registry, table, pool, holders)
+        self.backend_delete = BackendDelete(config, pool)
         self.opener = Opener(
             config,
             registry,
@@ -278,7 +284,7 @@ class SessionIntents:
                 self.turns.settle(turn, stop_reason="cancelled")
             await self.gateway.answer(msg.id, CANCELLED)
             return True
-        error = FATE_ERRORS[fate](session.session_id)
+        error = FATE_ERRORS[fate](session.session_id, session.state.holder)
         if turn is not None:
             self.turns.settle(turn, error=(error.code, error.message))
         await self.gateway.fail(msg.id, error)
@@ -294,8 +300,28 @@ class SessionIntents:
             if record is not None and record.state is SessionState.CLOSED:
                 # Held in memory since a load of it failed: only the gateway's load or resume reopens it.
                 raise ProxyError.session_closed(session.session_id)
-            await self.restorer.restore_cancellable(session, gateway_asked=None)
+            await self._restore_here(session, gateway_asked=None)
         return session.live_adapter
+
+    async def _restore_here(self, session: Session, gateway_asked: str | None) -> Message | None:
+        """Restore the session on a process of this proxy (``Restorer``), taking it over first if another proxy
+        of the install holds it; ``None`` if a close cut that short.
+
+        A session this proxy served and another took since is not pulled back by a request the gateway sent
+        here (``session_moved``): only by its own load or resume. Its claim may find that another proxy took
+        it meanwhile: it is taken over once more, and then it is ``session_in_use``.
+        """
+        for _attempt in range(2):
+            if session.phase is Phase.ELSEWHERE:
+                if gateway_asked is None and session.state.served:
+                    raise ProxyError.session_moved(session.session_id, session.state.holder)
+                await self.handover.take_over(session)
+            try:
+                return await self.restorer.restore_cancellable(session, gateway_asked)
+            except ProxyError:
+                if session.phase is not Phase.ELSEWHERE:  # not a claim that found it held elsewhere
+                    raise
+        raise ProxyError.session_in_use(session.session_id, session.state.holder)
 
     async def _fail_unknown(self, request_id: RequestId | UnsetType, session_id: str) -> None:
         held = self.table.get(session_id)
@@ -341,6 +367,10 @@ class SessionIntents:
         too. The session being closed, or ``None`` if there is none to close.
         """
         session = await self.table.find(session_id)
+        if session is not None and self._held_elsewhere(session):
+            if request is not None:
+                self._after_taking_over(session, request, lambda: self.close(session_id, request))
+            return None
         if session is not None and session.closed and not session.deleted:
             if request is not None:  # being closed already: answered once that is done
                 self.table.enqueue(session, Work.ANSWER, lambda: self.gateway.answer(request.id, {}))
@@ -401,6 +431,9 @@ class SessionIntents:
             else:
                 await self._fail_unknown(msg.id, session_id)  # live in another proxy
             return
+        if self._held_elsewhere(session):
+            self._after_taking_over(session, msg, lambda: self.delete(msg, session_id))
+            return
         if session.deleted:  # being deleted already: answered once that is done
             self.table.enqueue(session, Work.ANSWER, lambda: self.gateway.answer(msg.id, {}))
             return
@@ -413,12 +446,12 @@ class SessionIntents:
         self.registry.mark_deleted(session.session_id)  # first: no list shows it from now on
         if adapter is not None:
             await self.ender.end_turns(session, adapter)
-            await self._delete_on_backend(adapter, record.adapter_session_id)
+            await self.backend_delete.on(adapter, record.adapter_session_id)
             await self.pool.processes.stop(adapter)
         else:
             if session.stopping is not None:
                 await session.stopping.wait()
-            await self._delete_on_a_process_of(record)
+            await self.backend_delete.on_a_process_of(record)
         self.table.advance(session, Event.REAPED)
         self.table.forget(session)
         log.info("session %s deleted", session.session_id, extra=ids(session=session.session_id))
@@ -426,44 +459,30 @@ class SessionIntents:
         await self.registry.caught_up()  # the gateway is told once the tombstone is on record
         await self.gateway.answer(request.id, {})
 
-    async def _delete_on_backend(self, adapter: Adapter, adapter_session_id: str) -> None:
-        """The backend's own ``session/delete``, if it advertises one; a failure is logged, not raised."""
-        if not adapter.capabilities.delete:
-            return
-        try:
-            answer = await self.pool.call_answer(adapter, Method.DELETE, {"sessionId": adapter_session_id})
-        except ProxyError as exc:
-            log.warning("session %s: the backend's session/delete failed: %s", adapter_session_id, exc.message)
-            return
-        adapter.open_sessions.discard(adapter_session_id)
-        if answer.error is not UNSET:
-            log.warning("session %s: the backend refused session/delete: %s", adapter_session_id, answer.error.message)
+    # --- handover -----------------------------------------------------------------------------
 
-    async def _delete_on_a_process_of(self, record: SessionRecord) -> None:
-        """Delete a session with no process on its backend: on a spare, else on a short-lived process."""
-        backend = self.config.backends.get(record.backend)
-        known = self.pool.known_capabilities.get(record.backend)
-        if backend is None or (known is not None and not known.delete):
-            return
-        spare = self.pool.processes.spare(backend)
-        try:
-            with anyio.fail_after(self.config.pool.resume_timeout):
-                adapter = await self.pool.take(backend)
-        except (ProxyError, TimeoutError) as exc:
-            log.warning(
-                "session %s: no %s process to delete it on (%s); deleted here only",
-                record.session_id,
-                backend.name,
-                exc.message if isinstance(exc, ProxyError) else "resume_timeout",
-            )
-            return
-        try:
-            await self._delete_on_backend(adapter, record.adapter_session_id)
-        finally:
-            if adapter is spare:
-                adapter.release_to_spare()
-            else:
-                await self.pool.processes.stop(adapter)
+    @staticmethod
+    def _held_elsewhere(session: Session) -> bool:
+        """Another proxy of the install holds it, or is being asked for it by this one."""
+        return session.phase in (Phase.ELSEWHERE, Phase.TAKING_OVER)
+
+    def _after_taking_over(self, session: Session, msg: Message, then: Callable[[], Any]) -> None:
+        """A close or delete of a session another proxy holds: in the session's queue, take it over, then ``then``."""
+
+        async def work() -> None:
+            if self._held_elsewhere(session):
+                try:
+                    await self.handover.take_over(session)
+                except ProxyError as exc:
+                    await self.gateway.fail(msg.id, exc)
+                    return
+            await then()
+
+        self.table.enqueue(session, Work.TAKE_OVER, work)
+
+    async def release(self, session_id: str, to: str, timeout: float) -> bool:
+        """Another proxy of the install (``to``) asks for a session: ``Handover.release``."""
+        return await self.handover.release(session_id, to, timeout)
 
     # --- suspend ------------------------------------------------------------------------------
 
@@ -511,7 +530,10 @@ class SessionIntents:
         session = self.table.get(adapter.gateway_session) if adapter.gateway_session else None
         if session is None or session.adapter is not adapter:
             return
-        done = self.table.advance(session, Event.PROCESS_ENDED).effects
+        moved = self.table.advance(session, Event.PROCESS_ENDED)
+        done = moved.effects
+        if Action.WRITE_HANDED in done and session.state.holder is not None:  # it was being released: it is now
+            self.handover.handed(session, moved, session.state.holder)
         if Action.JOURNAL in done and not self.stopping.begun:  # a shutdown suspends every session itself
             how = describe_exit(returncode)
             suspended = Action.WRITE_SUSPENDED in done  # else a restore is under way, and decides
@@ -560,7 +582,7 @@ class SessionIntents:
                 await adapter.forward(msg)
             return
         try:
-            answer = await self.restorer.restore_cancellable(session, gateway_asked=str(msg.method))
+            answer = await self._restore_here(session, gateway_asked=str(msg.method))
         except ProxyError as exc:
             await self.gateway.fail(msg.id, exc)  # a closed session stays closed (``_ensure_live``)
             return

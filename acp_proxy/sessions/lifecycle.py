@@ -42,6 +42,14 @@ class Phase(enum.StrEnum):
     """Deleted: ended as a close, its row a tombstone from the reap's start."""
     DELETED = "deleted"
     """Gone for good: never listed or restored again."""
+    RELEASING = "releasing"
+    """Live here, and asked for by another proxy of the install: handed to it once nothing of it runs (the
+    turn under way goes on undisturbed); requests that arrive meanwhile wait."""
+    ELSEWHERE = "elsewhere"
+    """Held by another proxy of the install (``Standing.holder``), or handed to it from here: a request that
+    needs a process here, or the gateway's load or resume, has it handed over first."""
+    TAKING_OVER = "taking_over"
+    """Its holder is being asked to release it (within ``[sessions] handover_timeout``)."""
 
 
 class Event(enum.StrEnum):
@@ -71,6 +79,20 @@ class Event(enum.StrEnum):
     """Its queue's turn to end what runs and stop its tree (after a close or delete)."""
     REAPED = "reaped"
     """Its tree is gone."""
+    RELEASE = "release"
+    """Another proxy of the install asks for it (``Release``: which one); it waits its turn in the queue."""
+    QUIET = "quiet"
+    """Nothing of it runs on its process: no turn, no request either way (fed while it is ``releasing``)."""
+    RELEASE_EXPIRED = "release_expired"
+    """The asker's ``handover_timeout`` passed with a turn still running: it stays here."""
+    TAKE_OVER = "take_over"
+    """Its turn in the queue has come, and it is held elsewhere: ask its holder for it."""
+    RELEASED = "released"
+    """Its holder let it go, or is gone: it is this proxy's now, suspended."""
+    HELD_ELSEWHERE = "held_elsewhere"
+    """Restoring it here, its claim found another live proxy of the install holding it (``HeldBy``: which)."""
+    KEPT = "kept"
+    """Its holder kept it (a turn ran past ``handover_timeout``): what needed it is refused ``session_busy``."""
 
 
 class Action(enum.StrEnum):
@@ -113,6 +135,12 @@ class Action(enum.StrEnum):
     WRITE_DELETED = "write_deleted"
     ANSWER_AFTER_WRITE = "answer_after_write"
     """The gateway's request is answered once the row says so."""
+    ASK_RELEASE = "ask_release"
+    """Ask its holder, through its control socket, to release it (bounded by ``handover_timeout``)."""
+    WRITE_HANDED = "write_handed"
+    """The row: ``resuming`` under the proxy that asked, so that only it can claim it, before it is told."""
+    ANSWER_RELEASED = "answer_released"
+    """Tell the proxy that asked that the session is its now (once the row says so)."""
 
 
 class Step(msgspec.Struct, frozen=True):
@@ -174,6 +202,28 @@ _STEPS: Final[dict[tuple[Phase, Event], tuple[Phase, tuple[Action, ...]]]] = {
     (P.DELETING, E.PROCESS_ENDED): (P.DELETING, (A.UNBIND,)),
     (P.DELETING, E.REAP): (P.DELETING, (A.WRITE_DELETED, A.UNBIND, A.END_TURNS, A.STOP_PROCESS)),
     (P.DELETING, E.REAPED): (P.DELETED, (A.FORGET, A.JOURNAL, A.ANSWER_AFTER_WRITE)),
+    # handing a session to another proxy of the install (the holder's side) ...
+    (P.LIVE, E.RELEASE): (P.RELEASING, ()),
+    (P.SUSPENDED, E.RELEASE): (P.ELSEWHERE, (A.WRITE_HANDED, A.JOURNAL, A.ANSWER_RELEASED)),
+    (P.CLOSED, E.RELEASE): (P.ELSEWHERE, (A.ANSWER_RELEASED,)),
+    (P.ELSEWHERE, E.RELEASE): (P.ELSEWHERE, (A.ANSWER_RELEASED,)),
+    (P.RELEASING, E.REQUEST): (P.RELEASING, (A.QUEUE,)),
+    (P.RELEASING, E.CANCEL): (P.RELEASING, (A.NEW_EPOCH, A.ASK_TO_END_TURN)),
+    (P.RELEASING, E.QUIET): (P.ELSEWHERE, (A.UNBIND, A.WRITE_HANDED, A.JOURNAL, A.STOP_PROCESS, A.ANSWER_RELEASED)),
+    (P.RELEASING, E.PROCESS_ENDED): (P.ELSEWHERE, (A.UNBIND, A.WRITE_HANDED, A.JOURNAL, A.ANSWER_RELEASED)),
+    (P.RELEASING, E.RELEASE_EXPIRED): (P.LIVE, ()),
+    (P.RELEASING, E.CLOSE): (P.CLOSING, _ENDING_A_RESTORE),
+    (P.RELEASING, E.DELETE): (P.DELETING, _ENDING_A_RESTORE),
+    # ... and taking one over (the asker's side)
+    (P.ELSEWHERE, E.REQUEST): (P.ELSEWHERE, (A.QUEUE,)),
+    (P.ELSEWHERE, E.CANCEL): (P.ELSEWHERE, (A.NEW_EPOCH,)),
+    (P.ELSEWHERE, E.TAKE_OVER): (P.TAKING_OVER, (A.ASK_RELEASE,)),
+    (P.TAKING_OVER, E.REQUEST): (P.TAKING_OVER, (A.QUEUE,)),
+    (P.TAKING_OVER, E.CANCEL): (P.TAKING_OVER, (A.NEW_EPOCH,)),
+    (P.TAKING_OVER, E.RELEASED): (P.SUSPENDED, (A.JOURNAL,)),
+    (P.TAKING_OVER, E.KEPT): (P.ELSEWHERE, ()),
+    (P.RESUMING, E.HELD_ELSEWHERE): (P.ELSEWHERE, ()),
+    (P.REOPENING, E.HELD_ELSEWHERE): (P.ELSEWHERE, ()),
 }
 
 _WHY_REFUSED: Final[dict[Event, str]] = {
@@ -189,11 +239,26 @@ _WHY_REFUSED: Final[dict[Event, str]] = {
     E.DELETE: "it is deleted, or being deleted, already",
     E.REAP: "it is not being closed or deleted",
     E.REAPED: "no reap is in progress",
+    E.RELEASE: "it is being restored, closed, deleted or taken over here: the release waits its turn in the queue",
+    E.QUIET: "it is not being released",
+    E.RELEASE_EXPIRED: "it is not being released",
+    E.TAKE_OVER: "it is not held by another proxy",
+    E.RELEASED: "it is not being taken over",
+    E.KEPT: "it is not being taken over",
+    E.HELD_ELSEWHERE: "it is not being claimed",
 }
+
+_WHY_REFUSED_IN: Final[dict[Phase, str]] = {
+    P.ELSEWHERE: "another proxy of the install holds it: it is taken over first",
+    P.TAKING_OVER: "it is being taken over from another proxy of the install",
+}
+"""Where a phase says more about a refusal than the event does."""
 
 STEPS: Final[Mapping[tuple[Phase, Event], Step]] = {
     (phase, event): (
-        Step(*_STEPS[phase, event]) if (phase, event) in _STEPS else Step(phase, refused=_WHY_REFUSED[event])
+        Step(*_STEPS[phase, event])
+        if (phase, event) in _STEPS
+        else Step(phase, refused=_WHY_REFUSED_IN.get(phase, _WHY_REFUSED[event]))
     )
     for phase in Phase
     for event in Event

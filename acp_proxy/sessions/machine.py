@@ -12,8 +12,9 @@ this module and ``lifecycle`` free of anything that does I/O.
 The lifecycle's phases and the (phase, event) table are ``acp_proxy.sessions.lifecycle``; this
 module adds what the table alone cannot decide: the session's queue (every piece of work that
 waits for the session, in the order it came, and which of it runs), the epoch that ends the
-prompts queued before a ``session/cancel``, whether a process serves the session, and whether a
-restore is under way.
+prompts queued before a ``session/cancel``, whether a process serves the session, whether a
+restore is under way, and which proxy of the install holds the session when this one does not (a
+handover: ``Release`` on the holder's side, ``Event.TAKE_OVER`` on the asker's).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class Work(enum.StrEnum):
     """A close's or delete's reap."""
     ANSWER = "answer"
     """An answer that waits for what was queued before it (a second close, answered when the first is done)."""
+    RELEASE = "release"
+    """Another proxy of the install asked for the session: handed over once what runs before it is done."""
+    TAKE_OVER = "take_over"
+    """A close or delete of a session another proxy holds: taken over first."""
 
 
 class Waiting(msgspec.Struct, frozen=True):
@@ -66,6 +71,8 @@ class Fate(enum.StrEnum):
     """Closed since it was queued: answered ``session_closed``."""
     DELETED = "deleted"
     """Deleted since it was queued: answered ``session_deleted``."""
+    MOVED = "moved"
+    """Handed to another proxy of the install since: answered ``session_moved`` (a load or resume brings it back)."""
 
 
 class Standing(msgspec.Struct, frozen=True):
@@ -84,6 +91,14 @@ class Standing(msgspec.Struct, frozen=True):
     """The work taken from the queue and not yet done: what comes after waits for it."""
     since: float = 0.0
     """When the session entered its phase (the ``now`` of that event)."""
+    holder: str | None = None
+    """The proxy of the install that holds it (``elsewhere``, ``taking_over``), or that it is being handed to
+    (``releasing``): its instance id. ``None`` in every other phase: this proxy holds it."""
+    served: bool = False
+    """A process of this proxy has served it (opened or restored here): its gateway knows it as it was
+    here. Once another proxy holds it, that gateway's requests other than a load or resume are answered
+    ``session_moved`` rather than pulling it back behind the other gateway's back; a session this proxy
+    never served is taken over by the first request that needs it."""
 
     @property
     def ready(self) -> bool:
@@ -137,7 +152,23 @@ class Restoring(msgspec.Struct, frozen=True):
     under_way: bool
 
 
-AnyEvent = Event | Request | Enqueue | Begin | Finish | Restoring
+class Release(msgspec.Struct, frozen=True):
+    """Another proxy of the install asks for the session (``Event.RELEASE``): ``to`` is its instance id."""
+
+    to: str
+
+
+class HeldBy(msgspec.Struct, frozen=True):
+    """The session's row names another live proxy of the install as its holder: ``by``, its instance id.
+
+    ``Event.HELD_ELSEWHERE`` when a claim (restoring it here) finds it so; ``Event.KEPT`` when its holder,
+    asked to release it, kept it."""
+
+    event: Event
+    by: str
+
+
+AnyEvent = Event | Request | Enqueue | Begin | Finish | Restoring | Release | HeldBy
 
 
 # --- effects -------------------------------------------------------------------------------------------
@@ -201,8 +232,16 @@ def advance(state: Standing, event: AnyEvent, now: float) -> tuple[Standing, tup
             return _replace(state, running=None), ()
         case Restoring(under_way=under_way):
             return _replace(state, restoring=under_way), ()
+        case Release(to=to):
+            return _step(_replace(state, holder=to), Event.RELEASE, now)
+        case HeldBy(event=held, by=by):
+            return _step(_replace(state, holder=by), held, now)
         case Event():
             return _step(state, event, now)
+
+
+_HELD_ELSEWHERE: Final = frozenset({Phase.RELEASING, Phase.ELSEWHERE, Phase.TAKING_OVER})
+"""The phases in which ``Standing.holder`` names a proxy: in every other, this one holds the session."""
 
 
 def _step(state: Standing, event: Event, now: float) -> tuple[Standing, tuple[Effect, ...]]:
@@ -210,12 +249,14 @@ def _step(state: Standing, event: Event, now: float) -> tuple[Standing, tuple[Ef
     actions = STEPS[state.phase, event].actions
     after = _moved(state, event, now)
     changes: dict[str, object] = {}
+    if after.phase not in _HELD_ELSEWHERE and state.holder is not None:
+        changes["holder"] = None
     if Action.NEW_EPOCH in actions:
         changes["epoch"] = state.epoch + 1
     if Action.UNBIND in actions:
         changes["process"] = False
     if Action.BIND in actions:
-        changes["process"] = True
+        changes["process"] = changes["served"] = True
     if Action.CUT_SHORT in actions:
         changes["restoring"] = False
     return _replace(after, **changes), actions
@@ -256,6 +297,12 @@ def refusal(state: Standing, event: AnyEvent) -> str | None:
             if under_way and state.restoring:
                 return "a restore is under way already"
             return None
+        case Release():
+            return STEPS[state.phase, Event.RELEASE].refused
+        case HeldBy(event=held):
+            if held not in (Event.HELD_ELSEWHERE, Event.KEPT):
+                return f"{held} does not name a holder"
+            return STEPS[state.phase, held].refused
         case Event():
             refused = STEPS[state.phase, event].refused
             if refused is None and event in _NEEDS_PROCESS and not state.process:
@@ -264,6 +311,8 @@ def refusal(state: Standing, event: AnyEvent) -> str | None:
                 return "a process still serves it: its reap unbinds it first"
             return refused
 
+
+_TAKEN_FROM_HERE: Final = frozenset({Phase.ELSEWHERE, Phase.TAKING_OVER})
 
 _NEEDS_PROCESS: Final = frozenset({Event.SUSPEND, Event.PROCESS_ENDED, Event.HANDED_OVER})
 """Events about the session's process: they apply only while one serves it."""
@@ -293,6 +342,8 @@ def fate_of(
         return Fate.DELETED
     if state.ending or state.phase is Phase.CLOSED:
         return Fate.CLOSED
+    if state.phase in _TAKEN_FROM_HERE and state.served:
+        return Fate.MOVED
     return Fate.SEND
 
 

@@ -101,17 +101,48 @@ def requests() -> str:
     )
     rows = [header]
     for phase in Phase:
-        state = Standing(phase, process=phase in (Phase.LIVE, Phase.RESUMING, Phase.CLOSING, Phase.DELETING))
+        state = Standing(
+            phase,
+            process=phase in (Phase.LIVE, Phase.RESUMING, Phase.CLOSING, Phase.DELETING, Phase.RELEASING),
+            holder="another" if phase in (Phase.RELEASING, Phase.ELSEWHERE, Phase.TAKING_OVER) else None,
+            served=phase in (Phase.LIVE, Phase.RELEASING),
+        )
         if phase is Phase.DELETED:
             rows.append(f"| **{phase}** | answered from its row (`session_deleted`) | — | — | — |")
             continue
         arrives = _arrival(state)
-        fates = [
-            fate_of(state, Waiting(1, work, epoch), withdrawn=False, refusing=False).value
-            for work, epoch in ((Work.REQUEST, state.epoch), (Work.PROMPT, state.epoch), (Work.PROMPT, state.epoch - 1))
-        ]
-        rows.append(f"| **{phase}** | {arrives} | " + " | ".join(fates) + " |")
+        for case, then in _cases(state):
+            fates = [
+                fate_of(then, Waiting(1, work, epoch), withdrawn=False, refusing=False).value
+                for work, epoch in (
+                    (Work.REQUEST, then.epoch),
+                    (Work.PROMPT, then.epoch),
+                    (Work.PROMPT, then.epoch - 1),
+                )
+            ]
+            named = f"**{phase}**" + (f" ({case})" if case else "")
+            rows.append(f"| {named} | {arrives} | " + " | ".join(fates) + " |")
     return "\n".join(rows)
+
+
+def _cases(state: Standing) -> list[tuple[str, Standing]]:
+    """The session as a request queued now finds it when its turn comes: as it is, or (a handover) either way
+    the handover can go before then."""
+    if state.phase is Phase.RELEASING:  # the release runs before it: handed over, or kept past the timeout
+        handed, _ = advance(state, Event.QUIET, 0.0)
+        kept, _ = advance(state, Event.RELEASE_EXPIRED, 0.0)
+        return [("then handed over", handed), ("then kept", kept)]
+    served = msgspec.structs.replace(state, served=True)
+    if state.phase is Phase.ELSEWHERE:
+        return [("served here before", served), ("never served here: taken over", state)]
+    if state.phase is Phase.TAKING_OVER:  # the take-over runs before it
+        taken, _ = advance(state, Event.RELEASED, 0.0)
+        return [
+            ("then taken over", taken),
+            ("then kept, served here before", advance(served, Event.KEPT, 0.0)[0]),
+            ("then kept, never served here", advance(state, Event.KEPT, 0.0)[0]),
+        ]
+    return [("", state)]
 
 
 def _arrival(state: Standing) -> str:

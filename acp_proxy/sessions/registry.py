@@ -311,6 +311,22 @@ class SessionRegistry:
 
         return claim
 
+    def hand_over(self, session_id: str, to: str) -> None:
+        """Released to proxy ``to`` of the install (a handover): suspended, under it, if this proxy held it."""
+        sql = """UPDATE sessions SET state = 'suspended', lease_id = NULL, instance_id = ?
+                 WHERE session_id = ? AND instance_id = ? AND state IN ('live', 'resuming', 'suspended')"""
+        self.db.write(functools.partial(_execute, sql, (to, session_id, self.instance_id)))
+
+    async def held_by_another(self, session_id: str) -> str | None:
+        """The other live proxy of the install whose row says it holds the session (live or resuming), if any:
+        one that has died is not (its session is suspended for the asker, as ``claim_orphaned`` does)."""
+        if await self.claim_orphaned(session_id):
+            return None
+        record = await self.current(session_id)
+        if record is None or record.state not in (SessionState.LIVE, SessionState.RESUMING):
+            return None
+        return record.instance_id if record.instance_id != self.instance_id else None
+
     def mark_suspended(self, session_id: str) -> None:
         self._update(session_id, "state = 'suspended', lease_id = NULL", ())
 

@@ -33,6 +33,7 @@ from acp_proxy.protocol.jsonrpc import Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.protocol.settings import reflect_setting
 from acp_proxy.sessions.lifecycle import Event
+from acp_proxy.sessions.machine import HeldBy
 from acp_proxy.sessions.registry import SessionRecord, SessionRegistry, SessionState
 from acp_proxy.sessions.table import Session, SessionTable
 from acp_proxy.timings import Timing
@@ -110,7 +111,12 @@ class Restorer:
         # A resume that does not take leaves the session as it was: suspended, or closed.
         was = SessionState.CLOSED if record.state is SessionState.CLOSED else SessionState.SUSPENDED
         if not await self.registry.mark_resuming(record.session_id):
-            raise ProxyError.session_in_use(record.session_id)
+            holder = await self.registry.held_by_another(record.session_id)
+            if holder is not None:  # another proxy took it since this one last looked: it is held there
+                self.table.advance(session, HeldBy(Event.HELD_ELSEWHERE, holder))
+                raise ProxyError.session_in_use(record.session_id, holder)
+            if not await self.registry.mark_resuming(record.session_id):  # its holder had died: suspended now
+                raise ProxyError.session_in_use(record.session_id)
         try:
             adapter = await self.pool.take(backend, session_key=record.session_id)
         except BaseException:

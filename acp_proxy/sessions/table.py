@@ -192,7 +192,7 @@ class SessionTable:
 
     def open(self, record: SessionRecord, adapter: Adapter, adapter_session_id: str) -> Session:
         """A session a process has just opened (new, adopted or forked): live on it from the start."""
-        session = Session(record, Standing(Phase.LIVE, process=True, since=time.monotonic()))
+        session = Session(record, Standing(Phase.LIVE, process=True, served=True, since=time.monotonic()))
         self._attach(session, adapter, adapter_session_id)
         return session
 
@@ -210,7 +210,8 @@ class SessionTable:
         """A session this proxy can serve: in memory, or in the registry (suspended, or left by a dead proxy).
 
         A closed session only with ``reopen`` (the gateway's own load or resume, or a delete);
-        a deleted one never. One held in memory is found without waiting for anything.
+        a deleted one never; one another live proxy holds as ``elsewhere`` (taken over when it is
+        needed here). One held in memory is found without waiting for anything.
         """
         session = self.sessions.get(session_id)
         if session is not None:
@@ -220,22 +221,30 @@ class SessionTable:
             return None
         if record.state is SessionState.CLOSED and not reopen:
             return None
-        held_elsewhere = record.instance_id != self.registry.instance_id
-        if record.state in (SessionState.LIVE, SessionState.RESUMING) and held_elsewhere:
-            # Live in another proxy: unless that proxy has died since we started (its tree was
-            # reaped by then or will be by the next start), it is not ours to serve.
-            if not await self.registry.claim_orphaned(session_id):
-                return None
-            log.info(
-                "session %s: left live by a proxy that is gone; suspended, resumable",
-                session_id,
-                extra=ids(session=session_id),
-            )
-            record = await self.registry.current(session_id) or record
+        holder = None
+        if (
+            record.state in (SessionState.LIVE, SessionState.RESUMING)
+            and record.instance_id != self.registry.instance_id
+        ):
+            # Live in another proxy: held there, and handed over when this one needs it; unless that proxy
+            # has died since (its tree was reaped by then, or will be by the next start).
+            if await self.registry.claim_orphaned(session_id):
+                log.info(
+                    "session %s: left live by a proxy that is gone; suspended, resumable",
+                    session_id,
+                    extra=ids(session=session_id),
+                )
+                record = await self.registry.current(session_id) or record
+            else:
+                holder = record.instance_id
         session = self.sessions.get(session_id)  # found by another request while this one waited
         if session is None:
-            phase = Phase.CLOSED if record.state is SessionState.CLOSED else Phase.SUSPENDED
-            session = Session(record, Standing(phase, since=time.monotonic()))
+            if holder is not None:
+                standing = Standing(Phase.ELSEWHERE, holder=holder, since=time.monotonic())
+            else:
+                phase = Phase.CLOSED if record.state is SessionState.CLOSED else Phase.SUSPENDED
+                standing = Standing(phase, since=time.monotonic())
+            session = Session(record, standing)
             self.sessions[session_id] = session
         return session
 
