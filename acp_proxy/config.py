@@ -291,6 +291,13 @@ class SessionsConfig(msgspec.Struct, frozen=True, kw_only=True):
     handover_timeout: Annotated[float, DURATION] = 60.0
     """How long a proxy asked for a session another proxy of the install holds waits for that proxy's running
     turn to end before it answers ``session_busy``."""
+    keep_suspended: Annotated[float, POSITIVE_DURATION] = 30 * 86400.0
+    """A session suspended (no process, not closed) for longer is closed, as ``session/close`` would; it stays
+    listed and loadable."""
+
+
+EofPolicy = Literal["suspend", "close"]
+EOF_POLICIES: Final[tuple[str, ...]] = ("suspend", "close")
 
 
 class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -310,6 +317,8 @@ class BackendConfig(msgspec.Struct, frozen=True, kw_only=True):
     turn_idle_timeout: Annotated[float | None, DURATION, Overrides("tasks", "turn_idle_timeout")] = None
     session_max_memory: Annotated[int | None, SIZE, Overrides("pool", "session_max_memory")] = None
     session_kill_memory: Annotated[int | None, SIZE, Overrides("pool", "session_kill_memory")] = None
+    on_eof: EofPolicy = "suspend"
+    """What the gateway's EOF does to its live sessions: suspended (resumable by the next gateway), or closed."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):

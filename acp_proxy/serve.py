@@ -41,6 +41,7 @@ from acp_proxy.sessions.ceilings import MemoryCeilings
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.leftovers import clear_periodically
 from acp_proxy.sessions.registry import SessionRegistry, titles_of
+from acp_proxy.sessions.retention import retire_suspended
 from acp_proxy.sessions.table import SessionTable
 from acp_proxy.sessions.transcript import Transcripts
 from acp_proxy.stdio import FdReceiveStream, FdSendStream, enlarge_pipe
@@ -75,7 +76,9 @@ async def serve_gateway(
     transcripts = Transcripts(owner.db.state_dir, config.attach.transcript_max_bytes)
 
     def prune_also(retention: float) -> int:
+        """With the tasks' pruning: old transcripts go, sessions suspended past ``keep_suspended`` are closed."""
         transcripts.prune(retention, registry.existing)
+        retire_suspended(registry, owner.journal, config.sessions.keep_suspended)
         return registry.prune_deleted(retention)
 
     async with anyio.create_task_group() as tasks:

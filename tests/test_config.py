@@ -139,6 +139,17 @@ def test_design_example_is_valid() -> None:
             'default_backend: "claude" is not a backend (configured: codex)',
         ),
         ({**GOOD, "max_line_bytes": 10}, "max_line_bytes: expected int >= 1024, got 10"),
+        ({**GOOD, "sessions": {"keep_suspended": 0}}, "sessions.keep_suspended: expected a duration > 0"),
+        ({**GOOD, "sessions": {"keep_suspended": "forever"}}, "sessions.keep_suspended: expected a duration such as"),
+        ({**GOOD, "sessions": {"handover_timeout": "soon"}}, "sessions.handover_timeout: expected a duration"),
+        (
+            {**GOOD, "sessions": {"keep": "1d"}},
+            "sessions.keep: unknown key (expected one of: handover_timeout, keep_suspended)",
+        ),
+        (
+            {"backends": {"codex": {"command": ["codex-acp"], "on_eof": "exit"}}},
+            'backends.codex.on_eof: expected one of "suspend", "close", got "exit"',
+        ),
         ({**GOOD, "colour": "blue"}, "colour: unknown key"),
         ({}, "backends: at least one backend is required"),
     ],
@@ -146,6 +157,20 @@ def test_design_example_is_valid() -> None:
 def test_each_problem_names_its_key_path(doc: dict[str, Any], expected: str) -> None:
     found = problems(doc)
     assert any(p.startswith(expected) for p in found), found
+
+
+def test_the_sessions_table_and_on_eof() -> None:
+    config = validate(
+        {
+            "backends": {"codex": {"command": ["codex-acp"], "on_eof": "close"}},
+            "sessions": {"keep_suspended": "12h", "handover_timeout": 5},
+        }
+    )
+    assert (config.sessions.keep_suspended, config.sessions.handover_timeout) == (12 * 3600.0, 5.0)
+    assert config.backend().on_eof == "close"
+    defaults = validate(GOOD)
+    assert (defaults.sessions.keep_suspended, defaults.sessions.handover_timeout) == (30 * 86400.0, 60.0)
+    assert defaults.backend().on_eof == "suspend"
 
 
 def test_the_attach_table() -> None:

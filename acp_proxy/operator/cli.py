@@ -277,7 +277,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _add_sessions_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    sessions = commands.add_parser("sessions", help="sessions: list, show, suspend, close")
+    sessions = commands.add_parser("sessions", help="sessions: list, show, suspend, close, prune")
     actions = sessions.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = actions.add_parser("list", help="open sessions, most recently active first")
     listing.add_argument(
@@ -291,7 +291,19 @@ def _add_sessions_parser(commands: argparse._SubParsersAction[argparse.ArgumentP
     show = actions.add_parser("show", help="one session: its process, its recent tasks")
     suspend = actions.add_parser("suspend", help="stop an idle session's process; it stays resumable")
     close = actions.add_parser("close", help="end a session's turn and reap its processes; it stays listed, closed")
-    for parser in (listing, show, suspend, close):
+    prune = actions.add_parser(
+        "prune",
+        help="close the sessions suspended longer than [sessions] keep_suspended (or --older-than); "
+        "they stay listed and loadable",
+    )
+    prune.add_argument(
+        "--older-than",
+        type=_duration,
+        metavar="D",
+        help='suspended and last active longer ago than this ("7d", "12h", seconds); default: keep_suspended',
+    )
+    prune.add_argument("--dry-run", action="store_true", help="list them, close nothing")
+    for parser in (listing, show, suspend, close, prune):
         _add_config_option(parser)
         _add_json(parser)
     for parser in (show, suspend, close):
@@ -400,8 +412,9 @@ def _positive_int(text: str) -> int:
 
 
 def _duration(text: str) -> float:
+    """A duration on the command line: ``"15m"`` as in a config, or a bare number of seconds (``30``)."""
     try:
-        return configuration.parse_duration(text)
+        return configuration.parse_duration(float(text) if text.strip().replace(".", "", 1).isdigit() else text)
     except Exception as exc:  # parse_duration's own message says what it expected
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -755,6 +768,15 @@ def _status(args: argparse.Namespace) -> int:
 def _sessions(args: argparse.Namespace) -> int:
     from acp_proxy.operator import reports
 
+    if args.action == "prune":
+        from acp_proxy.operator.commands import prune_command
+
+        config = _operator_config(args)
+        keep = (config.sessions if config is not None else configuration.SessionsConfig()).keep_suspended
+        older_than = keep if args.older_than is None else args.older_than
+        return prune_command(
+            configuration.state_dir(config), older_than=older_than, dry_run=args.dry_run, as_json=args.json
+        )
     state = _operator_state_dir(args)
     if args.action == "list":
         return reports.sessions_list(state, states=args.state, show_all=args.all, as_json=args.json)

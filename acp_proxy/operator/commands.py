@@ -1,4 +1,4 @@
-"""Operator commands over the state database: ``acp-proxy leases`` and ``acp-proxy reap``.
+"""Operator commands over the state database: ``acp-proxy leases``, ``acp-proxy reap``, ``sessions prune``.
 
 They read the database directly, so they work with no proxy running. Human
 output is a plain table; ``--json`` is for scripts. Nothing here is imported by
@@ -16,11 +16,14 @@ from typing import Any
 import psutil
 
 from acp_proxy.config import referenced_names
+from acp_proxy.journal import Journal
 from acp_proxy.ownership import instances
 from acp_proxy.ownership.leases import ACTIVE_STATES, Lease, all_leases
 from acp_proxy.ownership.owner import detect_platform
 from acp_proxy.ownership.reaping import marked_pids, reap_dead_instances
 from acp_proxy.ownership.verify import Verdict, check_claim, process_table
+from acp_proxy.sessions.registry import SessionRegistry
+from acp_proxy.sessions.retention import retire_suspended
 from acp_proxy.state import StateDB
 from acp_proxy.state.connection import StateError
 
@@ -180,4 +183,31 @@ def reap_command(state_dir: Path, *, grace: float, dry_run: bool, as_json: bool)
     return 0
 
 
-__all__ = ["StateError", "leases_command", "reap_command"]
+def prune_command(state_dir: Path, *, older_than: float, dry_run: bool, as_json: bool) -> int:
+    """``sessions prune``: close the sessions suspended longer than ``older_than`` seconds (as ``keep_suspended``)."""
+    db = open_existing(state_dir)
+    retired = []
+    if db is not None:
+        try:
+            journal = None if dry_run else Journal(db, None)
+            registry = SessionRegistry(db, None)  # type: ignore[arg-type]  # it writes nothing of its own instance
+            retired = retire_suspended(registry, journal, older_than, dry_run=dry_run, by="operator")
+            db.stop_writer()  # the journal's write applied before the database is closed
+        finally:
+            db.close()
+    if as_json:
+        closed = [{"sessionId": r.session_id, "backend": r.backend, "lastActiveAt": r.last_active_at} for r in retired]
+        print(json.dumps({"dryRun": dry_run, "olderThanSeconds": older_than, "closed": closed}, indent=2))
+        return 0
+    if not retired:
+        print(f"nothing to prune: no session suspended for more than {_age(older_than)}")
+        return 0
+    verb = "[dry run] would close" if dry_run else "closed"
+    for record in retired:
+        idle = _age(max(0.0, time.time() - record.last_active_at))
+        print(f"{verb} {record.session_id} ({record.backend}, last active {idle} ago)")
+    print(f"{len(retired)} session(s) {'would be ' if dry_run else ''}closed; session/load brings one back")
+    return 0
+
+
+__all__ = ["StateError", "leases_command", "prune_command", "reap_command"]

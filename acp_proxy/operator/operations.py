@@ -329,6 +329,7 @@ class Operations:
             raise ControlError("invalid_args", f"'timeout' must be a number of seconds from 0 to {MAX_HANDOVER_WAIT:g}")
         if not await self.proxy.intents.release(session_id, to, float(timeout)):
             raise ControlError("turn_running", f"session {session_id} is running a turn here; it stays here")
+        self.proxy.sharing.session_ended(session_id, "moved")  # its attached clients attach again, there
         return {"sessionId": session_id, "released": True}
 
     def _stop_budget(self) -> float:

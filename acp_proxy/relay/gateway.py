@@ -116,6 +116,9 @@ class GatewayConnection:
                     await self.background.wait_idle()
                 with anyio.move_on_after(shutdown.stdin_grace):
                     await self._until_answered()
+                # Backends with ``on_eof = "close"``: the sessions this gateway leaves are closed, not suspended.
+                with anyio.move_on_after(shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace):
+                    await self.intents.close_at_eof()
             self.pool.refuse()  # requests still waiting for a process slot give up (proxy_shutdown)
             await self.pool.processes.stop_warm()
             await self.links.close_all()

@@ -859,7 +859,8 @@ class Sharing:
             del self.shares[share.session_id]
 
     def session_ended(self, session_id: str, why: str) -> None:
-        """The session was closed or deleted here: its attached clients are told and detached."""
+        """The session was closed or deleted here, or moved to another proxy: its attached clients are told and
+        detached."""
         share = self.shares.get(session_id)
         if share is None:
             return

@@ -32,7 +32,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import anyio
 from msgspec import UNSET, UnsetType
 
 from acp_proxy.concurrency import Background, Stopping
@@ -222,47 +221,12 @@ class SessionIntents:
                 self.turns.start_turn(turn, adapter.supervised.lease.lease_id, adapter.pid, resumed=resumed)
             call_id = await self._send(adapter, session, msg, turn)
             if resumed and turn is None and not str(msg.method).startswith("_"):
-                self.background.start(functools.partial(self._expect_answer, session, adapter, call_id, msg))
+                expect = self.restorer.expect_answer
+                self.background.start(functools.partial(expect, session, adapter, call_id, msg, self.suspend))
         finally:
             self._queued_ids.discard(msg.id)
             if turn is not None and turn.status is TaskStatus.QUEUED:  # cancelled while it waited
                 self.turns.settle(turn, error=(jsonrpc.REQUEST_CANCELLED, "the proxy stopped before sending it"))
-
-    async def _expect_answer(self, session: Session, adapter: Adapter, call_id: int, msg: Message) -> None:
-        """The request a restore was for must be answered within ``start_timeout``, as it would be by a
-        process started for it: a restored process that does not answer it is broken (a dead or stuck
-        connection), and is recycled rather than reused. A prompt is not held to this (a turn's limits
-        are ``turn_timeout`` and ``turn_idle_timeout``), nor an extension method (``_vendor/...``:
-        its time is its own), nor a process that runs a turn meanwhile."""
-        timeout = self.pool.start_timeout(adapter.backend)
-        if timeout == float("inf"):
-            return
-        with anyio.move_on_after(timeout):
-            await adapter.until_call_answered(call_id)
-        if adapter.gone or call_id not in adapter.pending or session.live_adapter is not adapter:
-            return
-        if adapter.tenancy.turn is not None:  # a turn runs there: its own limits judge the process
-            log.warning(
-                "session %s: pid %s has not answered %s within start_timeout (%gs) after a restore; "
-                "a turn runs there, so it is kept",
-                session.session_id,
-                adapter.pid,
-                msg.method,
-                timeout,
-                extra=ids(session=session.session_id),
-            )
-            return
-        call = adapter.take_pending(call_id)
-        assert call is not None
-        why = f"pid {adapter.pid} did not answer {msg.method} within start_timeout ({timeout:g}s) after a restore"
-        log.warning(
-            "session %s: %s: a broken process, recycled", session.session_id, why, extra=ids(session=session.session_id)
-        )
-        adapter.tenancy.mute()
-        self.suspend(session.session_id, why, SuspendReason.BROKEN, even_if_busy=True)
-        await self.gateway.fail(
-            call.gateway_id, ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
-        )
 
     async def _answered_while_queued(self, session: Session, msg: Message, turn: Turn | None) -> bool:
         """Answer a queued request that must not be sent any more (withdrawn, cancelled, closed, shutdown),
@@ -357,14 +321,15 @@ class SessionIntents:
 
     # --- close --------------------------------------------------------------------------------
 
-    async def close(self, session_id: str, request: Message | None) -> Session | None:
+    async def close(self, session_id: str, request: Message | None, *, by: str | None = None) -> Session | None:
         """``session/close``: end the turn in flight (answered ``cancelled``), reap the tree, mark it closed.
 
         A resume in progress is cut short, and requests queued for the session are answered
         (prompts ``cancelled``) rather than sent. The session stays listed; only the gateway's
         own load or resume brings it back. ``request`` is the gateway's, answered ``{}`` once
-        the session is gone (``None``: an operator's close); closing a closed session is ``{}``
-        too. The session being closed, or ``None`` if there is none to close.
+        the session is gone (``None``: an operator's close, or ``by`` another cause, such as the
+        gateway's EOF); closing a closed session is ``{}`` too. The session being closed, or
+        ``None`` if there is none to close.
         """
         session = await self.table.find(session_id)
         if session is not None and self._held_elsewhere(session):
@@ -384,15 +349,29 @@ class SessionIntents:
                     await self._fail_unknown(request.id, session_id)
             return None
         self._ending(session)
-        self.table.enqueue(session, Work.REAP, lambda: self._reap_closed(session, request))
+        self.table.enqueue(session, Work.REAP, lambda: self._reap_closed(session, request, by))
         return session
+
+    async def close_at_eof(self) -> None:
+        """The gateway has left (EOF): its sessions of backends with ``on_eof = "close"`` are closed, not
+        suspended (live or suspended here; not those another proxy holds). Until each is done."""
+        closing = []
+        for session in self.table.values():
+            backend = self.config.backends.get(session.record.backend)
+            if backend is None or backend.on_eof != "close" or session.phase not in (Phase.LIVE, Phase.SUSPENDED):
+                continue
+            closed = await self.close(session.session_id, None, by="eof")
+            if closed is not None:
+                closing.append(closed)
+        for session in closing:
+            await session.forgotten.wait()
 
     def _ending(self, session: Session, *, deleted: bool = False) -> None:
         """From now on nothing more is sent to the session: queued requests are answered, a resume is cut short
         (the table's step does both: ``NEW_EPOCH``, ``CUT_SHORT``)."""
         self.table.advance(session, Event.DELETE if deleted else Event.CLOSE)
 
-    async def _reap_closed(self, session: Session, request: Message | None) -> None:
+    async def _reap_closed(self, session: Session, request: Message | None, by: str | None = None) -> None:
         if session.deleted:  # a delete came after the close: its reap, queued behind this, does the work
             if request is not None:
                 self.table.enqueue(session, Work.ANSWER, lambda: self.gateway.answer(request.id, {}))
@@ -407,7 +386,7 @@ class SessionIntents:
         self.registry.mark_closed(session.session_id)
         self.table.forget(session)
         log.info("session %s closed", session.session_id, extra=ids(session=session.session_id))
-        by = "gateway" if request is not None else "operator"
+        by = by or ("gateway" if request is not None else "operator")
         self.pool.journal.record(Kind.CLOSED, backend=session.record.backend, label=by, session_id=session.session_id)
         if request is not None:
             await self.registry.caught_up()  # the gateway is told once the row says so

@@ -346,6 +346,28 @@ class SessionRegistry:
             (now(),),
         )
 
+    def retire_suspended(self, older_than: float, *, dry_run: bool = False) -> list[SessionRecord]:
+        """Close every session suspended and last active more than ``older_than`` seconds ago (``[sessions]
+        keep_suspended``): as ``session/close`` leaves a session, with no process to reap. The sessions closed
+        (with ``dry_run``, those that would be), oldest first; blocks the calling thread."""
+        cutoff = now() - older_than
+
+        def retire(conn: sqlite3.Connection) -> list[SessionRecord]:
+            cursor = conn.cursor()
+            cursor.row_factory = sqlite3.Row
+            if dry_run:
+                cursor.execute("SELECT * FROM sessions WHERE state = 'suspended' AND last_active_at < ?", (cutoff,))
+            else:  # one statement: a session claimed meanwhile by a proxy is not closed, nor reported
+                cursor.execute(
+                    """UPDATE sessions SET state = 'closed', closed_at = ?, lease_id = NULL
+                       WHERE state = 'suspended' AND last_active_at < ? RETURNING *""",
+                    (now(), cutoff),
+                )
+            records = [SessionRecord.from_row(row) for row in cursor.fetchall()]
+            return sorted(records, key=lambda record: record.last_active_at or 0.0)
+
+        return self.db.call(retire)
+
     def prune_deleted(self, retention: float) -> int:
         """Forget tombstones older than ``retention`` seconds; how many (blocks the calling thread)."""
         sql = "DELETE FROM sessions WHERE state = 'deleted' AND deleted_at < ?"

@@ -20,7 +20,7 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from acp_proxy.config import BackendConfig, Config
-from acp_proxy.journal import Kind
+from acp_proxy.journal import Kind, SuspendReason
 from acp_proxy.logs import ids
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.learned import Learned, command_of
@@ -42,6 +42,12 @@ log = logging.getLogger("acp_proxy.lifecycle")
 
 RELEASE_WAIT: Final = 5.0
 """How long a failed restore waits for its released claim to be written before it answers."""
+
+
+class Suspend(Protocol):
+    """``SessionIntents.suspend``, as a restore that proved its process broken calls it."""
+
+    def __call__(self, session_id: str, why: str, reason: SuspendReason, *, even_if_busy: bool = False) -> bool: ...
 
 
 class GatewayPort(Protocol):
@@ -168,6 +174,44 @@ class Restorer:
         if result.get("sessionId") == adapter_session_id:
             result["sessionId"] = record.session_id
         return Message(jsonrpc="2.0", result=Raw(jsonrpc.encode_json(result)))
+
+    async def expect_answer(
+        self, session: Session, adapter: Adapter, call_id: int, msg: Message, suspend: Suspend
+    ) -> None:
+        """The request a restore was for must be answered within ``start_timeout``, as it would be by a
+        process started for it: a restored process that does not answer it is broken (a dead or stuck
+        connection), and is recycled rather than reused. A prompt is not held to this (a turn's limits
+        are ``turn_timeout`` and ``turn_idle_timeout``), nor an extension method (``_vendor/...``:
+        its time is its own), nor a process that runs a turn meanwhile."""
+        timeout = self.pool.start_timeout(adapter.backend)
+        if timeout == float("inf"):
+            return
+        with anyio.move_on_after(timeout):
+            await adapter.until_call_answered(call_id)
+        if adapter.gone or call_id not in adapter.pending or session.live_adapter is not adapter:
+            return
+        if adapter.tenancy.turn is not None:  # a turn runs there: its own limits judge the process
+            log.warning(
+                "session %s: pid %s has not answered %s within start_timeout (%gs) after a restore; "
+                "a turn runs there, so it is kept",
+                session.session_id,
+                adapter.pid,
+                msg.method,
+                timeout,
+                extra=ids(session=session.session_id),
+            )
+            return
+        call = adapter.take_pending(call_id)
+        assert call is not None
+        why = f"pid {adapter.pid} did not answer {msg.method} within start_timeout ({timeout:g}s) after a restore"
+        log.warning(
+            "session %s: %s: a broken process, recycled", session.session_id, why, extra=ids(session=session.session_id)
+        )
+        adapter.tenancy.mute()
+        suspend(session.session_id, why, SuspendReason.BROKEN, even_if_busy=True)
+        await self.gateway.fail(
+            call.gateway_id, ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
+        )
 
     async def _release_claim(self, session_id: str, was: SessionState) -> None:
         """The claim given back, on record before whoever asked is told the restore failed (bounded)."""
