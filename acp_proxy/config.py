@@ -19,7 +19,7 @@ import re
 import stat
 import sys
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
@@ -562,9 +562,90 @@ def load(path: str | os.PathLike[str]) -> Config:
 
 
 def adhoc(command: list[str]) -> Config:
-    """The config for ``acp-proxy -- CMD ARG...``: one backend named after the program."""
-    name = Path(command[0]).name or "adapter"
+    """The config for ``acp-proxy -- CMD ARG...``: one backend named after the agent (``agent_name``)."""
+    name = agent_name(command)
     return Config(backends={name: BackendConfig(name=name, command=tuple(command))})
+
+
+_INTERPRETER = re.compile(r"^(python|pypy|node|nodejs|bun|deno|ruby|perl|php|bash|sh|zsh)[\d.]*$")
+_LAUNCHERS: Final = {"npx": 1, "bunx": 1, "uvx": 1, "pnpx": 1, "pipx": 2, "pnpm": 2, "yarn": 2, "npm": 2, "uv": 2}
+"""Programs that run a package by name, and where it stands: ``npx pkg``, ``pipx run pkg``, ``pnpm dlx pkg``."""
+_OPTIONS_WITH_A_VALUE: Final = frozenset(
+    {"-X", "-W", "-c", "-p", "--package", "--from", "--with", "-r", "--require", "--import", "--loader"}
+)
+_GENERIC: Final = frozenset({"cli", "main", "index", "__main__", "bin", "dist", "src", "lib", "run", "start", "acp"})
+"""Script and directory names that say nothing of the agent: the name is looked for further up."""
+
+
+def agent_name(command: Sequence[str]) -> str:
+    """The name a zero-config backend gets: the agent's, not its interpreter's or launcher's.
+
+    ``python3 x.py`` -> ``x``; ``python -m pkg`` (or ``pkg.acp``, ``pkg.__main__``) -> ``pkg``;
+    ``node .../node_modules/@scope/pkg/dist/cli.js`` -> ``pkg``; ``npx @scope/pkg@1.2`` -> ``pkg``;
+    ``uvx pkg`` -> ``pkg``; ``env A=1 codex-acp`` -> ``codex-acp``; anything else is its program's
+    name. Pure: it reads no file.
+    """
+    args = list(command)
+    while args and (Path(args[0]).name == "env" or ("=" in args[0] and not args[0].startswith("-"))):
+        args = args[1:]  # env VAR=value ... CMD
+    if not args:
+        return "adapter"
+    program = _program(args[0])
+    if program in _LAUNCHERS:
+        rest = _operands(args[1:])
+        if len(rest) < _LAUNCHERS[program]:
+            return program
+        target = rest[_LAUNCHERS[program] - 1]
+        is_path = target.startswith(("/", "./", "../")) or target.endswith((".py", ".js", ".mjs", ".ts"))
+        return _script(target) if is_path else _package(target)
+    if _INTERPRETER.match(program):
+        for i, arg in enumerate(args[1:], start=1):
+            if arg == "-m" and i + 1 < len(args):
+                meaningful = [part for part in args[i + 1].split(".") if part not in _GENERIC]
+                return meaningful[-1] if meaningful else args[i + 1]
+        rest = _operands(args[1:])
+        return _script(rest[0]) if rest else program
+    return program
+
+
+def _program(path: str) -> str:
+    name = Path(path.replace("\\", "/")).name
+    for suffix in (".exe", ".cmd", ".bat"):
+        name = name.removesuffix(suffix)
+    return name or "adapter"
+
+
+def _operands(args: Sequence[str]) -> list[str]:
+    """The arguments that are not options (nor an option's value)."""
+    operands, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _OPTIONS_WITH_A_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            operands.append(arg)
+    return operands
+
+
+def _package(spec: str) -> str:
+    """``@scope/pkg@1.2`` -> ``pkg``; ``pkg==1.0``, ``pkg[extra]`` -> ``pkg``."""
+    name = spec.split("/")[-1] if spec.startswith("@") else spec
+    return re.split(r"[@=<>~\[ ]", name, maxsplit=1)[0] or spec
+
+
+def _script(path: str) -> str:
+    """A script's agent: its package under ``node_modules``, else its name, else its directory's."""
+    parts = Path(path.replace("\\", "/")).parts
+    if "node_modules" in parts:
+        after = parts[len(parts) - 1 - parts[::-1].index("node_modules") + 1 :]
+        if after:
+            return after[1] if after[0].startswith("@") and len(after) > 1 else after[0]
+    names = [*parts[:-1], Path(parts[-1]).stem] if parts else []
+    for name in reversed(names):
+        if name and name not in _GENERIC and name not in (".", "..", "/"):
+            return name
+    return Path(path).stem or "adapter"
 
 
 # --- locations -----------------------------------------------------------------

@@ -69,7 +69,9 @@ async def test_a_failed_restore_answers_with_the_adapters_code_message_and_data(
         session = await gw.new_session()
         assert (await gw.request("session/close", {"sessionId": session}))["result"] == {}
         failed = (await gw.request("session/load", {"sessionId": session, **LOAD}))["error"]
-        assert failed.pop("data") == {**data, "backend": "python"}, "the backend named after the adapter's argv[0]"
+        assert failed.pop("data") == {**data, "backend": "fake_adapter"}, (
+            "the backend named after the agent, not python"
+        )
         assert failed == {"code": error["code"], "message": error["message"]}
         assert registry(proc_env).get(session).state is SessionState.CLOSED  # type: ignore[union-attr]
 

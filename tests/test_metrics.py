@@ -151,7 +151,7 @@ async def test_a_run_shows_in_the_counters_and_they_never_go_back(proc_env: dict
         for state, count in sessions.items():
             assert value(during, "acp_proxy_sessions", state=state) == count
         assert total(during, "acp_proxy_live_adapters") <= 1
-    backend = "python"  # the ad-hoc backend the test's proxy serves: its adapter's argv[0]
+    backend = "fake_adapter"  # the ad-hoc backend the test's proxy serves, named after its agent (agent_name)
     assert value(during, "acp_proxy_turns_total", backend=backend, status="done") == 5  # the "state" turn too
     assert value(during, "acp_proxy_turns_total", backend=backend, status="failed") == 1
     assert value(during, "acp_proxy_evictions_total", backend=backend, reason="pool") >= 1
@@ -209,7 +209,7 @@ async def test_a_killed_proxys_tree_is_counted_when_the_next_one_reaps_it(
     async with start(proc_env, tmp_path) as gw:
         await gw.initialize()
         samples = await metrics_of(proc_env, tmp_path, settled=False)
-    assert value(samples, "acp_proxy_trees_reaped_total", backend="python", when="startup") == 1
+    assert value(samples, "acp_proxy_trees_reaped_total", backend="fake_adapter", when="startup") == 1
     events = [e for e in journal.recent_events(state_db(proc_env).conn) if e.kind == "tree_reaped"]
     assert [e.label for e in events] == ["startup"]
 

@@ -503,7 +503,7 @@ def sessions_list(state_dir: Path, *, states: Sequence[str], show_all: bool, as_
         return 0
     moment = time.time()
     table(
-        ("SESSION", "STATE", "BACKEND", "INSTANCE", "LAST ACTIVE", "TURNS", "TITLE", "CWD"),
+        ("SESSION", "STATE", "BACKEND", "INSTANCE", "LAST ACTIVE", "TURNS NOW", "TITLE", "CWD"),
         [
             (
                 v["sessionId"],
@@ -518,6 +518,7 @@ def sessions_list(state_dir: Path, *, states: Sequence[str], show_all: bool, as_
             for v in views
         ],
     )
+    print("TURNS NOW: the session's turns running or queued now (each turn is a task: acp-proxy tasks list)")
     return 0
 
 
@@ -840,7 +841,7 @@ def _print_status(report: dict[str, Any], has_db: bool) -> None:
             pool = proxy.get("pool", {})
             line += (
                 f"  pool {pool.get('live', '?')}/{pool.get('maxLive', '?')} live"
-                f"  sessions {proxy.get('sessions', '?')}  turns {len(proxy.get('turns', []))}"
+                f"  sessions {proxy.get('sessions', '?')}  turns running or queued {len(proxy.get('turns', []))}"
             )
             if "ownership" in proxy:
                 line += f"  {proxy['ownership']['mode']} mode"

@@ -253,6 +253,14 @@ def prune_ended(db: StateDB, retention: float, *, at: float | None = None) -> in
     return db.call(delete)  # on the state writer's thread, after every write queued before it
 
 
+def last_command_of(db: StateDB, backend: str) -> tuple[str, ...] | None:
+    """The command (argv template) the newest lease of ``backend`` ran, if the install still has one."""
+    row = db.conn.execute(
+        "SELECT argv FROM leases WHERE backend = ? ORDER BY created_at DESC LIMIT 1", (backend,)
+    ).fetchone()
+    return None if row is None else tuple(json.loads(row[0]))
+
+
 def counts_by_state(db: StateDB) -> dict[str, int]:
     """How many leases the install has in each state."""
     return dict(db.conn.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())

@@ -327,6 +327,10 @@ class SessionRegistry:
             return None
         return record.instance_id if record.instance_id != self.instance_id else None
 
+    def note_backend(self, session_id: str, backend: str) -> None:
+        """The session is served by ``backend`` from now on (its own was renamed in the config)."""
+        self._update(session_id, "backend = ?", (backend,))
+
     def mark_suspended(self, session_id: str) -> None:
         self._update(session_id, "state = 'suspended', lease_id = NULL", ())
 

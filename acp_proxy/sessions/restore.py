@@ -22,6 +22,7 @@ from msgspec import UNSET, Raw, UnsetType
 from acp_proxy.config import BackendConfig, Config
 from acp_proxy.journal import Kind, SuspendReason
 from acp_proxy.logs import ids
+from acp_proxy.ownership.leases import last_command_of
 from acp_proxy.pool.adapter import Adapter
 from acp_proxy.pool.learned import Learned, command_of
 from acp_proxy.pool.plan import falls_back, refused_as_unsupported, restore_order
@@ -110,7 +111,7 @@ class Restorer:
             await session.stopping.wait()
         record = await self.registry.current(session.session_id) or session.record
         self.table.refresh(session, record)
-        backend = self.config.backends.get(record.backend)
+        backend = self.config.backends.get(record.backend) or self._same_command(record)
         if backend is None:
             raise ProxyError.backend_gone(record.session_id, record.backend)
         started = time.monotonic()
@@ -212,6 +213,22 @@ class Restorer:
         await self.gateway.fail(
             call.gateway_id, ProxyError.start_timeout(str(msg.method), adapter.backend.name, timeout)
         )
+
+    def _same_command(self, record: SessionRecord) -> BackendConfig | None:
+        """The configured backend that runs the command the session's own (no longer configured) backend ran:
+        a zero-config backend named after the agent and a config's backend of another name are one agent."""
+        command = last_command_of(self.registry.db, record.backend)
+        same = next((b for b in self.config.backends.values() if command is not None and b.command == command), None)
+        if same is not None:
+            log.info(
+                "session %s: backend %r is not configured; restored by backend %r, which runs the same command",
+                record.session_id,
+                record.backend,
+                same.name,
+                extra=ids(session=record.session_id),
+            )
+            self.registry.note_backend(record.session_id, same.name)
+        return same
 
     async def _release_claim(self, session_id: str, was: SessionState) -> None:
         """The claim given back, on record before whoever asked is told the restore failed (bounded)."""

@@ -358,7 +358,7 @@ def _proxies_table(snapshot: Snapshot, rows: range, width: int) -> Table:
         Column("LIVE", width=5),
     ]
     if wide:
-        columns += [Column("SESSIONS", width=8), Column("TURNS", width=5)]
+        columns += [Column("SESSIONS", width=8), Column("TURNS NOW", width=9)]
     columns.append(Column("NOTE", ratio=1))
     table = _table(width, columns)
     for proxy in (snapshot.proxies[i] for i in rows):
@@ -618,7 +618,7 @@ def print_plain(snapshot: Snapshot, out: TextIO) -> None:
     sections: list[tuple[str, Sequence[str], list[Sequence[object]]]] = [
         (
             "proxies",
-            ("PROXY", "PID", "UP", "LOOP", "LIVE", "SESSIONS", "TURNS", "CLIENTS", "NOTE"),
+            ("PROXY", "PID", "UP", "LOOP", "LIVE", "SESSIONS", "TURNS NOW", "CLIENTS", "NOTE"),
             [
                 (
                     p.instance,
