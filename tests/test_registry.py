@@ -144,7 +144,7 @@ async def test_a_tombstone_forgets_what_restored_it_and_is_pruned_after_the_rete
     assert tomb is not None
     assert tomb.state is SessionState.DELETED
     assert (tomb.mcp_servers, tomb.settings, tomb.title) == ("[]", (), None)
-    assert not await registry.mark_resuming("gone"), "a deleted session is never restored"
+    assert not await registry.mark_resuming("gone", reopen=True), "a deleted session is never restored"
     assert registry.prune_deleted(3600) == 0, "younger than the retention: kept, so a load is told it was deleted"
     assert registry.prune_deleted(-1) == 1
     assert registry.get("gone") is None
@@ -176,7 +176,8 @@ async def test_a_closed_session_can_be_claimed_for_the_gateways_own_resume(tmp_p
     registry = SessionRegistry(StateDB(tmp_path), "me")
     registry.create(record("s"))
     registry.mark_closed("s")
-    assert await registry.mark_resuming("s")
+    assert not await registry.mark_resuming("s", reopen=False), "only the gateway's own load reopens it"
+    assert await registry.mark_resuming("s", reopen=True)
     registry.release_claim("s", SessionState.CLOSED)
     registry.db.settle()
     got = registry.get("s")

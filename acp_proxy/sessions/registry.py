@@ -264,8 +264,9 @@ class SessionRegistry:
             (self.instance_id, lease_id, adapter_session_id, now()),
         )
 
-    async def mark_resuming(self, session_id: str) -> bool:
-        """Claim a suspended (or closed) session for a resume by this proxy; False if another proxy holds it.
+    async def mark_resuming(self, session_id: str, *, reopen: bool) -> bool:
+        """Claim a suspended session (or, to ``reopen`` it, a closed one) for a restore by this proxy; False if
+        another proxy holds it, or it was closed meanwhile (by ``keep_suspended``, say) and this is no reopen.
 
         One compare-and-set, so two proxies of an install never resume one session at once;
         awaited, after this proxy's earlier writes.
@@ -274,9 +275,9 @@ class SessionRegistry:
             functools.partial(
                 _execute,
                 """UPDATE sessions SET state = 'resuming', instance_id = ?
-                   WHERE session_id = ? AND (state IN ('suspended', 'closed') OR instance_id = ?)
-                     AND state != 'deleted'""",
-                (self.instance_id, session_id, self.instance_id),
+                   WHERE session_id = ? AND (state = 'suspended' OR (state = 'closed' AND ?)
+                     OR (state IN ('live', 'resuming') AND instance_id = ?))""",
+                (self.instance_id, session_id, reopen, self.instance_id),
             )
         )
         return changed == 1

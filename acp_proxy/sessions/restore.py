@@ -117,12 +117,18 @@ class Restorer:
         started = time.monotonic()
         # A resume that does not take leaves the session as it was: suspended, or closed.
         was = SessionState.CLOSED if record.state is SessionState.CLOSED else SessionState.SUSPENDED
-        if not await self.registry.mark_resuming(record.session_id):
+        reopen = gateway_asked is not None  # only the gateway's own load or resume reopens a closed session
+        if was is SessionState.CLOSED and not reopen:
+            raise ProxyError.session_closed(record.session_id)
+        if not await self.registry.mark_resuming(record.session_id, reopen=reopen):
             holder = await self.registry.held_by_another(record.session_id)
             if holder is not None:  # another proxy took it since this one last looked: it is held there
                 self.table.advance(session, HeldBy(Event.HELD_ELSEWHERE, holder))
                 raise ProxyError.session_in_use(record.session_id, holder)
-            if not await self.registry.mark_resuming(record.session_id):  # its holder had died: suspended now
+            if not await self.registry.mark_resuming(record.session_id, reopen=reopen):  # its holder had died
+                now = await self.registry.current(record.session_id)
+                if now is not None and now.state is SessionState.CLOSED:  # closed meanwhile (keep_suspended)
+                    raise ProxyError.session_closed(record.session_id)
                 raise ProxyError.session_in_use(record.session_id)
         try:
             adapter = await self.pool.take(backend, session_key=record.session_id)
