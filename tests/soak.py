@@ -65,7 +65,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -74,6 +74,7 @@ import anyio
 import anyio.abc
 import psutil
 
+from acp_proxy.concurrency import Changes
 from acp_proxy.ownership import cgroups
 from acp_proxy.pool.install import ALL, QUEUE, SLOTS_DIR, InstallSlots
 from tests.conformance import ConformanceError, Conversation
@@ -118,6 +119,15 @@ ATTACH_SHARE = OP_WEIGHTS["attach"] / sum(OP_WEIGHTS.values())
 """``attach`` is drawn apart, at its weight's share, from a random stream of its own: the other
 operations are drawn from each seed as they were before it was added (``tests/test_soak.py``'s
 seed is chosen for its draw)."""
+HANDOVER_SHARE = 0.008
+"""Share of operations that are a ``handover`` (another proxy of the install takes a session and gives it back),
+drawn apart as ``attach`` is, from a stream of its own."""
+PRUNE_SHARE = 0.004
+"""Share of operations that are a ``prune`` (``acp-proxy sessions prune``: suspended sessions closed), drawn apart."""
+PRUNE_OLDER_THAN = "2"
+"""Seconds a session must have been suspended and idle for a ``prune`` to close it."""
+ON_EOF_BACKEND = "beta"
+"""Its ``on_eof = "close"``: a gateway's EOF closes the sessions of it that the proxy served."""
 ENDINGS = {"clean": 2, "eof_mid_turn": 2, "sigkill": 3, "sigkill_waiting": 1}
 ONE_SESSION_ENDINGS = {"clean": 3, "eof_mid_turn": 1, "sigkill": 2, "sigkill_waiting": 2}
 """acpx-style proxies: a gateway that starts one proxy per session ends it often, cleanly or not."""
@@ -164,6 +174,7 @@ class Tracked:
     closing: bool = False  # a close, delete or reopen is in flight: its listing may be either way
     deleted: bool = False  # closed for good: never listed, never reopened
     maybe_deleted: bool = False  # a delete was in flight when its proxy ended
+    at_eof: bool = False  # its proxy's gateway has left, and the proxy closes it (on_eof = "close"): either way
 
 
 @dataclasses.dataclass
@@ -193,6 +204,10 @@ class Report:
     """What the proxies' logs say the install's pool did."""
     attach: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     """What the ``attach`` operations saw: observers started, replays checked, turns mirrored, holders gone."""
+    handover: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """What the ``handover`` operations saw: sessions taken by another proxy (idle, busy), given back, refused."""
+    retention: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    """Sessions closed by ``sessions prune`` and by a gateway's EOF (``on_eof = "close"``)."""
     seconds: float = 0.0
     violations: list[str] = dataclasses.field(default_factory=list)
 
@@ -218,6 +233,8 @@ class Report:
             f"  ops         {counts(self.ops)}",
             f"  faults      {counts(self.faults)}",
             f"  attach      {counts(self.attach)}",
+            f"  handover    {counts(self.handover)}",
+            f"  retention   {counts(self.retention)}",
             f"  requests    {self.sent} sent, {self.answered_once} answered exactly once, "
             f"{self.abandoned} in flight at a proxy SIGKILL",
             f"  sessions    {self.sessions_checked} resumed with their history at the end",
@@ -255,6 +272,11 @@ class Link:
         self.updates: collections.Counter[str] = collections.Counter()
         self.last_update: dict[str, dict[str, Any]] = {}
         self.history_resets: set[str] = set()
+        self.touched: set[str] = set()
+        """Sessions this lifetime's gateway named in a request (its proxy holds them in memory): those of
+        ``ON_EOF_BACKEND`` are closed by its EOF."""
+        self.at_eof: Callable[[], None] | None = None
+        """Called as the gateway closes its end (its proxy's EOF)."""
         self.recording: dict[str, list[dict[str, Any]]] = {}
         """Every ``session/update`` of these sessions, in the order read (an ``attach`` operation's)."""
         self.timeline: list[dict[str, Any]] | None = None
@@ -287,6 +309,9 @@ class Link:
             if "method" in msg and isinstance(msg.get("id"), int):
                 self._sent[msg["id"]] = msg["method"]
                 self.report.sent += 1
+                session_id = (msg.get("params") or {}).get("sessionId")
+                if isinstance(session_id, str):
+                    self.touched.add(session_id)
             return
         if self.timeline is not None:
             self.timeline.append(msg)
@@ -336,6 +361,8 @@ class Link:
             raise ProxyGone from None
 
     async def close_input(self) -> None:
+        if not self.closing and self.at_eof is not None:
+            self.at_eof()
         self.closing = True
         await self.gw.close_input()
 
@@ -382,6 +409,37 @@ def _error_reason(response: dict[str, Any]) -> str | None:
     return data.get("reason") if isinstance(data, dict) else None
 
 
+class Gate:
+    """Operations run together; a ``prune`` runs alone, so that no request races the sessions it closes (a
+    request and a prune of one session may go either way, which the soak's model of each session cannot follow)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.exclusive_held = False
+        self.changes = Changes()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        await self.changes.until(lambda: not self.exclusive_held)
+        self.running += 1
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self.changes.notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        await self.changes.until(lambda: not self.exclusive_held)
+        self.exclusive_held = True
+        try:
+            await self.changes.until(lambda: self.running == 0)
+            yield
+        finally:
+            self.exclusive_held = False
+            self.changes.notify()
+
+
 class Worker:
     """Runs seeded random operations on sessions only it uses (one operation at a time)."""
 
@@ -399,6 +457,10 @@ class Worker:
         self.rng = random.Random(f"{options.seed}-worker-{index}")
         self.attach_rng = random.Random(f"{options.seed}-attach-{index}")
         """Whether an operation is an ``attach``, and how it goes: a stream of its own (``ATTACH_SHARE``)."""
+        self.handover_rng = random.Random(f"{options.seed}-handover-{index}")
+        """Whether an operation is a ``handover`` or a ``prune``, and how it goes: streams of their own."""
+        self.gate = Gate()
+        """Shared by every worker of the run (``run`` sets it)."""
         self.options = options
         self.report = report
         self.sessions = sessions  # this worker's, closed ones included
@@ -442,8 +504,19 @@ class Worker:
                 op = "prompt"
             if op == "attach" and self.install is None:
                 op = "prompt"
+            handing = [s for s in live if s.backend != ON_EOF_BACKEND]
+            if self.handover_rng.random() < HANDOVER_SHARE and self.install is not None and handing:
+                op, session = "handover", self.handover_rng.choice(handing)
+            elif self.handover_rng.random() < PRUNE_SHARE and self.install is not None:
+                op = "prune"
             try:
-                await self.perform(link, op, session)
+                if op == "prune":
+                    await self.prune()
+                else:
+                    async with self.gate.shared():
+                        if session is not None and session.closed is not False:
+                            op = "list"  # closed by a prune while this operation waited for it to end
+                        await self.perform(link, op, session)
             except ProxyGone:
                 return
             finally:
@@ -495,10 +568,14 @@ class Worker:
             await self.delete(link, session)
         elif op == "attach":
             await self.attach(link, session)
+        elif op == "handover":
+            await self.handover(link, session)
 
     def unexpected(self, link: Link, what: str, response: dict[str, Any]) -> None:
         if link.closing and _error_reason(response) == "proxy_shutdown":
             return  # in flight when the gateway closed its end: answered, outcome unknown
+        if link.closing and (response.get("result") or {}).get("stopReason") == "cancelled":
+            return  # in flight when the gateway closed its end, on a backend that closes its sessions at EOF
         if _error_reason(response) == "pool_exhausted":
             self.report.pool["pool_exhausted answers"] += 1  # waited acquire_timeout for a slot: §5 allows it
             return
@@ -516,7 +593,10 @@ class Worker:
             self.unexpected(link, f"session/new on {backend}", response)
             return
         modes: set[str | None] = {"default"} if BACKENDS[backend].get("modes") else {None}
-        self.sessions.append(Tracked(response["result"]["sessionId"], backend, modes=modes))
+        tracked = Tracked(response["result"]["sessionId"], backend, modes=modes)
+        tracked.at_eof = link.closing and backend == ON_EOF_BACKEND  # answered after the EOF: being closed
+        self.sessions.append(tracked)
+        link.touched.add(tracked.session_id)
 
     async def turn(self, link: Link, s: Tracked, text: str, *, crash: bool = False, hang: bool = False) -> bool:
         """A prompt turn; whether it ended as it should (``end_turn``, or the crash or timeout asked for)."""
@@ -914,6 +994,124 @@ class Worker:
             self.report.violation(f"attach of {sid}: the last prompt in its history is not the turn before's")
         self.report.attach["replays checked"] += 1
 
+    async def handover(self, link: Link, s: Tracked) -> None:
+        """Another proxy of the install (B) asks for a session this worker's proxy (A) serves, and A takes it back.
+
+        A turn through A first (its gateway then knows the session there). B asks with ``session/load``
+        (its replay is the adapter's whole history) or with a prompt (a gateway that never loaded it),
+        while A is idle or, at times, while a turn runs on A: that turn must end ``end_turn``,
+        undisturbed, before B is answered. Once B has it, A's process is gone (never two processes for
+        one session), and A's gateway is told ``session_moved``; A's own load brings it back, after
+        which B is told so. A may end at any moment (SIGKILL, EOF): what is left is not compared.
+        """
+        assert self.install is not None
+        rng = self.handover_rng
+        busy, by_load = rng.random() < 0.4, rng.random() < 0.6
+        known = await self.state(link, s)
+        if known is None:
+            self.report.handover["not attempted: the turn before failed"] += 1
+            return
+        install = self.install
+        install.observers += 1
+        log = install.workdir / f"proxy-taker-{install.observers}.log"
+        holder_gone = False
+        async with Link.start(install.env, install.config, self.report, log) as other:
+            try:
+                await self._hand_over(link, other, s, known, busy=busy, by_load=by_load, log=log)
+            except ProxyGone:  # raised again once B has left: in B's task group it would be wrapped
+                holder_gone = True
+        code = other.process.returncode
+        if code != 0:
+            self.report.violation(f"a proxy that took a session over exited with status {code}; see {log}")
+        if other.unanswered():
+            self.report.violation(f"a proxy that took a session over never answered: {other.unanswered()}; see {log}")
+        self.report.answered_once += other.answered_once()
+        if holder_gone:
+            raise ProxyGone
+
+    async def _hand_over(
+        self, link: Link, other: Link, s: Tracked, known: dict[str, Any], *, busy: bool, by_load: bool, log: Path
+    ) -> None:
+        rng = self.handover_rng
+        if not await other.initialize():
+            return
+        before = other.updates[s.session_id]
+        asked: list[dict[str, Any]] = []
+        async with anyio.create_task_group() as tasks:
+            if busy:
+                started = link.updates[s.session_id]
+                tasks.start_soon(self._turn_until_gone, link, s, f"stream {rng.randint(10, 30)}")
+                with anyio.move_on_after(ANSWER_TIMEOUT):
+                    while link.updates[s.session_id] == started and not link.gone.is_set():
+                        await anyio.sleep(0.005)
+            if by_load:
+                load = {"sessionId": s.session_id, "cwd": "/tmp", "mcpServers": []}
+                asked.append(await other.request("session/load", load))
+            else:
+                took = await self.turn(other, s, f"stream {rng.randint(1, 5)}")
+                asked.append({"result": {}} if took else {"error": {}})
+        if "result" not in asked[0]:
+            if by_load:
+                self.unexpected(other, f"session/load of {s.session_id} held by another proxy", asked[0])
+            return
+        self.report.handover["taken while a turn ran" if busy else "taken idle"] += 1
+        if markers.alive(int(known["pid"])):
+            self.report.violation(f"{s.session_id}: its old process {known['pid']} outlived the handover")
+        if by_load:
+            replayed = other.updates[s.session_id] - before
+            known_there = await self.state(other, s)
+            if known_there is not None and known_there["history"] != replayed:
+                self.report.violation(
+                    f"{s.session_id}: load by another proxy replayed {replayed} updates, "
+                    f"the adapter has {known_there['history']}"
+                )
+        # A's gateway: told the session moved; or, if B's pool suspended it meanwhile (its row free again), served
+        # at A as any suspended session is, transparently.
+        if await self._moved_or_served(link, s, "moved to another proxy"):
+            await self.load(link, s)  # its own load brings it back
+        if await self._moved_or_served(other, s, "taken back"):
+            self.report.handover["given back"] += 1
+        for session_id in other.history_resets:
+            self.report.violation(f"{session_id} lost its history in a handover; see {log}")
+
+    async def _moved_or_served(self, link: Link, s: Tracked, what: str) -> bool:
+        """A prompt from a gateway whose proxy served the session before another took it: True if it was told
+        ``session_moved``; a turn that ran instead (the session free again) is counted as any turn."""
+        s.hi += 1
+        response = await link.request("session/prompt", _prompt(s.session_id, "stream 1"))
+        if _error_reason(response) == "session_moved":
+            s.hi -= 1
+            return True
+        if (response.get("result") or {}).get("stopReason") == "end_turn":
+            s.lo += 1
+            self.report.handover["served again without a handover (it was free)"] += 1
+            return False
+        self.unexpected(link, f"a prompt to {s.session_id}, {what}", response)
+        return False
+
+    async def _turn_until_gone(self, link: Link, s: Tracked, text: str) -> None:
+        with contextlib.suppress(ProxyGone):
+            await self.turn(link, s, text)
+
+    async def prune(self) -> None:
+        """``acp-proxy sessions prune``, alone (``Gate``): the sessions it reports closed are closed from now on."""
+        assert self.install is not None
+        install = self.install
+        argv = [sys.executable, "-m", "acp_proxy", "sessions", "prune", "--older-than", PRUNE_OLDER_THAN, "--json"]
+        async with self.gate.exclusive():  # the sessions it closed are marked so before any other request goes
+            done = await anyio.to_thread.run_sync(
+                lambda: subprocess.run(argv, env=install.env, capture_output=True, text=True, timeout=60)
+            )
+            if done.returncode != 0:
+                self.report.violation(f"sessions prune exited {done.returncode}: {done.stderr[-300:]}")
+                return
+            closed = {entry["sessionId"] for entry in json.loads(done.stdout)["closed"]}
+            for tracked in (t for w in self.peers for t in w.sessions if t.session_id in closed):
+                if tracked.deleted:
+                    self.report.violation(f"sessions prune closed deleted session {tracked.session_id}")
+                tracked.closed = True
+            self.report.retention["closed by prune"] += len(closed)
+
     async def closed_probe(self, link: Link, s: Tracked | None = None) -> None:
         s = s or self.rng.choice([s for s in self.sessions if s.closed is True])
         response = await link.request("session/prompt", _prompt(s.session_id, "stream 1"))
@@ -934,7 +1132,7 @@ async def check_list(link: Link, report: Report, sessions: list[Tracked], tolera
     cursor = None
 
     def state(s: Tracked) -> tuple[Any, ...]:
-        return (s.closed, s.deleted, s.closing, s.maybe_deleted)
+        return (s.closed, s.deleted, s.closing, s.maybe_deleted, s.at_eof)
 
     asked = {s.session_id: state(s) for s in sessions}
     while True:
@@ -951,7 +1149,7 @@ async def check_list(link: Link, report: Report, sessions: list[Tracked], tolera
             break
     known = {s.session_id: s for s in sessions}
     for s in sessions:
-        if s.closing or s.closed is None or s.maybe_deleted or asked.get(s.session_id) != state(s):
+        if s.closing or s.at_eof or s.closed is None or s.maybe_deleted or asked.get(s.session_id) != state(s):
             continue
         if s.closed is False and listed.get(s.session_id, "closed") == "closed":
             report.violation(f"session/list lacks open session {s.session_id}: {listed.get(s.session_id)}")
@@ -1144,6 +1342,8 @@ def write_config(workdir: Path, max_live: int) -> Path:
             lines += ['turn_timeout = "2s"', 'turn_idle_timeout = "1500ms"']
         if name == CAPPED_BACKEND:
             lines.append("max_live = 1")
+        if name == ON_EOF_BACKEND:
+            lines.append('on_eof = "close"')
     path = workdir / "config.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -1204,9 +1404,11 @@ async def run(options: Options, workdir: Path, env: dict[str, str]) -> Report:
     stations = _stations(options, report, cap)
     workers = [worker for station in stations for worker in station.workers]
     install = Install(env, config, workdir)
+    gate = Gate()
     for worker in workers:
         worker.peers = workers
         worker.install = install
+        worker.gate = gate
     # A process that looks exactly like an adapter of the proxy's (same argv, same test marker), started
     # outside it: command lines and inherited variables prove nothing.
     decoys.start(fake_command(store=str(workdir / "store"), **BACKENDS["alpha"]), env)
@@ -1290,6 +1492,19 @@ async def _epoch(
     """One proxy lifetime: the workers' operations, then its end as drawn; False if it never served."""
     state_dir = Path(env["ACP_PROXY_STATE_DIR"])
     async with Link.start(env, config, report, log) as link:
+
+        def closed_at_eof() -> list[Tracked]:
+            """The sessions its gateway's EOF closes: those of ON_EOF_BACKEND the proxy served (on_eof = "close"),
+            a session opened by an answer read after the EOF included."""
+            return [
+                s for w in workers for s in w.sessions if s.session_id in link.touched and s.backend == ON_EOF_BACKEND
+            ]
+
+        def closing() -> None:  # from the EOF on, they are being closed: a list may show them either way
+            for s in closed_at_eof():
+                s.at_eof = True
+
+        link.at_eof = closing
         try:
             await link.initialize()
         except ProxyGone:
@@ -1312,6 +1527,11 @@ async def _epoch(
         killed = code == -signal.SIGKILL
         if not killed and code != 0:
             report.violation(f"a proxy exited with status {code}; see {log}")
+        for s in closed_at_eof():  # every operation of the lifetime has ended: nothing changes them after this
+            s.at_eof = False
+            if code == 0 and not s.deleted and s.closed is not True:
+                s.closed = True
+                report.retention["closed at EOF"] += 1
         unanswered = link.unanswered()
         report.answered_once += link.answered_once()
         if killed:

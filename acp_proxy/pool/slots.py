@@ -157,6 +157,18 @@ class SlotAdmission:
         self._others = (moment, others)
         return others
 
+    async def until_gone_elsewhere(self, session_id: str, timeout: float) -> bool:
+        """Until no other proxy of the install holds a slot for ``session_id``: the process another proxy served it
+        on (suspended, or handed over, just now) is gone, before one starts here. False past ``timeout``."""
+        with anyio.move_on_after(timeout):
+            while any(
+                held.record is not None and held.record.session == session_id
+                for held in self.install.holders(skip=self._own_install_indexes())
+            ):
+                await anyio.sleep(POLL)  # another proxy's tree: its slot file is all there is to watch
+            return True
+        return False
+
     def _alive(self, instance_id: str, moment: float) -> bool:
         known = self._instances_alive.get(instance_id)
         if known is None or moment - known[0] >= ALIVE_FOR:

@@ -131,6 +131,9 @@ class GatewayConnection:
             with anyio.move_on_after(SHUTDOWN_WRITE_GRACE + shutdown.term_grace):
                 await self.background.wait_idle()
             await self.pool.processes.stop_all()
+            if self.stopping.reason is None:  # gateway EOF: sessions opened while it shut down are its too (on_eof)
+                with anyio.move_on_after(shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace):
+                    await self.intents.close_at_eof()
             self.turns.settle_leftovers("acp-proxy shut down before the turn was answered")
             self.turns.write_settled()
             if self.turns.unwritten:

@@ -69,6 +69,10 @@ from acp_proxy.tasks.turns import TurnBook
 
 log = logging.getLogger("acp_proxy.lifecycle")
 
+_OURS_TO_CLOSE = frozenset({Phase.LIVE, Phase.SUSPENDED, Phase.RESUMING, Phase.REOPENING, Phase.RELEASING})
+"""The phases of a session this proxy holds and has not closed: what its gateway's EOF closes under ``on_eof``
+(a restore under way is cut short; not a session another proxy holds)."""
+
 Answer = Callable[[Message], Message | None]
 
 
@@ -354,11 +358,11 @@ class SessionIntents:
 
     async def close_at_eof(self) -> None:
         """The gateway has left (EOF): its sessions of backends with ``on_eof = "close"`` are closed, not
-        suspended (live or suspended here; not those another proxy holds). Until each is done."""
+        suspended (``_OURS_TO_CLOSE``). Until each is done."""
         closing = []
         for session in self.table.values():
             backend = self.config.backends.get(session.record.backend)
-            if backend is None or backend.on_eof != "close" or session.phase not in (Phase.LIVE, Phase.SUSPENDED):
+            if backend is None or backend.on_eof != "close" or session.phase not in _OURS_TO_CLOSE:
                 continue
             closed = await self.close(session.session_id, None, by="eof")
             if closed is not None:

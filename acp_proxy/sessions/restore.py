@@ -42,6 +42,8 @@ from acp_proxy.timings import Timing
 log = logging.getLogger("acp_proxy.lifecycle")
 
 RELEASE_WAIT: Final = 5.0
+STOP_MARGIN: Final = 2.0
+"""Beyond the shutdown graces, how long a restore waits for another proxy's process of the session to be gone."""
 """How long a failed restore waits for its released claim to be written before it answers."""
 
 
@@ -109,6 +111,15 @@ class Restorer:
     async def _bring_back(self, session: Session, gateway_asked: str | None) -> Message:
         if session.stopping is not None:  # its previous process must be gone before another starts
             await session.stopping.wait()
+        shutdown = self.config.shutdown
+        gone_within = shutdown.stdin_grace + shutdown.term_grace + STOP_MARGIN
+        if not await self.pool.admission.until_gone_elsewhere(session.session_id, gone_within):  # another proxy's
+            log.warning(
+                "session %s: the process another proxy served it on was still there after %gs; restoring anyway",
+                session.session_id,
+                gone_within,
+                extra=ids(session=session.session_id),
+            )
         record = await self.registry.current(session.session_id) or session.record
         self.table.refresh(session, record)
         backend = self.config.backends.get(record.backend) or self._same_command(record)
