@@ -8,7 +8,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
-from . import acpx_checks, attach_checks, install_checks, matrix, raw_checks, remote_checks, sdk_checks, session_checks
+from . import (
+    acpx_checks,
+    attach_checks,
+    install_checks,
+    install_session_checks,
+    matrix,
+    raw_checks,
+    remote_checks,
+    sdk_checks,
+    session_checks,
+)
 from .adapters import ADAPTERS, POOL_ADAPTERS
 from .harness import Peers
 from .report import CheckFailed
@@ -57,5 +67,8 @@ CHECKS: tuple[Check, ...] = (
     *each_adapter("remote-acpx", remote_checks.remote_acpx_adapter, POOL_ADAPTERS),
     Check("attach-echo", attach_checks.attach_echo),
     *each_adapter("attach", attach_checks.attach_adapter, POOL_ADAPTERS),
+    Check("retention-acpx-echo", install_session_checks.retention_acpx),
+    Check("handover-acpx-echo", install_session_checks.handover_acpx),
+    Check("fast-agent", install_session_checks.fast_agent),
     *each_adapter("matrix", matrix.matrix, ADAPTERS),
 )

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from .adapters import ADAPTERS, NPM_PACKAGES, PYPI_PACKAGES
 from .harness import Peers
@@ -48,6 +49,30 @@ def install(peers: Peers) -> None:
         check=True,
         env=env,
     )
+    install_fast_agent(peers)
+
+
+def python_312() -> str | None:
+    """A Python 3.12 or later, for fast-agent's venv (fast-agent-acp requires one): on PATH, else pyenv's."""
+    for name in ("python3.14", "python3.13", "python3.12"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pyenv = sorted(Path.home().glob(".pyenv/versions/3.1[2-9]*/bin/python"))
+    return str(pyenv[-1]) if pyenv else None
+
+
+def install_fast_agent(peers: Peers) -> None:
+    """fast-agent into WORKDIR/venv-fast-agent (PyPI ``fast-agent-acp``), if a Python 3.12+ is found."""
+    python = python_312()
+    if python is None:
+        print("   fast-agent: no Python 3.12 or later found; the fast-agent check will fail", flush=True)
+        return
+    venv = peers.work / "venv-fast-agent"
+    if not (venv / "bin" / "python").exists():
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--upgrade", "fast-agent-acp"], check=True)
 
 
 def print_versions(peers: Peers) -> None:
@@ -60,6 +85,14 @@ def print_versions(peers: Peers) -> None:
         manifest = peers.work / "npm" / "node_modules" / package / "package.json"
         version = json.loads(manifest.read_text())["version"] if manifest.exists() else "missing"
         print(f"   {package} {version}")
+    fast = peers.work / "venv-fast-agent" / "bin" / "python"
+    if fast.exists():
+        version = subprocess.run(
+            [str(fast), "-c", "import importlib.metadata as m; print(m.version('fast-agent-mcp'))"],
+            capture_output=True,
+            text=True,
+        )
+        print(f"   fast-agent-mcp (PyPI) {version.stdout.strip() or 'missing'}")
     code = "import importlib.metadata as m; print(m.version('agent-client-protocol'))"
     found = peers.venv_python.exists()
     sdk = subprocess.run([str(peers.venv_python), "-c", code], capture_output=True, text=True) if found else None
