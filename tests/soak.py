@@ -576,6 +576,8 @@ class Worker:
             return  # in flight when the gateway closed its end: answered, outcome unknown
         if link.closing and (response.get("result") or {}).get("stopReason") == "cancelled":
             return  # in flight when the gateway closed its end, on a backend that closes its sessions at EOF
+        if link.closing and _error_reason(response) == "session_closed":
+            return  # waiting for its session when the gateway's EOF closed it (on_eof = "close")
         if _error_reason(response) == "pool_exhausted":
             self.report.pool["pool_exhausted answers"] += 1  # waited acquire_timeout for a slot: §5 allows it
             return

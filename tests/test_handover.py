@@ -171,3 +171,25 @@ async def test_closing_a_session_another_proxy_holds_takes_it_over_first(
         assert reason_of(await a.prompt(session, "stream 1")) == "session_moved"
         status = await cli_json(proc_env, "sessions", "show", session)
         assert status["state"] == "closed"
+
+
+async def test_a_session_of_a_proxy_shutting_down_is_taken_once_it_has_let_go(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The holder's gateway has left and its shutdown is slow (an adapter that ignores EOF and SIGTERM): another
+    proxy's load waits for the shutdown to suspend the session, instead of answering ``session_in_use``."""
+    config = write_config(
+        tmp_path,
+        pool={"max_live": 4},
+        backends={"fake": {"store": str(tmp_path / "store"), "ignore_eof": True, "ignore_sigterm": True}},
+        sessions={"handover_timeout": "20s"},
+    )
+    args = ["--config", str(config)]
+    async with proxies(proc_env, tmp_path, 2, args) as (a, b):
+        session = await a.new_session()
+        assert turn_ok(await a.prompt(session, "stream 2"))
+        await a.close_input()  # a's shutdown: its stdin grace, then SIGTERM ignored, then SIGKILL
+        await anyio.sleep(0.2)
+        loaded = await load(b, session, tmp_path)
+        assert "result" in loaded, loaded
+        assert (await state_of(b, session))["turns"] == 1

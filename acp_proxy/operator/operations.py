@@ -367,6 +367,8 @@ class InstallPeers:
         except ControlError as exc:
             if exc.code == "turn_running":
                 return Answer.KEPT
+            if exc.code == "shutting_down":
+                return Answer.STOPPING
             log.info("proxy %s did not release session %s: %s", instance_id, session_id, exc)
             return Answer.UNANSWERED
         except (ControlUnavailable, TimeoutError, OSError) as exc:

@@ -37,6 +37,8 @@ from acp_proxy.sessions.table import Moved, Session, SessionTable
 
 log = logging.getLogger("acp_proxy.lifecycle")
 
+STOPPING_POLL: Final = 0.05
+"""How often an asker looks whether a holder that is shutting down has let the session go."""
 STOP_MARGIN: Final = 2.0
 """Beyond the shutdown graces, how long a released session's process may take to be gone before the
 asker is answered anyway (its tree is reaped by its lease either way)."""
@@ -51,6 +53,8 @@ class Answer(enum.StrEnum):
     """A turn ran there past the asker's ``handover_timeout``."""
     UNANSWERED = "unanswered"
     """Its control socket did not answer (gone, or not listening)."""
+    STOPPING = "stopping"
+    """It is shutting down: its sessions are suspended within its shutdown, then free."""
 
 
 class Holders(Protocol):
@@ -160,6 +164,10 @@ class Handover:
         answer = Answer.UNANSWERED
         if holder is not None and self.holders is not None:
             answer = await self.holders.release(holder, session.session_id, self.registry.instance_id, timeout)
+        if answer is Answer.STOPPING:  # a proxy shutting down suspends its sessions within its graces
+            with anyio.move_on_after(max(0.0, timeout - (time.monotonic() - started))):
+                while await self.registry.held_by_another(session.session_id) == holder:
+                    await anyio.sleep(STOPPING_POLL)  # another process's shutdown: its row is all there is to watch
         still = None if answer is Answer.RELEASED else await self.registry.held_by_another(session.session_id)
         if still is None:
             self.table.advance(session, Event.RELEASED)
