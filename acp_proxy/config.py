@@ -235,6 +235,12 @@ class ShutdownConfig(msgspec.Struct, frozen=True, kw_only=True):
     stdin_grace: Annotated[float, DURATION] = 1.0
     term_grace: Annotated[float, DURATION] = 3.0
 
+    @property
+    def gone_within(self) -> float:
+        """How long a tree asked to stop may take to be gone (its stdin grace, then SIGTERM's, and a margin):
+        what waits for one bounds itself by this."""
+        return self.stdin_grace + self.term_grace + 2.0
+
 
 class OwnershipConfig(msgspec.Struct, frozen=True, kw_only=True):
     reap_interval: Annotated[float, DURATION] = 180.0

@@ -333,8 +333,7 @@ class Operations:
         return {"sessionId": session_id, "released": True}
 
     def _stop_budget(self) -> float:
-        shutdown = self.proxy.config.shutdown
-        return shutdown.stdin_grace + shutdown.term_grace + 2.0
+        return self.proxy.config.shutdown.gone_within
 
 
 class InstallPeers:

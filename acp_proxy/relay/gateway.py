@@ -116,9 +116,7 @@ class GatewayConnection:
                     await self.background.wait_idle()
                 with anyio.move_on_after(shutdown.stdin_grace):
                     await self._until_answered()
-                # Backends with ``on_eof = "close"``: the sessions this gateway leaves are closed, not suspended.
-                with anyio.move_on_after(shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace):
-                    await self.intents.close_at_eof()
+                await self._close_at_eof()  # on_eof = "close": the sessions this gateway leaves are closed
             self.pool.refuse()  # requests still waiting for a process slot give up (proxy_shutdown)
             await self.pool.processes.stop_warm()
             await self.links.close_all()
@@ -132,8 +130,7 @@ class GatewayConnection:
                 await self.background.wait_idle()
             await self.pool.processes.stop_all()
             if self.stopping.reason is None:  # gateway EOF: sessions opened while it shut down are its too (on_eof)
-                with anyio.move_on_after(shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace):
-                    await self.intents.close_at_eof()
+                await self._close_at_eof()
             self.turns.settle_leftovers("acp-proxy shut down before the turn was answered")
             self.turns.write_settled()
             if self.turns.unwritten:
@@ -148,6 +145,12 @@ class GatewayConnection:
                     detail=f"{suspended} session(s) suspended at shutdown ({self.stopping.reason or 'gateway left'})",
                 )
             await self.registry.db.drain_writer()  # every queued write applied (or logged) before exit
+
+    async def _close_at_eof(self) -> None:
+        """``SessionIntents.close_at_eof``, bounded by a close's own time and its tree's graces."""
+        shutdown = self.config.shutdown
+        with anyio.move_on_after(shutdown.close_timeout + shutdown.stdin_grace + shutdown.term_grace):
+            await self.intents.close_at_eof()
 
     async def _until_answered(self) -> None:
         """Until every request the gateway sent to an adapter is answered (or its adapter is gone)."""

@@ -39,9 +39,6 @@ log = logging.getLogger("acp_proxy.lifecycle")
 
 STOPPING_POLL: Final = 0.05
 """How often an asker looks whether a holder that is shutting down has let the session go."""
-STOP_MARGIN: Final = 2.0
-"""Beyond the shutdown graces, how long a released session's process may take to be gone before the
-asker is answered anyway (its tree is reaped by its lease either way)."""
 
 
 class Answer(enum.StrEnum):
@@ -146,8 +143,9 @@ class Handover:
             )
 
     def _stop_budget(self) -> float:
-        shutdown = self.config.shutdown
-        return shutdown.stdin_grace + shutdown.term_grace + STOP_MARGIN
+        """How long a released session's process may take to be gone before the asker is answered anyway (its
+        tree is reaped by its lease either way)."""
+        return self.config.shutdown.gone_within
 
     # --- the asker's side --------------------------------------------------------------------
 

@@ -42,8 +42,6 @@ from acp_proxy.timings import Timing
 log = logging.getLogger("acp_proxy.lifecycle")
 
 RELEASE_WAIT: Final = 5.0
-STOP_MARGIN: Final = 2.0
-"""Beyond the shutdown graces, how long a restore waits for another proxy's process of the session to be gone."""
 """How long a failed restore waits for its released claim to be written before it answers."""
 
 
@@ -111,8 +109,7 @@ class Restorer:
     async def _bring_back(self, session: Session, gateway_asked: str | None) -> Message:
         if session.stopping is not None:  # its previous process must be gone before another starts
             await session.stopping.wait()
-        shutdown = self.config.shutdown
-        gone_within = shutdown.stdin_grace + shutdown.term_grace + STOP_MARGIN
+        gone_within = self.config.shutdown.gone_within
         if not await self.pool.admission.until_gone_elsewhere(session.session_id, gone_within):  # another proxy's
             log.warning(
                 "session %s: the process another proxy served it on was still there after %gs; restoring anyway",
