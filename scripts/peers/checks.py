@@ -14,6 +14,7 @@ from . import (
     install_checks,
     install_session_checks,
     matrix,
+    openclaw_checks,
     raw_checks,
     remote_checks,
     sdk_checks,
@@ -70,5 +71,6 @@ CHECKS: tuple[Check, ...] = (
     Check("retention-acpx-echo", install_session_checks.retention_acpx),
     Check("handover-acpx-echo", install_session_checks.handover_acpx),
     Check("fast-agent", install_session_checks.fast_agent),
+    Check("openclaw-echo", openclaw_checks.openclaw_echo),
     *each_adapter("matrix", matrix.matrix, ADAPTERS),
 )

