@@ -44,9 +44,15 @@ def test_the_method_table_says_what_the_schema_says(method: str, expected: dict[
     assert known.names_session is expected["names_session"]
 
 
-def test_the_table_knows_no_method_beyond_the_schema_but_the_old_set_model_the_unstable_fork_and_attach() -> None:
-    # session/attach and session/detach: the draft RFD "Multi-Client Session Attach", served by the proxy itself
-    assert set(METHODS) - set(schema_methods()) == {Method.SET_MODEL, Method.FORK, Method.ATTACH, Method.DETACH}
+def test_the_table_knows_no_method_beyond_the_schema_but_the_old_set_model_the_unstable_fork_status_and_attach() -> (
+    None
+):
+    # session/attach and session/detach: the draft RFD "Multi-Client Session Attach", served by the proxy itself;
+    # session/status: in the unstable schema the TypeScript SDK 2.4 ships, served by the proxy itself
+    unstable = {Method.FORK, Method.STATUS, Method.ATTACH, Method.DETACH}
+    assert set(METHODS) - set(schema_methods()) == {Method.SET_MODEL, *unstable}
+    assert facts(Method.STATUS).names_session
+    assert facts(Method.STATUS).capability == "sessionCapabilities.status"
     assert is_setting(Method.SET_MODEL), "older adapters still take it: it is re-applied like the others"
     assert facts(Method.FORK).names_session
     assert facts(Method.FORK).capability == "sessionCapabilities.fork"

@@ -36,12 +36,13 @@ async def test_initialize_is_relayed_with_proxy_meta(proc_env: dict[str, str], t
         assert result["agentCapabilities"] == {
             "loadSession": True,
             "promptCapabilities": {"image": True},
-            # served by the proxy: close, list, delete and attach always, resume because the adapter can load
+            # served by the proxy: close, list, delete, status and attach always, resume because the adapter can load
             "sessionCapabilities": {
                 "close": {},
                 "list": {},
                 "delete": {},
                 "resume": {},
+                "status": {},
                 "attach": {"roles": ["controller", "observer"]},
             },
         }

@@ -404,11 +404,14 @@ async def test_two_tokens_cannot_see_each_others_sessions(proc_env: dict[str, st
                 ("session/load", {"sessionId": mine, **NEW}),
                 ("session/resume", {"sessionId": mine, **NEW}),
                 ("session/close", {"sessionId": mine}),
+                ("session/status", {"sessionId": mine}),
             ):
                 refused = await b.call(method, params)
                 assert refused["error"]["data"]["reason"] == "unknown_session", (method, refused)
             listed = await b.call("session/list", {})
             assert [s["sessionId"] for s in listed["result"]["sessions"]] == [theirs]
+            for client, session in ((a, mine), (b, theirs)):
+                assert (await client.call("session/status", {"sessionId": session}))["result"] == {"status": "open"}
         async with WsClient.open(served.target(admin)) as ops:
             await ops.call("initialize", TEST_INITIALIZE)
             everything = await ops.call("session/list", {})

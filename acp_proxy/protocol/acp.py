@@ -132,9 +132,10 @@ def offered_initialize(params: Raw | UnsetType) -> Raw | UnsetType:
 def annotate_initialize(result: Raw, backend: str) -> Raw:
     """The adapter's ``initialize`` result, adjusted for what the proxy itself provides.
 
-    ``session/close``, ``session/list``, ``session/delete`` and the draft's ``session/attach``
-    are always served (by the proxy); ``session/resume`` is, when the adapter can load or resume (the proxy restores
-    the session on a fresh process either way); ``session/fork`` when the adapter forks.
+    ``session/close``, ``session/list``, ``session/delete``, the unstable ``session/status`` and the
+    draft's ``session/attach`` are always served (by the proxy); ``session/resume`` is, when the adapter
+    can load or resume (the proxy restores the session on a fresh process either way); ``session/fork``
+    when the adapter forks.
     ``_meta["acp-proxy"]`` says who we are.
     ``protocolVersion`` is at most the proxy's own, whatever the adapter answered.
     """
@@ -152,6 +153,7 @@ def annotate_initialize(result: Raw, backend: str) -> Raw:
     sessions.setdefault("delete", {})
     if caps.load or caps.resume:
         sessions.setdefault("resume", {})
+    sessions["status"] = {}  # the proxy's own, from the install's state: never the adapter's
     sessions["attach"] = {"roles": list(ATTACH_ROLES)}  # the proxy's own (relay.sharing)
     agent["sessionCapabilities"] = sessions
     obj["agentCapabilities"] = agent

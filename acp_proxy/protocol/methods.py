@@ -28,6 +28,8 @@ class Method(enum.StrEnum):
     CLOSE = "session/close"
     FORK = "session/fork"
     """Unstable in ACP v1 (not in the schema yet); served when the adapter advertises it."""
+    STATUS = "session/status"
+    """Unstable (the schema the TypeScript SDK 2.4 ships): served by the proxy itself, from the install's state."""
     ATTACH = "session/attach"
     """From ACP's draft RFD "Multi-Client Session Attach": served by the proxy itself (``relay.sharing``)."""
     DETACH = "session/detach"
@@ -95,6 +97,7 @@ METHODS: Final[dict[str, MethodFacts]] = {
     Method.DELETE: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.delete", effect=Effect.ENDS),
     Method.FORK: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.fork"),
     Method.CLOSE: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.close", effect=Effect.ENDS),
+    Method.STATUS: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.status"),
     Method.ATTACH: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.attach"),
     Method.DETACH: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.attach"),
     Method.PROMPT: MethodFacts(_AGENT, names_session=True),

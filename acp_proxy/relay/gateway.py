@@ -235,6 +235,12 @@ class GatewayConnection:
     async def _list(self, msg: Message) -> None:
         await self.intents.list_sessions(msg)
 
+    async def _status(self, msg: Message) -> None:
+        """``session/status`` (unstable): from the install's state, beside whatever the session is doing."""
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is not None:
+            self.background.start(lambda: self.intents.status(msg, session_id))
+
     async def _close(self, msg: Message) -> None:
         session_id = await self._session_id_or_fail(msg)
         if session_id is not None:
@@ -402,6 +408,7 @@ ROUTES: Final[dict[str, Route]] = {
     Method.AUTHENTICATE: GatewayConnection._authenticate,
     Method.NEW: GatewayConnection._new,
     Method.LIST: GatewayConnection._list,
+    Method.STATUS: GatewayConnection._status,
     Method.CLOSE: GatewayConnection._close,
     Method.DELETE: GatewayConnection._delete,
     Method.FORK: GatewayConnection._fork,

@@ -45,11 +45,12 @@ log = logging.getLogger("acp_proxy.serve")
 HANDOVER_TIMEOUT: Final = 30.0
 """How long a message for a session waits for the proxy of a connection that ended to let it go."""
 
-CONNECTION_LEVEL: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK, Method.LIST})
-ATTACHING: Final = frozenset({Method.ATTACH, Method.DETACH})
-"""Requests that join a session where another proxy holds it, or leave it: they never take it over."""
+CONNECTION_LEVEL: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK, Method.LIST, Method.STATUS})
 """Requests whose answers go to the connection-scoped stream (the RFD: the client cannot have a
-session stream for a session it is only now opening)."""
+session stream for a session it is only now opening, or only asks about)."""
+LEAVE_WHERE_HELD: Final = frozenset({Method.ATTACH, Method.DETACH, Method.STATUS})
+"""Requests that never take a session from where it is held: an attach joins it there, a detach leaves it,
+``session/status`` only asks about it."""
 
 
 class Ended(enum.Enum):
@@ -253,8 +254,7 @@ class Connection:
                 await self.outbox.put(scope, error.response(msg.id))  # type: ignore[arg-type]
             log.info("%s: refused %s for %s (%s)", self.principal.label, msg.method, session_id, verdict.value)
             return False
-        if session_id is not None and msg.method not in ATTACHING:
-            # An attach joins the session where it is held: it never takes it from a lingering proxy.
+        if session_id is not None and msg.method not in LEAVE_WHERE_HELD:
             await self.hub.until_released(session_id, self)
             self.touched.add(session_id)
         if kind is Kind.REQUEST:

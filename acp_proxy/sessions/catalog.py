@@ -1,5 +1,6 @@
 """``session/list``: the registry's rows (suspended and closed sessions included), filtered by who asks,
-with the titles the backends' own lists report (``sessions.listing`` decides what to take of them)."""
+with the titles the backends' own lists report (``sessions.listing`` decides what to take of them); and the
+unstable ``session/status``, from the same rows."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.protocol.methods import Method
-from acp_proxy.sessions.decisions import visibility_row
+from acp_proxy.sessions.decisions import session_status, visibility_row
 from acp_proxy.sessions.listing import session_info, title_changes, titles_listed
+from acp_proxy.sessions.machine import Standing
 from acp_proxy.sessions.registry import LIST_PAGE_SIZE, SessionRecord, SessionRegistry, decode_cursor, encode_cursor
 from acp_proxy.sessions.restore import GatewayPort
 from acp_proxy.sessions.visibility import parse_requester, visible_rows
@@ -29,7 +31,7 @@ LISTED_PAGES: Final = 10
 
 
 class SessionCatalog:
-    """Answers ``session/list`` for the gateway."""
+    """Answers ``session/list`` and ``session/status`` for the gateway."""
 
     def __init__(self, config: Config, registry: SessionRegistry, pool: ProcessPool, gateway: GatewayPort) -> None:
         self.config = config
@@ -60,6 +62,20 @@ class SessionCatalog:
         if len(records) > len(page):
             result["nextCursor"] = encode_cursor(page[-1])
         await self.gateway.answer(msg.id, result)
+
+    async def status(self, msg: Message, session_id: str, standing: Standing | None) -> None:
+        """``session/status`` (unstable ACP): ``open`` or ``saved`` from this proxy's view of the session
+        (``standing``) and the install's row, ``-32002`` for one it does not know. Nothing is started,
+        restored, attached or touched: a routing layer may ask as often as it likes."""
+        row = None
+        if standing is None or standing.holder is not None:
+            await self.registry.caught_up()
+            row = await self.registry.state_of(session_id)
+        status = session_status(standing, row)
+        if status is None:
+            await self.gateway.fail(msg.id, ProxyError.unknown_session(session_id))
+        else:
+            await self.gateway.answer(msg.id, {"status": status})
 
     async def _with_adapter_titles(self, page: list[SessionRecord]) -> list[SessionRecord]:
         """``page`` with the titles the backends' own lists report (kept in the registry too).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from msgspec import Raw
 
@@ -14,10 +14,35 @@ from acp_proxy.journal import SuspendReason
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
-from acp_proxy.sessions.machine import Fate
+from acp_proxy.sessions.lifecycle import Phase
+from acp_proxy.sessions.machine import Fate, Standing
 from acp_proxy.sessions.registry import Ownership, SessionRecord, SessionState
 from acp_proxy.sessions.visibility import SessionRow
 from acp_proxy.tasks.turn import Limit
+
+SessionStatus = Literal["open", "saved"]
+"""``session/status``'s answers (unstable ACP): in an adapter's memory, or restorable."""
+
+_HOLDS_HERE: Final = frozenset({Phase.LIVE, Phase.RELEASING})
+_ASK_THE_INSTALL: Final = frozenset({Phase.ELSEWHERE, Phase.TAKING_OVER})
+
+
+def session_status(standing: Standing | None, row: tuple[SessionState, bool] | None) -> SessionStatus | None:
+    """What ``session/status`` answers: ``open`` while a process of the install has the session, ``saved``
+    while it can be restored (suspended, closed, being restored, or live in a proxy that is gone), ``None``
+    (``-32002``) for a session the install does not know or has deleted.
+
+    ``standing`` is this proxy's own view of it, which comes first (its row may lag its queued writes);
+    ``row`` is the install's: the row's state and whether the proxy it names is running.
+    """
+    if standing is not None and standing.phase not in _ASK_THE_INSTALL:
+        if standing.phase in (Phase.DELETING, Phase.DELETED):
+            return None
+        return "open" if standing.phase in _HOLDS_HERE and standing.process else "saved"
+    if row is None or row[0] is SessionState.DELETED:
+        return None
+    state, holder_running = row
+    return "open" if state is SessionState.LIVE and holder_running else "saved"
 
 
 def unknown_session_error(session_id: str, record: SessionRecord | None) -> ProxyError:

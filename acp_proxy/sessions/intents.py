@@ -136,6 +136,11 @@ class SessionIntents:
         """``session/list`` from the registry (``SessionCatalog``)."""
         await self.catalog.list_sessions(msg)
 
+    async def status(self, msg: Message, session_id: str) -> None:
+        """``session/status``: answered at once from what is known, never queued behind the session."""
+        session = self.table.get(session_id)
+        await self.catalog.status(msg, session_id, None if session is None else session.state)
+
     # --- forward ------------------------------------------------------------------------------
 
     async def forward(self, msg: Message, session_id: str) -> None:

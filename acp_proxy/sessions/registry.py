@@ -237,6 +237,17 @@ class SessionRegistry:
 
         return await self.db.run(holder)
 
+    async def state_of(self, session_id: str) -> tuple[SessionState, bool] | None:
+        """The row's state, and whether the proxy it names is running; ``None`` without a row. Reads only."""
+
+        def state(conn: sqlite3.Connection) -> tuple[SessionState, bool] | None:
+            row = conn.execute("SELECT state, instance_id FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+            if row is None:
+                return None
+            return SessionState(row[0]), row[1] is not None and instances.instance_alive(self.db, row[1])
+
+        return await self.db.run(state)
+
     def existing(self, session_ids: list[str]) -> set[str]:
         """Which of ``session_ids`` the state database has, deleted ones excepted (blocks the calling thread)."""
 
