@@ -205,6 +205,14 @@ def _add_network_options(serve: argparse.ArgumentParser) -> None:
         help="a WebSocket that ends with requests in flight: its proxy runs on up to D for them, "
         "then suspends its sessions (default 10m; 0s: at once)",
     )
+    net.add_argument(
+        "--replay-buffer",
+        type=_positive_int,
+        default=8000,
+        metavar="N",
+        help="messages each streamable HTTP event stream keeps (also at most 16 MiB, and --idle-timeout old) "
+        "for a client that resumes it with Last-Event-ID (default 8000)",
+    )
 
 
 def _add_token_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -621,6 +629,7 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
         raise UsageError(f"--backend: {exc.args[0]}") from None
     from acp_proxy.remote import server
     from acp_proxy.remote.hub import Limits
+    from acp_proxy.remote.replay import ReplayLimits
 
     try:
         listen = [server.parse_listen(text) for text in args.listen]
@@ -658,6 +667,7 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
             idle_timeout=args.idle_timeout,
             linger=args.linger,
             stall_timeout=args.stall_timeout,
+            replay=ReplayLimits(messages=args.replay_buffer, seconds=args.idle_timeout),
         ),
         proxy_exit_grace=shutdown.stdin_grace + shutdown.close_timeout + 2 * shutdown.term_grace + 5,
         default_backend=default,

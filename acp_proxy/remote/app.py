@@ -61,6 +61,7 @@ class AcpApp:
             content_type=headers.get("content-type"),
             connection_id=headers.get(CONNECTION_HEADER.decode()),
             session_id=headers.get(SESSION_HEADER.decode()),
+            last_event_id=headers.get("last-event-id"),
         )
         websocket = scope["type"] == "websocket"
         if websocket:
@@ -163,7 +164,7 @@ class AcpApp:
             await _plain(send, 202, "")
             return
         if decided is Route.STREAM:
-            await self._stream(connection, head.session_id, principal, receive, send)
+            await self._stream(connection, head, principal, receive, send)
             return
         decoded = jsonrpc.decode_line(raw)
         if isinstance(decoded, BadLine):
@@ -189,54 +190,105 @@ class AcpApp:
         await _json(send, 200, answer, [(CONNECTION_HEADER, opened.id.encode())])
 
     async def _stream(
-        self, connection: Connection, session_id: str | None, principal: Principal, receive: Receive, send: Send
+        self, connection: Connection, head: Head, principal: Principal, receive: Receive, send: Send
     ) -> None:
+        session_id = head.session_id
         if session_id is not None and not self.hub.may_see(principal, session_id):
             await _plain(send, 404, "unknown Acp-Session-Id")
             return
-        stream = connection.outbox.open(session_id)
+        outbox = connection.outbox
+        missed: list[tuple[str, bytes]] = []
+        if head.last_event_id is not None:
+            # The stream it resumes may not have seen its client go yet: end it, and let its reader record
+            # what it was handed, before reading what came after the cursor.
+            outbox.end_stream(session_id)
+            reading = outbox.readers.get(session_id)
+            if reading is not None:
+                with anyio.move_on_after(STREAM_KEEPALIVE):
+                    await reading.wait()
+            found = outbox.missed(session_id, head.last_event_id)
+            if found is None:
+                message = f"Last-Event-ID {head.last_event_id!r} is not a cursor of this stream that is still kept"
+                await _plain(send, 409, message)
+                return
+            missed = found
+        stream = outbox.open(session_id)  # what comes from now on follows what was missed
+        outbox.readers[session_id] = reader_done = anyio.Event()
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         # A first line at once: the status and headers go out with it (not held for the first event),
         # so a client that waits for them before it sends its next request is not kept waiting.
-        await send({"type": "http.response.body", "body": b": open\n\n", "more_body": True})
+        opening = [b": open\n\n", *(_event(cursor, line) for cursor, line in missed)]
+        await send({"type": "http.response.body", "body": b"".join(opening), "more_body": True})
         try:
             async with anyio.create_task_group() as tasks:
 
                 async def until_gone() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
-                    tasks.cancel_scope.cancel()
+                    # Ended by closing its stream, never by cancelling its reader: a message handed to a
+                    # reader cancelled while it waits is lost (anyio's memory streams). It ends on what it
+                    # was handed (written or not, kept for a resume); what it had not taken waits.
+                    outbox.release(session_id, stream)
 
                 tasks.start_soon(until_gone)
-                await _events(stream, send)
+                await _events(stream, send, lambda line: outbox.record(session_id, line))
                 tasks.cancel_scope.cancel()
         finally:
-            connection.outbox.release(session_id, stream)
+            outbox.release(session_id, stream)
+            reader_done.set()
         with anyio.move_on_after(1), suppress(Exception):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send) -> None:
-    """Each message as one server-sent event, with a comment line while nothing happens."""
-    while True:
-        with anyio.move_on_after(STREAM_KEEPALIVE):
+def _event(cursor: str | None, line: bytes) -> bytes:
+    """One message as a server-sent event, with its cursor as the event's id."""
+    if cursor is None:
+        return b"data: " + line + b"\n\n"
+    return b"id: " + cursor.encode() + b"\ndata: " + line + b"\n\n"
+
+
+async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send, record: Callable[[bytes], str | None]) -> None:
+    """Each message as one server-sent event (``record`` keeps it for a resume and names its cursor), and a
+    comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream is closed or a write
+    fails (the client has gone: what was written is kept for a resume all the same)."""
+    lock = anyio.Lock()
+    written = anyio.current_time()
+
+    async def keepalive() -> None:
+        nonlocal written
+        while True:
+            await anyio.sleep(written + STREAM_KEEPALIVE - anyio.current_time())
+            if anyio.current_time() - written >= STREAM_KEEPALIVE:
+                async with lock:
+                    await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+                    written = anyio.current_time()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(keepalive)
+        ended = False
+        while not ended:
             try:
                 line = await stream.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            chunk = [b"data: ", line, b"\n\n"]
+                break
+            chunk = [_event(record(line), line)]
             while True:  # what else is already waiting goes in the same write
                 try:
-                    chunk += [b"data: ", stream.receive_nowait(), b"\n\n"]
+                    line = stream.receive_nowait()
                 except anyio.WouldBlock:
                     break
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    ended = True
+                    break
+                chunk.append(_event(record(line), line))
+            async with lock:
+                try:
                     await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
-                    return
-            await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
-            continue
-        await send({"type": "http.response.body", "body": b": keepalive\n\n", "more_body": True})
+                except Exception:  # any failed write: the client has gone
+                    break
+                written = anyio.current_time()
+        tasks.cancel_scope.cancel()
 
 
 def _body_of(raw: bytes) -> Body:

@@ -38,6 +38,7 @@ from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.attached import CLIENT_ENV
 from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
+from acp_proxy.remote.replay import Replay, ReplayLimits
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
 log = logging.getLogger("acp_proxy.serve")
@@ -88,20 +89,29 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     """How long the proxy of a connection that ended keeps running for its requests in flight."""
     stall_timeout: float = 30.0
     """How long a client may take nothing while ``max_pending`` messages wait for it."""
+    replay: ReplayLimits = msgspec.field(default_factory=ReplayLimits)
+    """What a streamable HTTP connection's event streams keep for a client that resumes one."""
 
 
 class Outbox:
     """Server->client messages of one connection, each to its stream, bounded.
 
     A WebSocket has one stream (``None``). Streamable HTTP has the connection-scoped stream
-    (``None``) and one per session; a message for a session with no stream of its own goes to
-    the connection's, and while no stream is open messages wait in a backlog. When ``max_pending``
+    (``None``) and one per session; a message for a session that never had a stream of its own goes
+    to the connection's, and while its stream is not open a message waits in a backlog (a dropped
+    stream's until it is opened again, resumed or not). When ``max_pending``
     messages wait, the proxy's output waits too (and so, through its pipe, does the agent): a
     client that reads slower than the agent writes slows it down. A client that takes nothing for
     ``stall_timeout`` while messages wait is not reading: the connection ends.
     """
 
-    def __init__(self, max_pending: int, stall_timeout: float, on_stalled: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        max_pending: int,
+        stall_timeout: float,
+        on_stalled: Callable[[], None],
+        replay: ReplayLimits | None = None,
+    ) -> None:
         self.max_pending = max_pending
         self.stall_timeout = stall_timeout
         self._on_stalled = on_stalled
@@ -109,12 +119,22 @@ class Outbox:
         self._backlog: deque[tuple[str | None, bytes]] = deque()
         self._changed = anyio.Event()
         self.closed = False
+        self.replay_limits = replay
+        """Event streams keep what they wrote for a client that resumes them (``remote.replay``); ``None``: not."""
+        self._replays: dict[str | None, Replay] = {}
+        self._epoch = secrets.token_hex(4)
+        self._had_stream: set[str | None] = set()
+        """Targets that had a stream of their own: while it is gone (dropped, to be resumed), their messages
+        wait for it rather than go to the connection's stream."""
+        self.readers: dict[str | None, anyio.Event] = {}
+        """Set when the reader of ``target``'s latest stream has ended (everything it took is recorded)."""
 
     async def put(self, target: str | None, line: bytes) -> None:
         """Queue ``line`` for ``target``'s stream, waiting while it is full (up to ``stall_timeout``)."""
         deadline = anyio.current_time() + self.stall_timeout
         while not self.closed:
-            pair = self._streams.get(target) if target in self._streams else self._streams.get(None)
+            own = target in self._streams or target in self._had_stream
+            pair = self._streams.get(target) if own else self._streams.get(None)
             if pair is None:
                 if len(self._backlog) < self.max_pending:
                     self._backlog.append((target, line))
@@ -148,15 +168,18 @@ class Outbox:
         return target in self._streams
 
     def open(self, target: str | None) -> MemoryObjectReceiveStream[bytes]:
-        """A stream for ``target``; one already open for it is replaced (its reader ends)."""
+        """A stream for ``target``; one already open for it is replaced (its reader ends, and what it had not
+        taken yet goes to the new one)."""
         old = self._streams.pop(target, None)
         if old is not None:
             old[0].close()
+            self._backlog.extendleft(reversed([(target, line) for line in _untaken(old[1])]))
         send, receive = anyio.create_memory_object_stream[bytes](self.max_pending)
         self._streams[target] = (send, receive)
+        self._had_stream.add(target)
         kept: deque[tuple[str | None, bytes]] = deque()
         for item_target, line in self._backlog:
-            if item_target == target or (target is None and item_target not in self._streams):
+            if item_target == target or (target is None and item_target not in self._had_stream):
                 send.send_nowait(line)  # the backlog is bounded by the same size
             else:
                 kept.append((item_target, line))
@@ -165,21 +188,55 @@ class Outbox:
         return receive
 
     def release(self, target: str | None, stream: MemoryObjectReceiveStream[bytes]) -> None:
-        """The reader of ``target``'s stream has gone (its HTTP response ended)."""
-        stream.close()
+        """The reader of ``target``'s stream has gone (its HTTP response ended): what it had not taken
+        waits for the next stream, as if never sent."""
         current = self._streams.get(target)
         if current is not None and current[1] is stream:
             current[0].close()
             del self._streams[target]
+            self._backlog.extendleft(reversed([(target, line) for line in _untaken(stream)]))
             self._notify()
+        stream.close()
+
+    def end_stream(self, target: str | None) -> None:
+        """End ``target``'s stream, if open (its reader ends on what it was handed; what it had not taken
+        waits for the next stream)."""
+        current = self._streams.get(target)
+        if current is not None:
+            self.release(target, current[1])
+
+    def record(self, target: str | None, line: bytes) -> str | None:
+        """``line`` is being written to ``target``'s event stream: kept for a resume; its cursor."""
+        if self.replay_limits is None:
+            return None
+        replay = self._replays.get(target)
+        if replay is None:
+            replay = self._replays[target] = Replay(f"{self._epoch}{len(self._replays)}", self.replay_limits)
+        return replay.record(line, anyio.current_time())
+
+    def missed(self, target: str | None, cursor: str) -> list[tuple[str, bytes]] | None:
+        """What ``target``'s stream wrote after ``cursor`` (``Last-Event-ID``); ``None``: it cannot say."""
+        replay = self._replays.get(target)
+        return None if replay is None else replay.after(cursor, anyio.current_time())
 
     def close(self) -> None:
         self.closed = True
+        self._replays.clear()
         for send, _ in self._streams.values():
             send.close()
         self._streams.clear()
         self._backlog.clear()
         self._notify()
+
+
+def _untaken(stream: MemoryObjectReceiveStream[bytes]) -> list[bytes]:
+    """What waits in ``stream`` that its reader has not taken."""
+    lines = []
+    while True:
+        try:
+            lines.append(stream.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return lines
 
 
 class Pending:
@@ -206,7 +263,10 @@ class Connection:
         self.peer = peer
         self.opened_at = time.time()
         self.last_active = time.monotonic()
-        self.outbox = Outbox(hub.limits.max_pending, hub.limits.stall_timeout, lambda: self.end(Ended.SLOW_READER))
+        replay = hub.limits.replay if transport == "http" else None
+        self.outbox = Outbox(
+            hub.limits.max_pending, hub.limits.stall_timeout, lambda: self.end(Ended.SLOW_READER), replay
+        )
         self.touched: set[str] = set()
         """Sessions this connection made or named: its proxy may hold them."""
         self.ended: Ended | None = None
@@ -282,7 +342,24 @@ class Connection:
         await self._to_proxy(line)
         with anyio.move_on_after(self.hub.initialize_timeout):
             await pending.answered.wait()
-        return pending.answer
+        return pending.answer if pending.answer is None else self._resumable(pending.answer)
+
+    def _resumable(self, answer: bytes) -> bytes:
+        """The answer, with the draft RFD's ``transport.resumable`` in its result (provisional names): what
+        this connection's event streams keep for a client that resumes one with ``Last-Event-ID``."""
+        limits = self.outbox.replay_limits
+        try:
+            obj = msgspec.json.decode(answer)
+        except msgspec.DecodeError:
+            return answer
+        result = obj.get("result") if isinstance(obj, dict) else None
+        if limits is None or not isinstance(result, dict):
+            return answer
+        transport = result.get("transport")
+        transport = dict(transport) if isinstance(transport, dict) else {}
+        transport["resumable"] = {"retentionMessages": limits.messages, "retentionSeconds": math.floor(limits.seconds)}
+        result["transport"] = transport
+        return jsonrpc.encode_json(obj)
 
     # --- proxy -> client ---------------------------------------------------------------------
 

@@ -45,6 +45,8 @@ class Head(msgspec.Struct, frozen=True):
     content_type: str | None = None
     connection_id: str | None = None
     session_id: str | None = None
+    last_event_id: str | None = None
+    """An event stream's ``Last-Event-ID``: resume it after that cursor (``remote.replay``)."""
 
 
 class Body(msgspec.Struct, frozen=True):

@@ -1,0 +1,78 @@
+"""What a dropped event stream missed: the recent messages of one stream, each with its cursor.
+
+Following the draft RFD "Durable and Resumable HTTP Transport" (provisional, as its names are): every
+message written to a streamable HTTP event stream gets an opaque cursor, monotonic within its stream,
+as its SSE ``id:``. A client whose stream dropped opens it again with ``Last-Event-ID`` and gets what came
+after that cursor, once, in order, with the original cursors, then the live stream. A cursor this buffer
+cannot answer for (another connection's, a stream's of another target, one older than what is kept, one
+never issued) is refused, never answered with a silent live stream.
+
+A message counts as delivered only when the client names a later cursor: what was written to a stream
+that then died is still here. The buffer is bounded in messages, bytes and age. No I/O; the clock is an
+argument.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Final
+
+import msgspec
+
+
+class ReplayLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """How much of a stream is kept for a client that resumes it."""
+
+    messages: int = 8000
+    """The RFD's ``retentionMessages``."""
+    bytes: int = 16 * 2**20
+    seconds: float = 300.0
+    """The RFD's ``retentionSeconds``."""
+
+
+SEPARATOR: Final = "-"
+
+
+class Replay:
+    """The recent messages of one stream of a connection, by cursor."""
+
+    def __init__(self, epoch: str, limits: ReplayLimits) -> None:
+        self.epoch = epoch
+        """Distinguishes this stream's cursors from another's (of another connection, or target)."""
+        self.limits = limits
+        self._kept: deque[tuple[int, bytes, float]] = deque()
+        self._bytes = 0
+        self._last = 0
+        """The sequence number of the latest cursor issued (0: none yet)."""
+
+    def record(self, line: bytes, now: float) -> str:
+        """Keep ``line``, about to be written to the stream: its cursor."""
+        self._last += 1
+        self._kept.append((self._last, line, now))
+        self._bytes += len(line)
+        self._trim(now)
+        return self.cursor(self._last)
+
+    def cursor(self, sequence: int) -> str:
+        return f"{self.epoch}{SEPARATOR}{sequence}"
+
+    def after(self, cursor: str, now: float) -> list[tuple[str, bytes]] | None:
+        """What came after ``cursor``, oldest first; ``None`` when this stream cannot say (see the module)."""
+        self._trim(now)
+        epoch, _, number = cursor.rpartition(SEPARATOR)
+        if epoch != self.epoch or not number.isdigit():
+            return None
+        sequence = int(number)
+        if sequence > self._last:
+            return None  # never issued
+        first = self._kept[0][0] if self._kept else self._last + 1
+        if sequence < first - 1:
+            return None  # what came right after it is no longer kept
+        return [(self.cursor(n), line) for n, line, _ in self._kept if n > sequence]
+
+    def _trim(self, now: float) -> None:
+        limits = self.limits
+        kept = self._kept
+        while kept and (len(kept) > limits.messages or self._bytes > limits.bytes or now - kept[0][2] > limits.seconds):
+            _, line, _ = kept.popleft()
+            self._bytes -= len(line)
