@@ -148,3 +148,49 @@ async def test_a_stream_dropped_mid_turn_is_resumed_with_last_event_id(proc_env:
         assert [a["result"]["stopReason"] for a in answers] == ["end_turn"]
         cursors = [event_id for event_id, _ in first + rest]
         assert len(set(cursors)) == len(cursors), "the original cursors, each once"
+
+
+@pytest.mark.anyio
+async def test_a_client_that_vanished_does_not_hold_its_session_from_its_successor(
+    proc_env: dict[str, str], tmp_path: Any
+) -> None:
+    """A streamable HTTP client gone without its DELETE (a killed process, a closed laptop): a new client
+    of the same token loads the session at once, with its history; the old connection is told it moved."""
+    token = make_token(proc_env, "laptop")
+    async with serve(proc_env, config_for(tmp_path)) as served:
+        async with HttpClient.open(served.url, token) as gone:
+            await gone.initialize()
+            await gone.open_stream()
+            new = await gone.request("session/new", NEW)
+            session = (await gone.wait_for(None, lambda m: m.get("id") == new))["result"]["sessionId"]
+            await gone.open_stream(session)
+            asked = await gone.request("session/prompt", prompt(session, "stream 2"), session)
+            assert (await gone.wait_for(session, lambda m: m.get("id") == asked))["result"]["stopReason"] == "end_turn"
+            old_headers = gone.headers(session)
+        # its streams are closed with it; its connection stays (no DELETE), its proxy holds the session
+        async with HttpClient.open(served.url, token) as successor:
+            await successor.initialize()
+            await successor.open_stream()
+            await successor.open_stream(session)
+            loaded = await successor.request("session/load", {"sessionId": session, **NEW}, session)
+            answer = await successor.wait_for(None, lambda m: m.get("id") == loaded, timeout=30)
+            assert "result" in answer, answer
+            replayed = [m for m in successor.events[session] if m.get("method") == "session/update"]
+            assert any("chunk 1" in json.dumps(m) for m in replayed), "the history came with it"
+            turn = await successor.request("session/prompt", prompt(session, "stream 1"), session)
+            done = await successor.wait_for(session, lambda m: m.get("id") == turn)
+            assert done["result"]["stopReason"] == "end_turn"
+            async with httpx.AsyncClient(http1=False, http2=True, headers={"authorization": f"Bearer {token}"}) as old:
+                body = {"jsonrpc": "2.0", "id": 7, "method": "session/prompt", "params": prompt(session, "stream 1")}
+                assert (await old.post(served.url, json=body, headers=old_headers)).status_code == 202
+                headers = {**old_headers, "accept": "text/event-stream"}
+                seen: list[tuple[str | None, dict[str, Any]]] = []
+                async with old.stream("GET", served.url, headers=headers, timeout=None) as response:
+                    with anyio.move_on_after(20):
+                        async with anyio.create_task_group() as reading:
+                            reading.start_soon(_events, response, seen)
+                            while not any(m.get("id") == 7 for _, m in seen):
+                                await anyio.sleep(0.02)
+                            reading.cancel_scope.cancel()
+                (moved,) = [m for _, m in seen if m.get("id") == 7]
+                assert moved["error"]["data"]["reason"] == "session_moved", moved
