@@ -2,7 +2,8 @@
 
 The replay buffer's rules (cursors, retention, what it refuses) and the outbox's hand-back of what a dead
 stream's reader never took are tested in-process; a stream dropped in the middle of a turn and resumed,
-with a real ``serve`` and its proxy, on both loops.
+and a client gone without its DELETE whose successor loads its session at once, with a real ``serve``
+and its proxies, on both loops.
 """
 
 from __future__ import annotations
