@@ -218,7 +218,9 @@ class AcpApp:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         # A first line at once: the status and headers go out with it (not held for the first event),
         # so a client that waits for them before it sends its next request is not kept waiting.
-        opening = [b": open\n\n", *(_event(cursor, line) for cursor, line in missed)]
+        opening = [b": open\n\n"]
+        for cursor, line in missed:
+            _event(opening, cursor, line)
         await send({"type": "http.response.body", "body": b"".join(opening), "more_body": True})
         try:
             async with anyio.create_task_group() as tasks:
@@ -241,11 +243,12 @@ class AcpApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _event(cursor: str | None, line: bytes) -> bytes:
-    """One message as a server-sent event, with its cursor as the event's id."""
-    if cursor is None:
-        return b"data: " + line + b"\n\n"
-    return b"id: " + cursor.encode() + b"\ndata: " + line + b"\n\n"
+def _event(chunk: list[bytes], cursor: str | None, line: bytes) -> None:
+    """Add one message to ``chunk`` as a server-sent event, with its cursor as the event's id (the line is
+    copied once, when the chunk is joined)."""
+    if cursor is not None:
+        chunk += (b"id: ", cursor.encode(), b"\n")
+    chunk += (b"data: ", line, b"\n\n")
 
 
 async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send, record: Callable[[bytes], str | None]) -> None:
@@ -272,7 +275,8 @@ async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send, record: 
                 line = await stream.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 break
-            chunk = [_event(record(line), line)]
+            chunk: list[bytes] = []
+            _event(chunk, record(line), line)
             while True:  # what else is already waiting goes in the same write
                 try:
                     line = stream.receive_nowait()
@@ -281,7 +285,7 @@ async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send, record: 
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
                     ended = True
                     break
-                chunk.append(_event(record(line), line))
+                _event(chunk, record(line), line)
             async with lock:
                 try:
                     await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})

@@ -170,10 +170,7 @@ class Outbox:
     def open(self, target: str | None) -> MemoryObjectReceiveStream[bytes]:
         """A stream for ``target``; one already open for it is replaced (its reader ends, and what it had not
         taken yet goes to the new one)."""
-        old = self._streams.pop(target, None)
-        if old is not None:
-            old[0].close()
-            self._backlog.extendleft(reversed([(target, line) for line in _untaken(old[1])]))
+        self.end_stream(target)
         send, receive = anyio.create_memory_object_stream[bytes](self.max_pending)
         self._streams[target] = (send, receive)
         self._had_stream.add(target)
