@@ -17,7 +17,7 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.protocol.methods import Method
-from acp_proxy.sessions.decisions import session_status, visibility_row
+from acp_proxy.sessions.decisions import session_status, status_needs_row, visibility_row
 from acp_proxy.sessions.listing import session_info, title_changes, titles_listed
 from acp_proxy.sessions.machine import Standing
 from acp_proxy.sessions.registry import LIST_PAGE_SIZE, SessionRecord, SessionRegistry, decode_cursor, encode_cursor
@@ -68,7 +68,7 @@ class SessionCatalog:
         (``standing``) and the install's row, ``-32002`` for one it does not know. Nothing is started,
         restored, attached or touched: a routing layer may ask as often as it likes."""
         row = None
-        if standing is None or standing.holder is not None:
+        if status_needs_row(standing):
             await self.registry.caught_up()
             row = await self.registry.state_of(session_id)
         status = session_status(standing, row)

@@ -27,6 +27,12 @@ _HOLDS_HERE: Final = frozenset({Phase.LIVE, Phase.RELEASING})
 _ASK_THE_INSTALL: Final = frozenset({Phase.ELSEWHERE, Phase.TAKING_OVER})
 
 
+def status_needs_row(standing: Standing | None) -> bool:
+    """Whether ``session_status`` reads the install's row: this proxy does not know the session, or another
+    proxy holds it."""
+    return standing is None or standing.phase in _ASK_THE_INSTALL
+
+
 def session_status(standing: Standing | None, row: tuple[SessionState, bool] | None) -> SessionStatus | None:
     """What ``session/status`` answers: ``open`` while a process of the install has the session, ``saved``
     while it can be restored (suspended, closed, being restored, or live in a proxy that is gone), ``None``
@@ -35,7 +41,8 @@ def session_status(standing: Standing | None, row: tuple[SessionState, bool] | N
     ``standing`` is this proxy's own view of it, which comes first (its row may lag its queued writes);
     ``row`` is the install's: the row's state and whether the proxy it names is running.
     """
-    if standing is not None and standing.phase not in _ASK_THE_INSTALL:
+    if not status_needs_row(standing):
+        assert standing is not None
         if standing.phase in (Phase.DELETING, Phase.DELETED):
             return None
         return "open" if standing.phase in _HOLDS_HERE and standing.process else "saved"
