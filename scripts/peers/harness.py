@@ -299,6 +299,13 @@ class Peers:
             raise CheckFailed(f"processes left running after the proxied run (killed now): {listing}")
         self.report.note(name, f"the direct run left processes running (killed now): {listing}")
 
+    def proxy_json(self, env: dict[str, str], *args: str) -> Any:
+        """``acp-proxy ARGS --json``'s output, in ``env``; a failure is the check's."""
+        done = subprocess.run([*self.proxy, *args, "--json"], env=env, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise CheckFailed(f"acp-proxy {' '.join(args)} exited {done.returncode}: {done.stderr.strip()[-300:]}")
+        return json.loads(done.stdout)
+
     def acpx(
         self, agent: list[str], *args: str, env: dict[str, str], log: Path, timeout: float = 120
     ) -> tuple[int, str]:

@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
-from typing import Any
 
 from .harness import Peers, call, call_result, end, open_peer, updates
 from .report import CheckFailed
 
 
-def _proxy_json(peers: Peers, env: dict[str, str], *args: str) -> Any:
-    done = subprocess.run([*peers.proxy, *args, "--json"], env=env, capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise CheckFailed(f"acp-proxy {' '.join(args)} exited {done.returncode}: {done.stderr.strip()[-300:]}")
-    return json.loads(done.stdout)
-
-
 def _states(peers: Peers, env: dict[str, str]) -> dict[str, tuple[str, str]]:
-    listed = _proxy_json(peers, env, "sessions", "list", "--all")["sessions"]
+    listed = peers.proxy_json(env, "sessions", "list", "--all")["sessions"]
     return {s["sessionId"]: (s["state"], s["backend"]) for s in listed}
 
 
@@ -66,7 +57,7 @@ def retention_acpx(peers: Peers, name: str) -> str:
     by_backend = {backend: state for state, backend in states.values()}
     if by_backend != {"closing": "closed", "keeping": "suspended"}:
         raise CheckFailed(f"after two acpx exec runs (on_eof close, suspend), the sessions are {states}")
-    pruned = _proxy_json(peers, env, "sessions", "prune", "--older-than", "0")["closed"]
+    pruned = peers.proxy_json(env, "sessions", "prune", "--older-than", "0")["closed"]
     after = _states(peers, env)
     if len(pruned) != 1 or {state for state, _ in after.values()} != {"closed"}:
         raise CheckFailed(f"sessions prune closed {pruned}; the sessions are now {after}")
@@ -112,7 +103,7 @@ def handover_acpx(peers: Peers, name: str) -> str:
         moved = "session_moved" in out or "has moved" in out or "has moved" in log.read_text()
         if rc == 0 or not moved:
             raise CheckFailed(f"acpx's prompt after the handover exited {rc} without session_moved: {out[-300:]}")
-        events = _proxy_json(peers, env, "sessions", "show", session)["recentEvents"]
+        events = peers.proxy_json(env, "sessions", "show", session)["recentEvents"]
         handovers = sorted(e["label"] for e in events if e["kind"] == "handover")
     finally:
         if gateway is not None:

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,7 +76,7 @@ class Gateway:
     def __init__(self, peers: Peers, name: str) -> None:
         self.peers = peers
         self.base = peers.work / "install" / name
-        subprocess.run(["rm", "-rf", str(self.base)], check=True)
+        shutil.rmtree(self.base, ignore_errors=True)
         self.home = self.base / "home"
         (self.home / ".openclaw").mkdir(parents=True)
         self.workspace = self.base / "workspace"
@@ -205,16 +206,7 @@ class Gateway:
         ]
 
     def proxy_json(self, *args: str) -> Any:
-        done = subprocess.run(
-            [*self.peers.proxy, "--config", str(self.proxy_config), *args, "--json"],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if done.returncode != 0:
-            raise CheckFailed(f"acp-proxy {' '.join(args)} exited {done.returncode}: {done.stderr.strip()[-300:]}")
-        return json.loads(done.stdout)
+        return self.peers.proxy_json(self.env, "--config", str(self.proxy_config), *args)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
