@@ -98,9 +98,12 @@ class WsClient:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, target: Target) -> AsyncIterator[WsClient]:
+    async def open(cls, target: Target, first: dict[str, Any] | None = None) -> AsyncIterator[WsClient]:
+        """A client on a new socket; ``first`` is its first frame (a ``stream/resume``), if given."""
         ws = await WebSocket.connect(target)
         client = cls(ws)
+        if first is not None:
+            await client.send(first)
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(client._receive)
             try:
@@ -138,7 +141,7 @@ class WsClient:
                 self._arrived = anyio.Event()
                 await self._arrived.wait()
 
-    async def answer_of(self, request_id: int, timeout: float = 20) -> dict[str, Any]:
+    async def answer_of(self, request_id: int | str, timeout: float = 20) -> dict[str, Any]:
         return await self.wait_for(lambda m: m.get("id") == request_id and "method" not in m, timeout)
 
     async def call(self, method: str, params: Any, timeout: float = 20) -> dict[str, Any]:

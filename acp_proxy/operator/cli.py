@@ -191,11 +191,14 @@ def _add_network_options(serve: argparse.ArgumentParser) -> None:
         help="a client that takes nothing for D while --max-pending messages wait is disconnected (default 30s)",
     )
     net.add_argument(
-        "--idle-timeout",
+        "--resume-grace",
+        "--idle-timeout",  # its name before WebSockets could resume
+        dest="resume_grace",
         type=_duration,
         default=300.0,
         metavar="D",
-        help="end a streamable HTTP connection with no open stream and no request for D (default 5m)",
+        help="a connection with no client on it (a dropped WebSocket; streamable HTTP with no open stream and "
+        "no request) is kept D for a client that resumes it, its turns running on, then ends (default 5m)",
     )
     net.add_argument(
         "--linger",
@@ -210,8 +213,8 @@ def _add_network_options(serve: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=8000,
         metavar="N",
-        help="messages each streamable HTTP event stream keeps (also at most 16 MiB, and --idle-timeout old) "
-        "for a client that resumes it with Last-Event-ID (default 8000)",
+        help="messages each stream keeps (also at most 16 MiB, and --resume-grace old) for a client that "
+        "resumes it: Last-Event-ID, WebSocket stream/resume (default 8000)",
     )
 
 
@@ -664,10 +667,10 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
             max_per_principal=args.max_connections_per_token,
             max_pending=args.max_pending,
             max_message_bytes=config.max_line_bytes,
-            idle_timeout=args.idle_timeout,
+            resume_grace=args.resume_grace,
             linger=args.linger,
             stall_timeout=args.stall_timeout,
-            replay=ReplayLimits(messages=args.replay_buffer, seconds=args.idle_timeout),
+            replay=ReplayLimits(messages=args.replay_buffer, seconds=args.resume_grace),
         ),
         proxy_exit_grace=shutdown.stdin_grace + shutdown.close_timeout + 2 * shutdown.term_grace + 5,
         default_backend=default,

@@ -16,12 +16,13 @@ from typing import Any, Final
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
+from msgspec import UNSET
 
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import session_of
-from acp_proxy.protocol.jsonrpc import BadLine
+from acp_proxy.protocol.jsonrpc import BadLine, RequestId
 from acp_proxy.remote.access import FailedAttempts, bearer_token, origin_allowed
-from acp_proxy.remote.hub import Connection, Ended, Hub, Refusal
+from acp_proxy.remote.hub import TURN_STATE_META, Connection, Ended, Hub, Refusal, Resumed
 from acp_proxy.remote.routing import Body, Head, Refused, Route, route
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
@@ -33,6 +34,12 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 CONNECTION_HEADER: Final = b"acp-connection-id"
 SESSION_HEADER: Final = b"acp-session-id"
+RESUME: Final = "stream/resume"
+"""A WebSocket's first frame to take over a connection whose socket dropped (the draft's name, provisional)."""
+RESUME_FAILED: Final = "stream/resume_failed"
+CLOSE: Final = "stream/close"
+"""A WebSocket client's end of its connection, as a DELETE is streamable HTTP's: the server cannot tell a
+close from a drop (the client's close code does not reach the application), and waits for a resume."""
 STREAM_KEEPALIVE: Final = 15.0
 """Seconds between comment lines on an idle event stream: intermediaries keep it open, and a
 client that has gone is found by the failed write."""
@@ -109,31 +116,92 @@ class AcpApp:
         if isinstance(opened, Refusal):
             await _ws_refusal(send)(opened.status, opened.message)
             return
-        connection = opened
-        stream = connection.outbox.open(None)
-        await send({"type": "websocket.accept", "headers": [(CONNECTION_HEADER, connection.id.encode())]})
+        await send({"type": "websocket.accept", "headers": [(CONNECTION_HEADER, opened.id.encode())]})
+        event = await receive()
+        if event["type"] == "websocket.disconnect":
+            opened.end(Ended.GONE)
+            return
+        first: str | None = event.get("text")
+        connection, opening = opened, []
+        resume = _resume_request(first) if first is not None else None
+        if resume is not None:
+            request_id, params = resume
+            resumed = await self.hub.resume(principal, params.get("connectionId"), params.get("cursor"))
+            if isinstance(resumed, Resumed):
+                self.hub.withdraw(opened)
+                connection = resumed.connection
+                ack = {"connectionId": connection.id, "replayed": len(resumed.missed)}
+                ack["_meta"] = {TURN_STATE_META: connection.turns.every()}
+                if request_id is not None:
+                    opening.append(jsonrpc.result_response(request_id, ack))
+                opening += [line for _, line in resumed.missed]
+            else:  # this socket goes on as the new connection it was opened as
+                log.info("%s: stream/resume refused: %s", principal.label, resumed.message)
+                failed = {"reason": resumed.reason, "message": resumed.message, "connectionId": opened.id}
+                opening.append(jsonrpc.notification(RESUME_FAILED, failed))
+                if request_id is not None:
+                    reason = {"reason": resumed.reason}
+                    error = jsonrpc.error_response(request_id, jsonrpc.INVALID_PARAMS, resumed.message, reason)
+                    opening.append(error)
+            first = None
+        await self._socket(connection, first, opening, receive, send)
+
+    async def _socket(
+        self, connection: Connection, first: str | None, opening: list[bytes], receive: Receive, send: Send
+    ) -> None:
+        """Carry ``connection`` over this socket (``opening`` written first) until one side ends: the client's
+        drop leaves it waiting for a resume; the connection's end, or another socket's resume, closes this one."""
+        outbox = connection.outbox
+        stream = outbox.open(None)
+        outbox.readers[None] = written = anyio.Event()
+        connection.reattach()
         async with anyio.create_task_group() as tasks:
 
             async def send_frames() -> None:
-                async for line in stream:
-                    await send({"type": "websocket.send", "text": line.decode()})
-                tasks.cancel_scope.cancel()  # the connection ended on our side
+                try:
+                    for line in opening:
+                        await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
+                    while True:
+                        try:
+                            line = await stream.receive()
+                        except (anyio.EndOfStream, anyio.ClosedResourceError):
+                            break
+                        _, line = outbox.record(None, line)  # kept for a resume, written or not
+                        await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
+                except Exception:  # any failed write: the client has gone
+                    pass
+                finally:
+                    written.set()
+                tasks.cancel_scope.cancel()  # the connection ended, another socket took it, or a write failed
 
             tasks.start_soon(send_frames)
+            if first is not None:
+                await connection.from_client(first.encode())
             while True:
                 event = await receive()
                 if event["type"] == "websocket.disconnect":
-                    connection.end(Ended.GONE)
                     break
                 text = event.get("text")
-                if text is not None:  # binary frames are ignored, as the RFD says
-                    await connection.from_client(text.encode())
+                if text is None:
+                    continue  # binary frames are ignored, as the RFD says
+                if CLOSE in text and _method_of(text) == CLOSE:
+                    connection.end(Ended.DELETED)  # its writer ends, and closes the socket
+                    continue
+                await connection.from_client(text.encode())
+            # Ended by closing its stream, never by cancelling its writer (a message handed to a cancelled
+            # receiver is lost): it ends on what it was handed, kept for a resume; the rest waits.
+            outbox.release(None, stream)
+            with anyio.move_on_after(STREAM_KEEPALIVE):
+                await written.wait()
             tasks.cancel_scope.cancel()
-        if connection.ended is not None and connection.ended is not Ended.GONE:
-            with anyio.move_on_after(1), suppress(Exception):
-                await send(
-                    {"type": "websocket.close", "code": connection.ended.code, "reason": connection.ended.reason}
-                )
+        outbox.release(None, stream)
+        if connection.ended is None and not outbox.has_stream(None):
+            connection.detach()  # its client dropped: the connection waits for a resume
+            return
+        ended = connection.ended
+        code, reason = (ended.code, ended.reason) if ended is not None else (1000, "resumed on another socket")
+        with anyio.move_on_after(1), suppress(Exception):
+            await send({"type": "websocket.close", "code": code, "reason": reason})
 
     # --- streamable HTTP ---------------------------------------------------------------------
 
@@ -199,14 +267,7 @@ class AcpApp:
         outbox = connection.outbox
         missed: list[tuple[str, bytes]] = []
         if head.last_event_id is not None:
-            # The stream it resumes may not have seen its client go yet: end it, and let its reader record
-            # what it was handed, before reading what came after the cursor.
-            outbox.end_stream(session_id)
-            reading = outbox.readers.get(session_id)
-            if reading is not None:
-                with anyio.move_on_after(STREAM_KEEPALIVE):
-                    await reading.wait()
-            found = outbox.missed(session_id, head.last_event_id)
+            found = await outbox.resume(session_id, head.last_event_id)
             if found is None:
                 message = f"Last-Event-ID {head.last_event_id!r} is not a cursor of this stream that is still kept"
                 await _plain(send, 409, message)
@@ -243,6 +304,25 @@ class AcpApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def _resume_request(text: str) -> tuple[RequestId | None, dict[str, Any]] | None:
+    """The request id and params of a ``stream/resume`` frame; ``None`` for any other frame."""
+    if RESUME not in text:
+        return None
+    decoded = jsonrpc.decode_line(text.encode())
+    if isinstance(decoded, BadLine) or decoded[0].method != RESUME:
+        return None
+    msg = decoded[0]
+    request_id = msg.id if msg.id is not UNSET else None
+    return request_id, jsonrpc.decode_object(msg.params) or {}
+
+
+def _method_of(text: str) -> str | None:
+    decoded = jsonrpc.decode_line(text.encode())
+    if isinstance(decoded, BadLine) or not isinstance(decoded[0].method, str):
+        return None
+    return decoded[0].method
+
+
 def _event(chunk: list[bytes], cursor: str | None, line: bytes) -> None:
     """Add one message to ``chunk`` as a server-sent event, with its cursor as the event's id (the line is
     copied once, when the chunk is joined)."""
@@ -251,7 +331,9 @@ def _event(chunk: list[bytes], cursor: str | None, line: bytes) -> None:
     chunk += (b"data: ", line, b"\n\n")
 
 
-async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send, record: Callable[[bytes], str | None]) -> None:
+async def _events(
+    stream: MemoryObjectReceiveStream[bytes], send: Send, record: Callable[[bytes], tuple[str | None, bytes]]
+) -> None:
     """Each message as one server-sent event (``record`` keeps it for a resume and names its cursor), and a
     comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream is closed or a write
     fails (the client has gone: what was written is kept for a resume all the same)."""
@@ -276,7 +358,7 @@ async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send, record: 
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 break
             chunk: list[bytes] = []
-            _event(chunk, record(line), line)
+            _event(chunk, *record(line))
             while True:  # what else is already waiting goes in the same write
                 try:
                     line = stream.receive_nowait()
@@ -285,7 +367,7 @@ async def _events(stream: MemoryObjectReceiveStream[bytes], send: Send, record: 
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
                     ended = True
                     break
-                _event(chunk, record(line), line)
+                _event(chunk, *record(line))
             async with lock:
                 try:
                     await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})

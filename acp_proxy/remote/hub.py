@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 
 from acp_proxy.ownership.verify import signal_child
 from acp_proxy.protocol import jsonrpc
@@ -38,7 +38,7 @@ from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.attached import CLIENT_ENV
 from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
-from acp_proxy.remote.replay import Replay, ReplayLimits
+from acp_proxy.remote.replay import Replay, ReplayLimits, TurnStates
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
 log = logging.getLogger("acp_proxy.serve")
@@ -49,6 +49,9 @@ HANDOVER_TIMEOUT: Final = 30.0
 CONNECTION_LEVEL: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK, Method.LIST, Method.STATUS})
 """Requests whose answers go to the connection-scoped stream (the RFD: the client cannot have a
 session stream for a session it is only now opening, or only asks about)."""
+RESUMABLE_META: Final = "acp/resumable"
+"""The ``initialize`` ``_meta`` key by which a client asks for cursors in every message (provisional)."""
+TURN_STATE_META: Final = "acp/turnState"
 LEAVE_WHERE_HELD: Final = frozenset({Method.ATTACH, Method.DETACH, Method.STATUS})
 """Requests that never take a session from where it is held: an attach joins it there, a detach leaves it,
 ``session/status`` only asks about it."""
@@ -84,7 +87,10 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_pending: int = 4096
     """Messages waiting for one client before its connection's proxy waits too."""
     max_message_bytes: int = 64 * 2**20
-    idle_timeout: float = 300.0
+    resume_grace: float = 300.0
+    """How long a connection with no client on it is kept for one that resumes it: a WebSocket that dropped,
+    a streamable HTTP connection with no open stream and no request. Its turns run on meanwhile; then it
+    ends, as if its client had closed it."""
     linger: float = 600.0
     """How long the proxy of a connection that ended keeps running for its requests in flight."""
     stall_timeout: float = 30.0
@@ -128,6 +134,8 @@ class Outbox:
         wait for it rather than go to the connection's stream."""
         self.readers: dict[str | None, anyio.Event] = {}
         """Set when the reader of ``target``'s latest stream has ended (everything it took is recorded)."""
+        self.cursor_meta = False
+        """Whether each message carries its cursor as ``_meta["acp/cursor"]`` too (the client asked)."""
 
     async def put(self, target: str | None, line: bytes) -> None:
         """Queue ``line`` for ``target``'s stream, waiting while it is full (up to ``stall_timeout``)."""
@@ -202,19 +210,39 @@ class Outbox:
         if current is not None:
             self.release(target, current[1])
 
-    def record(self, target: str | None, line: bytes) -> str | None:
-        """``line`` is being written to ``target``'s event stream: kept for a resume; its cursor."""
+    def record(self, target: str | None, line: bytes) -> tuple[str | None, bytes]:
+        """``line`` is being written to ``target``'s stream: kept for a resume. Its cursor, and the line as
+        written: with the cursor in its envelope's ``_meta`` when the client asked for that."""
         if self.replay_limits is None:
-            return None
+            return None, line
         replay = self._replays.get(target)
         if replay is None:
             replay = self._replays[target] = Replay(f"{self._epoch}{len(self._replays)}", self.replay_limits)
-        return replay.record(line, anyio.current_time())
+        if not self.cursor_meta:
+            return replay.record(line, anyio.current_time()), line
+        cursor = replay.next_cursor()
+        written = with_cursor(line, cursor)
+        replay.record(written, anyio.current_time())
+        return cursor, written
 
-    def missed(self, target: str | None, cursor: str) -> list[tuple[str, bytes]] | None:
-        """What ``target``'s stream wrote after ``cursor`` (``Last-Event-ID``); ``None``: it cannot say."""
+    def missed(self, target: str | None, cursor: str | None) -> list[tuple[str, bytes]] | None:
+        """What ``target``'s stream wrote after ``cursor`` (``None``: from its first message, if all of it is
+        still kept); ``None``: it cannot say."""
         replay = self._replays.get(target)
-        return None if replay is None else replay.after(cursor, anyio.current_time())
+        if replay is None:
+            return [] if cursor is None else None
+        return replay.after(replay.cursor(0) if cursor is None else cursor, anyio.current_time())
+
+    async def resume(self, target: str | None, cursor: str | None) -> list[tuple[str, bytes]] | None:
+        """Take ``target``'s stream over for a client resuming after ``cursor``: what it missed, oldest first
+        (``None``: the cursor is not one still kept). The stream it resumes may not have seen its client go:
+        it is ended, and its reader let record what it was handed, before the cursor is looked up."""
+        self.end_stream(target)
+        reading = self.readers.get(target)
+        if reading is not None:
+            with anyio.move_on_after(self.stall_timeout):
+                await reading.wait()
+        return self.missed(target, cursor)
 
     def close(self) -> None:
         self.closed = True
@@ -224,6 +252,36 @@ class Outbox:
         self._streams.clear()
         self._backlog.clear()
         self._notify()
+
+
+CURSOR_META: Final = b'{"_meta":{"acp/cursor":"'
+
+
+def with_cursor(line: bytes, cursor: str) -> bytes:
+    """``line`` (a JSON-RPC message, one object) with ``cursor`` as ``_meta["acp/cursor"]`` in its envelope;
+    spliced in, not re-encoded (a cursor is ASCII letters, digits and ``-``)."""
+    body = line.lstrip()
+    if not body.startswith(b"{") or body[1:].lstrip().startswith(b"}"):
+        return line
+    return b"".join((CURSOR_META, cursor.encode(), b'"},', body[1:]))
+
+
+def _with_result(answer: bytes, change: Callable[[dict[str, Any]], None]) -> bytes:
+    """``answer`` with its result changed by ``change`` (unchanged if it has no result object)."""
+    try:
+        obj = msgspec.json.decode(answer)
+    except msgspec.DecodeError:
+        return answer
+    result = obj.get("result") if isinstance(obj, dict) else None
+    if not isinstance(result, dict):
+        return answer
+    change(result)
+    return jsonrpc.encode_json(obj).rstrip(b"\n")
+
+
+def _merge(result: dict[str, Any], key: str, entries: dict[str, Any]) -> None:
+    existing = result.get(key)
+    result[key] = {**(existing if isinstance(existing, dict) else {}), **entries}
 
 
 def _untaken(stream: MemoryObjectReceiveStream[bytes]) -> list[bytes]:
@@ -239,11 +297,12 @@ def _untaken(stream: MemoryObjectReceiveStream[bytes]) -> list[bytes]:
 class Pending:
     """A client request the connection's proxy has not answered yet."""
 
-    __slots__ = ("answer", "answered", "method", "scope")
+    __slots__ = ("answer", "answered", "method", "scope", "session_id")
 
-    def __init__(self, method: str, scope: str | None) -> None:
+    def __init__(self, method: str, scope: str | None, session_id: str | None = None) -> None:
         self.method = method
         self.scope = scope
+        self.session_id = session_id
         self.answered: anyio.Event | None = None
         """Set once answered, for a caller that takes the answer itself (``answer``) rather than the outbox."""
         self.answer: bytes | None = None
@@ -260,10 +319,13 @@ class Connection:
         self.peer = peer
         self.opened_at = time.time()
         self.last_active = time.monotonic()
-        replay = hub.limits.replay if transport == "http" else None
         self.outbox = Outbox(
-            hub.limits.max_pending, hub.limits.stall_timeout, lambda: self.end(Ended.SLOW_READER), replay
+            hub.limits.max_pending, hub.limits.stall_timeout, lambda: self.end(Ended.SLOW_READER), hub.limits.replay
         )
+        self.turns = TurnStates()
+        self.attached = True
+        """Whether a client is on it: false while a dropped WebSocket's connection waits for a resume."""
+        self._reattached = anyio.Event()
         self.touched: set[str] = set()
         """Sessions this connection made or named: its proxy may hold them."""
         self.ended: Ended | None = None
@@ -287,9 +349,18 @@ class Connection:
         msg, kind = decoded
         if kind is not Kind.RESPONSE:
             assert isinstance(msg.method, str)
+            if msg.method == Method.INITIALIZE:
+                self.opt_in(msg.params)
             if not await self._admit(msg, kind, scope):
                 return
         await self._to_proxy(line)
+
+    def opt_in(self, params: msgspec.Raw | UnsetType) -> None:
+        """``initialize`` with ``_meta["acp/resumable"]``: the client keeps cursors to resume with, so every
+        message carries its own as ``_meta["acp/cursor"]`` (a WebSocket's only way to learn them)."""
+        meta = (jsonrpc.decode_object(params) or {}).get("_meta")
+        if isinstance(meta, dict) and meta.get(RESUMABLE_META):
+            self.outbox.cursor_meta = True
 
     async def _admit(self, msg: Message, kind: Kind, scope: str | None) -> bool:
         """Whether the principal may send this; refused requests are answered here."""
@@ -316,7 +387,10 @@ class Connection:
             self.touched.add(session_id)
         if kind is Kind.REQUEST:
             at = None if msg.method in CONNECTION_LEVEL else scope or session_id
-            self._pending[jsonrpc.id_key(msg.id)] = Pending(msg.method, at)
+            assert msg.id is not UNSET
+            self._pending[jsonrpc.id_key(msg.id)] = Pending(msg.method, at, session_id)
+            if msg.method == Method.PROMPT and session_id is not None:
+                self.turns.started(session_id, msg.id)
             self._nothing_in_flight = anyio.Event()
         return True
 
@@ -333,6 +407,9 @@ class Connection:
 
     async def initialize(self, line: bytes, request_id: RequestId) -> bytes | None:
         """``initialize`` over HTTP: its answer is the POST's body, not a stream message."""
+        decoded = jsonrpc.decode_line(line)
+        if not isinstance(decoded, BadLine):
+            self.opt_in(decoded[0].params)
         pending = Pending(Method.INITIALIZE, None)
         pending.answered = anyio.Event()
         self._pending[jsonrpc.id_key(request_id)] = pending
@@ -343,20 +420,19 @@ class Connection:
 
     def _resumable(self, answer: bytes) -> bytes:
         """The answer, with the draft RFD's ``transport.resumable`` in its result (provisional names): what
-        this connection's event streams keep for a client that resumes one with ``Last-Event-ID``."""
+        this connection's streams keep for a client that resumes one (``Last-Event-ID``, ``stream/resume``)."""
         limits = self.outbox.replay_limits
-        try:
-            obj = msgspec.json.decode(answer)
-        except msgspec.DecodeError:
+        if limits is None:
             return answer
-        result = obj.get("result") if isinstance(obj, dict) else None
-        if limits is None or not isinstance(result, dict):
+        resumable = {"retentionMessages": limits.messages, "retentionSeconds": math.floor(limits.seconds)}
+        return _with_result(answer, lambda result: _merge(result, "transport", {"resumable": resumable}))
+
+    def _with_turn_state(self, answer: bytes, session_id: str | None) -> bytes:
+        """A ``session/status`` answer with ``_meta["acp/turnState"]``: whether its turn still runs."""
+        state = self.turns.of(session_id) if session_id is not None else None
+        if state is None:
             return answer
-        transport = result.get("transport")
-        transport = dict(transport) if isinstance(transport, dict) else {}
-        transport["resumable"] = {"retentionMessages": limits.messages, "retentionSeconds": math.floor(limits.seconds)}
-        result["transport"] = transport
-        return jsonrpc.encode_json(obj)
+        return _with_result(answer, lambda result: _merge(result, "_meta", {TURN_STATE_META: state}))
 
     # --- proxy -> client ---------------------------------------------------------------------
 
@@ -381,6 +457,14 @@ class Connection:
             pending.answer = line
             pending.answered.set()
             return
+        if pending.method == Method.PROMPT and pending.session_id is not None:
+            assert msg.id is not UNSET
+            stop = (jsonrpc.decode_object(msg.result) or {}).get("stopReason") if msg.error is UNSET else None
+            self.turns.ended(pending.session_id, msg.id, stop if isinstance(stop, str) else None)
+        elif pending.method == Method.STATUS and msg.error is UNSET:
+            line = self._with_turn_state(line, pending.session_id)
+        elif pending.method == Method.INITIALIZE and self.outbox.cursor_meta and self.transport == "websocket":
+            line = self._resumable(line)
         if msg.error is UNSET and pending.method in (Method.NEW, Method.FORK):
             made = (jsonrpc.decode_object(msg.result) or {}).get("sessionId")
             if isinstance(made, str):
@@ -516,6 +600,37 @@ class Connection:
             await self._nothing_in_flight.wait()
         self.let_go()
 
+    def detach(self) -> None:
+        """Its WebSocket dropped or closed (the server cannot tell which): a connection whose client asked for
+        cursors waits ``resume_grace`` for a ``stream/resume`` (its turns run on, their messages wait), then
+        ends as if closed; any other ends now."""
+        grace = self.hub.limits.resume_grace
+        if self.ended is not None or not self.attached:
+            return
+        if grace <= 0 or not self.outbox.cursor_meta:
+            self.end(Ended.GONE)  # a client that never asked for cursors cannot resume: gone, as it always was
+            return
+        self.attached = False
+        self._reattached = reattached = anyio.Event()
+        self.hub.on_change()
+        log.info("connection %s (%s): dropped: kept %.0fs for a resume", self.id, self.principal.label, grace)
+
+        async def expire() -> None:
+            with anyio.move_on_after(grace):
+                await reattached.wait()
+            if not reattached.is_set():
+                self.end(Ended.GONE)
+
+        self.hub.start_task(expire)
+
+    def reattach(self) -> None:
+        """A client resumed it."""
+        if not self.attached:
+            self.attached = True
+            self._reattached.set()
+            self.hub.on_change()
+            log.info("connection %s (%s): resumed", self.id, self.principal.label)
+
     def let_go(self) -> None:
         """EOF to the proxy: it answers what is left, suspends its sessions and exits."""
         if self._let_go:
@@ -533,6 +648,7 @@ class Connection:
             "peer": self.peer,
             "openedAt": self.opened_at,
             "proxyPid": self._process.pid if self._process is not None else None,
+            "attached": self.attached,
             "sessions": sorted(self.touched),
         }
 
@@ -624,6 +740,29 @@ class Hub:
             return None
         return connection
 
+    def withdraw(self, connection: Connection) -> None:
+        """Forget a connection nothing was sent on (its socket resumed another)."""
+        if connection._started is None and self.connections.get(connection.id) is connection:
+            del self.connections[connection.id]
+            connection.outbox.close()
+            self.on_change()
+
+    async def resume(self, principal: Principal, connection_id: object, cursor: object) -> Resumed | ResumeFailed:
+        """Whether a WebSocket may take over the principal's connection ``connection_id`` after ``cursor``."""
+        if not isinstance(connection_id, str) or not (cursor is None or isinstance(cursor, str)):
+            return ResumeFailed("invalid_params", "stream/resume takes connectionId and cursor (strings)")
+        connection = self.find(connection_id, principal)
+        if connection is None or connection.ended is not None:
+            return ResumeFailed("unknown_connection", f"no connection {connection_id!r} to resume (ended, or never)")
+        if connection.transport != "websocket":
+            return ResumeFailed("not_a_websocket", "a streamable HTTP connection resumes with Last-Event-ID")
+        if not connection.outbox.cursor_meta:
+            return ResumeFailed("not_resumable", 'its client did not ask for cursors (initialize "acp/resumable")')
+        missed = await connection.outbox.resume(None, cursor)
+        if missed is None or connection.ended is not None:
+            return ResumeFailed("cursor_not_retained", f"cursor {cursor!r} is not one this connection still keeps")
+        return Resumed(connection, missed)
+
     def forget(self, connection: Connection) -> None:
         if connection.ended is Ended.SLOW_READER:
             self.slow_readers += 1
@@ -670,15 +809,15 @@ class Hub:
                 connection.end(Ended.REVOKED)
 
     async def _expire_idle(self) -> None:
-        """End connections with nothing open and nothing said for ``idle_timeout``; end revoked tokens'."""
+        """End HTTP connections with nothing open and nothing said for ``resume_grace``; end revoked tokens'."""
         while True:
-            await anyio.sleep(min(5.0, self.limits.idle_timeout))
+            await anyio.sleep(min(5.0, self.limits.resume_grace))
             self.end_revoked()
             now = time.monotonic()
             for connection in list(self.connections.values()):
                 if connection.transport == "websocket":
-                    continue  # held open by its socket, watched by pings
-                if connection.outbox.has_stream(None) or now - connection.last_active < self.limits.idle_timeout:
+                    continue  # held open by its socket, watched by pings; once dropped, by ``detach``
+                if connection.outbox.has_stream(None) or now - connection.last_active < self.limits.resume_grace:
                     continue
                 connection.end(Ended.IDLE)
 
@@ -689,3 +828,17 @@ class Refusal:
     def __init__(self, status: int, message: str) -> None:
         self.status = status
         self.message = message
+
+
+class Resumed(msgspec.Struct, frozen=True):
+    """A WebSocket resumes ``connection``: ``missed`` (cursor and line, oldest first) is written first."""
+
+    connection: Connection
+    missed: list[tuple[str, bytes]]
+
+
+class ResumeFailed(msgspec.Struct, frozen=True):
+    """Why a ``stream/resume`` cannot be done (``reason``, provisional names), in words."""
+
+    reason: str
+    message: str

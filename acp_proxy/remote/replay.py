@@ -15,9 +15,11 @@ argument.
 from __future__ import annotations
 
 from collections import deque
-from typing import Final
+from typing import Any, Final
 
 import msgspec
+
+from acp_proxy.protocol.jsonrpc import RequestId
 
 
 class ReplayLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +55,10 @@ class Replay:
         self._trim(now)
         return self.cursor(self._last)
 
+    def next_cursor(self) -> str:
+        """The cursor the next ``record`` gives."""
+        return self.cursor(self._last + 1)
+
     def cursor(self, sequence: int) -> str:
         return f"{self.epoch}{SEPARATOR}{sequence}"
 
@@ -76,3 +82,40 @@ class Replay:
         while kept and (len(kept) > limits.messages or self._bytes > limits.bytes or now - kept[0][2] > limits.seconds):
             _, line, _ = kept.popleft()
             self._bytes -= len(line)
+
+
+class TurnStates:
+    """Whether each session's turn still runs, for a client back after a drop: the draft's
+    ``_meta["acp/turnState"]`` (provisional), ``running`` with the prompt's request id, or ``idle`` with the
+    last turn's stop reason."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, list[RequestId]] = {}
+        self._stopped: dict[str, str | None] = {}
+
+    def started(self, session_id: str, request_id: RequestId) -> None:
+        self._running.setdefault(session_id, []).append(request_id)
+
+    def ended(self, session_id: str, request_id: RequestId, stop_reason: str | None) -> None:
+        """The prompt ``request_id`` was answered: with ``stop_reason``, or (``None``) an error."""
+        running = self._running.get(session_id, [])
+        if request_id in running:
+            running.remove(request_id)
+        if not running:
+            self._running.pop(session_id, None)
+        self._stopped[session_id] = stop_reason
+
+    def of(self, session_id: str) -> dict[str, Any] | None:
+        """The session's turn state; ``None`` for a session no prompt of this connection went to."""
+        running = self._running.get(session_id)
+        if running:
+            return {"state": "running", "requestId": running[0]}
+        if session_id not in self._stopped:
+            return None
+        stop_reason = self._stopped[session_id]
+        return {"state": "idle"} if stop_reason is None else {"state": "idle", "stopReason": stop_reason}
+
+    def every(self) -> dict[str, dict[str, Any]]:
+        """Each session's turn state, by id."""
+        sessions = self._running.keys() | self._stopped.keys()
+        return {session_id: state for session_id in sorted(sessions) if (state := self.of(session_id)) is not None}
