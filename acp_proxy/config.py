@@ -268,6 +268,9 @@ class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
     its process stopped (the session suspended); 0 = wait for the adapter however long it takes."""
     retention: Annotated[float, DURATION] = 7 * 86400.0
     """Finished tasks are kept this long, then pruned."""
+    operation_window: Annotated[float, DURATION] = 86400.0
+    """A prompt whose operation id its session has seen this recently is answered as that one was, not
+    run again (a client's retry after a lost answer); 0 = never (within ``retention`` at most)."""
     notify: NotifyPolicy = "silent"
     """Which status changes run ``notify_command`` (a task's own policy overrides it)."""
     notify_command: Annotated[tuple[str, ...] | None, COMMAND] = None

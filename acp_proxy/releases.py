@@ -19,6 +19,7 @@ FIRST_WRITERS: Final[Mapping[int, str]] = {
     4: "0.4.0",
     5: "0.5.0",
     6: "0.7.0",
+    7: "0.13.0",
 }
 """Each state schema version, and the first release that wrote it (the release that brought its migration)."""
 

@@ -23,8 +23,8 @@ from tests.support import Gateway, cli_json, fake_command
 ROOT = Path(__file__).parent.parent
 CHANGELOG = ROOT / "CHANGELOG.md"
 
-RELEASE_BEFORE = "f4c93edabcf8907c58c025158008a04ee5d135c4"
-"""0.6.0, the last release that wrote schema 5, as its commit (its ``__version__`` still said 0.1.0)."""
+RELEASE_BEFORE = "572148d3d3c376fbad34a202745fd3b996bb504c"
+"""0.12.0, the last release that wrote schema 6, as its commit."""
 
 
 # --- the releases, the changelog and --version ---------------------------------------------------
@@ -129,7 +129,9 @@ def test_a_migration_records_the_release_that_made_it(tmp_path: Path) -> None:
     StateDB(tmp_path).close()
     with sqlite3.connect(tmp_path / "state.db") as conn:
         conn.execute("DELETE FROM meta WHERE key = ?", (releases.WRITTEN_BY_KEY,))
-        conn.execute("DROP TABLE backend_facts")
+        conn.execute("DROP INDEX tasks_by_operation")
+        conn.execute("ALTER TABLE tasks DROP COLUMN answer")
+        conn.execute("ALTER TABLE tasks DROP COLUMN operation_id")
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")  # as the release before this one left it
     conn.close()
     db = StateDB(tmp_path)
@@ -175,7 +177,7 @@ async def test_the_release_before_and_this_one_serve_one_install_at_once(
     old_argv = [sys.executable, "-m", "acp_proxy", "--async-backend", anyio_backend, "--", *fake_command()]
     async with KitGateway.launch(old_argv, env=old_env, cwd=tree, name="the older proxy", first_id=1001) as old:
         old_meta = (await old.initialize())["result"]["_meta"]["acp-proxy"]
-        assert user_version(state_dir) == 5, "the older release made the database"
+        assert user_version(state_dir) == SCHEMA_VERSION - 1, "the older release made the database"
         async with Gateway.start(proc_env, tmp_path) as new:
             new_meta = (await new.initialize())["result"]["_meta"]["acp-proxy"]
             assert user_version(state_dir) == SCHEMA_VERSION, "this one migrated it, the older one serving"
@@ -183,7 +185,7 @@ async def test_the_release_before_and_this_one_serve_one_install_at_once(
             old_answer = await old.prompt(old_session, "hello from the older release")
             new_answer = await new.prompt(new_session, "hello from this one")
             listed = await cli_json(proc_env, "sessions", "list")
-    assert (old_meta["version"], new_meta["version"]) == ("0.1.0", __version__), "the two releases, as each says"
+    assert (old_meta["version"], new_meta["version"]) == ("0.12.0", __version__), "the two releases, as each says"
     assert old_answer["result"]["stopReason"] == new_answer["result"]["stopReason"] == "end_turn"
     assert {s["sessionId"] for s in listed["sessions"]} == {old_session, new_session}
     db = StateDB(state_dir, read_only=True)

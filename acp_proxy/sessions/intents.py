@@ -61,9 +61,10 @@ from acp_proxy.sessions.registry import (
     SessionRegistry,
     SessionState,
 )
+from acp_proxy.sessions.repeats import Repeats
 from acp_proxy.sessions.restore import GatewayPort, Restorer
 from acp_proxy.sessions.table import Session, SessionTable
-from acp_proxy.tasks.status import TaskStatus
+from acp_proxy.tasks.status import TaskStatus, operation_of
 from acp_proxy.tasks.turn import Limit, Turn
 from acp_proxy.tasks.turns import TurnBook
 
@@ -114,6 +115,7 @@ class SessionIntents:
         )
         self.catalog = SessionCatalog(config, registry, pool, gateway)
         self.ender = TurnEnder(config, table, turns, gateway, background, stopping, suspend=self.suspend)
+        self.repeats = Repeats(turns, gateway, background, config.tasks.operation_window)
         self._queued_ids: set[RequestId] = set()
         self._withdrawn: set[RequestId] = set()
         """Queued requests the gateway withdrew with ``$/cancel_request`` before they were sent."""
@@ -150,6 +152,14 @@ class SessionIntents:
             await self._fail_unknown(msg.id, session_id)
             return
         is_prompt = msg.method == Method.PROMPT
+        if is_prompt and msg.params is not UNSET and b"operationId" in bytes(msg.params):
+            try:
+                operation = operation_of(jsonrpc.decode_object(msg.params) or {})
+            except ValueError as exc:
+                await self.gateway.fail(msg.id, ProxyError.invalid_params(str(exc)))
+                return
+            if operation is not None and await self.repeats.answered(msg, session_id, operation):
+                return
         adapter = session.live_adapter
         queued = self.table.request(session, prompt=is_prompt, process_up=adapter is not None)
         if queued is None and adapter is not None:  # else behind what the session waits for
@@ -226,6 +236,9 @@ class SessionIntents:
                 return
             if await self._answered_while_queued(session, msg, turn):
                 return
+            operation = None if turn is None else turn.operation_id
+            if operation is not None and await self.repeats.answered(msg, session.session_id, operation, turn):
+                return  # its first attempt ran in the proxy it was taken from
             if turn is not None:
                 self.turns.start_turn(turn, adapter.supervised.lease.lease_id, adapter.pid, resumed=resumed)
             call_id = await self._send(adapter, session, msg, turn)

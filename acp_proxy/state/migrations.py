@@ -188,6 +188,12 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         PRIMARY KEY (backend, fact)
     ) WITHOUT ROWID;
     """,
+    # 7: a prompt's operation id (a client's retry of it is answered, not run again) and the answer it got.
+    """
+    ALTER TABLE tasks ADD COLUMN operation_id TEXT;
+    ALTER TABLE tasks ADD COLUMN answer TEXT;
+    CREATE INDEX tasks_by_operation ON tasks (session_id, operation_id) WHERE operation_id IS NOT NULL;
+    """,
 )
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 

@@ -190,6 +190,8 @@ class TaskRegistry:
             turn.created_at,
             turn.started_at,
             turn.ended_at,
+            turn.operation_id,
+            None if turn.answer is None else turn.answer.decode(),
             *_progress_values(turn),
         )
         self._write(turn, functools.partial(_upsert, values))
@@ -206,6 +208,7 @@ class TaskRegistry:
             turn.stop_reason,
             turn.error,
             turn.ended_at,
+            None if turn.answer is None else turn.answer.decode(),
             *_progress_values(turn),
             turn.task_id,
         )
@@ -221,7 +224,7 @@ def _tell(
 def _finish(values: tuple[object, ...], backend: str, status: str, conn: sqlite3.Connection) -> int:
     """A terminal status, counted (``turn_ended``) in the same transaction if the row took it."""
     changed = _execute(
-        f"""UPDATE tasks SET status = ?, stop_reason = ?, error = ?, ended_at = ?, {_PROGRESS_COLUMNS}
+        f"""UPDATE tasks SET status = ?, stop_reason = ?, error = ?, ended_at = ?, answer = ?, {_PROGRESS_COLUMNS}
             WHERE task_id = ? AND status IN ('queued', 'running')""",
         values,
         conn,
@@ -239,12 +242,14 @@ def _execute(sql: str, values: tuple[object, ...], conn: sqlite3.Connection) -> 
 def _upsert(values: tuple[object, ...], conn: sqlite3.Connection) -> int:
     return conn.execute(
         """INSERT INTO tasks (task_id, session_id, backend, instance_id, lease_id, request_id, status,
-               stop_reason, error, traceparent, prompt, created_at, started_at, ended_at, first_output_at,
-               progress_summary, update_count, tool_calls, recent_events, events_dropped, updated_at)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+               stop_reason, error, traceparent, prompt, created_at, started_at, ended_at, operation_id, answer,
+               first_output_at, progress_summary, update_count, tool_calls, recent_events, events_dropped,
+               updated_at)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
            ON CONFLICT (task_id) DO UPDATE SET
                lease_id = excluded.lease_id, status = excluded.status, stop_reason = excluded.stop_reason,
                error = excluded.error, started_at = excluded.started_at, ended_at = excluded.ended_at,
+               answer = excluded.answer,
                first_output_at = excluded.first_output_at, progress_summary = excluded.progress_summary,
                update_count = excluded.update_count, tool_calls = excluded.tool_calls,
                recent_events = excluded.recent_events, events_dropped = excluded.events_dropped,
@@ -277,6 +282,30 @@ def get_task(db: StateDB, task_id: str) -> TaskRecord | None:
     if len(rows) > 1:
         raise AmbiguousId(task_id, [r["task_id"] for r in rows])
     return TaskRecord.from_row(rows[0]) if rows else None
+
+
+class Earlier(msgspec.Struct, frozen=True):
+    """The latest task of a session with a given operation id, as far as the decision needs it."""
+
+    task_id: str
+    status: TaskStatus
+    created_at: float
+    answer: bytes | None
+
+
+def earlier_operation(db: StateDB, session_id: str, operation_id: str, other_than: str = "") -> Earlier | None:
+    """The session's latest task with that operation id (any proxy's), but the task ``other_than``."""
+    row = db.conn.execute(
+        """SELECT task_id, status, created_at, answer FROM tasks
+           WHERE session_id = ? AND operation_id = ? AND task_id != ? ORDER BY created_at DESC LIMIT 1""",
+        (session_id, operation_id, other_than),
+    ).fetchone()
+    if row is None:
+        return None
+    answer = row["answer"]
+    return Earlier(
+        row["task_id"], TaskStatus(row["status"]), row["created_at"], None if answer is None else answer.encode()
+    )
 
 
 def list_tasks(

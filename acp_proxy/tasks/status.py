@@ -105,3 +105,48 @@ def prompt_preview(params: dict[str, Any]) -> str:
                 texts.append(f"[{block['type']}]")
     text = " ".join(" ".join(texts).split())
     return text[:PROMPT_PREVIEW_CHARS] + ("…" if len(text) > PROMPT_PREVIEW_CHARS else "")
+
+
+MAX_OPERATION_ID: Final = 200
+
+
+def operation_of(params: dict[str, Any]) -> str | None:
+    """A prompt's operation id: the drafts' ``operationId`` in its params, or (a v1 client) in its
+    ``_meta``; ``None`` if it has none. ``ValueError`` for one that is not a string of 1 to 200
+    characters (a retry it names could not be recognised)."""
+    meta = params.get("_meta")
+    for holder in (params, meta if isinstance(meta, dict) else {}):
+        value = holder.get("operationId")
+        if value is None:
+            continue
+        if not isinstance(value, str) or not 0 < len(value) <= MAX_OPERATION_ID:
+            raise ValueError(f"operationId must be a string of 1 to {MAX_OPERATION_ID} characters")
+        return value
+    return None
+
+
+class Repeat(enum.Enum):
+    """What becomes of a prompt whose operation id its session has seen (``repeat_of``)."""
+
+    RUN = "run"
+    """Run it: no earlier one within the window, or that one was lost with its proxy (it never ended)."""
+    ANSWER = "answer"
+    """Answer it as the earlier one was answered."""
+    WAIT = "wait"
+    """The earlier one still runs (here, or in the proxy that holds the session): answered once it ends."""
+
+
+def repeat_of(status: TaskStatus | None, answered: bool, created_at: float, now: float, window: float) -> Repeat:
+    """The rule for a prompt repeating an earlier one's operation id, from that one's task (``None``: none)."""
+    if status is None or window <= 0 or now - created_at > window or status is TaskStatus.LOST:
+        return Repeat.RUN
+    if status in ACTIVE:
+        return Repeat.WAIT
+    return Repeat.ANSWER if answered else Repeat.RUN
+
+
+def answer_json(*, stop_reason: str | None, error: tuple[int, str] | None) -> bytes:
+    """A turn's answer as its retries get it (``{"result": …}`` or ``{"error": …}``), when the proxy made it."""
+    if error is not None:
+        return msgspec.json.encode({"error": {"code": error[0], "message": error[1]}})
+    return msgspec.json.encode({"result": {"stopReason": stop_reason or "end_turn"}})

@@ -83,6 +83,11 @@ class Turn(msgspec.Struct, eq=False):
     """The gateway's JSON-RPC id for the prompt, as JSON text."""
     prompt: str = ""
     traceparent: str | None = None
+    operation_id: str | None = None
+    """The client's id for the prompt, the same on each of its retries (``operation_of``)."""
+    answer: bytes | None = None
+    """The answer the prompt got, as ``{"result": …}`` or ``{"error": …}`` (kept for a turn with an
+    ``operation_id``: its retries get it)."""
     status: TaskStatus = TaskStatus.QUEUED
     created_at: float = msgspec.field(default_factory=now)
     started_at: float | None = None

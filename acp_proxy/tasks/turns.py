@@ -36,7 +36,15 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.jsonrpc import Message
 from acp_proxy.tasks.notify import Notifier
 from acp_proxy.tasks.records import TaskRegistry, Titles, prune, sweep_lost
-from acp_proxy.tasks.status import TERMINAL, TaskStatus, outcome_of, prompt_preview, traceparent_of
+from acp_proxy.tasks.status import (
+    TERMINAL,
+    TaskStatus,
+    answer_json,
+    operation_of,
+    outcome_of,
+    prompt_preview,
+    traceparent_of,
+)
 from acp_proxy.tasks.turn import Limit, Turn, new_task_id
 from acp_proxy.timings import Timing, Timings
 
@@ -82,6 +90,21 @@ def error_text(error: jsonrpc.ErrorObject) -> str:
     if len(detail) > ERROR_DETAIL_CHARS:
         detail = detail[:ERROR_DETAIL_CHARS] + "…"
     return f"{error.message}: {detail}"
+
+
+def _operation_or_none(params: dict[str, Any]) -> str | None:
+    try:
+        return operation_of(params)
+    except ValueError:  # refused before its turn was opened
+        return None
+
+
+def _answer_of(answer: Message) -> bytes:
+    """``{"result": …}`` or ``{"error": …}``: the adapter's answer without its envelope."""
+    if answer.error is not UNSET:
+        return msgspec.json.encode({"error": answer.error})
+    result = answer.result if answer.result is not UNSET else Raw(b"null")
+    return b'{"result":' + bytes(result) + b"}"
 
 
 def turn_ids(turn: Turn) -> dict[str, Any]:
@@ -235,6 +258,7 @@ class TurnBook:
             request_id=jsonrpc.encode_json(None if msg.id is UNSET else msg.id).decode(),
             prompt=prompt_preview(params),
             traceparent=traceparent_of(params.get("_meta")),
+            operation_id=_operation_or_none(params),
         )
         if lease_id is not None:
             turn.start(lease_id, self.turn_timeout(turn), self.config.turn_idle_timeout(backend))
@@ -284,6 +308,8 @@ class TurnBook:
         turn.finish(
             outcome_of(stop_reason=stop_reason, error=error, timed_out=turn.timed_out, ended_by=ended_by, cut=turn.cut)
         )
+        if turn.operation_id is not None and turn.answer is None:
+            turn.answer = answer_json(stop_reason=stop_reason, error=error)
         if self.timings is not None and turn.started_at is not None and turn.ended_at is not None:
             self.timings.observe(Timing.TURN, turn.backend, turn.ended_at - turn.started_at)
             if turn.first_output_at is not None:
@@ -292,7 +318,7 @@ class TurnBook:
         self.settled.notify()
         if turn.notify or self._notifying:
             self._status_changed(turn, previous)
-        if write_later:
+        if write_later and turn.operation_id is None:  # a retry's proxy may read its row right after this one
             self.settled_unwritten.append(turn)
         else:
             self._record(self.tasks.finish, turn)
@@ -324,6 +350,8 @@ class TurnBook:
 
     def settle_answer(self, turn: Turn, answer: Message, *, write_later: bool = False) -> None:
         """From the adapter's answer to the prompt, as the gateway gets it."""
+        if turn.operation_id is not None and turn.status not in TERMINAL:
+            turn.answer = _answer_of(answer)
         if answer.error is not UNSET:
             self.settle(turn, error=(answer.error.code, error_text(answer.error)), write_later=write_later)
         else:
@@ -345,6 +373,15 @@ class TurnBook:
         with anyio.move_on_after(timeout):
             await self.settled.until(lambda: turn.status in TERMINAL)
         return turn.status in TERMINAL
+
+    def by_operation(self, session_id: str, operation_id: str, other_than: Turn | None = None) -> Turn | None:
+        """This proxy's turn of the session with that operation id (but ``other_than``), running, queued, or
+        ended with its row still being written."""
+        turns = (*self.turns.values(), *self.settled_unwritten, *self.unwritten.values())
+        return next(
+            (t for t in turns if t.operation_id == operation_id and t.session_id == session_id and t is not other_than),
+            None,
+        )
 
     def ended_unwritten(self, task_id: str) -> Turn | None:
         """A turn of this proxy that has ended and whose row is still being written."""
