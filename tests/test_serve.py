@@ -289,7 +289,7 @@ async def test_the_rfd_status_codes_over_http2(proc_env: dict[str, str], tmp_pat
         await client.initialize()
         assert (await http.get(url, headers={**client.headers()})).status_code == 406  # accepts no event stream
         stranger = {**client.headers("someone-elses"), "accept": "text/event-stream"}
-        assert (await http.get(url, headers=stranger)).status_code == 404
+        assert (await http.get(url, headers=stranger)).status_code == 409, "that session alone refused"
         malformed = await http.post(
             url, content=b"{not json", headers={**client.headers(), "content-type": "application/json"}
         )

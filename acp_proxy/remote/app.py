@@ -262,7 +262,10 @@ class AcpApp:
     ) -> None:
         session_id = head.session_id
         if session_id is not None and not self.hub.may_see(principal, session_id):
-            await _plain(send, 404, "unknown Acp-Session-Id")
+            # 409, not the RFD's 404: the TypeScript SDK opens a session's stream before its session/load, and
+            # takes any failure but 409 there as the end of the whole connection, its other sessions with it.
+            # 409 fails that session alone (its load is answered -32002 on the connection's stream).
+            await _plain(send, 409, "unknown Acp-Session-Id: not a session of this token")
             return
         outbox = connection.outbox
         missed: list[tuple[str, bytes]] = []

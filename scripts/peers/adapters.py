@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-PYPI_PACKAGES = ("agent-client-protocol",)
+PYPI_PACKAGES = ("agent-client-protocol[http]",)
+"""The Python SDK, with its network transports' needs (httpx, websockets)."""
 PLACEHOLDER = "sk-check-peers-placeholder-not-a-key"
 UNREACHABLE_MODEL = "http://127.0.0.1:9/v1"  # the discard port: a model request fails at once
 

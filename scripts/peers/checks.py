@@ -18,6 +18,7 @@ from . import (
     raw_checks,
     remote_checks,
     sdk_checks,
+    sdk_remote_checks,
     session_checks,
 )
 from .adapters import ADAPTERS, POOL_ADAPTERS
@@ -66,6 +67,8 @@ CHECKS: tuple[Check, ...] = (
     *each_adapter("install-acpx", install_checks.install_acpx, POOL_ADAPTERS),
     Check("remote-acpx-echo", remote_checks.remote_acpx_echo),
     *each_adapter("remote-acpx", remote_checks.remote_acpx_adapter, POOL_ADAPTERS),
+    Check("remote-sdk-python", sdk_remote_checks.remote_sdk_python),
+    Check("remote-sdk-typescript", sdk_remote_checks.remote_sdk_typescript),
     Check("attach-echo", attach_checks.attach_echo),
     *each_adapter("attach", attach_checks.attach_adapter, POOL_ADAPTERS),
     Check("retention-acpx-echo", install_session_checks.retention_acpx),

@@ -13,6 +13,7 @@ from pathlib import Path
 from .adapters import ADAPTERS, NPM_PACKAGES, PYPI_PACKAGES
 from .harness import Peers
 from .openclaw_checks import node_bin, openclaw_dir
+from .sdk_remote_checks import sdk_dir
 
 
 def install(peers: Peers) -> None:
@@ -52,6 +53,17 @@ def install(peers: Peers) -> None:
     )
     install_fast_agent(peers)
     install_openclaw(peers)
+    install_typescript_sdk(peers)
+
+
+TYPESCRIPT_SDK = ("@agentclientprotocol/sdk@^2.4", "ws@^8")
+"""The TypeScript SDK with its experimental network clients, and the WebSocket Node 20 lacks, apart from the
+adapters' install (which pins an older SDK of its own)."""
+
+
+def install_typescript_sdk(peers: Peers) -> None:
+    npm = ["npm", "install", "--prefix", str(sdk_dir(peers)), "--no-audit", "--no-fund", "--loglevel=error"]
+    subprocess.run([*npm, *TYPESCRIPT_SDK], check=True)
 
 
 def python_312() -> str | None:
@@ -120,6 +132,9 @@ def print_versions(peers: Peers) -> None:
     print(f"   {shlex.join(peers.proxy)}: {proxy.stdout.strip() or proxy.stderr.strip()}")
     openclaw = openclaw_dir(peers) / "node_modules" / "openclaw" / "package.json"
     print(f"   openclaw {json.loads(openclaw.read_text())['version'] if openclaw.exists() else 'missing'}")
+    typescript = sdk_dir(peers) / "node_modules" / "@agentclientprotocol" / "sdk" / "package.json"
+    found_ts = json.loads(typescript.read_text())["version"] if typescript.exists() else "missing"
+    print(f"   @agentclientprotocol/sdk (for remote-sdk-typescript) {found_ts}")
     node24 = node_bin(peers) / "node"
     if node24.exists():
         version = subprocess.run([str(node24), "--version"], capture_output=True, text=True).stdout.strip()
