@@ -156,6 +156,12 @@ def _command(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _names(value: object) -> tuple[str, ...]:
+    if not (isinstance(value, list) and all(isinstance(a, str) and a for a in value)):
+        raise _expect('a list of names such as ["phone", "local"]', value)
+    return tuple(value)
+
+
 def _identity(value: object) -> object:
     return value
 
@@ -178,6 +184,7 @@ SIZE: Final = Check(parse_size)
 SIZE_OR_ZERO: Final = Check(_size_or_zero)
 TEXT: Final = Check(_string)
 COMMAND: Final = Check(_command)
+NAMES: Final = Check(_names)
 AT_LEAST_1: Final = Check(_int_at_least(1))
 AT_LEAST_1024: Final = Check(_int_at_least(1024))
 NOT_A_KEY: Final = Check(_identity)
@@ -281,6 +288,8 @@ class TasksConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 PromptPolicy = Literal["queue", "refuse"]
 PROMPT_POLICIES: Final[tuple[str, ...]] = ("queue", "refuse")
+PermissionPolicy = Literal["first", "prompter", "designated"]
+PERMISSION_POLICIES: Final[tuple[str, ...]] = ("first", "prompter", "designated")
 
 
 class AttachConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -288,6 +297,11 @@ class AttachConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     prompts: PromptPolicy = "queue"
     """A prompt that arrives while another controller's turn runs: queued in arrival order, or refused."""
+    permissions: PermissionPolicy = "first"
+    """Who is asked an agent's permission request (or elicitation) and may answer it: every controller (the
+    first answer wins), the principal whose prompt started the turn, or the ``designated`` ones."""
+    designated: Annotated[tuple[str, ...], NAMES] = ()
+    """Under ``permissions = "designated"``: the principals asked (tokens' names; ``local`` for this host)."""
     max_clients: Annotated[int, AT_LEAST_1] = 16
     """Attached clients per session, beside the gateway that opened it."""
     transcript_max_bytes: Annotated[int, SIZE_OR_ZERO] = 2 * 1024 * 1024
@@ -519,6 +533,12 @@ def validate(doc: Mapping[str, Any], source: str | None = None) -> Config:
                 f"{hard} bytes must be larger than session_max_memory, {soft} bytes (the hard limit past which "
                 "a turn is ended; a backend's limits fall back to [pool]'s)",
             )
+    attach: AttachConfig = top.get("attach", AttachConfig())
+    if attach.permissions == "designated" and not attach.designated:
+        checker.fail(
+            "attach.designated",
+            'required when attach.permissions is "designated": the principals asked, e.g. designated = ["phone"]',
+        )
     default = doc.get("default_backend")
     if default is not None and raw_backends and default not in raw_backends:
         configured = ", ".join(sorted(raw_backends))

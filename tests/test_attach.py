@@ -31,7 +31,7 @@ from acp_proxy.relay.sharing import (
     valid_permission_answer,
 )
 from acp_proxy.sessions.transcript import Entry, EntryKind
-from tests.support import Gateway, adapter_calls, cli, survivors, write_config
+from tests.support import Gateway, adapter_calls, cli, cli_json, survivors, write_config
 
 
 def allow(request: dict[str, Any]) -> dict[str, Any]:
@@ -511,3 +511,60 @@ def test_the_drafts_updates_carry_both_discriminators() -> None:
     line = json.loads(update_line("s", {"type": "permission_resolved", "toolCallId": "c"}))
     assert line["method"] == "session/update"
     assert line["params"]["update"]["type"] == line["params"]["update"]["sessionUpdate"] == "permission_resolved"
+
+
+def is_asked(m: dict[str, Any]) -> bool:
+    return m.get("method") == "session/request_permission"
+
+
+@pytest.mark.anyio
+async def test_a_claimed_permission_is_answered_by_its_claimant_alone_until_it_disconnects(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    cfg = config(tmp_path)
+    async with holder(proc_env, tmp_path, cfg) as (gw, session):
+        async with client(proc_env, tmp_path, cfg) as boss:
+            await attach(boss, session, history="none", name="phone")
+            asking = await prompt_in_flight(gw, session, "permission")
+            asked_gateway, asked_boss = await gw.expect(is_asked), await boss.expect(is_asked)
+            tool_call = asked_boss["params"]["toolCall"]["toolCallId"]
+            claim = {"sessionId": session, "toolCallId": tool_call}
+            claimed = await boss.request("session/claim_permission", claim)
+            assert claimed["result"]["claimedBy"]["name"].startswith("phone"), claimed
+            told = (await boss.expect(is_update("permission_claimed")))["params"]["update"]
+            assert told["toolCallId"] == tool_call
+            refused = await gw.request("session/claim_permission", claim)
+            assert refused["error"]["data"]["reason"] == "permission_claimed", refused
+            await gw.send(allow(asked_gateway))  # not the claimant's: dropped, the agent still waits
+            key = (await cli_json(proc_env, "permissions", "list", "--json"))["requests"][0]
+            assert key["claimedBy"].startswith("phone")
+            code, _, err = await cli(proc_env, "permissions", "answer", key["request"], "allow")
+            assert code == 1, err
+            assert "claimed by phone" in err, "an operator does not overrule a claim"
+        # the claimant's proxy is gone: its claim ended, the request waits for anyone eligible
+        await gw.send(allow(asked_gateway))
+        done = await gw.response_to(asking)
+        assert done["result"]["stopReason"] == "end_turn"
+        assert "permission granted" in texts(gw.take_updates(session))
+        answers = [json.loads(e["in"]) for e in gw.adapter_record() if '"outcome"' in e.get("in", "")]
+        assert len(answers) == 1, "the agent got one answer: the one given once the claim had ended"
+
+
+@pytest.mark.anyio
+async def test_each_permission_policy_asks_whom_it_names(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """``designated``: the phone alone is asked, not the gateway; ``prompter``: whoever prompted the turn."""
+    phone_env = {**proc_env, "ACP_PROXY_PRINCIPAL": "phone"}
+    for policy, extra in (("designated", {"designated": ["phone"]}), ("prompter", {})):
+        (tmp_path / policy).mkdir()
+        cfg = config(tmp_path / policy, permissions=policy, **extra)
+        async with holder(proc_env, tmp_path, cfg) as (gw, session), client(phone_env, tmp_path, cfg) as phone:
+            await attach(phone, session, history="none", name="phone")
+            asking = await prompt_in_flight(phone, session, "permission")
+            await phone.send(allow(await phone.expect(is_asked)))
+            assert (await phone.response_to(asking))["result"]["stopReason"] == "end_turn"
+            if policy == "prompter":  # the gateway's own turn asks the gateway, not the phone
+                asking = await prompt_in_flight(gw, session, "permission")
+                await gw.send(allow(await gw.expect(is_asked)))
+                assert (await gw.response_to(asking))["result"]["stopReason"] == "end_turn"
+                assert not phone.stashed("session/request_permission"), "the phone did not prompt that turn"
+            assert not gw.stashed("session/request_permission"), f"{policy}: the gateway was not asked the phone's"

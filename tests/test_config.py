@@ -132,7 +132,17 @@ def test_design_example_is_valid() -> None:
         ({**GOOD, "attach": {"transcript_max_bytes": "lots"}}, "attach.transcript_max_bytes: expected a size such as"),
         (
             {**GOOD, "attach": {"clients": 3}},
-            "attach.clients: unknown key (expected one of: max_clients, prompts, transcript_max_bytes)",
+            "attach.clients: unknown key (expected one of: designated, max_clients, permissions, prompts, "
+            "transcript_max_bytes)",
+        ),
+        (
+            {**GOOD, "attach": {"permissions": "anyone"}},
+            'attach.permissions: expected one of "first", "prompter", "designated", got "anyone"',
+        ),
+        ({**GOOD, "attach": {"designated": "phone"}}, 'attach.designated: expected a list of names such as ["phone"'),
+        (
+            {**GOOD, "attach": {"permissions": "designated"}},
+            'attach.designated: required when attach.permissions is "designated"',
         ),
         (
             {**GOOD, "default_backend": "claude"},

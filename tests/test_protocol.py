@@ -48,8 +48,9 @@ def test_the_table_knows_no_method_beyond_the_schema_but_the_old_set_model_the_u
     None
 ):
     # session/attach and session/detach: the draft RFD "Multi-Client Session Attach", served by the proxy itself;
-    # session/status: in the unstable schema the TypeScript SDK 2.4 ships, served by the proxy itself
-    unstable = {Method.FORK, Method.STATUS, Method.ATTACH, Method.DETACH}
+    # session/status: in the unstable schema the TypeScript SDK 2.4 ships, served by the proxy itself;
+    # session/claim_permission: the Remote drafts' claim of a pending interaction, served by the proxy itself
+    unstable = {Method.FORK, Method.STATUS, Method.ATTACH, Method.DETACH, Method.CLAIM_PERMISSION}
     assert set(METHODS) - set(schema_methods()) == {Method.SET_MODEL, *unstable}
     assert facts(Method.STATUS).names_session
     assert facts(Method.STATUS).capability == "sessionCapabilities.status"

@@ -64,9 +64,10 @@ def permissions_list(state_dir: Path, *, as_json: bool) -> int:
                 reports.printable(str(request["sessionId"]))[:24],
                 subject[:40],
                 options or "-",
+                reports.printable(str(request.get("claimedBy") or "-"))[:24],
             )
         )
-    reports.table(("REQUEST", "WAITING", "SESSION", "ASKS", "OPTIONS"), rows)
+    reports.table(("REQUEST", "WAITING", "SESSION", "ASKS", "OPTIONS", "CLAIMED BY"), rows)
     return 0
 
 

@@ -161,6 +161,24 @@ class ProxyError(Exception):
         return cls(SESSION_ELSEWHERE, message, "session_moved", sessionId=session_id, holder=holder)
 
     @classmethod
+    def permission_claimed(cls, request: str, claimed_by: str) -> ProxyError:
+        """A claim of, or an answer to, an agent's request another client has claimed."""
+        message = f"Request {request} is claimed by {claimed_by}: only it answers, unless it disconnects first"
+        return cls(ATTACH_NOT_AUTHORISED, message, "permission_claimed", request=request, claimedBy=claimed_by)
+
+    @classmethod
+    def not_eligible(cls, request: str, policy: str) -> ProxyError:
+        """A claim of an agent's request by a client that ``[attach] permissions`` does not ask."""
+        message = f'Request {request} is not for this client to answer ([attach] permissions = "{policy}")'
+        return cls(ATTACH_NOT_AUTHORISED, message, "not_eligible", request=request, policy=policy)
+
+    @classmethod
+    def no_such_request(cls, session_id: str, named: str) -> ProxyError:
+        """A claim naming no request of the agent's that still waits in that session."""
+        message = f"No request of the agent's waits in session {session_id} as {named} (answered, withdrawn, or never)"
+        return cls(ATTACH_NOT_FOUND, message, "no_such_request", sessionId=session_id)
+
+    @classmethod
     def holder_gone(cls, session_id: str) -> ProxyError:
         """A request over an attachment whose session's proxy went away before answering it."""
         message = f"The acp-proxy holding session {session_id} exited before answering"

@@ -33,6 +33,9 @@ class Method(enum.StrEnum):
     ATTACH = "session/attach"
     """From ACP's draft RFD "Multi-Client Session Attach": served by the proxy itself (``relay.sharing``)."""
     DETACH = "session/detach"
+    CLAIM_PERMISSION = "session/claim_permission"
+    """A client claims an agent's permission request (or elicitation) of the session, to answer it alone
+    (``relay.claims``; after the ACP Remote drafts' pending interactions, the name provisional)."""
     PROMPT = "session/prompt"
     CANCEL = "session/cancel"
     SET_MODE = "session/set_mode"
@@ -100,6 +103,7 @@ METHODS: Final[dict[str, MethodFacts]] = {
     Method.STATUS: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.status"),
     Method.ATTACH: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.attach"),
     Method.DETACH: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.attach"),
+    Method.CLAIM_PERMISSION: MethodFacts(_AGENT, names_session=True, capability="sessionCapabilities.attach"),
     Method.PROMPT: MethodFacts(_AGENT, names_session=True),
     Method.CANCEL: MethodFacts(_AGENT, notification=True, names_session=True),
     Method.SET_MODE: MethodFacts(_AGENT, names_session=True, setting=True),

@@ -39,7 +39,7 @@ from acp_proxy.protocol.acp import (
 from acp_proxy.protocol.errors import ProxyError, describe_exit
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, Message
 from acp_proxy.protocol.methods import Method
-from acp_proxy.relay.sharing import GATEWAY, Sharing
+from acp_proxy.relay.sharing import Sharing
 from acp_proxy.relay.upstream import AgentRequests
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
@@ -138,7 +138,8 @@ class AdapterRelay:
     async def answer_from_gateway(self, msg: Message) -> None:
         """The gateway answered an agent->client request: hand it to the adapter that asked."""
         key = msg.id
-        if not isinstance(key, int) or not await self.sharing.hand_back(key, msg, GATEWAY, from_gateway=True):
+        client = self.sharing.gateway_client
+        if not isinstance(key, int) or not await self.sharing.hand_back(key, msg, client, from_gateway=True):
             log.info(
                 "gateway answered request id %r, which waits no more (answered elsewhere, or unknown): dropped", key
             )
@@ -295,14 +296,15 @@ class AdapterRelay:
             except sqlite3.Error as exc:  # the title is lost; the update itself is relayed
                 log.error("could not record the title of session %s: %s", adapter.gateway_session, exc)
 
-    def _request(self, adapter: Adapter, msg: Message) -> bytes:
+    def _request(self, adapter: Adapter, msg: Message) -> bytes | None:
         if msg.method == Method.ELICITATION_CREATE:
             msg.params = gateway_scope(adapter, msg.params)
         turn = adapter.tenancy.running_turn
         upstream_id = self.requests.register(adapter, msg.id, str(msg.method), turn)  # type: ignore[arg-type]
         if msg.method == Method.REQUEST_PERMISSION:
             self.turns.note(adapter.tenancy.turn, "permission_asked", permission_subject(msg))
-        self.sharing.asked(adapter.gateway_session, upstream_id, msg, turn)
+        if not self.sharing.asked(adapter.gateway_session, upstream_id, msg, turn):
+            return None  # [attach] permissions asks others: it waits for them (or an operator)
         return jsonrpc.with_id(msg, upstream_id)
 
     def _response(self, adapter: Adapter, msg: Message) -> tuple[bytes | None, bool]:

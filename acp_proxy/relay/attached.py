@@ -33,7 +33,16 @@ from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.adapters import decoded_lines, is_plain_notification_block
-from acp_proxy.relay.sharing import AttachRequest, History, Sharing, history_items, parse_attach, update_line
+from acp_proxy.relay.claims import LOCAL
+from acp_proxy.relay.sharing import (
+    PRINCIPAL_ENV,
+    AttachRequest,
+    History,
+    Sharing,
+    history_items,
+    parse_attach,
+    update_line,
+)
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.sockets import addressable, socket_path
@@ -114,6 +123,7 @@ class Links:
             "historyPolicy": params.get("historyPolicy", "full"),
             "clientInfo": client_info,
             "who": self.who,
+            "principal": os.environ.get(PRINCIPAL_ENV) or LOCAL,
         }
         try:
             request = parse_attach(args)

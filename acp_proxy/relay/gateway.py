@@ -264,9 +264,9 @@ class GatewayConnection:
             def reply(data: bytes) -> None:
                 self.background.start(lambda: self.writer.send(data))
 
-            self.sharing.prompt(session_id, msg, GATEWAY, reply)
+            self.sharing.prompt(session_id, msg, GATEWAY, self.sharing.gateway_client.principal, reply)
             return
-        self.sharing.prompted(session_id, msg.params, GATEWAY)  # type: ignore[arg-type]
+        self.sharing.prompted(session_id, msg.params, GATEWAY, self.sharing.gateway_client.principal)  # type: ignore[arg-type]
         await self.intents.forward(msg, session_id)
 
     async def _attach(self, msg: Message) -> None:
@@ -274,6 +274,20 @@ class GatewayConnection:
         session_id = await self._session_id_or_fail(msg)
         if session_id is not None:
             self.background.start(lambda: self.links.attach(msg, session_id))
+
+    async def _claim(self, msg: Message) -> None:
+        """``session/claim_permission`` by the gateway, for a session of this proxy (``Sharing.claim``)."""
+        session_id = await self._session_id_or_fail(msg)
+        if session_id is None:
+            return
+        try:
+            claimed = self.sharing.claim(
+                session_id, jsonrpc.decode_object(msg.params) or {}, self.sharing.gateway_client
+            )
+        except ProxyError as exc:
+            await self.writer.fail(msg.id, exc)
+            return
+        await self.writer.answer(msg.id, claimed)
 
     async def _detach(self, msg: Message) -> None:
         """``session/detach`` of a session this gateway did not attach to (an attached one's goes to its holder)."""
@@ -418,6 +432,7 @@ ROUTES: Final[dict[str, Route]] = {
     Method.PROMPT: GatewayConnection._prompt,
     Method.ATTACH: GatewayConnection._attach,
     Method.DETACH: GatewayConnection._detach,
+    Method.CLAIM_PERMISSION: GatewayConnection._claim,
 }
 """The requests the proxy handles itself. Any other request naming a session is forwarded to it
 (``SessionIntents.forward``; ``session/prompt``, the settings, unknown ones);

@@ -48,6 +48,7 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, Message, RequestId
 from acp_proxy.protocol.methods import Method
+from acp_proxy.relay.claims import LOCAL, OPERATOR, Client, Refusal, eligible, refusal
 from acp_proxy.relay.upstream import AgentRequests
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
@@ -65,6 +66,10 @@ ATTACHMENTS_MAX: Final = 256
 CANCELLED: Final = {"stopReason": "cancelled"}
 GATEWAY: Final = "the gateway"
 """Who answered or prompted, when it was the session's own gateway."""
+PRINCIPAL_ENV: Final = "ACP_PROXY_PRINCIPAL"
+"""Whose client the proxy's gateway is (set by ``serve``: the token's name; else ``local``)."""
+ATTACHED_METHODS: Final = frozenset({Method.PROMPT, Method.DETACH, Method.CLAIM_PERMISSION})
+"""The requests an attached client sends for the session it is attached to."""
 
 
 class Role(enum.StrEnum):
@@ -87,6 +92,8 @@ class AttachRequest(msgspec.Struct, frozen=True, kw_only=True):
     clientInfo: dict[str, Any] = msgspec.field(default_factory=dict)
     who: str = ""
     """Who the attaching proxy serves (``uid 1000``, a token's name): for the records."""
+    principal: str = LOCAL
+    """Whose client it is, for ``[attach] permissions``: a token's name, or ``local``."""
 
 
 def parse_attach(args: dict[str, Any]) -> AttachRequest:
@@ -125,6 +132,7 @@ class Attachment:
             "role": request.role.value,
         }
         self.label = client_label(request.clientInfo, request.who)
+        self.client = Client(f"attachment:{number}", request.principal or LOCAL, self.label)
         self.out: MemoryObjectSendStream[bytes]
         self.queue: MemoryObjectReceiveStream[bytes]
         self.out, self.queue = anyio.create_memory_object_stream[bytes](ATTACHMENT_QUEUE)
@@ -175,6 +183,12 @@ class Ask(msgspec.Struct, kw_only=True):
     options: list[dict[str, Any]]
     sent: dict[int, tuple[Attachment, RequestId]] = msgspec.field(default_factory=dict)
     """The controllers it was sent to: attachment number -> (attachment, the id it got it under)."""
+    prompter: str | None = None
+    """The principal whose prompt started the turn it was asked in (``[attach] permissions = "prompter"``)."""
+    gateway_asked: bool = True
+    """Whether the session's gateway was sent it (``[attach] permissions`` may leave it out)."""
+    claimed_by: Client | None = None
+    """The client that claimed it: only it answers it, until it disconnects."""
 
     def view(self) -> dict[str, Any]:
         return {
@@ -185,7 +199,8 @@ class Ask(msgspec.Struct, kw_only=True):
             "options": self.options,
             "askedAt": self.asked_at,
             "waitingSeconds": round(time.time() - self.asked_at, 3),
-            "sentTo": [attachment.label for attachment, _ in self.sent.values()],
+            "sentTo": [GATEWAY] * self.gateway_asked + [attachment.label for attachment, _ in self.sent.values()],
+            "claimedBy": self.claimed_by.label if self.claimed_by is not None else None,
         }
 
 
@@ -195,6 +210,7 @@ class LaneItem(msgspec.Struct, kw_only=True):
     msg: Message
     """The prompt, with the id it is served under (a routed one)."""
     by: str
+    principal: str
     done: anyio.Event = msgspec.field(default_factory=anyio.Event)
     sent: bool = False
     cancelled: bool = False
@@ -341,6 +357,10 @@ class Sharing:
         self._replaying: set[str] = set()
         self._answering: Attachment | None = None
         """The attachment whose answer is being delivered (``settled`` runs within the delivery)."""
+        self.gateway_client = Client("gateway", os.environ.get(PRINCIPAL_ENV) or LOCAL, GATEWAY)
+        """The session's own gateway, as ``[attach] permissions`` sees it."""
+        self.prompters: dict[str, str] = {}
+        """Each session's latest prompter (a principal): who a ``prompter`` policy asks."""
 
     @property
     def attached(self) -> int:
@@ -370,13 +390,29 @@ class Sharing:
             for attachment in list(share.attachments.values()):
                 attachment.put(out)
 
-    def prompted(self, session_id: str, params: Raw, by: str) -> None:
+    def prompted(self, session_id: str, params: Raw, by: str, principal: str) -> None:
         self.transcripts.record(session_id, EntryKind.PROMPT, bytes(params), by)
+        self.prompters[session_id] = principal
 
-    def asked(self, session_id: str | None, upstream_id: int, msg: Message, turn: Turn | None) -> None:
-        """The agent asked the client something (sent to the gateway as ``upstream_id``): to every controller too."""
+    def _eligible(self, ask: Ask, client: Client) -> bool:
+        attach = self.config.attach
+        return eligible(attach.permissions, attach.designated, client, ask.prompter)
+
+    def _refusal(self, ask: Ask, client: Client) -> ProxyError | None:
+        attach = self.config.attach
+        why = refusal(attach.permissions, attach.designated, client, ask.prompter, ask.claimed_by)
+        if why is Refusal.NOT_ELIGIBLE:
+            return ProxyError.not_eligible(ask.key, attach.permissions)
+        if why is Refusal.CLAIMED:
+            assert ask.claimed_by is not None
+            return ProxyError.permission_claimed(ask.key, ask.claimed_by.label)
+        return None
+
+    def asked(self, session_id: str | None, upstream_id: int, msg: Message, turn: Turn | None) -> bool:
+        """The agent asked the client something (``upstream_id``): to every controller ``[attach] permissions``
+        asks; whether the gateway is asked too."""
         if session_id is None or msg.method not in (Method.REQUEST_PERMISSION, Method.ELICITATION_CREATE):
-            return
+            return True
         params = msg.params if isinstance(msg.params, Raw) else Raw(b"{}")
         obj = jsonrpc.decode_object(params) or {}
         ask = Ask(
@@ -388,16 +424,20 @@ class Sharing:
             asked_at=time.time(),
             subject=_subject(obj),
             options=_options(obj),
+            prompter=self.prompters.get(session_id),
         )
+        ask.gateway_asked = self._eligible(ask, self.gateway_client)
         self.asks[upstream_id] = ask
         self.transcripts.record(session_id, EntryKind.ASKED, jsonrpc.request(ask.key, ask.method, params).rstrip())
         share = self.shares.get(session_id)
         if share is not None:
             for attachment in share.controllers():
-                self._send_ask(attachment, ask)
+                if self._eligible(ask, attachment.client):
+                    self._send_ask(attachment, ask)
         if self.notifier is not None:
             backend = turn.backend if turn is not None else ""
             self.notifier.waiting(turn, session_id, backend, ask.key, f"{ask.method}: {ask.subject}")
+        return ask.gateway_asked
 
     def _send_ask(self, attachment: Attachment, ask: Ask) -> None:
         their_id = attachment.new_id()
@@ -410,7 +450,7 @@ class Sharing:
         ask = self.asks.pop(upstream_id, None)
         if ask is None:
             return
-        if not from_gateway:
+        if not from_gateway and ask.gateway_asked:
             self.background.start(lambda: self.writer.send(_cancel_request(upstream_id)))
         outcome: object = None
         if answer.error is UNSET:
@@ -455,25 +495,66 @@ class Sharing:
 
     # --- answers from elsewhere ----------------------------------------------------------------
 
-    async def answer(self, ask: Ask, answer: Message, by: str, attachment: Attachment | None = None) -> bool:
+    async def answer(self, ask: Ask, answer: Message, client: Client, attachment: Attachment | None = None) -> bool:
         """An answer to ``ask`` from an attached client or an operator: to the agent if it is the first."""
         if self.asks.get(ask.upstream_id) is not ask:
             return False
         self._answering = attachment
         try:
-            return await self.hand_back(ask.upstream_id, answer, by, from_gateway=False)
+            return await self.hand_back(ask.upstream_id, answer, client, from_gateway=False)
         finally:
             self._answering = None
 
-    async def hand_back(self, upstream_id: int, answer: Message, by: str, *, from_gateway: bool) -> bool:
-        """An answer to the agent's request ``upstream_id``, from ``by``: to the agent, and every other copy
-        withdrawn, if it is the first (the gateway's answers come here too); whether it was."""
+    async def hand_back(self, upstream_id: int, answer: Message, client: Client, *, from_gateway: bool) -> bool:
+        """An answer to the agent's request ``upstream_id``, from ``client``: to the agent, and every other copy
+        withdrawn, if it is the first and ``client`` may answer it (the gateway's answers come here too)."""
+        ask = self.asks.get(upstream_id)
+        refused = self._refusal(ask, client) if ask is not None else None
+        if refused is not None:
+            log.info("session %s: %s answered %s: dropped (%s)", ask.session_id, client.label, ask.key, refused.reason)  # type: ignore[union-attr]
+            return False
         waiting = self.requests.take(upstream_id)
         if waiting is None:
             return False
-        self.settled(upstream_id, answer, by, from_gateway=from_gateway)
-        await self.requests.hand_back(waiting, answer, by, from_gateway=from_gateway)
+        self.settled(upstream_id, answer, client.label, from_gateway=from_gateway)
+        await self.requests.hand_back(waiting, answer, client.label, from_gateway=from_gateway)
         return True
+
+    def claim(self, session_id: str, params: dict[str, Any], client: Client) -> dict[str, Any]:
+        """``session/claim_permission``: ``client`` alone answers the request named (``toolCallId``, or the
+        ``request`` key of ``acp-proxy permissions``) until it disconnects; ``ProxyError`` if it may not."""
+        named = params.get("toolCallId") or params.get("request")
+        ask = next(
+            (
+                a
+                for a in self.asks.values()
+                if a.session_id == session_id and named is not None and named in (a.key, _tool_call_id(a.params))
+            ),
+            None,
+        )
+        if ask is None:
+            raise ProxyError.no_such_request(session_id, repr(named) if named is not None else "(none named)")
+        refused = self._refusal(ask, client)
+        if refused is not None:
+            raise refused
+        if ask.claimed_by is None:
+            ask.claimed_by = client
+            log.info("session %s: %s claimed %s", session_id, client.label, ask.key)
+            self._tell_claim(ask, "permission_claimed")
+        return {"request": ask.key, "toolCallId": _tool_call_id(ask.params), "claimedBy": {"name": client.label}}
+
+    def _tell_claim(self, ask: Ask, kind: str) -> None:
+        claimed = {"name": ask.claimed_by.label} if ask.claimed_by is not None else None
+        notice = {"type": kind, "toolCallId": _tool_call_id(ask.params), "request": ask.key, "claimedBy": claimed}
+        self._tell(ask.session_id, update_line(ask.session_id, notice))
+
+    def unclaim(self, client: Client) -> None:
+        """``client`` disconnected: its claims end, and everyone is told the requests wait for anyone eligible."""
+        for ask in self.asks.values():
+            if ask.claimed_by is not None and ask.claimed_by.key == client.key:
+                ask.claimed_by = None
+                log.info("session %s: the claim of %s on %s ended", ask.session_id, client.label, ask.key)
+                self._tell_claim(ask, "permission_unclaimed")
 
     def pending(self) -> list[dict[str, Any]]:
         """The agent's requests waiting for an answer, oldest first (``acp-proxy permissions``, ``top``)."""
@@ -496,8 +577,12 @@ class Sharing:
         else:
             offered = ", ".join(str(o["optionId"]) for o in ask.options)
             raise ValueError(f"request {key} offers no option {option_id!r} (it offers: {offered})")
+        operator = Client(OPERATOR, OPERATOR, who)
+        refused = self._refusal(ask, operator)
+        if refused is not None:
+            raise LookupError(refused.message)
         answer = Message(jsonrpc="2.0", id=0, result=Raw(msgspec.json.encode({"outcome": outcome})))
-        if not await self.answer(ask, answer, who):
+        if not await self.answer(ask, answer, operator):
             raise LookupError(f"request {key} was answered first by someone else")
         return {"request": key, "sessionId": ask.session_id, "outcome": outcome}
 
@@ -510,7 +595,9 @@ class Sharing:
         self.writer.route(key, deliver)
         return key
 
-    def prompt(self, session_id: str, msg: Message, by: str, reply: Callable[[bytes], None]) -> str | None:
+    def prompt(
+        self, session_id: str, msg: Message, by: str, principal: str, reply: Callable[[bytes], None]
+    ) -> str | None:
         """A prompt for a shared session: it waits for the turn before it, or is refused (``[attach] prompts``).
 
         ``msg`` keeps its sender's id; ``reply`` gets the answer under it. The id it is served
@@ -520,7 +607,7 @@ class Sharing:
         if self.config.attach.prompts == "refuse" and (share.lane or self._turn_running(session_id)):
             reply(ProxyError.session_busy(session_id).response(their_id))  # type: ignore[arg-type]
             return None
-        item = LaneItem(msg=msg, by=by)
+        item = LaneItem(msg=msg, by=by, principal=principal)
 
         def answered(data: bytes) -> None:
             item.done.set()
@@ -555,7 +642,7 @@ class Sharing:
                     running = self._turn_running(share.session_id)
                 if not item.cancelled:
                     item.sent = True
-                    self.prompted(share.session_id, item.msg.params, item.by)  # type: ignore[arg-type]
+                    self.prompted(share.session_id, item.msg.params, item.by, item.principal)  # type: ignore[arg-type]
                     await self.intents.forward(item.msg, share.session_id)
                     await item.done.wait()
                 share.lane.popleft()
@@ -672,7 +759,8 @@ class Sharing:
         attachment.put(msgspec.json.encode(answer) + b"\n" + replay)
         if attachment.role is Role.CONTROLLER and request.historyPolicy is not History.NONE:
             for ask in asks:
-                self._send_ask(attachment, ask)
+                if self._eligible(ask, attachment.client):
+                    self._send_ask(attachment, ask)
         self.transcripts.record(
             share.session_id, EntryKind.ATTACHED, msgspec.json.encode(attachment.info), attachment.label
         )
@@ -743,7 +831,7 @@ class Sharing:
                 "session %s: %s sent an answer %s does not offer: dropped", ask.session_id, attachment.label, ask.key
             )
             return
-        if not await self.answer(ask, msg, attachment.label, attachment):
+        if not await self.answer(ask, msg, attachment.client, attachment):
             log.info(
                 "session %s: %s answered %s after someone else: dropped", ask.session_id, attachment.label, ask.key
             )
@@ -771,14 +859,22 @@ class Sharing:
         method = str(msg.method)
         their_id = msg.id
         params = jsonrpc.decode_object(msg.params) or {}
-        if method in (Method.PROMPT, Method.DETACH) and params.get("sessionId") != share.session_id:
+        if method in ATTACHED_METHODS and params.get("sessionId") != share.session_id:
             error = ProxyError.invalid_params(f"{method}: this connection is attached to session {share.session_id}")
             attachment.put(error.response(their_id))  # type: ignore[arg-type]
             return False
         if method == Method.DETACH:
             attachment.put(jsonrpc.result_response(their_id, {"sessionId": share.session_id, "status": "detached"}))  # type: ignore[arg-type]
             return True
-        if method != Method.PROMPT:
+        if method == Method.CLAIM_PERMISSION and attachment.role is Role.CONTROLLER:
+            try:
+                claimed = self.claim(share.session_id, params, attachment.client)
+            except ProxyError as exc:
+                attachment.put(exc.response(their_id))  # type: ignore[arg-type]
+                return False
+            attachment.put(jsonrpc.result_response(their_id, claimed))  # type: ignore[arg-type]
+            return False
+        if method not in ATTACHED_METHODS:
             attachment.put(ProxyError.not_attached_method(method).response(their_id))  # type: ignore[arg-type]
             return False
         if attachment.role is not Role.CONTROLLER:
@@ -791,7 +887,7 @@ class Sharing:
                     del attachment.prompts[routed]
             attachment.put(data)
 
-        routed = self.prompt(share.session_id, msg, attachment.label, reply)
+        routed = self.prompt(share.session_id, msg, attachment.label, attachment.client.principal, reply)
         if routed is not None:
             attachment.prompts[routed] = their_id  # type: ignore[assignment]
         if self.journal is not None:
@@ -810,6 +906,7 @@ class Sharing:
         for their_id, ask in list(attachment.asks.items()):
             ask.sent.pop(attachment.number, None)
             del attachment.asks[their_id]
+        self.unclaim(attachment.client)
         attachment.out.close()
         if why == "starting":
             self._forget_if_idle(share)

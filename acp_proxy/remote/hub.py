@@ -37,6 +37,8 @@ from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.attached import CLIENT_ENV
+from acp_proxy.relay.claims import LOCAL
+from acp_proxy.relay.sharing import PRINCIPAL_ENV
 from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
 from acp_proxy.remote.replay import Replay, ReplayLimits, TurnStates
 from acp_proxy.remote.tokens import Principal, RemoteStore
@@ -502,7 +504,11 @@ class Connection:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=None,
-                env={**os.environ, CLIENT_ENV: f"{self.principal.label} over {self.transport} from {self.peer}"},
+                env={
+                    **os.environ,
+                    CLIENT_ENV: f"{self.principal.label} over {self.transport} from {self.peer}",
+                    PRINCIPAL_ENV: self.principal.label if self.principal.key.startswith("token:") else LOCAL,
+                },
             )
         except OSError as exc:
             log.error("connection %s: could not start its proxy: %s", self.id, exc)
