@@ -7,16 +7,18 @@ grace running out, and a client's own end, with a real ``serve`` and its proxies
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import pytest
 
-from acp_proxy.remote.hub import with_cursor
-from acp_proxy.remote.replay import Replay, ReplayLimits, TurnStates
+from acp_proxy.remote.replay import Replay, ReplayLimits, TurnStates, with_cursor, without_cursor
 from acp_proxy.sessions.registry import SessionState
 from tests.remote_kit import WsClient, make_token, serve
 from tests.support import TEST_INITIALIZE
@@ -38,11 +40,13 @@ def test_the_cursor_goes_into_the_envelope_and_nothing_else_changes(line: bytes)
     decoded = msgspec.json.decode(written)
     assert decoded.pop("_meta") == {"acp/cursor": "ab12-7"}
     assert decoded == msgspec.json.decode(line)
+    assert without_cursor(written) == ("ab12-7", line.lstrip()), "acp-proxy connect takes it off again"
 
 
 @pytest.mark.parametrize("line", [b"{}", b"[1]", b"not json", b"{ }"])
 def test_what_is_not_a_message_object_is_left_as_it_is(line: bytes) -> None:
     assert with_cursor(line, "ab12-7") == line
+    assert without_cursor(line) == (None, line)
 
 
 def test_from_the_start_while_all_is_kept_and_not_once_the_first_message_is_gone() -> None:
@@ -164,3 +168,75 @@ async def test_a_resume_refused_the_grace_run_out_and_a_clients_own_end(
         async with WsClient.open(served.target(token), _resume(connection_id, None)) as late:
             failed = await late.wait_for(lambda m: m.get("method") == "stream/resume_failed")
             assert failed["params"]["reason"] == "unknown_connection"
+
+
+class Cutter:
+    """A TCP forwarder between a client and ``serve`` whose connections can be cut, as a network drops them."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.scopes: list[anyio.CancelScope] = []
+        self.cuts = 0
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[int]) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        task_status.started(listener.extra(anyio.abc.SocketAttribute.local_port))
+        await listener.serve(self._forward)
+
+    async def _forward(self, client: anyio.abc.SocketStream) -> None:
+        with anyio.CancelScope() as scope:
+            self.scopes.append(scope)
+            upstream = await anyio.connect_tcp("127.0.0.1", self.target_port)
+            async with client, upstream, anyio.create_task_group() as tasks:
+                tasks.start_soon(self._pump, client, upstream)
+                await self._pump(upstream, client)
+                tasks.cancel_scope.cancel()
+
+    @staticmethod
+    async def _pump(source: anyio.abc.SocketStream, sink: anyio.abc.SocketStream) -> None:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            async for chunk in source:
+                await sink.send(chunk)
+
+    def cut(self) -> None:
+        """Every connection through it ends, with no close frame: the server sees its socket drop."""
+        self.cuts += 1
+        for scope in self.scopes:
+            scope.cancel()
+        self.scopes.clear()
+
+
+@pytest.mark.anyio
+async def test_connect_resumes_a_dropped_link_and_the_turn_in_flight_loses_nothing(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The network between ``acp-proxy connect`` and ``serve`` drops mid-turn: the bridge links again and
+    resumes the connection; the gateway gets every update once and the turn's answer, and never a cursor."""
+    from tests.support import Gateway
+
+    token = make_token(proc_env, "laptop")
+    env = {**proc_env, "ACP_PROXY_TOKEN": token}
+    async with serve(proc_env, config_for(tmp_path)) as served, anyio.create_task_group() as network:
+        cutter = Cutter(int(served.url.rsplit(":", 1)[1].split("/")[0]))
+        port = await network.start(cutter.run)
+        argv = [sys.executable, "-m", "acp_proxy", "connect", f"ws://127.0.0.1:{port}/acp"]
+        async with Gateway.launch(argv, env=env, name="connect", first_id=1001) as gw:
+            await gw.initialize(TEST_INITIALIZE)
+            session = await gw.new_session()
+            turn = gw.new_id()
+            await gw.send(
+                {"jsonrpc": "2.0", "id": turn, "method": "session/prompt", "params": prompt(session, "trickle 2")}
+            )
+            with anyio.fail_after(10):
+                while len(gw.updates(session)) < 3:
+                    await anyio.sleep(0.02)
+            cutter.cut()
+            answer = await gw.response_to(turn, timeout=30)
+            assert answer["result"] == {"stopReason": "end_turn"}, answer
+            dots = [u["params"]["update"]["content"]["text"] for u in gw.take_updates(session)]
+            assert dots == ["."] * 20, "every update once: none lost at the drop, none given twice"
+            after = await gw.prompt(session, "hi")
+            assert after["result"]["stopReason"] == "end_turn", "the resumed connection goes on"
+            assert all("_meta" not in m for m in (answer, after)), "the cursors stay between the bridge and serve"
+            assert b"resumed connection" in gw.stderr
+        network.cancel_scope.cancel()

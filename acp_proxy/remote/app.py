@@ -22,7 +22,8 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import session_of
 from acp_proxy.protocol.jsonrpc import BadLine, RequestId
 from acp_proxy.remote.access import FailedAttempts, bearer_token, origin_allowed
-from acp_proxy.remote.hub import TURN_STATE_META, Connection, Ended, Hub, Refusal, Resumed
+from acp_proxy.remote.hub import Connection, Ended, Hub, Refusal, Resumed
+from acp_proxy.remote.replay import CLOSE, RESUME, RESUME_FAILED, TURN_STATE_META
 from acp_proxy.remote.routing import Body, Head, Refused, Route, route
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
@@ -34,12 +35,6 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 CONNECTION_HEADER: Final = b"acp-connection-id"
 SESSION_HEADER: Final = b"acp-session-id"
-RESUME: Final = "stream/resume"
-"""A WebSocket's first frame to take over a connection whose socket dropped (the draft's name, provisional)."""
-RESUME_FAILED: Final = "stream/resume_failed"
-CLOSE: Final = "stream/close"
-"""A WebSocket client's end of its connection, as a DELETE is streamable HTTP's: the server cannot tell a
-close from a drop (the client's close code does not reach the application), and waits for a resume."""
 STREAM_KEEPALIVE: Final = 15.0
 """Seconds between comment lines on an idle event stream: intermediaries keep it open, and a
 client that has gone is found by the failed write."""

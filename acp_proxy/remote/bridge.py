@@ -1,12 +1,16 @@
 """``acp-proxy connect URL``: a gateway's agent command that reaches a remote ``serve``.
 
 Lines from the gateway's stdin go to the remote as WebSocket text frames, and frames come
-back as lines on stdout; ids and bytes pass unchanged. When the link drops it is made
-again, with back-off: the gateway's ``initialize`` (and ``authenticate``, if it did) is
-replayed under the bridge's own ids and its answer kept from the gateway, so the sessions
-the gateway knows go on under the same ids (the remote proxy restores a suspended session
-on its next request). A request in flight when the link dropped is answered with an error
-that says so; one sent while the link is down waits for it, up to ``OUTAGE_LIMIT``.
+back as lines on stdout; ids and bytes pass unchanged. The bridge asks ``serve`` for a cursor
+in every message (``initialize`` with ``_meta["acp/resumable"]``; each cursor is taken off
+before the line goes to the gateway). When the link drops it is made again, with back-off,
+and the connection resumed (``stream/resume`` after the last cursor the gateway was given):
+nothing is lost, and what was in flight is answered as if nothing happened. Where it cannot be
+resumed (``serve`` restarted, or gone past its ``--resume-grace``), the gateway's
+``initialize`` (and ``authenticate``) is replayed under the bridge's own ids, its answer kept
+from the gateway, so the sessions go on under the same ids (the remote proxy restores a
+suspended session on its next request); a request in flight then is answered with an error
+that says so. One sent while the link is down waits for it, up to ``OUTAGE_LIMIT``.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from msgspec import UNSET
 
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import session_of
-from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, RequestId
+from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
+from acp_proxy.remote.replay import CLOSE, RESUMABLE_META, RESUME, RESUME_FAILED, without_cursor
 from acp_proxy.remote.wsclient import Closed, Refused, Target, WebSocket
 from acp_proxy.stdio import FdReceiveStream, FdSendStream
 
@@ -38,6 +43,9 @@ OUTAGE_LIMIT: Final = 30.0
 CANCEL_GRACE: Final = 5.0
 """Then its turns still running are cancelled, and get this long to end before the link is closed."""
 MAX_LINE: Final = 64 * 2**20
+RESUME_WINDOW: Final = 10.0
+"""How long requests in flight at a drop wait for a link to resume on, before they are answered with an error
+(at once when ``serve`` refuses the TCP connection: nothing listens, its connections are gone)."""
 REPLAY_TIMEOUT: Final = 120.0
 """How long a replayed ``initialize`` may take (an adapter's start, on the server) before the rest is sent anyway."""
 BRIDGE_ID: Final = "acp-proxy-connect/"
@@ -67,6 +75,15 @@ class Bridge:
         self._writing = anyio.Lock()
         self._replaying: str | None = None
         self._replayed = anyio.Event()
+        self.connection_id: str | None = None
+        """The remote connection, for a resume (``None``: ``serve`` gave no cursors, or it cannot be resumed)."""
+        self.cursor: str | None = None
+        """The cursor of the last message given to the gateway."""
+        self.resumable = False
+        """Whether ``serve`` gives cursors (its ``initialize`` answer said ``transport.resumable``)."""
+        self._initializing: tuple[type, object] | None = None
+        self._resumed: bool | None = None
+        self._resume_answered = anyio.Event()
 
     # --- the gateway's side ------------------------------------------------------------------
 
@@ -145,6 +162,9 @@ class Bridge:
                 return 2
             except OSError as exc:
                 why = exc.strerror or str(exc)
+                if _refused(exc):
+                    self.connection_id = None  # nothing listens: that serve, and its connections, are gone
+                    await self.fail_in_flight(self.lost(why))
             else:
                 attempt = 0
                 self.down_since = None
@@ -152,14 +172,15 @@ class Bridge:
                 log.info("linked to %s (connection %s)", self.target.describe(), ws.connection_id)
                 why = await self._serve_link(ws, replay=linked_before)
                 linked_before = True
-                await self.fail_in_flight(
-                    f"the link to the remote acp-proxy dropped ({why}) while this request was in flight; "
-                    "its session is kept: send it again"
-                )
+                if not self.resumable:  # nothing to resume: what was in flight is lost
+                    await self.fail_in_flight(self.lost(why))
                 if self.gateway_gone and not self.waiting:
                     return 0
             now = anyio.current_time()
             self.down_since = self.down_since if self.down_since is not None else now
+            if now - self.down_since > RESUME_WINDOW and self.in_flight:
+                self.connection_id = None
+                await self.fail_in_flight(self.lost(why))
             if now - self.down_since > OUTAGE_LIMIT:
                 await self.fail_waiting(f"the remote acp-proxy at {self.target.describe()} is unreachable: {why}")
             delay = BACKOFF[min(attempt, len(BACKOFF) - 1)]
@@ -168,9 +189,18 @@ class Bridge:
             await anyio.sleep(delay)
         return 0
 
+    @staticmethod
+    def lost(why: str) -> str:
+        return (
+            f"the link to the remote acp-proxy dropped ({why}) while this request was in flight, and could not be "
+            "resumed; its session is kept: send it again"
+        )
+
     async def _serve_link(self, ws: WebSocket, *, replay: bool) -> str:
         """Relay both ways until the link drops (the reason) or the gateway has left and been answered."""
         why = "closed"
+        resume = self.connection_id if replay and self.resumable else None
+        self.connection_id = ws.connection_id
         async with anyio.create_task_group() as tasks:
 
             async def receive() -> None:
@@ -185,14 +215,46 @@ class Bridge:
 
             tasks.start_soon(receive)
             try:
+                if resume is not None and await self._resume(ws, resume):
+                    replay = False
+                elif replay:
+                    await self.fail_in_flight(self.lost("a new connection"))
                 if replay:
                     await self._replay(ws)
-                await self._send_waiting(ws)
+                await self._send_waiting(ws)  # returns once the gateway has left and been answered
+                if self.resumable:  # done for good: the connection ends now, not after serve's resume grace
+                    await ws.send_text(jsonrpc.notification(CLOSE).rstrip(b"\n").decode())
             except Closed as exc:
                 why = exc.reason
             tasks.cancel_scope.cancel()
         await ws.aclose()
         return why
+
+    def _asking_for_cursors(self, msg: Message) -> bytes:
+        """The gateway's ``initialize``, asking ``serve`` for a cursor in every message (taken off again
+        before each goes to the gateway); its answer says whether ``serve`` gives them."""
+        params = jsonrpc.decode_object(msg.params) or {}
+        meta = params.get("_meta")
+        params["_meta"] = {**(meta if isinstance(meta, dict) else {}), RESUMABLE_META: True}
+        assert msg.id is not UNSET
+        self._initializing = jsonrpc.id_key(msg.id)
+        return jsonrpc.request(msg.id, Method.INITIALIZE, params)
+
+    async def _resume(self, ws: WebSocket, connection_id: str) -> bool:
+        """Take the remote connection over on this link, after the last cursor the gateway was given (the
+        first frame); whether it was. Refused, this link is a new connection of its own."""
+        self._resumed = None
+        self._resume_answered = anyio.Event()
+        params = {"connectionId": connection_id, "cursor": self.cursor}
+        await ws.send_text(jsonrpc.request(f"{BRIDGE_ID}resume", RESUME, params).rstrip(b"\n").decode())
+        with anyio.move_on_after(REPLAY_TIMEOUT):
+            await self._resume_answered.wait()
+        if self._resumed:
+            log.info("resumed connection %s after cursor %s: nothing lost", connection_id, self.cursor)
+            self.connection_id = connection_id
+            return True
+        log.warning("connection %s could not be resumed: a new one", connection_id)
+        return False
 
     async def _replay(self, ws: WebSocket) -> None:
         """Initialize the new link as the gateway did the first; its answers never reach the gateway.
@@ -212,7 +274,10 @@ class Bridge:
             replayed = f"{BRIDGE_ID}{self._counter}"
             self._replayed = anyio.Event()
             self._replaying = replayed
-            await ws.send_text(jsonrpc.with_id(decoded[0], replayed).rstrip(b"\n").decode())
+            msg = decoded[0]
+            msg.id = replayed
+            line = self._asking_for_cursors(msg) if method == Method.INITIALIZE else jsonrpc.encode_json(msg)
+            await ws.send_text(line.rstrip(b"\n").decode())
             with anyio.move_on_after(REPLAY_TIMEOUT):
                 await self._replayed.wait()
 
@@ -231,6 +296,8 @@ class Bridge:
                         self.prompting[jsonrpc.id_key(request_id)] = session
                 if not isinstance(decoded, BadLine) and decoded[1] is Kind.RESPONSE and decoded[0].id is not None:
                     self.asked.discard(jsonrpc.id_key(decoded[0].id))
+                if not isinstance(decoded, BadLine) and decoded[0].method == Method.INITIALIZE:
+                    line = self._asking_for_cursors(decoded[0])
                 await ws.send_text(line.decode("utf-8", "replace"))
                 self.waiting.popleft()
             if self.gateway_gone:
@@ -254,10 +321,23 @@ class Bridge:
                 await self.more.wait()
 
     async def _from_remote(self, line: bytes) -> None:
+        cursor, line = without_cursor(line)
         decoded = jsonrpc.decode_line(line)
         if not isinstance(decoded, BadLine):
             msg, kind = decoded
+            if kind is Kind.NOTIFICATION and msg.method == RESUME_FAILED:
+                self._resumed = False
+                self._resume_answered.set()
+                return
             if kind is Kind.RESPONSE and msg.id is not None:
+                if self._initializing is not None and jsonrpc.id_key(msg.id) == self._initializing:
+                    self._initializing = None
+                    transport = (jsonrpc.decode_object(msg.result) or {}).get("transport")
+                    self.resumable = isinstance(transport, dict) and "resumable" in transport
+                if msg.id == f"{BRIDGE_ID}resume":
+                    self._resumed = self._resumed is None and msg.error is UNSET
+                    self._resume_answered.set()
+                    return
                 if isinstance(msg.id, str) and msg.id.startswith(BRIDGE_ID):
                     if msg.error is not UNSET:
                         log.warning("replayed request %s failed on the new link: %s", msg.id, msg.error.message)
@@ -270,6 +350,18 @@ class Bridge:
             elif kind is Kind.REQUEST and msg.id is not None:
                 self.asked.add(jsonrpc.id_key(msg.id))
         await self.to_gateway(line.rstrip(b"\n") + b"\n")
+        if cursor is not None:
+            self.cursor = cursor  # delivered: a resume starts after it
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether every address refused the connection (nothing listens: a ``serve`` that has gone)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        return all(_refused(inner) for inner in cause.exceptions)
+    return cause is not None and _refused(cause)
 
 
 async def _run(target: Target, eof_grace: float) -> int:

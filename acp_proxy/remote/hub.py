@@ -40,7 +40,7 @@ from acp_proxy.relay.attached import CLIENT_ENV
 from acp_proxy.relay.claims import LOCAL
 from acp_proxy.relay.sharing import PRINCIPAL_ENV
 from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
-from acp_proxy.remote.replay import Replay, ReplayLimits, TurnStates
+from acp_proxy.remote.replay import RESUMABLE_META, TURN_STATE_META, Replay, ReplayLimits, TurnStates, with_cursor
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
 log = logging.getLogger("acp_proxy.serve")
@@ -51,9 +51,6 @@ HANDOVER_TIMEOUT: Final = 30.0
 CONNECTION_LEVEL: Final = frozenset({Method.NEW, Method.LOAD, Method.RESUME, Method.FORK, Method.LIST, Method.STATUS})
 """Requests whose answers go to the connection-scoped stream (the RFD: the client cannot have a
 session stream for a session it is only now opening, or only asks about)."""
-RESUMABLE_META: Final = "acp/resumable"
-"""The ``initialize`` ``_meta`` key by which a client asks for cursors in every message (provisional)."""
-TURN_STATE_META: Final = "acp/turnState"
 LEAVE_WHERE_HELD: Final = frozenset({Method.ATTACH, Method.DETACH, Method.STATUS})
 """Requests that never take a session from where it is held: an attach joins it there, a detach leaves it,
 ``session/status`` only asks about it."""
@@ -254,18 +251,6 @@ class Outbox:
         self._streams.clear()
         self._backlog.clear()
         self._notify()
-
-
-CURSOR_META: Final = b'{"_meta":{"acp/cursor":"'
-
-
-def with_cursor(line: bytes, cursor: str) -> bytes:
-    """``line`` (a JSON-RPC message, one object) with ``cursor`` as ``_meta["acp/cursor"]`` in its envelope;
-    spliced in, not re-encoded (a cursor is ASCII letters, digits and ``-``)."""
-    body = line.lstrip()
-    if not body.startswith(b"{") or body[1:].lstrip().startswith(b"}"):
-        return line
-    return b"".join((CURSOR_META, cursor.encode(), b'"},', body[1:]))
 
 
 def _with_result(answer: bytes, change: Callable[[dict[str, Any]], None]) -> bytes:

@@ -21,6 +21,36 @@ import msgspec
 
 from acp_proxy.protocol.jsonrpc import RequestId
 
+RESUMABLE_META: Final = "acp/resumable"
+"""The ``initialize`` ``_meta`` key by which a client asks for a cursor in every message."""
+TURN_STATE_META: Final = "acp/turnState"
+RESUME: Final = "stream/resume"
+"""A WebSocket's first frame to take over a connection whose socket dropped."""
+RESUME_FAILED: Final = "stream/resume_failed"
+CLOSE: Final = "stream/close"
+"""A WebSocket client's end of its connection, as a DELETE is streamable HTTP's: the server cannot tell a
+close from a drop (the client's close code does not reach the application), and waits for a resume."""
+CURSOR_META: Final = b'{"_meta":{"acp/cursor":"'
+
+
+def with_cursor(line: bytes, cursor: str) -> bytes:
+    """``line`` (a JSON-RPC message, one object) with ``cursor`` as ``_meta["acp/cursor"]`` in its envelope;
+    spliced in, not re-encoded (a cursor is ASCII letters, digits and ``-``)."""
+    body = line.lstrip()
+    if not body.startswith(b"{") or body[1:].lstrip().startswith(b"}"):
+        return line
+    return b"".join((CURSOR_META, cursor.encode(), b'"},', body[1:]))
+
+
+def without_cursor(line: bytes) -> tuple[str | None, bytes]:
+    """``with_cursor`` undone: the cursor (``None`` if the line has none) and the line as it was."""
+    if not line.startswith(CURSOR_META):
+        return None, line
+    end = line.find(b'"},', len(CURSOR_META))
+    if end < 0:
+        return None, line
+    return line[len(CURSOR_META) : end].decode("ascii", "replace"), b"{" + line[end + 3 :]
+
 
 class ReplayLimits(msgspec.Struct, frozen=True, kw_only=True):
     """How much of a stream is kept for a client that resumes it."""
