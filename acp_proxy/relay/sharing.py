@@ -958,6 +958,7 @@ class Sharing:
     def session_ended(self, session_id: str, why: str) -> None:
         """The session was closed or deleted here, or moved to another proxy: its attached clients are told and
         detached."""
+        self.prompters.pop(session_id, None)
         share = self.shares.get(session_id)
         if share is None:
             return

@@ -161,7 +161,8 @@ class AcpApp:
                             line = await stream.receive()
                         except (anyio.EndOfStream, anyio.ClosedResourceError):
                             break
-                        _, line = outbox.record(None, line)  # kept for a resume, written or not
+                        if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
+                            _, line = outbox.record(None, line)
                         await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
                 except Exception:  # any failed write: the client has gone
                     pass

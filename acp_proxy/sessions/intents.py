@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from msgspec import UNSET, UnsetType
 
@@ -69,6 +70,8 @@ from acp_proxy.tasks.turn import Limit, Turn
 from acp_proxy.tasks.turns import TurnBook
 
 log = logging.getLogger("acp_proxy.lifecycle")
+HAS_OPERATION_ID: Final = re.compile(rb'"operationId"')
+"""Whether a prompt may carry an operation id: read only then (``tasks.status.operation_of``)."""
 
 _OURS_TO_CLOSE = frozenset({Phase.LIVE, Phase.SUSPENDED, Phase.RESUMING, Phase.REOPENING, Phase.RELEASING})
 """The phases of a session this proxy holds and has not closed: what its gateway's EOF closes under ``on_eof``
@@ -152,7 +155,7 @@ class SessionIntents:
             await self._fail_unknown(msg.id, session_id)
             return
         is_prompt = msg.method == Method.PROMPT
-        if is_prompt and msg.params is not UNSET and b"operationId" in bytes(msg.params):
+        if is_prompt and msg.params is not UNSET and HAS_OPERATION_ID.search(msg.params):  # no copy of a long prompt
             try:
                 operation = operation_of(jsonrpc.decode_object(msg.params) or {})
             except ValueError as exc:
