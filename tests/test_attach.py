@@ -523,6 +523,8 @@ async def test_a_claimed_permission_is_answered_by_its_claimant_alone_until_it_d
 ) -> None:
     cfg = config(tmp_path)
     async with holder(proc_env, tmp_path, cfg) as (gw, session):
+        gw.observers.remove(gw._conform)  # it asks for the draft's updates
+        await attach(gw, session, history="none")  # its own session: it is told of claims from now on
         async with client(proc_env, tmp_path, cfg) as boss:
             await attach(boss, session, history="none", name="phone")
             asking = await prompt_in_flight(gw, session, "permission")
@@ -541,7 +543,9 @@ async def test_a_claimed_permission_is_answered_by_its_claimant_alone_until_it_d
             code, _, err = await cli(proc_env, "permissions", "answer", key["request"], "allow")
             assert code == 1, err
             assert "claimed by phone" in err, "an operator does not overrule a claim"
+            assert (await gw.expect(is_update("permission_claimed")))["params"]["update"]["toolCallId"] == tool_call
         # the claimant's proxy is gone: its claim ended, the request waits for anyone eligible
+        await gw.expect(is_update("permission_unclaimed"))
         await gw.send(allow(asked_gateway))
         done = await gw.response_to(asking)
         assert done["result"]["stopReason"] == "end_turn"
