@@ -161,9 +161,14 @@ class AcpApp:
                             line = await stream.receive()
                         except (anyio.EndOfStream, anyio.ClosedResourceError):
                             break
-                        if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
-                            _, line = outbox.record(None, line)
-                        await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
+                        while True:  # what else already waits is written before the next wait: one wake-up a run
+                            if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
+                                _, line = outbox.record(None, line)
+                            await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
+                            try:
+                                line = stream.receive_nowait()
+                            except anyio.WouldBlock:
+                                break
                 except Exception:  # any failed write: the client has gone
                     pass
                 finally:
