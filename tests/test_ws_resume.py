@@ -221,7 +221,8 @@ async def test_connect_resumes_a_dropped_link_and_the_turn_in_flight_loses_nothi
         port = await network.start(cutter.run)
         argv = [sys.executable, "-m", "acp_proxy", "connect", f"ws://127.0.0.1:{port}/acp"]
         async with Gateway.launch(argv, env=env, name="connect", first_id=1001) as gw:
-            await gw.initialize(TEST_INITIALIZE)
+            init = await gw.initialize(TEST_INITIALIZE)
+            assert "resumable" not in json.dumps(init), "resuming is the bridge's business: its gateway's link is stdio"
             session = await gw.new_session()
             turn = gw.new_id()
             await gw.send(

@@ -240,6 +240,20 @@ class Bridge:
         self._initializing = jsonrpc.id_key(msg.id)
         return jsonrpc.request(msg.id, Method.INITIALIZE, params)
 
+    def _resumability(self, answer: Message, line: bytes) -> bytes:
+        """Whether ``serve`` gives cursors, from its ``initialize`` answer (``transport.resumable``), and the
+        answer without it: resuming is the bridge's business, not the gateway's (its link is stdio)."""
+        result = jsonrpc.decode_object(answer.result) if answer.error is UNSET else None
+        transport = result.get("transport") if result is not None else None
+        self.resumable = isinstance(transport, dict) and "resumable" in transport
+        if not self.resumable or result is None or not isinstance(transport, dict):
+            return line
+        del transport["resumable"]
+        if not transport:
+            del result["transport"]
+        assert answer.id is not UNSET
+        return jsonrpc.result_response(answer.id, result)
+
     async def _resume(self, ws: WebSocket, connection_id: str) -> bool:
         """Take the remote connection over on this link, after the last cursor the gateway was given (the
         first frame); whether it was. Refused, this link is a new connection of its own."""
@@ -332,8 +346,7 @@ class Bridge:
             if kind is Kind.RESPONSE and msg.id is not None:
                 if self._initializing is not None and jsonrpc.id_key(msg.id) == self._initializing:
                     self._initializing = None
-                    transport = (jsonrpc.decode_object(msg.result) or {}).get("transport")
-                    self.resumable = isinstance(transport, dict) and "resumable" in transport
+                    line = self._resumability(msg, line)
                 if msg.id == f"{BRIDGE_ID}resume":
                     self._resumed = self._resumed is None and msg.error is UNSET
                     self._resume_answered.set()

@@ -80,8 +80,8 @@ client of the SDK's typed models may drop it (it is not in ACP v1's schema), so 
 def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -> None:
     """An initialize result with the session capabilities the proxy serves itself.
 
-    The proxy adds ``sessionCapabilities.close``, ``.list``, ``.delete`` and ``.attach``
-    (its roles) always, and ``.resume`` when the adapter can load or resume; ``.fork`` it
+    The proxy adds ``sessionCapabilities.close``, ``.list``, ``.delete``, ``.attach``
+    (its roles) and ``.status`` always, and ``.resume`` when the adapter can load or resume; ``.fork`` it
     relays as the adapter advertised it. Proxied, the first three must be there, and
     ``attach`` as the proxy advertises it where the client kept it; both sides then get
     the same adjustments, so what remains compared is everything else the adapter itself
@@ -99,6 +99,7 @@ def add_served_capabilities(result: dict[str, Any], proxied: bool, where: str) -
     for key in SERVED_SESSION_CAPABILITIES:
         sessions.setdefault(key, {})
     sessions.setdefault("attach", ATTACH_ROLES)
+    sessions.setdefault("status", {})  # served by the proxy too; unstable, so a typed client may drop it
     if caps.get("loadSession") is True or isinstance(sessions.get("resume"), dict):
         sessions.setdefault("resume", {})
     caps["sessionCapabilities"] = sessions
