@@ -177,8 +177,9 @@ async def test_a_client_that_vanished_does_not_hold_its_session_from_its_success
             loaded = await successor.request("session/load", {"sessionId": session, **NEW}, session)
             answer = await successor.wait_for(None, lambda m: m.get("id") == loaded, timeout=30)
             assert "result" in answer, answer
-            replayed = [m for m in successor.events[session] if m.get("method") == "session/update"]
-            assert any("chunk 1" in json.dumps(m) for m in replayed), "the history came with it"
+            # the history came with it, on the session's stream (no order across streams: waited for)
+            replayed = await successor.wait_for(session, lambda m: "chunk 1" in json.dumps(m), timeout=10)
+            assert replayed["method"] == "session/update"
             turn = await successor.request("session/prompt", prompt(session, "stream 1"), session)
             done = await successor.wait_for(session, lambda m: m.get("id") == turn)
             assert done["result"]["stopReason"] == "end_turn"

@@ -1,13 +1,17 @@
 """A WebSocket client for ``/acp``: wsproto over an anyio stream (TCP, TLS or a unix socket).
 
 Small on purpose: ``acp-proxy connect`` starts with every gateway session, so it loads no
-HTTP client library, only wsproto (and h11, which wsproto uses for the handshake).
+HTTP client library, only wsproto (and h11, which wsproto uses for the handshake). What the
+server sends is read by ``FrameReader``, a few lines for the frames a server may send (never
+masked, no extension negotiated): wsproto's general parser costs about 20 µs a frame, which a
+streaming turn pays for every update; wsproto still writes the client's frames (masked).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ssl
+from collections import deque
 from collections.abc import Mapping
 from typing import Final
 from urllib.parse import urlsplit
@@ -82,6 +86,94 @@ class Closed(Exception):
         super().__init__(f"closed ({code}): {reason}" if code is not None else f"closed: {reason}")
 
 
+TEXT, BINARY, CONTINUATION, CLOSE, PING, PONG = 0x1, 0x2, 0x0, 0x8, 0x9, 0xA
+
+
+class ProtocolError(Exception):
+    """What the server sent is not a WebSocket a client may accept (RFC 6455): the close code is 1002."""
+
+
+class FrameReader:
+    """Server frames from bytes as they arrive: text messages (fragments joined), pings, the close. No I/O."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._fragments: list[bytes] = []
+        self._message: int | None = None
+        """The opcode of the message whose fragments are being joined (``None``: none under way)."""
+        self.texts: deque[str] = deque()
+        self.pings: list[bytes] = []
+        self.closed: tuple[int | None, str] | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data`` after what came before: complete messages go to ``texts``, pings to ``pings``, the
+        server's close to ``closed``; ``ProtocolError`` for what no server may send."""
+        buffer = self._buffer
+        buffer += data
+        at, end = 0, len(buffer)
+        while end - at >= 2 and self.closed is None:
+            first, second = buffer[at], buffer[at + 1]
+            if first & 0x70 or second & 0x80:
+                raise ProtocolError("a reserved bit, or a masked frame from the server")
+            length, head = second & 0x7F, 2
+            if length == 126:
+                if end - at < 4:
+                    break
+                length, head = int.from_bytes(buffer[at + 2 : at + 4], "big"), 4
+            elif length == 127:
+                if end - at < 10:
+                    break
+                length, head = int.from_bytes(buffer[at + 2 : at + 10], "big"), 10
+            if end - at < head + length:
+                break
+            payload = bytes(buffer[at + head : at + head + length])
+            at += head + length
+            self._frame(bool(first & 0x80), first & 0x0F, payload)
+        del buffer[:at]
+
+    def _frame(self, fin: bool, opcode: int, payload: bytes) -> None:
+        if opcode >= CLOSE:
+            if not fin or len(payload) > 125:
+                raise ProtocolError("a fragmented or long control frame")
+            if opcode == PING:
+                self.pings.append(payload)
+            elif opcode == CLOSE:
+                code = int.from_bytes(payload[:2], "big") if len(payload) >= 2 else None
+                self.closed = (code, payload[2:].decode("utf-8", "replace"))
+            elif opcode != PONG:
+                raise ProtocolError(f"unknown control opcode {opcode}")
+            return
+        if opcode == CONTINUATION:
+            if self._message is None:
+                raise ProtocolError("a continuation frame with no message under way")
+        elif opcode in (TEXT, BINARY):
+            if self._message is not None:
+                raise ProtocolError("a new message before the last one ended")
+            self._message = opcode
+        else:
+            raise ProtocolError(f"unknown opcode {opcode}")
+        if self._message == TEXT:
+            self._fragments.append(payload)
+        if fin:
+            if self._message == TEXT:  # binary messages are ignored (ACP is text frames)
+                joined = self._fragments[0] if len(self._fragments) == 1 else b"".join(self._fragments)
+                try:
+                    self.texts.append(joined.decode())
+                except UnicodeDecodeError:
+                    raise ProtocolError("a text message that is not UTF-8") from None
+            self._fragments.clear()
+            self._message = None
+
+
+def _after_handshake(ws: WSConnection) -> bytes | None:
+    """What came after the server's 101 in the same read (``None`` if wsproto does not say: it parses then)."""
+    try:
+        trailing = ws.handshake._h11_connection.trailing_data[0]  # where wsproto keeps it
+    except AttributeError:
+        return None
+    return bytes(trailing) if isinstance(trailing, bytes | bytearray) else None
+
+
 class WebSocket:
     """One open WebSocket: text frames in and out, pings answered."""
 
@@ -91,8 +183,10 @@ class WebSocket:
         self.headers = dict(headers)
         self.connection_id = self.headers.get("acp-connection-id")
         self._sending = anyio.Lock()
+        self._reader: FrameReader | None = None
+        """Parses what the server sends; ``None``: wsproto does (the bytes after the 101 were not to be had)."""
         self._text: list[str] = []
-        self._ready: list[str] = []
+        self._ready: deque[str] = deque()
         self.closed: Closed | None = None
         self.set_cookies: list[str] = []
 
@@ -139,6 +233,10 @@ class WebSocket:
                     pairs = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in event.extra_headers]
                     client = cls(stream, ws, dict(pairs))
                     client.set_cookies = [value for name, value in pairs if name == "set-cookie"]
+                    trailing = _after_handshake(ws)
+                    if trailing is not None:
+                        client._reader = FrameReader()
+                        client._reader.feed(trailing)
                     return client
                 if isinstance(event, RejectConnection):
                     status = event.status_code
@@ -168,8 +266,12 @@ class WebSocket:
                 raise Closed(None, f"link broken: {exc}") from None
 
     async def receive_text(self) -> str:
-        """The next text message; ``Closed`` once the socket is."""
-        while not self._ready:
+        """The next text message; ``Closed`` once the socket is (after the messages that came before)."""
+        reader = self._reader
+        while True:
+            ready = reader.texts if reader is not None else self._ready
+            if ready:
+                return ready.popleft()
             if self.closed is not None:
                 raise self.closed
             try:
@@ -177,12 +279,23 @@ class WebSocket:
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self.closed = Closed(None, "link broken")
                 raise self.closed from None
-            self._ws.receive_data(data)
-            for event in self._ws.events():
-                await self._handle(event)
-        return self._ready.pop(0)
+            if reader is None:
+                self._ws.receive_data(data)
+                for event in self._ws.events():
+                    await self._handle(event)
+                continue
+            try:
+                reader.feed(data)
+            except ProtocolError as exc:
+                reader.closed = (1002, str(exc))
+            for payload in reader.pings:
+                await self._handle(Ping(payload=payload))
+            reader.pings.clear()
+            if reader.closed is not None:
+                await self._handle(CloseConnection(code=reader.closed[0] or 1005, reason=reader.closed[1]))
 
     async def _handle(self, event: object) -> None:
+        """An event of wsproto's, or the same made of what ``FrameReader`` parsed."""
         if isinstance(event, TextMessage):
             self._text.append(event.data)
             if event.message_finished:
