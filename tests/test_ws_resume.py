@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import msgspec
 import pytest
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, Request, TextMessage
 
 from acp_proxy.remote.replay import Replay, ReplayLimits, TurnStates, with_cursor, without_cursor
 from acp_proxy.sessions.registry import SessionState
 from tests.remote_kit import WsClient, make_token, serve
-from tests.support import TEST_INITIALIZE
+from tests.support import TEST_INITIALIZE, write_config
 from tests.test_serve import NEW, config_for, prompt, until_state
 
 RESUMABLE = {**TEST_INITIALIZE, "_meta": {"acp/resumable": True}}
@@ -241,3 +245,63 @@ async def test_connect_resumes_a_dropped_link_and_the_turn_in_flight_loses_nothi
             assert all("_meta" not in m for m in (answer, after)), "the cursors stay between the bridge and serve"
             assert b"resumed connection" in gw.stderr
         network.cancel_scope.cancel()
+
+
+UPDATES = 30000
+"""More than the socket's buffers hold: the server's writes to the client stall."""
+
+
+def stalled_resumable_client(port: int, token: str, updates: int) -> tuple[socket.socket, str, str, str]:
+    """A client that asks for cursors, opens a session, asks for a flood of updates and then reads nothing
+    (a blocking socket with a small receive buffer): the socket, its connection, session and last cursor."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ws = WSConnection(ConnectionType.CLIENT)
+    sock.sendall(
+        ws.send(
+            Request(host="localhost", target="/acp", extra_headers=[(b"authorization", f"Bearer {token}".encode())])
+        )
+    )
+
+    def send(message: dict[str, Any]) -> None:
+        sock.sendall(ws.send(TextMessage(data=json.dumps({"jsonrpc": "2.0", **message}))))
+
+    connection = session = cursor = ""
+    while not session:
+        ws.receive_data(sock.recv(65536))
+        for event in ws.events():
+            if isinstance(event, AcceptConnection):
+                connection = dict(event.extra_headers)[b"acp-connection-id"].decode()
+                send({"id": 0, "method": "initialize", "params": RESUMABLE})
+                send({"id": 1, "method": "session/new", "params": NEW})
+            elif isinstance(event, TextMessage) and '"id":1' in event.data:
+                answer = json.loads(event.data)
+                session, cursor = answer["result"]["sessionId"], answer["_meta"]["acp/cursor"]
+    send({"id": 2, "method": "session/prompt", "params": prompt(session, f"stream {updates}")})
+    return sock, connection, session, cursor
+
+
+@pytest.mark.anyio
+async def test_a_resumable_client_that_stops_reading_loses_its_socket_not_its_turn(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    """A phone out of coverage looks like a client that stopped reading: its socket is let go after
+    ``--stall-timeout``, its connection waits for a resume (the agent waiting too), and the resume gets
+    every update once, in order, and the answer."""
+    token = make_token(proc_env, "phone")
+    flooding = write_config(tmp_path, backends={"fake": {}})
+    # what the socket's buffers took before the stall counts against the replay buffer: room for all of it
+    limits = ("--max-pending", "64", "--stall-timeout", "1s", "--replay-buffer", "40000")
+    async with serve(proc_env, flooding, *limits) as served:
+        port = int(served.url.rsplit(":", 1)[1].split("/")[0])
+        sock, connection, session, cursor = await anyio.to_thread.run_sync(
+            stalled_resumable_client, port, token, UPDATES
+        )
+        await until_attached(tmp_path, connection, False)  # not ended as a slow reader: waiting for a resume
+        sock.close()
+        async with WsClient.open(served.target(token), _resume(connection, cursor)) as resumed:
+            assert (await resumed.answer_of("r"))["result"]["connectionId"] == connection
+            answer = await resumed.answer_of(2, timeout=60)
+            assert answer["result"]["stopReason"] == "end_turn"
+            texts = [m["params"]["update"]["content"]["text"] for m in resumed.updates(session)]
+            assert texts == [f"chunk {i} " for i in range(UPDATES)], "every update once, in order"

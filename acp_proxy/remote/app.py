@@ -149,8 +149,20 @@ class AcpApp:
         outbox = connection.outbox
         stream = outbox.open(None)
         outbox.readers[None] = written = anyio.Event()
+        connection.stall = stall = anyio.Event()
         connection.reattach()
         async with anyio.create_task_group() as tasks:
+
+            async def let_go_when_stalled() -> None:
+                """A client that stopped reading, of a connection that waits for a resume: its socket goes."""
+                await stall.wait()
+                outbox.end_stream(None)  # the writer ends on what it was handed, kept for a resume
+                with anyio.move_on_after(1):
+                    await written.wait()
+                # Waiting for a resume from now on, whether or not the writer ever comes back from its write to a
+                # dead socket (hypercorn shields that write on trio): it is cut, where it can be.
+                connection.detach()
+                tasks.cancel_scope.cancel()
 
             async def send_frames() -> None:
                 try:
@@ -176,6 +188,7 @@ class AcpApp:
                 tasks.cancel_scope.cancel()  # the connection ended, another socket took it, or a write failed
 
             tasks.start_soon(send_frames)
+            tasks.start_soon(let_go_when_stalled)
             if first is not None:
                 await connection.from_client(first.encode())
             while True:
@@ -197,7 +210,10 @@ class AcpApp:
             tasks.cancel_scope.cancel()
         outbox.release(None, stream)
         if connection.ended is None and not outbox.has_stream(None):
-            connection.detach()  # its client dropped: the connection waits for a resume
+            connection.detach()  # its client dropped, or stopped reading: the connection waits for a resume
+            if stall.is_set():
+                with anyio.move_on_after(1), suppress(Exception):
+                    await send({"type": "websocket.close", "code": 1008, "reason": "not reading: resume to go on"})
             return
         ended = connection.ended
         code, reason = (ended.code, ended.reason) if ended is not None else (1000, "resumed on another socket")

@@ -114,7 +114,7 @@ class Outbox:
         self,
         max_pending: int,
         stall_timeout: float,
-        on_stalled: Callable[[], None],
+        on_stalled: Callable[[], bool | None],
         replay: ReplayLimits | None = None,
     ) -> None:
         self.max_pending = max_pending
@@ -135,9 +135,13 @@ class Outbox:
         """Set when the reader of ``target``'s latest stream has ended (everything it took is recorded)."""
         self.cursor_meta = False
         """Whether each message carries its cursor as ``_meta["acp/cursor"]`` too (the client asked)."""
+        self.patient = False
+        """While its client is away and may resume: what waits for it waits with no deadline (and, through the
+        proxy's pipe, so does the agent)."""
 
     async def put(self, target: str | None, line: bytes) -> None:
-        """Queue ``line`` for ``target``'s stream, waiting while it is full (up to ``stall_timeout``)."""
+        """Queue ``line`` for ``target``'s stream, waiting while it is full (up to ``stall_timeout``, then the
+        connection is told its client is not reading; while ``patient``, for as long as it takes)."""
         deadline = anyio.current_time() + self.stall_timeout
         while not self.closed:
             own = target in self._streams or target in self._had_stream
@@ -147,7 +151,7 @@ class Outbox:
                     self._backlog.append((target, line))
                     return
                 changed = self._changed
-                with anyio.move_on_at(deadline):
+                with anyio.move_on_at(math.inf if self.patient else deadline):
                     await changed.wait()  # a stream opened (or the connection ended)
                     continue
             else:
@@ -164,8 +168,9 @@ class Outbox:
                         return
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     continue
-            self._on_stalled()
-            return
+            if not self._on_stalled():
+                return  # the connection ends: the line goes with it
+            deadline = anyio.current_time() + self.stall_timeout  # its client's socket was let go: route again
 
     def _notify(self) -> None:
         self._changed.set()
@@ -306,13 +311,13 @@ class Connection:
         self.peer = peer
         self.opened_at = time.time()
         self.last_active = time.monotonic()
-        self.outbox = Outbox(
-            hub.limits.max_pending, hub.limits.stall_timeout, lambda: self.end(Ended.SLOW_READER), hub.limits.replay
-        )
+        self.outbox = Outbox(hub.limits.max_pending, hub.limits.stall_timeout, self.stalled, hub.limits.replay)
         self.turns = TurnStates()
         self.attached = True
         """Whether a client is on it: false while a dropped WebSocket's connection waits for a resume."""
         self._reattached = anyio.Event()
+        self.stall = anyio.Event()
+        """Set when the client of a resumable WebSocket stopped reading: its socket is let go (``stalled``)."""
         self.touched: set[str] = set()
         """Sessions this connection made or named: its proxy may hold them."""
         self.ended: Ended | None = None
@@ -591,6 +596,18 @@ class Connection:
             await self._nothing_in_flight.wait()
         self.let_go()
 
+    def stalled(self) -> bool:
+        """Its client took nothing for ``stall_timeout`` while ``max_pending`` messages waited: not reading. A
+        WebSocket client that can resume loses its socket, not its connection (it waits for a resume, as after a
+        drop: a phone out of coverage looks so); any other connection ends."""
+        if self.transport == "websocket" and self.outbox.cursor_meta and self.hub.limits.resume_grace > 0:
+            if self.attached and not self.stall.is_set():
+                log.warning("connection %s (%s): not reading: its socket is let go", self.id, self.principal.label)
+                self.stall.set()
+            return True
+        self.end(Ended.SLOW_READER)
+        return False
+
     def detach(self) -> None:
         """Its WebSocket dropped or closed (the server cannot tell which): a connection whose client asked for
         cursors waits ``resume_grace`` for a ``stream/resume`` (its turns run on, their messages wait), then
@@ -602,6 +619,7 @@ class Connection:
             self.end(Ended.GONE)  # a client that never asked for cursors cannot resume: gone, as it always was
             return
         self.attached = False
+        self.outbox.patient = True
         self._reattached = reattached = anyio.Event()
         self.hub.on_change()
         log.info("connection %s (%s): dropped: kept %.0fs for a resume", self.id, self.principal.label, grace)
@@ -618,6 +636,7 @@ class Connection:
         """A client resumed it."""
         if not self.attached:
             self.attached = True
+            self.outbox.patient = False
             self._reattached.set()
             self.hub.on_change()
             log.info("connection %s (%s): resumed", self.id, self.principal.label)
