@@ -15,7 +15,7 @@ import anyio
 import httpx
 import pytest
 
-from acp_proxy.remote.hub import Outbox
+from acp_proxy.remote.outbox import Outbox
 from acp_proxy.remote.replay import Replay, ReplayLimits
 from tests.remote_kit import HttpClient, make_token, serve
 from tests.test_serve import NEW, config_for, prompt

@@ -20,7 +20,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
 from acp_proxy.remote.access import FailedAttempts, Gate, bearer_token, gate, origin_allowed
-from acp_proxy.remote.hub import Outbox
+from acp_proxy.remote.outbox import Outbox
 from acp_proxy.remote.routing import Body, Head, Refused, Route, route
 from acp_proxy.remote.tokens import Principal, RemoteStore
 from acp_proxy.remote.wsclient import Refused as WsRefused

@@ -1,0 +1,185 @@
+"""Server->client messages of one connection of ``serve``, each to its stream: bounded, and kept for a
+client that resumes a stream (``remote.replay``)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from acp_proxy.remote.replay import Replay, ReplayLimits, with_cursor
+
+
+class Outbox:
+    """Server->client messages of one connection, each to its stream, bounded.
+
+    A WebSocket has one stream (``None``). Streamable HTTP has the connection-scoped stream
+    (``None``) and one per session; a message for a session that never had a stream of its own goes
+    to the connection's, and while its stream is not open a message waits in a backlog (a dropped
+    stream's until it is opened again, resumed or not). When ``max_pending``
+    messages wait, the proxy's output waits too (and so, through its pipe, does the agent): a
+    client that reads slower than the agent writes slows it down. A client that takes nothing for
+    ``stall_timeout`` while messages wait is not reading: the connection is told (``on_stalled``), and
+    ends, or lets the client's socket go and waits for a resume (``patient``).
+    """
+
+    def __init__(
+        self,
+        max_pending: int,
+        stall_timeout: float,
+        on_stalled: Callable[[], bool | None],
+        replay: ReplayLimits | None = None,
+    ) -> None:
+        self.max_pending = max_pending
+        self.stall_timeout = stall_timeout
+        self._on_stalled = on_stalled
+        self._streams: dict[str | None, tuple[MemoryObjectSendStream[bytes], MemoryObjectReceiveStream[bytes]]] = {}
+        self._backlog: deque[tuple[str | None, bytes]] = deque()
+        self._changed = anyio.Event()
+        self.closed = False
+        self.replay_limits = replay
+        """Event streams keep what they wrote for a client that resumes them (``remote.replay``); ``None``: not."""
+        self._replays: dict[str | None, Replay] = {}
+        self._epoch = secrets.token_hex(4)
+        self._had_stream: set[str | None] = set()
+        """Targets that had a stream of their own: while it is gone (dropped, to be resumed), their messages
+        wait for it rather than go to the connection's stream."""
+        self.readers: dict[str | None, anyio.Event] = {}
+        """Set when the reader of ``target``'s latest stream has ended (everything it took is recorded)."""
+        self.cursor_meta = False
+        """Whether each message carries its cursor as ``_meta["acp/cursor"]`` too (the client asked)."""
+        self.patient = False
+        """While its client is away and may resume: what waits for it waits with no deadline (and, through the
+        proxy's pipe, so does the agent)."""
+
+    async def put(self, target: str | None, line: bytes) -> None:
+        """Queue ``line`` for ``target``'s stream, waiting while it is full (up to ``stall_timeout``, then the
+        connection is told its client is not reading; while ``patient``, for as long as it takes)."""
+        deadline = anyio.current_time() + self.stall_timeout
+        while not self.closed:
+            own = target in self._streams or target in self._had_stream
+            pair = self._streams.get(target) if own else self._streams.get(None)
+            if pair is None:
+                if len(self._backlog) < self.max_pending:
+                    self._backlog.append((target, line))
+                    return
+                changed = self._changed
+                with anyio.move_on_at(math.inf if self.patient else deadline):
+                    await changed.wait()  # a stream opened (or the connection ended)
+                    continue
+            else:
+                try:
+                    pair[0].send_nowait(line)  # no yield while there is room: the stream's reader
+                    return  # then finds a run of messages to write at once
+                except anyio.WouldBlock:
+                    pass
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    continue  # that stream was replaced or its reader left: route again
+                try:
+                    with anyio.move_on_at(deadline):
+                        await pair[0].send(line)
+                        return
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    continue
+            if not self._on_stalled():
+                return  # the connection ends: the line goes with it
+            deadline = anyio.current_time() + self.stall_timeout  # its client's socket was let go: route again
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def has_stream(self, target: str | None) -> bool:
+        return target in self._streams
+
+    def open(self, target: str | None) -> MemoryObjectReceiveStream[bytes]:
+        """A stream for ``target``; one already open for it is replaced (its reader ends, and what it had not
+        taken yet goes to the new one)."""
+        self.end_stream(target)
+        send, receive = anyio.create_memory_object_stream[bytes](self.max_pending)
+        self._streams[target] = (send, receive)
+        self._had_stream.add(target)
+        kept: deque[tuple[str | None, bytes]] = deque()
+        for item_target, line in self._backlog:
+            if item_target == target or (target is None and item_target not in self._had_stream):
+                send.send_nowait(line)  # the backlog is bounded by the same size
+            else:
+                kept.append((item_target, line))
+        self._backlog = kept
+        self._notify()
+        return receive
+
+    def release(self, target: str | None, stream: MemoryObjectReceiveStream[bytes]) -> None:
+        """The reader of ``target``'s stream has gone (its HTTP response ended): what it had not taken
+        waits for the next stream, as if never sent."""
+        current = self._streams.get(target)
+        if current is not None and current[1] is stream:
+            current[0].close()
+            del self._streams[target]
+            self._backlog.extendleft(reversed([(target, line) for line in _untaken(stream)]))
+            self._notify()
+        stream.close()
+
+    def end_stream(self, target: str | None) -> None:
+        """End ``target``'s stream, if open (its reader ends on what it was handed; what it had not taken
+        waits for the next stream)."""
+        current = self._streams.get(target)
+        if current is not None:
+            self.release(target, current[1])
+
+    def record(self, target: str | None, line: bytes) -> tuple[str | None, bytes]:
+        """``line`` is being written to ``target``'s stream: kept for a resume. Its cursor, and the line as
+        written: with the cursor in its envelope's ``_meta`` when the client asked for that."""
+        if self.replay_limits is None:
+            return None, line
+        replay = self._replays.get(target)
+        if replay is None:
+            replay = self._replays[target] = Replay(f"{self._epoch}{len(self._replays)}", self.replay_limits)
+        if not self.cursor_meta:
+            return replay.record(line, anyio.current_time()), line
+        cursor = replay.next_cursor()
+        written = with_cursor(line, cursor)
+        replay.record(written, anyio.current_time())
+        return cursor, written
+
+    def missed(self, target: str | None, cursor: str | None) -> list[tuple[str, bytes]] | None:
+        """What ``target``'s stream wrote after ``cursor`` (``None``: from its first message, if all of it is
+        still kept); ``None``: it cannot say."""
+        replay = self._replays.get(target)
+        if replay is None:
+            return [] if cursor is None else None
+        return replay.after(replay.cursor(0) if cursor is None else cursor, anyio.current_time())
+
+    async def resume(self, target: str | None, cursor: str | None) -> list[tuple[str, bytes]] | None:
+        """Take ``target``'s stream over for a client resuming after ``cursor``: what it missed, oldest first
+        (``None``: the cursor is not one still kept). The stream it resumes may not have seen its client go:
+        it is ended, and its reader let record what it was handed, before the cursor is looked up."""
+        self.end_stream(target)
+        reading = self.readers.get(target)
+        if reading is not None:
+            with anyio.move_on_after(self.stall_timeout):
+                await reading.wait()
+        return self.missed(target, cursor)
+
+    def close(self) -> None:
+        self.closed = True
+        self._replays.clear()
+        for send, _ in self._streams.values():
+            send.close()
+        self._streams.clear()
+        self._backlog.clear()
+        self._notify()
+
+
+def _untaken(stream: MemoryObjectReceiveStream[bytes]) -> list[bytes]:
+    """What waits in ``stream`` that its reader has not taken."""
+    lines = []
+    while True:
+        try:
+            lines.append(stream.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return lines
