@@ -33,9 +33,8 @@ from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message, RequestId
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.adapters import decoded_lines, is_plain_notification_block
-from acp_proxy.relay.claims import LOCAL
+from acp_proxy.relay.claims import LOCAL, PRINCIPAL_ENV
 from acp_proxy.relay.sharing import (
-    PRINCIPAL_ENV,
     AttachRequest,
     History,
     Sharing,

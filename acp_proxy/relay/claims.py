@@ -26,6 +26,8 @@ from acp_proxy.config import PermissionPolicy
 
 LOCAL: Final = "local"
 """The principal of a gateway on this host (stdio), or of a client of ``serve``'s unix socket."""
+PRINCIPAL_ENV: Final = "ACP_PROXY_PRINCIPAL"
+"""Whose client a proxy's gateway is (set by ``serve``: the token's name; else ``local``)."""
 OPERATOR: Final = "operator"
 
 

@@ -33,7 +33,7 @@ from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method, routed_by_session
 from acp_proxy.relay.adapters import AdapterRelay, decoded_lines, preview
 from acp_proxy.relay.attached import Links
-from acp_proxy.relay.sharing import GATEWAY, Sharing
+from acp_proxy.relay.sharing import Sharing
 from acp_proxy.relay.writer import SHUTDOWN_WRITE_GRACE, GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
 from acp_proxy.sessions.registry import SessionRegistry
@@ -264,9 +264,9 @@ class GatewayConnection:
             def reply(data: bytes) -> None:
                 self.background.start(lambda: self.writer.send(data))
 
-            self.sharing.prompt(session_id, msg, GATEWAY, self.sharing.gateway_client.principal, reply)
+            self.sharing.prompt(session_id, msg, self.sharing.gateway_client, reply)
             return
-        self.sharing.prompted(session_id, msg.params, GATEWAY, self.sharing.gateway_client.principal)  # type: ignore[arg-type]
+        self.sharing.prompted(session_id, msg.params, self.sharing.gateway_client)  # type: ignore[arg-type]
         await self.intents.forward(msg, session_id)
 
     async def _attach(self, msg: Message) -> None:

@@ -48,7 +48,7 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, Message, RequestId
 from acp_proxy.protocol.methods import Method
-from acp_proxy.relay.claims import LOCAL, OPERATOR, Client, Refusal, eligible, refusal
+from acp_proxy.relay.claims import LOCAL, OPERATOR, PRINCIPAL_ENV, Client, Refusal, eligible, refusal
 from acp_proxy.relay.upstream import AgentRequests
 from acp_proxy.relay.writer import GatewayWriter
 from acp_proxy.sessions.intents import SessionIntents
@@ -66,8 +66,6 @@ ATTACHMENTS_MAX: Final = 256
 CANCELLED: Final = {"stopReason": "cancelled"}
 GATEWAY: Final = "the gateway"
 """Who answered or prompted, when it was the session's own gateway."""
-PRINCIPAL_ENV: Final = "ACP_PROXY_PRINCIPAL"
-"""Whose client the proxy's gateway is (set by ``serve``: the token's name; else ``local``)."""
 ATTACHED_METHODS: Final = frozenset({Method.PROMPT, Method.DETACH, Method.CLAIM_PERMISSION})
 """The requests an attached client sends for the session it is attached to."""
 
@@ -209,8 +207,7 @@ class LaneItem(msgspec.Struct, kw_only=True):
 
     msg: Message
     """The prompt, with the id it is served under (a routed one)."""
-    by: str
-    principal: str
+    by: Client
     done: anyio.Event = msgspec.field(default_factory=anyio.Event)
     sent: bool = False
     cancelled: bool = False
@@ -390,9 +387,9 @@ class Sharing:
             for attachment in list(share.attachments.values()):
                 attachment.put(out)
 
-    def prompted(self, session_id: str, params: Raw, by: str, principal: str) -> None:
-        self.transcripts.record(session_id, EntryKind.PROMPT, bytes(params), by)
-        self.prompters[session_id] = principal
+    def prompted(self, session_id: str, params: Raw, by: Client) -> None:
+        self.transcripts.record(session_id, EntryKind.PROMPT, bytes(params), by.label)
+        self.prompters[session_id] = by.principal
 
     def _eligible(self, ask: Ask, client: Client) -> bool:
         attach = self.config.attach
@@ -595,9 +592,7 @@ class Sharing:
         self.writer.route(key, deliver)
         return key
 
-    def prompt(
-        self, session_id: str, msg: Message, by: str, principal: str, reply: Callable[[bytes], None]
-    ) -> str | None:
+    def prompt(self, session_id: str, msg: Message, by: Client, reply: Callable[[bytes], None]) -> str | None:
         """A prompt for a shared session: it waits for the turn before it, or is refused (``[attach] prompts``).
 
         ``msg`` keeps its sender's id; ``reply`` gets the answer under it. The id it is served
@@ -607,16 +602,16 @@ class Sharing:
         if self.config.attach.prompts == "refuse" and (share.lane or self._turn_running(session_id)):
             reply(ProxyError.session_busy(session_id).response(their_id))  # type: ignore[arg-type]
             return None
-        item = LaneItem(msg=msg, by=by, principal=principal)
+        item = LaneItem(msg=msg, by=by)
 
         def answered(data: bytes) -> None:
             item.done.set()
-            if by == GATEWAY:
+            if by is self.gateway_client:
                 self.gateway_prompts.pop(jsonrpc.id_key(their_id), None)
             reply(_with_id(data, their_id))  # type: ignore[arg-type]
 
         routed = self.route(answered)
-        if by == GATEWAY:  # the gateway may withdraw it by its own id ($/cancel_request)
+        if by is self.gateway_client:  # the gateway may withdraw it by its own id ($/cancel_request)
             self.gateway_prompts[jsonrpc.id_key(their_id)] = (session_id, routed)
         item.msg = Message(jsonrpc="2.0", id=routed, method=msg.method, params=msg.params)
         share.lane.append(item)
@@ -642,7 +637,7 @@ class Sharing:
                     running = self._turn_running(share.session_id)
                 if not item.cancelled:
                     item.sent = True
-                    self.prompted(share.session_id, item.msg.params, item.by, item.principal)  # type: ignore[arg-type]
+                    self.prompted(share.session_id, item.msg.params, item.by)  # type: ignore[arg-type]
                     await self.intents.forward(item.msg, share.session_id)
                     await item.done.wait()
                 share.lane.popleft()
@@ -887,7 +882,7 @@ class Sharing:
                     del attachment.prompts[routed]
             attachment.put(data)
 
-        routed = self.prompt(share.session_id, msg, attachment.label, attachment.client.principal, reply)
+        routed = self.prompt(share.session_id, msg, attachment.client, reply)
         if routed is not None:
             attachment.prompts[routed] = their_id  # type: ignore[assignment]
         if self.journal is not None:

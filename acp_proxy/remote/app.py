@@ -118,7 +118,7 @@ class AcpApp:
             return
         first: str | None = event.get("text")
         connection, opening = opened, []
-        resume = _resume_request(first) if first is not None else None
+        resume = _request_of(first, RESUME) if first is not None else None
         if resume is not None:
             request_id, params = resume
             resumed = await self.hub.resume(principal, params.get("connectionId"), params.get("cursor"))
@@ -198,7 +198,7 @@ class AcpApp:
                 text = event.get("text")
                 if text is None:
                     continue  # binary frames are ignored, as the RFD says
-                if CLOSE in text and _method_of(text) == CLOSE:
+                if _request_of(text, CLOSE) is not None:
                     connection.end(Ended.DELETED)  # its writer ends, and closes the socket
                     continue
                 await connection.from_client(text.encode())
@@ -267,7 +267,7 @@ class AcpApp:
         if isinstance(opened, Refusal):
             await _plain(send, opened.status, opened.message)
             return
-        answer = await opened.initialize(raw, decoded[0].id)  # type: ignore[arg-type]
+        answer = await opened.initialize(raw, decoded[0])
         if answer is None:
             opened.end(Ended.PROXY_EXITED)
             await _plain(send, 502, "the connection's proxy did not answer initialize")
@@ -324,23 +324,16 @@ class AcpApp:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _resume_request(text: str) -> tuple[RequestId | None, dict[str, Any]] | None:
-    """The request id and params of a ``stream/resume`` frame; ``None`` for any other frame."""
-    if RESUME not in text:
+def _request_of(text: str, method: str) -> tuple[RequestId | None, dict[str, Any]] | None:
+    """The id (``None`` for a notification) and params of a frame calling ``method`` (one the server answers
+    itself: ``stream/resume``, ``stream/close``); ``None`` for any other frame, read no further than a search."""
+    if method not in text:
         return None
     decoded = jsonrpc.decode_line(text.encode())
-    if isinstance(decoded, BadLine) or decoded[0].method != RESUME:
+    if isinstance(decoded, BadLine) or decoded[0].method != method:
         return None
     msg = decoded[0]
-    request_id = msg.id if msg.id is not UNSET else None
-    return request_id, jsonrpc.decode_object(msg.params) or {}
-
-
-def _method_of(text: str) -> str | None:
-    decoded = jsonrpc.decode_line(text.encode())
-    if isinstance(decoded, BadLine) or not isinstance(decoded[0].method, str):
-        return None
-    return decoded[0].method
+    return (msg.id if msg.id is not UNSET else None), jsonrpc.decode_object(msg.params) or {}
 
 
 def _event(chunk: list[bytes], cursor: str | None, line: bytes) -> None:

@@ -49,6 +49,8 @@ RESUME_WINDOW: Final = 10.0
 REPLAY_TIMEOUT: Final = 120.0
 """How long a replayed ``initialize`` may take (an adapter's start, on the server) before the rest is sent anyway."""
 BRIDGE_ID: Final = "acp-proxy-connect/"
+RESUME_ID: Final = f"{BRIDGE_ID}resume"
+"""The id of the bridge's ``stream/resume``: its answer, like a replayed ``initialize``'s, is the bridge's own."""
 
 
 class Bridge:
@@ -260,7 +262,7 @@ class Bridge:
         self._resumed = None
         self._resume_answered = anyio.Event()
         params = {"connectionId": connection_id, "cursor": self.cursor}
-        await ws.send_text(jsonrpc.request(f"{BRIDGE_ID}resume", RESUME, params).rstrip(b"\n").decode())
+        await ws.send_text(jsonrpc.request(RESUME_ID, RESUME, params).rstrip(b"\n").decode())
         with anyio.move_on_after(REPLAY_TIMEOUT):
             await self._resume_answered.wait()
         if self._resumed:
@@ -347,7 +349,7 @@ class Bridge:
                 if self._initializing is not None and jsonrpc.id_key(msg.id) == self._initializing:
                     self._initializing = None
                     line = self._resumability(msg, line)
-                if msg.id == f"{BRIDGE_ID}resume":
+                if msg.id == RESUME_ID:
                     self._resumed = self._resumed is None and msg.error is UNSET
                     self._resume_answered.set()
                     return

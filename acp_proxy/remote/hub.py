@@ -32,11 +32,10 @@ from acp_proxy.ownership.verify import signal_child
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
-from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message, RequestId
+from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.attached import CLIENT_ENV
-from acp_proxy.relay.claims import LOCAL
-from acp_proxy.relay.sharing import PRINCIPAL_ENV
+from acp_proxy.relay.claims import LOCAL, PRINCIPAL_ENV
 from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
 from acp_proxy.remote.outbox import Outbox
 from acp_proxy.remote.replay import RESUMABLE_META, TURN_STATE_META, ReplayLimits, TurnStates
@@ -94,7 +93,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     stall_timeout: float = 30.0
     """How long a client may take nothing while ``max_pending`` messages wait for it."""
     replay: ReplayLimits = msgspec.field(default_factory=ReplayLimits)
-    """What a streamable HTTP connection's event streams keep for a client that resumes one."""
+    """What a connection's streams keep for a client that resumes one (``Last-Event-ID``, ``stream/resume``)."""
 
 
 def _with_result(answer: bytes, change: Callable[[dict[str, Any]], None]) -> bytes:
@@ -226,14 +225,13 @@ class Connection:
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self.end(Ended.PROXY_EXITED)
 
-    async def initialize(self, line: bytes, request_id: RequestId) -> bytes | None:
-        """``initialize`` over HTTP: its answer is the POST's body, not a stream message."""
-        decoded = jsonrpc.decode_line(line)
-        if not isinstance(decoded, BadLine):
-            self.opt_in(decoded[0].params)
+    async def initialize(self, line: bytes, msg: Message) -> bytes | None:
+        """``initialize`` over HTTP (``msg``, ``line`` decoded): its answer is the POST's body, not a stream
+        message."""
+        self.opt_in(msg.params)
         pending = Pending(Method.INITIALIZE, None)
         pending.answered = anyio.Event()
-        self._pending[jsonrpc.id_key(request_id)] = pending
+        self._pending[jsonrpc.id_key(msg.id)] = pending
         await self._to_proxy(line)
         with anyio.move_on_after(self.hub.initialize_timeout):
             await pending.answered.wait()
@@ -425,11 +423,17 @@ class Connection:
             await self._nothing_in_flight.wait()
         self.let_go()
 
+    @property
+    def resumable(self) -> bool:
+        """Whether its client can take it over on a new socket (``stream/resume``): a WebSocket whose client
+        asked for cursors, on a ``serve`` that waits for resumes."""
+        return self.transport == "websocket" and self.outbox.cursor_meta and self.hub.limits.resume_grace > 0
+
     def stalled(self) -> bool:
         """Its client took nothing for ``stall_timeout`` while ``max_pending`` messages waited: not reading. A
         WebSocket client that can resume loses its socket, not its connection (it waits for a resume, as after a
         drop: a phone out of coverage looks so); any other connection ends."""
-        if self.transport == "websocket" and self.outbox.cursor_meta and self.hub.limits.resume_grace > 0:
+        if self.resumable:
             if self.attached and not self.stall.is_set():
                 log.warning("connection %s (%s): not reading: its socket is let go", self.id, self.principal.label)
                 self.stall.set()
@@ -441,12 +445,12 @@ class Connection:
         """Its WebSocket dropped or closed (the server cannot tell which): a connection whose client asked for
         cursors waits ``resume_grace`` for a ``stream/resume`` (its turns run on, their messages wait), then
         ends as if closed; any other ends now."""
-        grace = self.hub.limits.resume_grace
         if self.ended is not None or not self.attached:
             return
-        if grace <= 0 or not self.outbox.cursor_meta:
+        if not self.resumable:
             self.end(Ended.GONE)  # a client that never asked for cursors cannot resume: gone, as it always was
             return
+        grace = self.hub.limits.resume_grace
         self.attached = False
         self.outbox.patient = True
         self._reattached = reattached = anyio.Event()
