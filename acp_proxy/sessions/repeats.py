@@ -69,12 +69,8 @@ class Repeats:
 
     async def _answer_once_ended(self, msg: Message, earlier: Turn, own: Turn | None) -> None:
         await self.turns.until_ended(earlier)
-        if earlier.answer is not None:
-            await self._answer(msg, earlier.answer, earlier.task_id, own)
-            return
-        # Ended with no answer kept (its proxy is stopping): said so, not run a second time.
-        error = {"error": {"code": jsonrpc.INTERNAL_ERROR, "message": "the first attempt ended without an answer"}}
-        await self._answer(msg, jsonrpc.encode_json(error).rstrip(b"\n"), earlier.task_id, own)
+        assert earlier.answer is not None  # TurnBook.settle keeps the answer of every turn with an operation id
+        await self._answer(msg, earlier.answer, earlier.task_id, own)
 
     async def _answer(self, msg: Message, answer: bytes, task_id: str, own: Turn | None) -> None:
         request_id = None if msg.id is UNSET else msg.id
