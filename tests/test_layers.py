@@ -9,6 +9,7 @@ own modules in the function that runs it. These tests read that from the source.
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -213,3 +214,41 @@ def test_the_composition_root_builds_in_order_and_wires_nothing_afterwards() -> 
         if isinstance(name, ast.Name) and name.id in bound_at and bound_at[name.id] > getattr(inner, "lineno", 0)
     }
     assert used_early <= {("suspend", "intents")}, used_early
+
+
+BEFORE_THE_LOOP = ("acp_proxy.main", "acp_proxy.early_signals", "acp_proxy.ownership.owner", "acp_proxy.pool.processes")
+"""What a proxy imports before it launches its first adapter (``operator/cli.py``'s ``_serve``)."""
+THE_RELAY = ("acp_proxy.serve", "anyio._backends._asyncio")
+"""What it imports then, to serve."""
+NOT_FOR_A_PROXY = (
+    "hypercorn",
+    "wsproto",
+    "h11",
+    "h2",
+    "rich",
+    "prometheus_client",
+    "acp_proxy.remote",
+    "acp_proxy.operator.top",
+)
+"""What only ``serve --listen``, ``connect``, ``top`` and ``metrics`` need."""
+
+
+def modules_after(*modules: str) -> set[str]:
+    """``sys.modules`` of a fresh interpreter once it has imported ``modules``."""
+    code = f"import sys\nfor m in {list(modules)!r}: __import__(m)\nprint('\\n'.join(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.split())
+
+
+def test_a_proxy_launches_its_first_adapter_before_it_imports_an_event_loop() -> None:
+    """The adapter's start overlaps the import of the loop and the relay (``acp_proxy.main``)."""
+    loaded = modules_after(*BEFORE_THE_LOOP)
+    assert {"asyncio", "trio", "acp_proxy.serve", "acp_proxy.relay.gateway"}.isdisjoint(loaded)
+
+
+def test_the_stdio_proxy_imports_nothing_only_the_network_or_the_operators_views_need() -> None:
+    loaded = modules_after(*BEFORE_THE_LOOP, *THE_RELAY)
+    assert {"asyncio", "acp_proxy.serve"} <= loaded  # it did import the relay
+    unneeded = sorted(m for m in loaded if m.startswith(NOT_FOR_A_PROXY))
+    assert not unneeded, f"a stdio proxy imports {unneeded}"

@@ -212,8 +212,10 @@ class GatewayConnection:
                 await self.intents.forward(msg, session_id)
         elif (session_id := session_of(msg.params)) is not None:
             await self.intents.forward(msg, session_id)  # a method the table does not know, for a session
+        elif (adapter := self.pool.processes.any_adapter()) is not None:
+            await adapter.forward(msg)  # in order, as a session's request is: no task of its own
         else:
-            self.background.start(lambda: self._to_any(msg))
+            self.background.start(lambda: self._started(msg, self.pool.default_backend, prepare=True))
 
     async def _session_id_or_fail(self, msg: Message) -> str | None:
         session_id = session_of(msg.params)
@@ -355,14 +357,6 @@ class GatewayConnection:
             await self._started(msg, backend, prepare=msg.method != Method.INITIALIZE, on_answer=on_answer)
         else:
             await adapter.forward(msg, on_answer)
-
-    async def _to_any(self, msg: Message) -> None:
-        """A request naming no session (``logout``, extensions): a spare, else the most recently used process."""
-        adapter = self.pool.processes.any_adapter()
-        if adapter is None:
-            await self._started(msg, self.pool.default_backend, prepare=True)
-        else:
-            await adapter.forward(msg)
 
     async def _started(
         self, msg: Message, backend: BackendConfig, *, prepare: bool, on_answer: Answer | None = None
