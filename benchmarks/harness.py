@@ -99,20 +99,24 @@ def progress(message: str) -> None:
 
 @dataclass(frozen=True)
 class Target:
-    """A figure and the most it may be. Reported, never asserted: a miss is printed, the run goes on."""
+    """A figure and the most it may be (the least, ``at_least``). Reported, never asserted: a miss is printed, the
+    run goes on."""
 
     name: str
     value: float | None
     limit: float
     unit: str
+    at_least: bool = False
 
     def row(self) -> Row:
+        met = None if self.value is None else self.value >= self.limit if self.at_least else self.value <= self.limit
         return {
             "name": self.name,
             "value": self.value,
             "target": self.limit,
             "unit": self.unit,
-            "met": None if self.value is None else self.value <= self.limit,
+            "at_least": self.at_least,
+            "met": met,
         }
 
 

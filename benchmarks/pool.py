@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -74,6 +75,7 @@ from benchmarks.harness import (
     Report,
     Row,
     Section,
+    Target,
     fmt,
     is_proxy,
     isolated,
@@ -935,6 +937,10 @@ def check_row(report: Report, workload: Workload, row: Row) -> None:
 def measure(report: Report, args: argparse.Namespace, workload: Workload) -> Row:
     """Every run of ``workload``, side by side on this machine; its results, rows in ``rows``."""
     bursts = workload.quick_bursts if args.quick else workload.bursts
+    if args.smoke:  # twice the cap, so that sessions still wait for slots and are suspended and resumed
+        sessions = 2 * workload.max_live
+        workload = dataclasses.replace(workload, sessions=sessions, proxies=min(workload.proxies, sessions))
+        bursts = 1
     pool = pool_settings(args)
     results: Row = {
         "sessions": workload.sessions,
@@ -1043,4 +1049,15 @@ def section(
     def render_workload(report: Report) -> list[str]:
         return render(workload, getattr(report, workload.name), heading, columns, summary)
 
-    return Section((workload.name,), measure_workload, render_workload)
+    def targets(report: Report) -> list[Target]:
+        """The proxies' turns/s at least the client-side pool's, in this run."""
+        rows = getattr(report, workload.name).get("rows", []) if getattr(report, workload.name) else []
+        return [
+            Target(
+                f"{workload.name}: turns/s, {workload.label(row['mode'])} x the client-side pool", value, 1.0, "x", True
+            )
+            for row in rows
+            if is_proxy(row["mode"]) and (value := row.get("vs_direct_pool_throughput")) is not None
+        ]
+
+    return Section((workload.name,), measure_workload, render_workload, targets)

@@ -863,8 +863,9 @@ def measure(report: Report, args: argparse.Namespace) -> None:
 
 
 def stream_runs(args: argparse.Namespace) -> int:
-    """Streaming runs per transport: ``--repeat``, and at least ``MIN_STREAM_RUNS`` (a turn is short)."""
-    return max(MIN_STREAM_RUNS, int(args.repeat))
+    """Streaming runs per transport: ``--repeat``, and at least ``MIN_STREAM_RUNS`` (a turn is short); one for
+    ``--smoke``."""
+    return 1 if args.smoke else max(MIN_STREAM_RUNS, int(args.repeat))
 
 
 def measure_transports(bench: Bench) -> None:

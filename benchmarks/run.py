@@ -3,8 +3,11 @@
     scripts/bench                  full run: 1,000,000 updates (median of 3 runs),
                                    10,000 round trips, 20 cold starts, 20 closes and spawns,
                                    30 resumes, 2,000 prompt turns
-    scripts/bench --quick          a fast check: 100,000 updates (1 run), 1,000 round trips,
+    scripts/bench --quick          a fast check: 100,000 updates (5 runs), 1,000 round trips,
                                    5 cold starts, 5 closes and spawns, 8 resumes, 200 turns
+    scripts/bench --smoke          every section once, at the smallest sizes that still run each
+                                   path (under 2 minutes; the slow tier of scripts/test runs it, so
+                                   that a broken benchmark fails CI): its figures are not for quoting
     scripts/bench --only ownership the process-ownership figures alone
     scripts/bench --only sessions  the session figures alone (resume, memory, registry)
     scripts/bench --only tasks     the task figures alone (per-turn overhead, bookkeeping, writes)
@@ -85,34 +88,34 @@ SECTIONS: tuple[Section, ...] = (
 )
 MEASUREMENTS = tuple(name for section in SECTIONS for name in section.names)
 
-DEFAULTS: dict[str, tuple[int, int]] = {
-    "updates": (1_000_000, 100_000),
-    "round_trips": (10_000, 1_000),
-    "cold_starts": (20, 5),
-    "repeat": (3, 1),
-    "close_runs": (20, 5),
-    "spawn_runs": (20, 5),
-    "reap_runs": (10, 3),
-    "resumes": (30, 8),
-    "rss_runs": (3, 1),
-    "registry_ops": (10_000, 2_000),
-    "turns": (2_000, 200),
-    "task_ops": (10_000, 2_000),
-    "measure_rounds": (500, 100),
-    "remote_turns": (1_000, 200),
-    "remote_updates": (100_000, 20_000),
-    "remote_idle": (200, 50),
-    "remote_sessions": (40, 10),
-    "attach_updates": (1_000_000, 100_000),
-    "attach_rounds": (5, 3),
-    "attach_round_trips": (300, 50),
+DEFAULTS: dict[str, tuple[int, int, int]] = {
+    "updates": (1_000_000, 100_000, 10_000),
+    "round_trips": (10_000, 1_000, 200),
+    "cold_starts": (20, 5, 2),
+    "repeat": (3, 5, 1),
+    "close_runs": (20, 5, 2),
+    "spawn_runs": (20, 5, 2),
+    "reap_runs": (10, 3, 1),
+    "resumes": (30, 8, 2),
+    "rss_runs": (3, 1, 1),
+    "registry_ops": (10_000, 2_000, 200),
+    "turns": (2_000, 200, 50),
+    "task_ops": (10_000, 2_000, 200),
+    "measure_rounds": (500, 100, 10),
+    "remote_turns": (1_000, 200, 20),
+    "remote_updates": (100_000, 20_000, 2_000),
+    "remote_idle": (200, 50, 5),
+    "remote_sessions": (40, 10, 2),
+    "attach_updates": (1_000_000, 100_000, 10_000),
+    "attach_rounds": (5, 3, 1),
+    "attach_round_trips": (300, 50, 10),
 }
-"""The options a full run and ``--quick`` size differently: (full, quick)."""
+"""The options each size of run sets: (full, ``--quick``, ``--smoke``)."""
 
 TARGET_COLUMNS = (
     Column("figure", lambda row: str(row["name"])),
     Column("value", lambda row: fmt(row["value"], 2, " " + row["unit"])),
-    Column("target", lambda row: f"<= {row['target']:g} {row['unit']}"),
+    Column("target", lambda row: f"{'>=' if row.get('at_least') else '<='} {row['target']:g} {row['unit']}"),
     Column("result", lambda row: "n/a" if row["met"] is None else ("met" if row["met"] else "MISSED")),
 )
 
@@ -184,21 +187,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a fast check: 100,000 updates, 1,000 round trips, 5 cold starts, 5 closes and spawns, 3 reapings, "
+        help="a fast check: 100,000 updates (5 runs), 1,000 round trips, 5 cold starts, 5 closes and spawns, "
+        "3 reapings, "
         "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes, "
         "1 burst of turns per load session, 3 per install session, 200 remote turns, 20,000 remote updates, "
         "50 idle remote connections, 10 remote sessions, 100,000 attach updates in 3 rounds, 50 attach turns",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every section once at its smallest (under 2 minutes): a check that each benchmark runs, "
+        "not figures to quote",
     )
     parser.add_argument("--updates", type=int, help="session/update lines per prompt (1,000,000)")
     parser.add_argument("--round-trips", type=int, help="latency round trips (10,000)")
     parser.add_argument("--cold-starts", type=int, help="cold starts per command (20)")
     parser.add_argument(
-        "--repeat", type=int, help="throughput runs per relay and client, median reported (3; --quick: 1)"
+        "--repeat",
+        type=int,
+        help="throughput runs per relay and client, median reported (3; --quick: 5 of its shorter flood)",
     )
     parser.add_argument(
         "--backends",
-        default="asyncio,trio",
-        help="proxy event loops to measure, comma-separated (default: asyncio,trio)",
+        help="proxy event loops to measure, comma-separated (default: asyncio,trio; --smoke: asyncio)",
     )
     parser.add_argument("--close-runs", type=int, help="ownership: closes per adapter and runner (20; --quick: 5)")
     parser.add_argument("--spawn-runs", type=int, help="ownership: spawns per runner (20; --quick: 5)")
@@ -269,9 +280,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--output", type=Path, default=RESULTS, help=f"JSON results (default: {RESULTS})")
     args = parser.parse_args(argv)
-    for name, (full, quick) in DEFAULTS.items():
+    if args.smoke:
+        args.quick = True  # and smaller still: whatever the sections size by --quick is quick-sized
+    for name, (full, quick, smoke) in DEFAULTS.items():
         if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+            setattr(args, name, smoke if args.smoke else quick if args.quick else full)
+    if args.backends is None:
+        args.backends = "asyncio" if args.smoke else "asyncio,trio"
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     args.only = {o.strip() for o in args.only.split(",") if o.strip()}
     for backend in args.backends:
@@ -306,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(
         options={
             "quick": args.quick,
+            "smoke": args.smoke,
             "updates": args.updates,
             "round_trips": args.round_trips,
             "cold_starts": args.cold_starts,

@@ -62,6 +62,7 @@ from benchmarks.harness import (
     Connected,
     Report,
     Section,
+    Target,
     attempt,
     backend_of,
     col,
@@ -86,6 +87,9 @@ from benchmarks.stream_agent import update_line
 from tests.kit.state import count_tasks
 
 BARE = "bare-"
+TARGET_TURN_CPU_US = 300.0
+"""The proxy's CPU for a turn of 10 updates, at most; and at most ``TARGET_TURN_CPU_VS_BARE`` times the bare relay's."""
+TARGET_TURN_CPU_VS_BARE = 2.0
 
 TURN_UPDATES = 10
 TURN_WARMUP = 100
@@ -593,4 +597,20 @@ def render(report: Report) -> list[str]:
     return out + left_running(results, " of the task benchmarks")
 
 
-SECTION = Section(("tasks",), measure_tasks, render, targets=lambda _: [])
+def targets(report: Report) -> list[Target]:
+    rows = report.tasks.get("turn_overhead", [])
+    cpu = {row["mode"]: row["middle_cpu_us_per_turn"] for row in rows}
+    found = []
+    for backend in report.options["backends"]:
+        mode = proxy_mode(backend)
+        ours, bare = cpu.get(mode), cpu.get(f"{BARE}{backend}")
+        if ours is None:
+            continue
+        label = turn_label(mode)
+        found.append(Target(f"CPU of a turn of {TURN_UPDATES} updates, {label}", ours, TARGET_TURN_CPU_US, "us"))
+        if bare:
+            found.append(Target(f"CPU of a turn, {label} x the bare relay", ours / bare, TARGET_TURN_CPU_VS_BARE, "x"))
+    return found
+
+
+SECTION = Section(("tasks",), measure_tasks, render, targets=targets)
