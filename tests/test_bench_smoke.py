@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_every_benchmark_runs_and_leaves_nothing_running(proc_env: dict[str, str], tmp_path: Path) -> None:
     output = tmp_path / "bench.json"
     done = subprocess.run(
-        ["scripts/bench", "--smoke", "--output", str(output)],
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--output", str(output)],  # scripts/bench, in this venv
         cwd=ROOT,
         env=proc_env,
         capture_output=True,
