@@ -305,12 +305,13 @@ class Batch:
     dropped for exceeding the size limit *before* these.
     """
 
-    __slots__ = ("_lines", "block", "overlong")
+    __slots__ = ("_count", "_lines", "block", "overlong")
 
     def __init__(self, block: bytes, overlong: int = 0, lines: list[bytes] | None = None) -> None:
         self.block = block
         self.overlong = overlong
         self._lines = lines
+        self._count = -1
 
     @property
     def lines(self) -> list[bytes]:
@@ -321,7 +322,10 @@ class Batch:
 
     @property
     def count(self) -> int:
-        return len(self._lines) if self._lines is not None else self.block.count(b"\n")
+        """Its lines (counted once: the relay and the turn both ask, and a count reads the whole block)."""
+        if self._count < 0:
+            self._count = len(self._lines) if self._lines is not None else self.block.count(b"\n")
+        return self._count
 
 
 class LineReader:
