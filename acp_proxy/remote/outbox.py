@@ -59,7 +59,7 @@ class Outbox:
     async def put(self, target: str | None, line: bytes) -> None:
         """Queue ``line`` for ``target``'s stream, waiting while it is full (up to ``stall_timeout``, then the
         connection is told its client is not reading; while ``patient``, for as long as it takes)."""
-        deadline = anyio.current_time() + self.stall_timeout
+        deadline = math.inf  # set at the first wait: a line with room to go (nearly every one) reads no clock
         while not self.closed:
             own = target in self._streams or target in self._had_stream
             pair = self._streams.get(target) if own else self._streams.get(None)
@@ -68,6 +68,7 @@ class Outbox:
                     self._backlog.append((target, line))
                     return
                 changed = self._changed
+                deadline = self._deadline(deadline)
                 with anyio.move_on_at(math.inf if self.patient else deadline):
                     await changed.wait()  # a stream opened (or the connection ended)
                     continue
@@ -80,6 +81,7 @@ class Outbox:
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     continue  # that stream was replaced or its reader left: route again
                 try:
+                    deadline = self._deadline(deadline)
                     with anyio.move_on_at(deadline):
                         await pair[0].send(line)
                         return
@@ -88,6 +90,10 @@ class Outbox:
             if not self._on_stalled():
                 return  # the connection ends: the line goes with it
             deadline = anyio.current_time() + self.stall_timeout  # its client's socket was let go: route again
+
+    def _deadline(self, deadline: float) -> float:
+        """``put``'s deadline: ``stall_timeout`` from its first wait."""
+        return anyio.current_time() + self.stall_timeout if deadline == math.inf else deadline
 
     def _notify(self) -> None:
         self._changed.set()
