@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import statistics
@@ -60,12 +61,32 @@ def child_environment() -> dict[str, str]:
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process so far (``None`` once it is gone)."""
+    """User + system CPU seconds of a process so far, all its threads (``None`` once it is gone).
+
+    Read from the process's CPU-time clock (``clock_getcpuclockid``), to the nanosecond, where the
+    C library has it: the clock ticks of ``/proc`` (10 ms) would make the CPU of 200 short turns a
+    multiple of 50 us a turn.
+    """
+    clock = _cpu_clock(pid)
+    if clock is not None:
+        try:
+            return time.clock_gettime(clock)
+        except OSError:
+            pass  # gone (or never ours to read): as psutil says
     try:
         times = psutil.Process(pid).cpu_times()
     except psutil.Error:
         return None
     return times.user + times.system
+
+
+def _cpu_clock(pid: int) -> int | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        clock = ctypes.c_int()
+        return clock.value if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0 else None
+    except (OSError, AttributeError):
+        return None
 
 
 def run_cpu_seconds() -> float:
