@@ -18,7 +18,9 @@ import psutil
 from tests.kit import markers
 
 ROOT = Path(__file__).resolve().parent.parent
-PYCACHE = ROOT / "bench-results" / "pycache"
+PYCACHE: Path | None = ROOT / "bench-results" / "pycache"
+"""Where the processes the benchmarks start keep their bytecode; ``None`` (``--smoke``): beside the sources,
+where the tests that run it have compiled them (a fresh prefix would compile the standard library again)."""
 STATE = ROOT / "bench-results" / "state"
 """The proxies' state dir where a section does not choose its own: never the user's own."""
 BENCH_MARKER = "ACP_PROXY_BENCH"
@@ -50,12 +52,13 @@ def child_environment() -> dict[str, str]:
 
     An installed proxy runs from compiled bytecode; with ``PYTHONDONTWRITEBYTECODE``
     set, every start would recompile the project's modules from source and the
-    cold start would measure the compiler. The cache lives outside the source tree.
+    cold start would measure the compiler. The cache lives outside the source tree (``PYCACHE``).
     The proxies keep their state under ``bench-results/`` too, never in the user's state dir.
     """
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
+    if PYCACHE is not None:
+        env["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
     env["ACP_PROXY_STATE_DIR"] = str(STATE)
     return env
 
