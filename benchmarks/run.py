@@ -188,8 +188,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="a fast check: 300,000 updates (5 runs), 1,000 round trips, 5 cold starts, 5 closes and spawns, "
-        "3 reapings, "
-        "8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes, "
+        "3 reapings, 8 resumes, 1 memory run, 2,000 registry operations, 200 prompt turns, 2,000 task writes, "
         "1 burst of turns per load session, 3 per install session, 200 remote turns, 20,000 remote updates, "
         "50 idle remote connections, 10 remote sessions, 100,000 attach updates in 3 rounds, 50 attach turns",
     )
