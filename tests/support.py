@@ -288,8 +288,9 @@ async def send_prompt(gw: Gateway, session: str, text: str, meta: dict[str, Any]
     return request_id
 
 
-def run_together(code: str, argvs: list[list[str]], timeout: float = 60) -> list[str]:
-    """Run ``python -c CODE ARGV`` once per argv, released together, and return what each printed.
+def run_together(code: str, argvs: list[list[str]], env: dict[str, str], timeout: float = 60) -> list[str]:
+    """Run ``python -c CODE ARGV`` once per argv under ``env`` (a test's ``proc_env``: its marker), released
+    together, and return what each printed.
 
     Each child reads one line of stdin before its work, so all of them start it at once, as proxies
     started together would. Each must exit 0. They import this checkout's package, nothing more
@@ -299,6 +300,7 @@ def run_together(code: str, argvs: list[list[str]], timeout: float = 60) -> list
         subprocess.Popen(
             [sys.executable, "-c", code, *argv],
             cwd=TESTS.parent,
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -273,12 +273,14 @@ def test_a_tree_with_the_memory_controller_is_held_to_its_session_kill_memory(tm
     assert not (bare / "memory.high").exists(), "no memory controller: nothing to write"
 
 
-def test_a_tree_with_memory_current_is_measured_by_it_and_the_others_by_pss(tmp_path: Path) -> None:
+def test_a_tree_with_memory_current_is_measured_by_it_and_the_others_by_pss(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
     (tmp_path / "memory.current").write_text("83886080\n")
     (tmp_path / "memory.stat").write_text(
         "anon 62914560\nfile 20971520\ninactive_file 10485760\nactive_file 10485760\n"
     )
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=proc_env)
     try:
         sizes = measure_adapters([os.getpid(), helper.pid], {helper.pid: str(tmp_path)})
     finally:

@@ -141,7 +141,7 @@ def open_dir() -> Iterator[Path]:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="connecting as another uid needs root (setuid to nobody)")
 async def test_a_real_peer_of_another_uid_is_refused_even_when_the_file_lets_it_in(
-    open_dir: Path,
+    proc_env: dict[str, str], open_dir: Path
 ) -> None:
     path = open_dir / "c.sock"
     async with serving(path):
@@ -153,7 +153,7 @@ async def test_a_real_peer_of_another_uid_is_refused_even_when_the_file_lets_it_
             "s = socket.socket(socket.AF_UNIX); s.settimeout(5); s.connect(sys.argv[1])\n"
             "print(s.recv(65536).decode())  # the refusal comes unasked, before any request\n"
         )
-        result = await anyio.run_process([sys.executable, "-c", script, str(path)], check=False)
+        result = await anyio.run_process([sys.executable, "-c", script, str(path)], check=False, env=proc_env)
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     assert answer["ok"] is False

@@ -74,13 +74,16 @@ def test_holders_say_who_holds_each_slot(tmp_path: Path) -> None:
     assert reader.holders() == []
 
 
-def test_a_slot_handed_to_a_child_is_held_until_the_child_exits(tmp_path: Path) -> None:
+def test_a_slot_handed_to_a_child_is_held_until_the_child_exits(proc_env: dict[str, str], tmp_path: Path) -> None:
     """What the wrapper does: the proxy lets go, the child keeps the lock, the kernel frees it at its exit."""
     a, b = proxy(tmp_path, "a"), proxy(tmp_path, "b")
     held = a.try_take("fake", global_cap=1, backend_cap=None)
     assert held is not None
     child = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, pass_fds=held.descriptors
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        pass_fds=held.descriptors,
+        env=proc_env,
     )
     try:
         held.release()

@@ -233,22 +233,25 @@ NOT_FOR_A_PROXY = (
 """What only ``serve --listen``, ``connect``, ``top`` and ``metrics`` need."""
 
 
-def modules_after(*modules: str) -> set[str]:
-    """``sys.modules`` of a fresh interpreter once it has imported ``modules``."""
+def modules_after(env: dict[str, str], *modules: str) -> set[str]:
+    """``sys.modules`` of a fresh interpreter (under ``env``) once it has imported ``modules``."""
     code = f"import sys\nfor m in {list(modules)!r}: __import__(m)\nprint('\\n'.join(sys.modules))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent)
+    run = [sys.executable, "-c", code]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent, env=env)
     assert done.returncode == 0, done.stderr
     return set(done.stdout.split())
 
 
-def test_a_proxy_launches_its_first_adapter_before_it_imports_an_event_loop() -> None:
+def test_a_proxy_launches_its_first_adapter_before_it_imports_an_event_loop(proc_env: dict[str, str]) -> None:
     """The adapter's start overlaps the import of the loop and the relay (``acp_proxy.main``)."""
-    loaded = modules_after(*BEFORE_THE_LOOP)
+    loaded = modules_after(proc_env, *BEFORE_THE_LOOP)
     assert {"asyncio", "trio", "acp_proxy.serve", "acp_proxy.relay.gateway"}.isdisjoint(loaded)
 
 
-def test_the_stdio_proxy_imports_nothing_only_the_network_or_the_operators_views_need() -> None:
-    loaded = modules_after(*BEFORE_THE_LOOP, *THE_RELAY)
+def test_the_stdio_proxy_imports_nothing_only_the_network_or_the_operators_views_need(
+    proc_env: dict[str, str],
+) -> None:
+    loaded = modules_after(proc_env, *BEFORE_THE_LOOP, *THE_RELAY)
     assert {"asyncio", "acp_proxy.serve"} <= loaded  # it did import the relay
     unneeded = sorted(m for m in loaded if m.startswith(NOT_FOR_A_PROXY))
     assert not unneeded, f"a stdio proxy imports {unneeded}"

@@ -483,9 +483,9 @@ def waiting_child(env: dict[str, str], **options: object) -> subprocess.Popen[by
 
 
 @pytest.fixture
-def gone_pid() -> int:
+def gone_pid(proc_env: dict[str, str]) -> int:
     """The pid of a process that has exited and been waited for."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], env=proc_env)
     proc.wait()
     return proc.pid
 

@@ -72,7 +72,9 @@ def test_merge_setting_replaces_only_the_same_setting() -> None:
     ]
 
 
-def test_sessions_of_a_dead_proxy_become_suspended_those_of_a_live_one_stay(tmp_path: Path) -> None:
+def test_sessions_of_a_dead_proxy_become_suspended_those_of_a_live_one_stay(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
     db = StateDB(tmp_path)
     dead = instances.start_instance(db, "boot")
     SessionRegistry(db, dead.instance_id).create(record("orphan"))
@@ -90,6 +92,7 @@ def test_sessions_of_a_dead_proxy_become_suspended_those_of_a_live_one_stay(tmp_
             str(tmp_path),
         ],
         stdout=subprocess.PIPE,
+        env=proc_env,
     )
     try:
         assert live_proxy.stdout is not None

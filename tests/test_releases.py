@@ -68,9 +68,14 @@ def test_each_schema_change_is_at_least_a_minor_release() -> None:
             assert version_key(newer)[:2] > version_key(older)[:2], (older, newer)
 
 
-def test_version_names_the_release_and_the_schema_it_writes() -> None:
+def test_version_names_the_release_and_the_schema_it_writes(proc_env: dict[str, str]) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "acp_proxy", "--version"], capture_output=True, text=True, timeout=30, check=True
+        [sys.executable, "-m", "acp_proxy", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env=proc_env,
     )
     assert done.stdout.strip() == f"acp-proxy {__version__} (state schema {SCHEMA_VERSION})"
 

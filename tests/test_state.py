@@ -102,9 +102,10 @@ print(db.install_id)
 """
 
 
-def test_proxies_creating_the_database_at_once_all_succeed(tmp_path: Path) -> None:
+def test_proxies_creating_the_database_at_once_all_succeed(proc_env: dict[str, str], tmp_path: Path) -> None:
     """Several proxies started together on a new state dir: none fails, one install id."""
-    install_ids = {printed.strip() for printed in run_together(OPEN_FRESH, [[str(tmp_path / "new")]] * 6)}
+    fresh = [[str(tmp_path / "new")]] * 6
+    install_ids = {printed.strip() for printed in run_together(OPEN_FRESH, fresh, proc_env)}
     assert len(install_ids) == 1
     assert "" not in install_ids
 
@@ -151,15 +152,15 @@ def test_a_database_up_to_date_opens_while_another_process_holds_its_write_lock(
         holder.close()
 
 
-def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
+def test_concurrent_writers_share_one_database(proc_env: dict[str, str], tmp_path: Path) -> None:
     StateDB(tmp_path).close()
-    run_together(WRITE_LEASES, [[str(tmp_path), "50"]] * 4)
+    run_together(WRITE_LEASES, [[str(tmp_path), "50"]] * 4, proc_env)
     db = StateDB(tmp_path)
     assert len(all_leases(db, limit=1000)) == 200
     assert db.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
-def test_instance_lock_proves_liveness(tmp_path: Path) -> None:
+def test_instance_lock_proves_liveness(proc_env: dict[str, str], tmp_path: Path) -> None:
     db = StateDB(tmp_path)
     mine = instances.start_instance(db, "boot")
     assert instances.instance_alive(db, mine.instance_id)
@@ -172,6 +173,7 @@ def test_instance_lock_proves_liveness(tmp_path: Path) -> None:
     other = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent.parent)],
         stdout=subprocess.PIPE,
+        env=proc_env,
         text=True,
     )
     assert other.stdout is not None
@@ -365,7 +367,7 @@ print(set_ok, flag.value)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a child subreaper is a Linux feature")
 @pytest.mark.parametrize("path", ["_ctypes", "fallback"])
-def test_the_wrapper_makes_itself_a_subreaper(path: str) -> None:
+def test_the_wrapper_makes_itself_a_subreaper(proc_env: dict[str, str], path: str) -> None:
     """Through ``_ctypes`` alone, or through ``ctypes`` where that private interface fails."""
     probe = subprocess.run(
         [sys.executable, "-I", "-S", "-c", SUBREAPER_PROBE, str(WRAPPERS), path],
@@ -373,11 +375,12 @@ def test_the_wrapper_makes_itself_a_subreaper(path: str) -> None:
         text=True,
         timeout=30,
         check=True,
+        env=proc_env,
     )
     assert probe.stdout.split() == ["True", "1"]
 
 
-def test_the_wrapper_imports_nothing_that_slows_its_start() -> None:
+def test_the_wrapper_imports_nothing_that_slows_its_start(proc_env: dict[str, str]) -> None:
     """The wrapper's start is paid for by every adapter start: no ``typing``, ``enum`` (the ``signal``
     module's), ``ctypes`` or ``collections``; the interpreter alone is most of its cost."""
     probe = subprocess.run(
@@ -394,6 +397,7 @@ def test_the_wrapper_imports_nothing_that_slows_its_start() -> None:
         text=True,
         timeout=30,
         check=True,
+        env=proc_env,
     )
     loaded = set(probe.stdout.split())
     assert "adapter_wrapper" in loaded

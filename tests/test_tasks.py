@@ -355,10 +355,10 @@ db.close()  # what is queued is applied
 """
 
 
-def test_concurrent_writers_lose_no_task(tmp_path: Path) -> None:
+def test_concurrent_writers_lose_no_task(proc_env: dict[str, str], tmp_path: Path) -> None:
     state = tmp_path / "state"
     StateDB(state).close()
-    run_together(WRITE_TASKS, [[str(state), "150"]] * 4, timeout=120)
+    run_together(WRITE_TASKS, [[str(state), "150"]] * 4, proc_env, timeout=120)
     db = StateDB(state, create=False)
     assert count_tasks(db) == {"done": 600}
     assert db.conn.execute("SELECT COUNT(DISTINCT instance_id) FROM tasks").fetchone()[0] == 4
