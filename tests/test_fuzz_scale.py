@@ -55,10 +55,10 @@ def test_the_decoder_checks_pass_on_inputs_found_by_fuzzing(found: bytes) -> Non
     fuzz_decoders.check(found)
 
 
-def test_a_bounded_coverage_guided_run_finds_nothing(tmp_path: Path) -> None:
+def test_a_bounded_coverage_guided_run_finds_nothing(proc_env: dict[str, str], tmp_path: Path) -> None:
     pytest.importorskip("atheris")
     command = [sys.executable, "-m", "tests.fuzz_decoders", f"--runs={RUNS}", f"--workdir={tmp_path}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=proc_env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert f"{RUNS:,} executions" in done.stdout
     assert "inputs: 0" in done.stdout

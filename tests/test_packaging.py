@@ -131,10 +131,10 @@ def test_the_wheel_metadata_is_complete_and_its_version_is_the_packages(wheel: P
     }
 
 
-def test_an_installed_package_says_its_version(installed: Path, tmp_path: Path) -> None:
+def test_an_installed_package_says_its_version(proc_env: dict[str, str], installed: Path, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "acp_proxy", "--version"],
-        env=installed_env(dict(os.environ), installed),
+        env=installed_env(dict(proc_env), installed),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -144,11 +144,13 @@ def test_an_installed_package_says_its_version(installed: Path, tmp_path: Path) 
     assert done.stdout.strip() == f"acp-proxy {acp_proxy.__version__} (state schema {SCHEMA_VERSION})"
 
 
-def test_an_installed_package_finds_the_wrapper_it_ships(installed: Path, tmp_path: Path) -> None:
+def test_an_installed_package_finds_the_wrapper_it_ships(
+    proc_env: dict[str, str], installed: Path, tmp_path: Path
+) -> None:
     probe = "import acp_proxy.ownership.owner as owner\nprint(owner.__file__)\nprint(owner.wrapper_path())\n"
     done = subprocess.run(
         [sys.executable, "-c", probe],
-        env=installed_env(dict(os.environ), installed),
+        env=installed_env(dict(proc_env), installed),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -160,7 +162,9 @@ def test_an_installed_package_finds_the_wrapper_it_ships(installed: Path, tmp_pa
     assert Path(wrapper) == installed / SHIPPED
 
 
-def test_an_install_without_the_wrapper_says_where_it_should_be(installed: Path, tmp_path: Path) -> None:
+def test_an_install_without_the_wrapper_says_where_it_should_be(
+    proc_env: dict[str, str], installed: Path, tmp_path: Path
+) -> None:
     broken = tmp_path / "site"
     subprocess.run(["cp", "-r", str(installed), str(broken)], check=True, timeout=30)
     (broken / SHIPPED).unlink()
@@ -173,7 +177,7 @@ def test_an_install_without_the_wrapper_says_where_it_should_be(installed: Path,
     )
     done = subprocess.run(
         [sys.executable, "-c", probe],
-        env=installed_env(dict(os.environ), broken),
+        env=installed_env(dict(proc_env), broken),
         cwd=tmp_path,
         capture_output=True,
         text=True,
