@@ -778,6 +778,18 @@ class Terminal:
                 with contextlib.suppress(OSError):
                     self.output += os.read(self.master, 65536)
 
+    def drain(self) -> None:
+        """Read what is left in the pty: once top has exited, everything it wrote is there, but ``pump``
+        stops at the exit and may not have read the last of it."""
+        while select.select([self.master], [], [], 0.05)[0]:
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            self.output += data
+
     def shows(self, text: str) -> Callable[[], bool]:
         start = len(self.output)
         return lambda: text.encode() in self.output[start:]
@@ -816,6 +828,7 @@ def session_state(env: dict[str, str], session: str) -> SessionState | None:
 
 def assert_left_cleanly(term: Terminal) -> None:
     assert term.process.returncode == 0, bytes(term.output[-1000:])
+    term.drain()
     tail = bytes(term.output[-64:])
     assert tail.endswith(CURSOR_SHOWN + ALT_SCREEN_OFF), "the alternate screen is left, the cursor shown"
     assert termios.tcgetattr(term.slave) == term.modes, "the tty's modes are restored"
@@ -1016,6 +1029,7 @@ def drive_quit_while_a_proxy_answers_forever(env: dict[str, str], config: Path, 
                 term.process.send_signal(how)
             term.pump(term.exited, timeout=5)  # a liveness bound: the ask never ends
             assert term.process.returncode == code, (how, bytes(term.output[-1000:]))
+            term.drain()
             assert bytes(term.output[-64:]).endswith(CURSOR_SHOWN + ALT_SCREEN_OFF), how
             assert termios.tcgetattr(term.slave) == term.modes, how
 
