@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import resource
 import statistics
@@ -84,10 +85,18 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def _cpu_clock(pid: int) -> int | None:
+    clock_of = _clock_getcpuclockid()
+    if clock_of is None:
+        return None
+    clock = ctypes.c_int()
+    return clock.value if clock_of(pid, ctypes.byref(clock)) == 0 else None
+
+
+@functools.cache
+def _clock_getcpuclockid() -> Callable[..., int] | None:
+    """The C library's ``clock_getcpuclockid``, looked up once (``None`` where there is none)."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        clock = ctypes.c_int()
-        return clock.value if libc.clock_getcpuclockid(pid, ctypes.byref(clock)) == 0 else None
+        return ctypes.CDLL(None, use_errno=True).clock_getcpuclockid  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None
 

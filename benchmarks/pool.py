@@ -1051,11 +1051,10 @@ def section(
 
     def targets(report: Report) -> list[Target]:
         """The proxies' turns/s at least the client-side pool's, in this run."""
-        rows = getattr(report, workload.name).get("rows", []) if getattr(report, workload.name) else []
+        rows = getattr(report, workload.name).get("rows", [])
+        name = f"{workload.name}: turns/s, {{}} x the client-side pool"
         return [
-            Target(
-                f"{workload.name}: turns/s, {workload.label(row['mode'])} x the client-side pool", value, 1.0, "x", True
-            )
+            Target(name.format(workload.label(row["mode"])), value, 1.0, "x", at_least=True)
             for row in rows
             if is_proxy(row["mode"]) and (value := row.get("vs_direct_pool_throughput")) is not None
         ]

@@ -464,8 +464,6 @@ def measure(report: Report, args: argparse.Namespace) -> None:
 def targets(report: Report) -> list[Target]:
     """Each a ratio to the same work without the proxy in this run, or the proxy's own memory."""
     found = []
-    direct_rt = next((row["p50_us"] for row in report.latency if row["mode"] == DIRECT), None)
-    direct_start = next((row["median_ms"] for row in report.cold_start if row["mode"] == DIRECT), None)
     for backend in report.options["backends"]:
         mode = proxy_mode(backend)
         label = mode_label(mode)
@@ -476,12 +474,10 @@ def targets(report: Report) -> list[Target]:
                 name = f"flood {label} x cat relay, {row['client']} client{spread}"
                 found.append(Target(name, row["vs_cat"], TARGET_THROUGHPUT_VS_CAT, "x"))
         for row in report.latency:
-            if row["mode"] == mode and direct_rt:
-                value = row["p50_us"] / direct_rt
+            if row["mode"] == mode and (value := row["x_direct_p50"]) is not None:
                 found.append(Target(f"round trip p50 {label} x direct", value, TARGET_ROUND_TRIP_VS_DIRECT, "x"))
         for row in report.cold_start:
-            if row["mode"] == mode and direct_start:
-                value = row["median_ms"] / direct_start
+            if row["mode"] == mode and (value := row["x_direct"]) is not None:
                 found.append(Target(f"cold start {label} x direct", value, TARGET_COLD_START_VS_DIRECT, "x"))
         before = [row["middle_idle_rss_mb"] for row in report.throughput if row["mode"] == mode]
         if any(rss is not None for rss in before):

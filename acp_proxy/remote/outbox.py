@@ -89,7 +89,7 @@ class Outbox:
                     continue
             if not self._on_stalled():
                 return  # the connection ends: the line goes with it
-            deadline = anyio.current_time() + self.stall_timeout  # its client's socket was let go: route again
+            deadline = math.inf  # its client's socket was let go: route again, and wait afresh
 
     def _deadline(self, deadline: float) -> float:
         """``put``'s deadline: ``stall_timeout`` from its first wait."""
