@@ -99,6 +99,8 @@ class _Watched:
 
 class FdReceiveStream(_FdStreamBase, ByteReceiveStream):
     _watched: _Watched | None = None
+    _on_asyncio: bool | None = None
+    """Which loop reads it: asked at its first wait, not at every one (a trio relay waits per message)."""
 
     async def receive(self, max_bytes: int = 65536) -> bytes:
         waited = False
@@ -120,10 +122,11 @@ class FdReceiveStream(_FdStreamBase, ByteReceiveStream):
             return data
 
     async def _wait_readable(self) -> None:
+        if self._on_asyncio is None:
+            self._on_asyncio = sniffio.current_async_library() == "asyncio"
+            if self._on_asyncio:
+                self._watched = _Watched(self._fd)
         if self._watched is not None:
-            await self._watched.wait()
-        elif sniffio.current_async_library() == "asyncio":
-            self._watched = _Watched(self._fd)
             await self._watched.wait()
         else:
             await anyio.wait_readable(self._fd)
