@@ -699,7 +699,10 @@ class Worker:
             raise ProxyGone
         result = answer[0].get("result")
         if result is not None and result.get("stopReason") == "cancelled":
-            s.lo += 1  # it had streamed: the adapter ran it and counts it
+            if not link.closing:
+                s.lo += 1  # it had streamed: the adapter ran it and counts it
+            # After the gateway's EOF the proxy ends the turn itself (on_eof, close_timeout) and stops the
+            # process: on a busy machine before the adapter has counted it. Counted or not: ``hi`` covers both.
         else:
             self.unexpected(link, f"a cancelled turn on {s.session_id}", answer[0])
 
