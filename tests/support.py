@@ -71,7 +71,8 @@ pid_alive = markers.alive
 
 
 def fake_command(**options: Any) -> list[str]:
-    return [sys.executable, str(FAKE_ADAPTER), json.dumps(options)]
+    # -S: the standard library is all it imports, and the venv's site (its .pth files) is a seventh of its start
+    return [sys.executable, "-S", str(FAKE_ADAPTER), json.dumps(options)]
 
 
 # --- processes -------------------------------------------------------------------------------

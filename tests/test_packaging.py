@@ -86,6 +86,8 @@ def test_the_wheel_ships_the_wrapper_inside_the_package(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
         assert archive.read(SHIPPED) == (ROOT / "wrappers" / WRAPPER_NAME).read_bytes()
+        core = "adapter_wrapper_core.py"  # the program's code, which the script starts
+        assert archive.read(f"acp_proxy/_wrappers/{core}") == (ROOT / "wrappers" / core).read_bytes()
     assert "acp_proxy/_wrappers/__init__.py" in names
     # Nothing at the top level but the package and its metadata: no generic `wrappers` package.
     assert {name.split("/")[0] for name in names} == {"acp_proxy", wheel.name.split("-py3")[0] + ".dist-info"}

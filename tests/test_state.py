@@ -29,7 +29,7 @@ from acp_proxy.state import StateDB
 from acp_proxy.state.connection import StateError
 from acp_proxy.state.migrations import SCHEMA_VERSION
 from tests.support import run_program, run_together
-from wrappers import adapter_wrapper
+from wrappers import adapter_wrapper_core
 
 
 def test_state_dir_and_database_are_private(tmp_path: Path) -> None:
@@ -336,7 +336,7 @@ def test_wrapper_report_is_json_the_proxy_can_decode(
     pid: int, ticks: int | None, subreaper: bool, error: str | None, cgroup_error: str | None
 ) -> None:
     """The wrapper writes its report without the json module (start-up time); it must still be JSON."""
-    line = adapter_wrapper.report_line(pid, ticks, subreaper, error, cgroup_error)
+    line = adapter_wrapper_core.report_line(pid, ticks, subreaper, error, cgroup_error)
     report = msgspec.json.decode(line, type=WrapperReport)
     assert report == WrapperReport(
         adapter_pid=pid, pgid=pid, start_ticks=ticks, subreaper=subreaper, error=error, cgroup_error=cgroup_error
@@ -345,15 +345,15 @@ def test_wrapper_report_is_json_the_proxy_can_decode(
 
 def test_wrapper_report_survives_undecodable_paths() -> None:
     error = "cannot run '/opt/caf\udce9/agent': No such file or directory"  # surrogateescape'd byte
-    report = msgspec.json.decode(adapter_wrapper.report_line(7, None, True, error), type=WrapperReport)
+    report = msgspec.json.decode(adapter_wrapper_core.report_line(7, None, True, error), type=WrapperReport)
     assert report.error == "cannot run '/opt/caf\ufffd/agent': No such file or directory"
 
 
-WRAPPERS = Path(adapter_wrapper.__file__).parent
+WRAPPERS = Path(adapter_wrapper_core.__file__).parent
 SUBREAPER_PROBE = """
 import ctypes, sys
 sys.path.insert(0, sys.argv[1])
-import adapter_wrapper
+import adapter_wrapper_core as adapter_wrapper
 if sys.argv[2] == "fallback":
     def broken():
         raise AttributeError("no such private interface here")
@@ -389,7 +389,7 @@ def test_the_wrapper_imports_nothing_that_slows_its_start(proc_env: dict[str, st
             "-I",
             "-S",
             "-c",
-            "import sys; sys.path.insert(0, sys.argv[1]); import adapter_wrapper; adapter_wrapper.set_subreaper(); "
+            "import sys; sys.path.insert(0, sys.argv[1]); import adapter_wrapper_core as w; w.set_subreaper(); "
             "print(' '.join(sorted(sys.modules)))",
             str(WRAPPERS),
         ],
@@ -400,8 +400,60 @@ def test_the_wrapper_imports_nothing_that_slows_its_start(proc_env: dict[str, st
         env=proc_env,
     )
     loaded = set(probe.stdout.split())
-    assert "adapter_wrapper" in loaded
+    assert "adapter_wrapper_core" in loaded
     assert loaded.isdisjoint({"typing", "enum", "signal", "ctypes", "collections", "json", "re"})
+
+
+TREE_PROBE = """
+import json, os, signal, subprocess, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import adapter_wrapper_core as wrapper
+sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); "
+                          "time.sleep(60)", *sleep])
+from_thread, done = [], threading.Event()
+def fork_and_stay():  # a child is listed under the thread that forked it, while that thread lives
+    from_thread.append(subprocess.Popen(sleep))
+    done.wait()
+thread = threading.Thread(target=fork_and_stay)
+thread.start()
+zombie = subprocess.Popen([sys.executable, "-I", "-S", "-c", "pass"])
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:
+    stat = wrapper.read_stat(zombie.pid)
+    grandchildren = [pid for pid, depth in wrapper.descendants(os.getpid()) if depth == 2]
+    if from_thread and stat is not None and stat[0] == "Z" and grandchildren:
+        break
+    time.sleep(0.01)
+by_children = wrapper.descendants(os.getpid())
+wrapper._children_files[:] = [False]
+by_parents = wrapper.descendants(os.getpid())
+print(json.dumps({"child": child.pid, "from_thread": from_thread[0].pid, "zombie": zombie.pid,
+                  "by_children": sorted(by_children), "by_parents": sorted(by_parents)}), flush=True)
+done.set()
+os.killpg(0, signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the tree is read from Linux's /proc")
+def test_the_wrapper_reads_its_tree_from_child_links_as_from_parent_links(proc_env: dict[str, str]) -> None:
+    """The wrapper walks its tree down ``/proc/PID/task/TID/children`` (the tree alone, however many
+    processes the host has); every process's parent link, read where that file is missing, finds the
+    same tree: a child, its child, a child forked by another thread, and no zombie."""
+    probe = subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", TREE_PROBE, str(WRAPPERS)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=proc_env,
+        start_new_session=True,  # its group, the whole tree, is SIGKILLed when it has answered
+    )
+    out, _ = probe.communicate(timeout=30)
+    found = json.loads(out)
+    by_children = [tuple(entry) for entry in found["by_children"]]
+    assert by_children == [tuple(entry) for entry in found["by_parents"]]
+    assert {pid for pid, depth in by_children if depth == 1} == {found["child"], found["from_thread"]}
+    assert len([pid for pid, depth in by_children if depth == 2]) == 1
+    assert len(by_children) == 3  # the zombie is not counted
 
 
 def test_one_scan_indexes_every_marker(proc_env: dict[str, str]) -> None:

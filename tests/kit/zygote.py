@@ -28,6 +28,7 @@ import os
 import selectors
 import socket
 import sys
+import tomllib  # noqa: F401  (a proxy given a config file reads it with this, and its import compiles regexes)
 import traceback
 
 # What every proxy imports before it serves (the relay, the sessions, the pool, the backend anyio.run
