@@ -28,21 +28,49 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own deselection (-m, -k): what is ordered is what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The slow tier first, then the tests that start processes, the pure ones last: run in parallel, a
-    # long test that starts last would be the whole run's tail, and the short ones fill the gaps.
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, not starts_processes(item)))
-    if not config.getoption("--one-loop"):
-        return
-    kept: list[pytest.Item] = []
-    dropped: list[pytest.Item] = []
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        on_trio = callspec is not None and callspec.params.get("anyio_backend") == "trio"
-        (dropped if on_trio else kept).append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+    """``--one-loop`` leaves the trio runs out; then the longest tests first, each on a worker of its own.
+
+    pytest-xdist's ``worksteal`` gives each worker a contiguous share of the list, in order, to run in
+    order (an idle worker takes the unstarted end of a busy one's share). Sorted longest first, the
+    list would give one worker the whole slow tier back to back (the benchmarks' smoke run and both
+    soaks: two and a half minutes), and the run that as its tail. So the sorted tests are dealt out
+    like cards, one to each share in turn: every worker starts with one of the longest, and ends with
+    pure tests that fill the gaps.
+    """
+    if config.getoption("--one-loop"):
+        kept: list[pytest.Item] = []
+        dropped: list[pytest.Item] = []
+        for item in items:
+            callspec = getattr(item, "callspec", None)
+            on_trio = callspec is not None and callspec.params.get("anyio_backend") == "trio"
+            (dropped if on_trio else kept).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+    ranked = sorted(
+        items,
+        key=lambda item: (
+            item.get_closest_marker("long") is None,
+            item.get_closest_marker("slow") is None,
+            not starts_processes(item),
+        ),
+    )
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    shares: list[list[pytest.Item]] = [[] for _ in range(max(workers, 1))]
+    sizes = []  # each worker's share as worksteal cuts it: len // workers left, in turn
+    left = len(ranked)
+    for remaining_workers in range(len(shares), 0, -1):
+        sizes.append(left // remaining_workers)
+        left -= sizes[-1]
+    turn = 0
+    for item in ranked:
+        while len(shares[turn]) >= sizes[turn]:
+            turn = (turn + 1) % len(shares)
+        shares[turn].append(item)
+        turn = (turn + 1) % len(shares)
+    items[:] = [item for share in shares for item in share]
 
 
 def starts_processes(item: pytest.Item) -> bool:

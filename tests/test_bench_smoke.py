@@ -12,7 +12,7 @@ import pytest
 from benchmarks.common import ROOT
 from benchmarks.run import MEASUREMENTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def test_every_benchmark_runs_and_leaves_nothing_running(proc_env: dict[str, str], tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from tests import soak
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.long]
 
 SEED = 291  # the proxies' first lifetimes end by gateway EOF mid-turn, SIGKILL in the slot queue, SIGKILL
 # and gateway EOF again; every turn fault is drawn
