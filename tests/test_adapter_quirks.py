@@ -7,6 +7,7 @@ titles kept to its own ``session/list``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import pytest
 
 from acp_proxy.ownership.leases import command_hash
 from acp_proxy.pool.learned import Learned
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.sessions.registry import SessionState
 from acp_proxy.state import StateDB
 from tests.support import Gateway, adapter_calls, fake_command, registry, start, state_of, write_config
@@ -61,9 +64,23 @@ FAILED_LOADS = [
 
 
 @pytest.mark.parametrize(("error", "data"), [row[1:] for row in FAILED_LOADS], ids=[row[0] for row in FAILED_LOADS])
-async def test_a_failed_restore_answers_with_the_adapters_code_message_and_data(
-    proc_env: dict[str, str], tmp_path: Path, error: dict[str, Any], data: dict[str, Any]
+def test_a_failed_restore_answers_with_the_adapters_code_message_and_data(
+    error: dict[str, Any], data: dict[str, Any]
 ) -> None:
+    """How the adapter's error and the proxy's reason are put together, row by row, in memory; the answer
+    a gateway gets, through a proxy and a real adapter, is the next test's."""
+    failure = jsonrpc.ErrorObject(
+        error["code"], error["message"], jsonrpc.Raw(json.dumps(error["data"])) if "data" in error else jsonrpc.UNSET
+    )
+    answer = json.loads(ProxyError.restore_failed("session/load", "fake_adapter", failure).response(7))
+    assert answer["error"].pop("data") == {**data, "backend": "fake_adapter"}
+    assert answer == {"jsonrpc": "2.0", "id": 7, "error": {"code": error["code"], "message": error["message"]}}
+
+
+async def test_a_failed_restore_is_answered_with_the_adapters_error_and_the_session_stays_closed(
+    proc_env: dict[str, str], tmp_path: Path
+) -> None:
+    _, error, data = FAILED_LOADS[0]
     async with start(proc_env, tmp_path, caps=LOAD_AND_CLOSE, fail={"session/load": error}) as gw:
         await gw.initialize()
         session = await gw.new_session()

@@ -37,12 +37,13 @@ RESUME_ONLY = {"sessionCapabilities": {"resume": {}, "close": {}}}
 
 # --- LRU suspension and transparent resume, over strategies and capabilities ---------------------
 
-# (id, caps, resume strategy, request the proxy restores with, history kept)
+# (id, caps, resume strategy, request the proxy restores with, history kept): each way of restoring through
+# a real adapter, and a strategy from the config overriding the capabilities. Which request each strategy
+# and set of capabilities makes, row by row, is test_pool.test_restore_order.
 RESTORE = [
     ("auto-resume", RESUME_AND_LOAD, "auto", "session/resume", True),
     ("auto-load", LOAD_ONLY, "auto", "session/load", True),
     ("auto-new", NEITHER, "auto", "session/new", False),
-    ("forced-load", RESUME_AND_LOAD, "load", "session/load", True),
     ("forced-new", RESUME_AND_LOAD, "new", "session/new", False),
 ]
 
@@ -102,12 +103,12 @@ async def test_lru_suspends_the_idle_session_and_resume_is_transparent(
 # --- fallback error classes, timeouts ------------------------------------------------------
 
 
-@pytest.mark.parametrize("code", [-32002, -32601, -32602])
-async def test_fallback_to_new_only_on_the_three_error_classes_and_ids_are_rewritten(
-    proc_env: dict[str, str], tmp_path: Path, code: int
-) -> None:
+async def test_a_fallback_to_new_rewrites_the_ids_both_ways(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """A resume that fails with an error that gives way (-32002 here; which codes do is
+    ``test_pool.test_fallback_only_on_the_three_error_classes``, -32601 through a proxy is
+    ``test_adapter_quirks``) ends in ``session/new``, and the ids are rewritten both ways."""
     # Resume alone advertised: nothing between it and session/new (see test_adapter_quirks for load in between).
-    async with start(proc_env, tmp_path, caps=RESUME_ONLY, fail={"session/resume": code}) as gw:
+    async with start(proc_env, tmp_path, caps=RESUME_ONLY, fail={"session/resume": -32002}) as gw:
         gw.handler = lambda _: {"result": {"outcome": {"outcome": "selected", "optionId": "allow"}}}
         await gw.initialize()
         first = await gw.new_session()

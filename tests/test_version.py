@@ -75,10 +75,9 @@ def initialize_versions(record: Path) -> list[tuple[int, Any]]:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("asked", [2, 1])
-async def test_the_gateway_gets_1_and_so_does_every_adapter_process(
-    proc_env: dict[str, str], tmp_path: Path, asked: int
-) -> None:
+async def test_the_gateway_gets_1_and_so_does_every_adapter_process(proc_env: dict[str, str], tmp_path: Path) -> None:
+    """A gateway asking for 2, through a proxy: every version asked and answered, one by one, is the tests above."""
+    asked = 2
     record = tmp_path / "adapter.jsonl"
     store = str(tmp_path / "store")
     config = write_config(tmp_path, pool={"max_live": 1}, backends={"fake": {"store": store, "record": str(record)}})
