@@ -263,8 +263,7 @@ def measure_transcript(bench: Bench, backend: str) -> Row | None:
         OFF: write_config(bench.dir / "transcript-off.toml", script_argv("stream_agent.py"), "0"),
     }
     labels = {ON: "transcript on (default 2M)", OFF: "transcript off (0)"}
-    # An install each: two proxies of one install whose agents name their sessions alike ("bench-1") would
-    # have the second rename its session, and relay every line of it one by one to rewrite the id.
+    # An install each: neither case's state (its transcripts) weighs on the other's.
     cases = [
         Streaming(
             key,

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 LINE_BYTES = 180
+SESSION_PREFIX = os.urandom(4).hex()
+"""This process's part of its session ids."""
 LINES_PER_WRITE = 1000
 DEFAULT_UPDATES = int(os.environ.get("BENCH_UPDATES", "1000"))
 FILLER = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor " * 4
@@ -120,7 +122,9 @@ def handle(method: str, request_id: Any, params: dict[str, Any], sessions: list[
     if method == "initialize":
         return initialized(request_id, "stream-agent", {"loadSession": False})
     if method == "session/new":
-        sessions.append(f"bench-{len(sessions) + 1}")
+        # Unique on the host, as a real agent's ids are: two proxies of one install whose agents named their
+        # sessions alike would see the second rename its session and relay each of its lines alone.
+        sessions.append(f"bench-{SESSION_PREFIX}-{len(sessions) + 1}")
         return answer(request_id, {"sessionId": sessions[-1]})
     if method == "session/prompt":
         stream(str(params.get("sessionId", "")), requested_updates(params))
