@@ -12,7 +12,8 @@ Every input is a byte stream as a peer could send it, and a way of cutting it in
   may give (an int, a string or null);
 * ``decode_block`` over those lines agrees with ``decode_line`` line by line, or declines
   (``None``), and declines whenever some line is unparseable; ``notification_methods`` gives
-  a set only when every line is a notification, and then exactly their methods;
+  a set only when every line is a notification, and then exactly their methods; ``notification_sessions``
+  a list only then, and exactly what ``session_of`` gives each;
 * the ACP readers of a decoded message (``session_of``, ``target_request``, ``proxy_meta``,
   ``rewrite_session_id``, ``retarget_request``, ``AgentCapabilities.from_initialize``,
   ``annotate_initialize``, ``params_structured``, ``decode_object``, and the ``session/update``
@@ -210,7 +211,7 @@ def check_acp(msg: Any) -> None:
 
 def check_block(lines: list[bytes]) -> None:
     """The one-call decoders over a block agree with the line-by-line one, or decline."""
-    from acp_proxy.protocol import jsonrpc
+    from acp_proxy.protocol import acp, jsonrpc
 
     if not lines:
         return
@@ -229,6 +230,10 @@ def check_block(lines: list[bytes]) -> None:
     if methods is not None:
         assert all(isinstance(decoded, tuple) and decoded[1] is jsonrpc.Kind.NOTIFICATION for decoded in per_line)
         assert methods == {decoded[0].method for decoded in per_line if isinstance(decoded, tuple)}
+    sessions = acp.notification_sessions(block, len(lines))
+    if sessions is not None:
+        assert all(isinstance(decoded, tuple) and decoded[1] is jsonrpc.Kind.NOTIFICATION for decoded in per_line)
+        assert sessions == [acp.session_of(decoded[0].params) for decoded in per_line if isinstance(decoded, tuple)]
 
 
 def run_now(coro: Coroutine[Any, Any, Any]) -> Any:

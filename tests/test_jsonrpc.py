@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.acp import annotate_initialize
+from acp_proxy.protocol.acp import annotate_initialize, notification_sessions, session_of
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader
 from acp_proxy.relay.adapters import decoded_lines, is_plain_notification_block
 
@@ -213,6 +213,45 @@ def test_block_decoding_agrees_with_line_by_line(lines: list[bytes]) -> None:
     canonical = all(line[:1] == b"{" and line[-1:] == b"}" for line in lines)
     if canonical and expected_plain:
         assert plain, "a block of canonical notification lines takes the fast path"
+
+
+ROUTED = [  # notifications a block routes by session at once: (line, its session)
+    (b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"s1","update":{}}}', "s1"),
+    (b'{"jsonrpc":"2.0","method":"session/update","params":{"update":{},"sessionId":"s2"}}', "s2"),
+    (b'{"jsonrpc":"2.0","method":"session/update","params":{"update":{"sessionId":"deep"}}}', None),
+    (b'{"jsonrpc":"2.0","method":"x","params":{"deep":{"sessionId":"z"},"sessionId":"s3"}}', "s3"),
+    (b'{"jsonrpc":"2.0","method":"x","params":{"sessionId":"s\\u0031"}}', "s1"),
+    (b'{"jsonrpc":"2.0","method":"_x/notice"}', None),
+]
+UNROUTED = [  # lines that send a block line by line: not notifications, or params session_of must judge
+    b'{"jsonrpc":"2.0","method":"x","params":{"sessionId":5}}',
+    b'{"jsonrpc":"2.0","method":"x","params":{"sessionId":null}}',
+    b'{"jsonrpc":"2.0","method":"x","params":[1]}',
+    b'{"jsonrpc":"2.0","id":4,"method":"fs/read_text_file","params":{"sessionId":"s1"}}',
+    b'{"jsonrpc":"2.0","id":3,"result":{"sessionId":"s1"}}',
+    b'{"jsonrpc":"1.0","method":"x","params":{"sessionId":"s1"}}',
+    b'{"method":"x","params":{"sessionId":"s1"}}',
+    b" ",
+    b"noise",
+]
+
+
+@settings(max_examples=200)
+@given(st.lists(st.sampled_from([line for line, _ in ROUTED] + UNROUTED), min_size=1, max_size=10))
+def test_a_block_of_notifications_is_routed_as_each_line_would_be(lines: list[bytes]) -> None:
+    """``serve``'s streaming path: one decode for a block's sessions, agreeing with ``session_of`` line by
+    line; taken by every block of the routed kinds, declined by any block with another line."""
+    sessions = notification_sessions(b"".join(line + b"\n" for line in lines), len(lines))
+    routed = dict(ROUTED)
+    if all(line in routed for line in lines):
+        assert sessions == [routed[line] for line in lines]
+        for line, session in zip(lines, sessions, strict=True):
+            decoded = jsonrpc.decode_line(line)
+            assert not isinstance(decoded, BadLine)
+            assert decoded[1] is Kind.NOTIFICATION
+            assert session_of(decoded[0].params) == session
+    else:
+        assert sessions is None
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ async def test_what_a_gone_reader_never_took_waits_for_the_next_stream() -> None
     for i in range(4):
         await outbox.put("s", b"%d" % i)
     assert first.receive_nowait() == b"0"
-    written, line = outbox.record("s", b"0")
+    written, line = outbox.record("s", b"0", anyio.current_time())
     assert written is not None
     assert line == b"0", "no cursor in the message for a client that did not ask"
     outbox.release("s", first)  # its HTTP response ended with 1, 2 and 3 untaken

@@ -9,7 +9,7 @@ else stays the bytes it arrived as.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
@@ -33,6 +33,35 @@ class _SessionParams(msgspec.Struct, gc=False):
 
 
 _session_params_decoder: Final = msgspec.json.Decoder(_SessionParams)
+
+
+class _RoutedNotification(msgspec.Struct, gc=False):
+    """Decodes only a notification whose ``params``, if any, is an object with no ``sessionId`` but a string."""
+
+    method: str
+    jsonrpc: Literal["2.0"]
+    params: _SessionParams | UnsetType = UNSET
+    id: UnsetType = UNSET
+    result: UnsetType = UNSET
+    error: UnsetType = UNSET
+
+
+_routed_decoder: Final = msgspec.json.Decoder(_RoutedNotification)
+
+
+def notification_sessions(block: bytes, line_count: int) -> list[str | None] | None:
+    """The session of each line of ``block`` (``session_of`` its params), when every line is a notification
+    (``None`` otherwise, or where a line would need ``session_of``'s care: the block is then routed line by
+    line). One decode call for the block: the streaming path of a connection that routes by session."""
+    if not jsonrpc.one_decode_per_block(block, line_count):
+        return None
+    try:
+        msgs = _routed_decoder.decode_lines(block)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if len(msgs) != line_count:
+        return None
+    return [None if msg.params is UNSET or msg.params.sessionId is UNSET else msg.params.sessionId for msg in msgs]
 
 
 def session_of(params: Raw | UnsetType) -> str | None:

@@ -177,6 +177,12 @@ def _one_object_per_line(block: bytes, line_count: int) -> bool:
     return block[:1] == b"{" and block[-2:] == b"}\n" and block.count(b"}\n{") == line_count - 1
 
 
+def one_decode_per_block(block: bytes, line_count: int) -> bool:
+    """Whether ``block`` (``line_count`` complete lines) can be decoded with one call that yields a value per
+    line: each line is one JSON object (``_one_object_per_line``), and the block is UTF-8."""
+    return _one_object_per_line(block, line_count) and is_utf8(block)
+
+
 def decode_block(block: bytes, line_count: int) -> list[Message] | None:
     """Decode a block of ``line_count`` complete lines with one call.
 

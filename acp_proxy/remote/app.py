@@ -173,9 +173,10 @@ class AcpApp:
                             line = await stream.receive()
                         except (anyio.EndOfStream, anyio.ClosedResourceError):
                             break
+                        now = anyio.current_time()  # one reading for the run
                         while True:  # what else already waits is written before the next wait: one wake-up a run
                             if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
-                                _, line = outbox.record(None, line)
+                                _, line = outbox.record(None, line, now)
                             await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
                             try:
                                 line = stream.receive_nowait()
@@ -315,7 +316,7 @@ class AcpApp:
                     outbox.release(session_id, stream)
 
                 tasks.start_soon(until_gone)
-                await _events(stream, send, lambda line: outbox.record(session_id, line))
+                await _events(stream, send, lambda line, now: outbox.record(session_id, line, now))
                 tasks.cancel_scope.cancel()
         finally:
             outbox.release(session_id, stream)
@@ -345,7 +346,9 @@ def _event(chunk: list[bytes], cursor: str | None, line: bytes) -> None:
 
 
 async def _events(
-    stream: MemoryObjectReceiveStream[bytes], send: Send, record: Callable[[bytes], tuple[str | None, bytes]]
+    stream: MemoryObjectReceiveStream[bytes],
+    send: Send,
+    record: Callable[[bytes, float], tuple[str | None, bytes]],
 ) -> None:
     """Each message as one server-sent event (``record`` keeps it for a resume and names its cursor), and a
     comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream is closed or a write
@@ -371,7 +374,8 @@ async def _events(
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 break
             chunk: list[bytes] = []
-            _event(chunk, *record(line))
+            now = anyio.current_time()  # one reading for the write
+            _event(chunk, *record(line, now))
             while True:  # what else is already waiting goes in the same write
                 try:
                     line = stream.receive_nowait()
@@ -380,7 +384,7 @@ async def _events(
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
                     ended = True
                     break
-                _event(chunk, *record(line))
+                _event(chunk, *record(line, now))
             async with lock:
                 try:
                     await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})

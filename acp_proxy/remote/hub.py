@@ -30,7 +30,7 @@ from msgspec import UNSET, UnsetType
 
 from acp_proxy.ownership.verify import signal_child
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.acp import proxy_meta, session_of
+from acp_proxy.protocol.acp import notification_sessions, proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
 from acp_proxy.protocol.jsonrpc import BadLine, Batch, Kind, LineReader, Message
 from acp_proxy.protocol.methods import Method
@@ -349,6 +349,11 @@ class Connection:
                         if line.strip():
                             await self.outbox.put(None, line)
                     continue
+                targets = None if self.transport == "websocket" else self._notification_targets(batch)
+                if targets is not None:  # streamable HTTP's streaming path: each to its session's stream
+                    for line, target in zip(batch.lines, targets, strict=True):
+                        await self.outbox.put(target, line)
+                    continue
                 for line in batch.lines:
                     if line.strip():
                         await self._from_proxy(line)
@@ -359,6 +364,12 @@ class Connection:
                     self.end(Ended.PROXY_EXITED)
                 self.hub.released(self)
                 self.hub.proxy_exited()
+
+    @staticmethod
+    def _notification_targets(batch: Batch) -> list[str | None] | None:
+        """The stream of each line of ``batch`` when every line is a notification (decoded with one call): its
+        session's, as ``_from_proxy`` routes one."""
+        return notification_sessions(batch.block, batch.count) if batch.block else None
 
     @staticmethod
     def _plain_notifications(batch: Batch) -> bool:

@@ -137,19 +137,20 @@ class Outbox:
         if current is not None:
             self.release(target, current[1])
 
-    def record(self, target: str | None, line: bytes) -> tuple[str | None, bytes]:
-        """``line`` is being written to ``target``'s stream: kept for a resume. Its cursor, and the line as
-        written: with the cursor in its envelope's ``_meta`` when the client asked for that."""
+    def record(self, target: str | None, line: bytes, now: float) -> tuple[str | None, bytes]:
+        """``line`` is being written to ``target``'s stream at ``now`` (``anyio.current_time``, read once for a
+        run of messages): kept for a resume. Its cursor, and the line as written: with the cursor in its
+        envelope's ``_meta`` when the client asked for that."""
         if self.replay_limits is None:
             return None, line
         replay = self._replays.get(target)
         if replay is None:
             replay = self._replays[target] = Replay(f"{self._epoch}{len(self._replays)}", self.replay_limits)
         if not self.cursor_meta:
-            return replay.record(line, anyio.current_time()), line
+            return replay.record(line, now), line
         cursor = replay.next_cursor()
         written = with_cursor(line, cursor)
-        replay.record(written, anyio.current_time())
+        replay.record(written, now)
         return cursor, written
 
     def missed(self, target: str | None, cursor: str | None) -> list[tuple[str, bytes]] | None:
