@@ -13,7 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from acp_proxy.protocol import jsonrpc
-from acp_proxy.protocol.acp import annotate_initialize, notification_sessions, session_of
+from acp_proxy.protocol.acp import (
+    annotate_initialize,
+    notification_sessions,
+    renamed_block,
+    rewrite_session_id,
+    session_of,
+)
 from acp_proxy.protocol.jsonrpc import BadLine, Kind, LineReader
 from acp_proxy.relay.adapters import decoded_lines, is_plain_notification_block
 
@@ -252,6 +258,43 @@ def test_a_block_of_notifications_is_routed_as_each_line_would_be(lines: list[by
             assert session_of(decoded[0].params) == session
     else:
         assert sessions is None
+
+
+RENAMED = [  # an adapter's lines, under its own session id "a1"
+    b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"a1","update":{"text":"x"}}}',
+    b'{"jsonrpc":"2.0","method":"session/update","params":{"update":{"sessionId":"a1"},"sessionId":"a1"}}',
+    b'{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":"other","update":{}}}',
+    b'{"jsonrpc":"2.0","method":"_x/notice","params":{"n":1.50,"sessionId":"a1"}}',
+    b'{"jsonrpc":"2.0","method":"_x/notice"}',
+    b'{ "jsonrpc": "2.0", "method": "x", "params": {"sessionId": "a1"} }',
+]
+
+
+@settings(max_examples=100)
+@given(st.lists(st.sampled_from(RENAMED), min_size=1, max_size=8))
+def test_a_renamed_sessions_block_is_rewritten_as_each_line_would_be(lines: list[bytes]) -> None:
+    """An adapter whose session the gateway knows under another id: a block of its notifications is rewritten
+    with one decode, to exactly the bytes the line-by-line rewrite gives each line."""
+    block = b"".join(line + b"\n" for line in lines)
+    renamed = renamed_block(block, len(lines), lines, "a1", "g1")
+    expected = []
+    for line in lines:
+        msg = message(line)
+        params = rewrite_session_id(msg.params, "a1", "g1")
+        if params is msg.params:
+            expected.append(line)
+        else:
+            msg.params = params
+            expected.append(jsonrpc.encode(msg).rstrip(b"\n"))
+    assert renamed == expected
+    sessions = [session_of(message(line).params) for line in lines]
+    assert [session_of(message(line).params) for line in renamed] == ["g1" if s == "a1" else s for s in sessions]
+
+
+def message(line: bytes) -> jsonrpc.Message:
+    decoded = jsonrpc.decode_line(line)
+    assert not isinstance(decoded, BadLine)
+    return decoded[0]
 
 
 @pytest.mark.parametrize(

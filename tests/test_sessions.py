@@ -141,6 +141,11 @@ async def test_a_fallback_to_new_rewrites_the_ids_both_ways(proc_env: dict[str, 
         assert (await gw.response_to("p"))["result"]["stopReason"] == "end_turn"
         sent = [m for m in adapter_calls(gw, "session/prompt") if m["params"]["prompt"][0]["text"] == "permission"]
         assert sent[0]["params"]["sessionId"] == state["session"], "rewritten on the way to the adapter"
+        # A stream of it (blocks of updates, rewritten a block at a time): every update under the gateway's id.
+        gw.clear_stash()
+        assert (await gw.prompt(first, "stream 300"))["result"]["stopReason"] == "end_turn"
+        assert len(gw.updates(first)) == 300
+        assert gw.updates(state["session"]) == []
 
 
 @pytest.mark.parametrize(
