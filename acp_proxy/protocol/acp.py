@@ -53,13 +53,8 @@ def notification_sessions(block: bytes, line_count: int) -> list[str | None] | N
     """The session of each line of ``block`` (``session_of`` its params), when every line is a notification
     (``None`` otherwise, or where a line would need ``session_of``'s care: the block is then routed line by
     line). One decode call for the block: the streaming path of a connection that routes by session."""
-    if not jsonrpc.one_decode_per_block(block, line_count):
-        return None
-    try:
-        msgs = _routed_decoder.decode_lines(block)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    if len(msgs) != line_count:
+    msgs = jsonrpc.decode_lines(_routed_decoder, block, line_count)
+    if msgs is None:
         return None
     return [None if msg.params is UNSET or msg.params.sessionId is UNSET else msg.params.sessionId for msg in msgs]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -20,6 +20,7 @@ from msgspec import UNSET, Raw, UnsetType
 
 DEFAULT_MAX_LINE_BYTES: Final = 64 * 1024 * 1024
 READ_SIZE: Final = 128 * 1024
+T = TypeVar("T")
 
 PARSE_ERROR: Final = -32700
 INVALID_REQUEST: Final = -32600
@@ -177,26 +178,26 @@ def _one_object_per_line(block: bytes, line_count: int) -> bool:
     return block[:1] == b"{" and block[-2:] == b"}\n" and block.count(b"}\n{") == line_count - 1
 
 
-def one_decode_per_block(block: bytes, line_count: int) -> bool:
-    """Whether ``block`` (``line_count`` complete lines) can be decoded with one call that yields a value per
-    line: each line is one JSON object (``_one_object_per_line``), and the block is UTF-8."""
-    return _one_object_per_line(block, line_count) and is_utf8(block)
+def decode_lines(decoder: msgspec.json.Decoder[T], block: bytes, line_count: int) -> list[T] | None:
+    """A block of ``line_count`` complete lines decoded with one call, a value of ``decoder``'s type per line.
 
-
-def decode_block(block: bytes, line_count: int) -> list[Message] | None:
-    """Decode a block of ``line_count`` complete lines with one call.
-
-    Returns one envelope per line, or ``None`` when the block needs line-by-line
-    handling (a line that is not exactly one JSON object, or surrounding whitespace,
-    or a line :func:`decode_line` rejects as unparseable).
+    ``None`` when the block needs line-by-line handling: a line that is not exactly one JSON object
+    (``_one_object_per_line``), bytes that are not UTF-8, or a line the type does not take.
     """
     if not _one_object_per_line(block, line_count) or not is_utf8(block):
         return None
     try:
-        msgs = _decoder.decode_lines(block)
+        values = decoder.decode_lines(block)
     except (msgspec.DecodeError, RecursionError):
         return None
-    return msgs if len(msgs) == line_count else None
+    return values if len(values) == line_count else None
+
+
+def decode_block(block: bytes, line_count: int) -> list[Message] | None:
+    """One envelope per line of a block of ``line_count`` complete lines, with one call; ``None`` when the
+    block needs line-by-line handling (``decode_lines``; also a line :func:`decode_line` rejects as unparseable).
+    """
+    return decode_lines(_decoder, block, line_count)
 
 
 def notification_methods(block: bytes, line_count: int) -> set[str] | None:
@@ -205,13 +206,8 @@ def notification_methods(block: bytes, line_count: int) -> set[str] | None:
     The streaming hot path: one decode call over the whole block, into a struct
     that only a notification satisfies, and the set of methods built in C.
     """
-    if not _one_object_per_line(block, line_count) or not is_utf8(block):
-        return None
-    try:
-        msgs = _notification_decoder.decode_lines(block)
-    except (msgspec.DecodeError, RecursionError):
-        return None
-    return set(map(_method_of, msgs)) if len(msgs) == line_count else None
+    msgs = decode_lines(_notification_decoder, block, line_count)
+    return None if msgs is None else set(map(_method_of, msgs))
 
 
 _method_of: Final = operator.attrgetter("method")
