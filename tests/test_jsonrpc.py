@@ -16,7 +16,7 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import (
     annotate_initialize,
     notification_sessions,
-    renamed_block,
+    renamed_batch,
     rewrite_session_id,
     session_of,
 )
@@ -275,8 +275,10 @@ RENAMED = [  # an adapter's lines, under its own session id "a1"
 def test_a_renamed_sessions_block_is_rewritten_as_each_line_would_be(lines: list[bytes]) -> None:
     """An adapter whose session the gateway knows under another id: a block of its notifications is rewritten
     with one decode, to exactly the bytes the line-by-line rewrite gives each line."""
-    block = b"".join(line + b"\n" for line in lines)
-    renamed = renamed_block(block, len(lines), lines, "a1", "g1")
+    batch = renamed_batch(jsonrpc.Batch(b"".join(line + b"\n" for line in lines)), "a1", "g1")
+    assert batch is not None
+    renamed = batch.lines
+    assert batch.block == b"".join(line + b"\n" for line in renamed)
     expected = []
     for line in lines:
         msg = message(line)

@@ -59,22 +59,22 @@ def notification_sessions(block: bytes, line_count: int) -> list[str | None] | N
     return [None if msg.params is UNSET or msg.params.sessionId is UNSET else msg.params.sessionId for msg in msgs]
 
 
-def renamed_block(block: bytes, line_count: int, lines: list[bytes], old: str, new: str) -> list[bytes] | None:
-    """``lines`` (the lines of ``block``) as ``rewrite_session_id`` makes each, ``sessionId`` ``old`` -> ``new``,
-    the envelopes decoded with one call; ``None`` when the block needs line-by-line handling (see
+def renamed_batch(batch: jsonrpc.Batch, old: str, new: str) -> jsonrpc.Batch | None:
+    """``batch`` with each line as ``rewrite_session_id`` makes it, ``sessionId`` ``old`` -> ``new``, the
+    envelopes decoded with one call; ``None`` when the block needs line-by-line handling (see
     ``jsonrpc.decode_block``). A line whose id is not ``old`` is kept as it came."""
-    msgs = jsonrpc.decode_block(block, line_count)
+    msgs = jsonrpc.decode_block(batch.block, batch.count)
     if msgs is None:
         return None
     renamed = []
-    for msg, line in zip(msgs, lines, strict=True):
+    for msg, line in zip(msgs, batch.lines, strict=True):
         params = rewrite_session_id(msg.params, old, new)
         if params is msg.params:
             renamed.append(line)
         else:
             msg.params = params
             renamed.append(jsonrpc.encode(msg).rstrip(b"\n"))
-    return renamed
+    return jsonrpc.Batch(b"".join(line + b"\n" for line in renamed), lines=renamed)
 
 
 def session_of(params: Raw | UnsetType) -> str | None:

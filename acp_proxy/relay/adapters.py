@@ -29,7 +29,7 @@ from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import (
     SESSION_INFO_MARK,
     annotate_initialize,
-    renamed_block,
+    renamed_batch,
     reports_work,
     retarget_request,
     rewrite_session_id,
@@ -81,18 +81,6 @@ def is_plain_notification_block(batch: Batch) -> bool:
         return False
     methods = jsonrpc.notification_methods(batch.block, batch.count)
     return methods is not None and Method.CANCEL_REQUEST not in methods
-
-
-def renamed_batch(adapter: Adapter, batch: Batch) -> Batch | None:
-    """A block of plain notifications of an adapter that knows its session under another id (a restore fell
-    back to ``session/new``), with the gateway's id in each, as ``_translate`` rewrites a line; ``None``: the
-    block goes line by line."""
-    assert adapter.adapter_session is not None
-    assert adapter.gateway_session is not None
-    lines = renamed_block(batch.block, batch.count, batch.lines, adapter.adapter_session, adapter.gateway_session)
-    if lines is None:
-        return None
-    return Batch(b"".join(line + b"\n" for line in lines), lines=lines)
 
 
 def permission_subject(msg: Message) -> str:
@@ -202,8 +190,10 @@ class AdapterRelay:
                     and is_plain_notification_block(batch)
                 )
                 relayed: Batch | None = batch
-                if plain and adapter.rewrites_session:
-                    relayed = renamed_batch(adapter, batch)  # the same, under the id the gateway knows
+                if plain and adapter.rewrites_session:  # a restore fell back to session/new: another id
+                    assert adapter.adapter_session is not None
+                    assert adapter.gateway_session is not None
+                    relayed = renamed_batch(batch, adapter.adapter_session, adapter.gateway_session)
                 if plain and relayed is not None:
                     turn = adapter.tenancy.turn
                     if turn is not None and turn.status is TaskStatus.RUNNING:
