@@ -112,21 +112,23 @@ def read_stat(pid: int) -> tuple[str, int, int, int] | None:
 def descendants(root: int) -> list[tuple[int, int]]:
     """Live descendants of ``root`` as (pid, depth), parents before children (zombies left out: they
     are gone but for their exit status, and have no children)."""
-    children_of = _children_of if _has_children_files() else _every_parent_link()
+    children_of = _live_children if _has_children_files() else _every_live_parent_link()
     found: list[tuple[int, int]] = []
     frontier = [(root, 0)]
     while frontier:
         pid, depth = frontier.pop(0)
         for child in children_of(pid):
-            stat = read_stat(child)
-            if stat is not None and stat[0] not in ("Z", "X"):
-                found.append((child, depth + 1))
-                frontier.append((child, depth + 1))
+            found.append((child, depth + 1))
+            frontier.append((child, depth + 1))
     return found
 
 
-def _children_of(pid: int) -> list[int]:
-    """``pid``'s children, as each of its threads lists those it forked or was handed as a subreaper."""
+def _live(stat: tuple[str, int, int, int] | None) -> bool:
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def _live_children(pid: int) -> list[int]:
+    """``pid``'s live children, as each of its threads lists those it forked or was handed as a subreaper."""
     try:
         threads = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -138,7 +140,7 @@ def _children_of(pid: int) -> list[int]:
                 children.extend(map(int, fh.read().split()))
         except OSError:
             pass  # that thread (or the process) ended meanwhile
-    return children
+    return [child for child in children if _live(read_stat(child))]
 
 
 _children_files: list[bool] = []
@@ -152,8 +154,8 @@ def _has_children_files() -> bool:
     return _children_files[0]
 
 
-def _every_parent_link() -> Callable[[int], list[int]]:
-    """Children by pid from every process's parent link: one read of each process on the host."""
+def _every_live_parent_link() -> Callable[[int], list[int]]:
+    """Live children by pid from every process's parent link: one read of each process on the host."""
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -162,7 +164,7 @@ def _every_parent_link() -> Callable[[int], list[int]]:
     for name in names:
         if name.isdigit():
             stat = read_stat(int(name))
-            if stat is not None:
+            if stat is not None and _live(stat):
                 children.setdefault(stat[1], []).append(int(name))
     return lambda pid: children.get(pid, [])
 
