@@ -57,20 +57,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             not starts_processes(item),
         ),
     )
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    shares: list[list[pytest.Item]] = [[] for _ in range(max(workers, 1))]
-    sizes = []  # each worker's share as worksteal cuts it: len // workers left, in turn
-    left = len(ranked)
-    for remaining_workers in range(len(shares), 0, -1):
-        sizes.append(left // remaining_workers)
-        left -= sizes[-1]
-    turn = 0
-    for item in ranked:
-        while len(shares[turn]) >= sizes[turn]:
-            turn = (turn + 1) % len(shares)
-        shares[turn].append(item)
-        turn = (turn + 1) % len(shares)
-    items[:] = [item for share in shares for item in share]
+    # Dealt, the tests of share j are ranked[j::workers]. worksteal cuts the list into shares of len // workers
+    # items, the last len % workers shares one more: the larger deals go last, so that the cuts fall between.
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    items[:] = [item for deal in reversed(range(workers)) for item in ranked[deal::workers]]
 
 
 def starts_processes(item: pytest.Item) -> bool:
