@@ -26,15 +26,20 @@ from acp_proxy.remote.hub import Connection, Ended, Hub, Refusal, Resumed
 from acp_proxy.remote.replay import CLOSE, RESUME, RESUME_FAILED, TURN_STATE_META
 from acp_proxy.remote.routing import Body, Head, Refused, Route, route
 from acp_proxy.remote.tokens import Principal, RemoteStore
+from acp_proxy.remote.wsserver import LINES
 
 log = logging.getLogger("acp_proxy.serve")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Write = Callable[[list[bytes]], Awaitable[None]]
+"""Writes messages (JSON lines) to a WebSocket, a text frame each."""
 
 CONNECTION_HEADER: Final = b"acp-connection-id"
 SESSION_HEADER: Final = b"acp-session-id"
+RUN_LIMIT: Final = 1024
+"""The most messages a WebSocket write carries at once."""
 STREAM_KEEPALIVE: Final = 15.0
 """Seconds between comment lines on an idle event stream: intermediaries keep it open, and a
 client that has gone is found by the failed write."""
@@ -82,7 +87,8 @@ class AcpApp:
             if decided is not Route.WEBSOCKET:
                 await respond(decided.status if isinstance(decided, Refused) else 400, "not a WebSocket endpoint")
                 return
-            await self._websocket(principal, _peer(scope), receive, send)
+            write = _batched(send) if LINES in scope.get("extensions", {}) else _one_by_one(send)
+            await self._websocket(principal, _peer(scope), receive, send, write)
             return
         await self._http(head, principal, _peer(scope), receive, send)
 
@@ -106,7 +112,7 @@ class AcpApp:
 
     # --- WebSocket ---------------------------------------------------------------------------
 
-    async def _websocket(self, principal: Principal, peer: str, receive: Receive, send: Send) -> None:
+    async def _websocket(self, principal: Principal, peer: str, receive: Receive, send: Send, write: Write) -> None:
         opened = self.hub.open(principal, "websocket", peer)
         if isinstance(opened, Refusal):
             await _ws_refusal(send)(opened.status, opened.message)
@@ -139,10 +145,16 @@ class AcpApp:
                     error = jsonrpc.error_response(request_id, jsonrpc.INVALID_PARAMS, resumed.message, reason)
                     opening.append(error)
             first = None
-        await self._socket(connection, first, opening, receive, send)
+        await self._socket(connection, first, opening, receive, send, write)
 
     async def _socket(
-        self, connection: Connection, first: str | None, opening: list[bytes], receive: Receive, send: Send
+        self,
+        connection: Connection,
+        first: str | None,
+        opening: list[bytes],
+        receive: Receive,
+        send: Send,
+        write: Write,
     ) -> None:
         """Carry ``connection`` over this socket (``opening`` written first) until one side ends: the client's
         drop leaves it waiting for a resume; the connection's end, or another socket's resume, closes this one."""
@@ -166,22 +178,30 @@ class AcpApp:
 
             async def send_frames() -> None:
                 try:
-                    for line in opening:
-                        await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
-                    while True:
+                    if opening:
+                        await write(opening)
+                    ended = False
+                    while not ended:
                         try:
                             line = await stream.receive()
                         except (anyio.EndOfStream, anyio.ClosedResourceError):
                             break
                         now = anyio.current_time()  # one reading for the run
-                        while True:  # what else already waits is written before the next wait: one wake-up a run
+                        run: list[bytes] = []
+                        while True:  # what else already waits is written with it: one wake-up and one write a run
                             if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
                                 _, line = outbox.record(None, line, now)
-                            await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
+                            run.append(line)
+                            if len(run) == RUN_LIMIT:
+                                break
                             try:
                                 line = stream.receive_nowait()
                             except anyio.WouldBlock:
                                 break
+                            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                                ended = True
+                                break
+                        await write(run)
                 except Exception:  # any failed write: the client has gone
                     pass
                 finally:
@@ -323,6 +343,21 @@ class AcpApp:
             reader_done.set()
         with anyio.move_on_after(1), suppress(Exception):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _batched(send: Send) -> Write:
+    """A run of messages as one ASGI event of the ``acp.websocket.lines`` extension: one write (``wsserver``)."""
+    return lambda lines: send({"type": LINES, "lines": lines})
+
+
+def _one_by_one(send: Send) -> Write:
+    """A run of messages as an ASGI event each (a server without the extension: hypercorn, behind TLS)."""
+
+    async def write(lines: list[bytes]) -> None:
+        for line in lines:
+            await send({"type": "websocket.send", "text": line.rstrip(b"\n").decode()})
+
+    return write
 
 
 def _request_of(text: str, method: str) -> tuple[RequestId | None, dict[str, Any]] | None:

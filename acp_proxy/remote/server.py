@@ -1,9 +1,10 @@
 """``acp-proxy serve --listen/--socket``: the composition root of the network server.
 
 The listening sockets are made here (a unix socket private to the user from its first
-moment, a TCP port known before anyone connects) and handed to hypercorn, which speaks
-HTTP/1.1, HTTP/2 and WebSocket on both event loops; the ASGI application and the hub do the
-rest. ``serve`` owns no adapter itself: each connection's stdio proxy does, so a ``serve``
+moment, a TCP port known before anyone connects). ``front.py`` accepts on them and gives each
+connection to the server that speaks it: WebSockets to ``wsserver.py``, HTTP/1.1 and HTTP/2 to
+hypercorn; behind TLS hypercorn's own accept loop takes them all. The ASGI application and the
+hub do the rest. ``serve`` owns no adapter itself: each connection's stdio proxy does, so a ``serve``
 that is killed leaves its proxies an EOF on stdin, and they suspend their sessions and exit.
 """
 
@@ -25,6 +26,7 @@ import msgspec
 import sniffio
 
 from acp_proxy.remote.app import AcpApp
+from acp_proxy.remote.front import FrontDoor, serve_front
 from acp_proxy.remote.hub import Hub, Limits
 from acp_proxy.remote.status import StatusFile
 from acp_proxy.remote.tokens import RemoteStore
@@ -125,7 +127,13 @@ async def serve_network(options: ServeOptions) -> int:
             await tasks.start(hub.run)
             tasks.start_soon(_stop_on_signals, stop)
             tasks.start_soon(status.keep)
-            tasks.start_soon(_serve_http, app, http, stop, http_done)
+            if options.tls_cert is not None:
+                tasks.start_soon(_serve_http, app, http, stop, http_done)
+            else:
+                door = FrontDoor(
+                    app, http, max_message=options.limits.max_message_bytes, ping_interval=WEBSOCKET_PING_INTERVAL
+                )
+                tasks.start_soon(_serve_front, door, sockets, stop, http_done, http.graceful_timeout)
             for address in status.addresses:
                 print(f"listening: {address}", flush=True)
                 log.info("serving ACP at %s", address)
@@ -172,6 +180,16 @@ async def _serve_http(app: AcpApp, http: object, stop: anyio.Event, done: anyio.
         logging.getLogger("asyncio").addFilter(_ClosedConnectionCancelled())
     try:
         await serve(app, http, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    finally:
+        stop.set()
+        done.set()
+
+
+async def _serve_front(
+    door: FrontDoor, sockets: list[socket.socket], stop: anyio.Event, done: anyio.Event, grace: float
+) -> None:
+    try:
+        await serve_front(door, sockets, stop, grace)
     finally:
         stop.set()
         done.set()
