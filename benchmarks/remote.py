@@ -430,7 +430,7 @@ class Http(Channel):
             http1=False, http2=True, headers={"authorization": f"Bearer {token}"}, timeout=IO_TIMEOUT
         )
         self.connection_id = ""
-        self.inbox, self.outlet = anyio.create_memory_object_stream[Message](math.inf)
+        self.inbox, self.outlet = anyio.create_memory_object_stream[list[Message]](math.inf)
 
     async def initialize(self) -> None:
         """``initialize``'s answer is the POST's body; it names the connection, whose stream is opened then."""
@@ -470,12 +470,13 @@ class Http(Channel):
                     if cut < 0:
                         continue
                     lines, pending = pending[:cut], pending[cut + 1 :]
-                    for line in lines.split(b"\n"):
-                        if line.startswith(b"data: "):
-                            self.inbox.send_nowait(msgspec.json.decode(line[6:]))
+                    decode = msgspec.json.decode
+                    messages = [decode(line[6:]) for line in lines.split(b"\n") if line.startswith(b"data: ")]
+                    if messages:
+                        self.inbox.send_nowait(messages)  # a chunk's messages at once, as a socket's reader does
         except httpx.HTTPError as exc:  # the HTTP/2 connection under it was closed
             why = repr(exc)
-        self.inbox.send_nowait({ENDED: why})  # the turn waiting for its messages fails, saying why
+        self.inbox.send_nowait([{ENDED: why}])  # the turn waiting for its messages fails, saying why
 
     async def send(self, data: bytes, session_id: str | None) -> None:
         headers = {**self.headers(session_id), "content-type": "application/json"}
@@ -484,10 +485,10 @@ class Http(Channel):
             raise BenchError(f"{self.label}: POST answered {response.status_code}: {response.text[:200]}")
 
     async def fill(self) -> None:
-        self.ready.append(await self.outlet.receive())
+        self.ready.extend(await self.outlet.receive())
         with contextlib.suppress(anyio.WouldBlock):
             while True:
-                self.ready.append(self.outlet.receive_nowait())
+                self.ready.extend(self.outlet.receive_nowait())
         for msg in self.ready:
             if ENDED in msg:
                 raise Disconnected(f"{self.label}: an event stream ended: {msg[ENDED]}")

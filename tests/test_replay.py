@@ -14,6 +14,8 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from acp_proxy.remote.outbox import Outbox
 from acp_proxy.remote.replay import Replay, ReplayLimits
@@ -58,6 +60,21 @@ def test_retention_in_messages_bytes_and_age(limits: dict[str, Any], times: list
     assert replay.after(cursors[4], now=now) == []
 
 
+@given(st.lists(st.integers(min_value=0, max_value=6), max_size=12), st.integers(min_value=1, max_value=20))
+def test_a_run_recorded_at_once_is_kept_as_its_messages_one_by_one(runs: list[int], kept: int) -> None:
+    """A writer records a run of messages with one call: the same cursors, the same retention, the same replay."""
+    by_run, one_by_one = _replay(messages=kept), _replay(messages=kept)
+    lines = iter(b"m%d" % i for i in range(1000))
+    for size in runs:
+        run = [next(lines) for _ in range(size)]
+        assert by_run.record_run(run, now=0.0) == [one_by_one.record(line, now=0.0) for line in run]
+    first = by_run.cursor(0)
+    assert by_run.after(first, now=0.0) == one_by_one.after(first, now=0.0)
+    for sequence in range(sum(runs) + 1):
+        cursor = by_run.cursor(sequence)
+        assert by_run.after(cursor, now=0.0) == one_by_one.after(cursor, now=0.0)
+
+
 @pytest.mark.anyio
 async def test_what_a_gone_reader_never_took_waits_for_the_next_stream() -> None:
     outbox = Outbox(10, 1.0, lambda: None, ReplayLimits())
@@ -66,8 +83,9 @@ async def test_what_a_gone_reader_never_took_waits_for_the_next_stream() -> None
     for i in range(4):
         await outbox.put("s", b"%d" % i)
     assert first.receive_nowait() == b"0"
-    written, line = outbox.record("s", b"0", anyio.current_time())
-    assert written is not None
+    cursors, lines = outbox.record("s", [b"0"], anyio.current_time())
+    assert cursors is not None
+    written, line = cursors[0], lines[0]
     assert line == b"0", "no cursor in the message for a client that did not ask"
     outbox.release("s", first)  # its HTTP response ended with 1, 2 and 3 untaken
     await outbox.put("s", b"4")  # no stream now: waits

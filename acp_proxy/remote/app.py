@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
 from contextlib import suppress
 from typing import Any, Final
 
@@ -186,21 +186,9 @@ class AcpApp:
                             line = await stream.receive()
                         except (anyio.EndOfStream, anyio.ClosedResourceError):
                             break
-                        now = anyio.current_time()  # one reading for the run
-                        run: list[bytes] = []
-                        while True:  # what else already waits is written with it: one wake-up and one write a run
-                            if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
-                                _, line = outbox.record(None, line, now)
-                            run.append(line)
-                            if len(run) == RUN_LIMIT:
-                                break
-                            try:
-                                line = stream.receive_nowait()
-                            except anyio.WouldBlock:
-                                break
-                            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                                ended = True
-                                break
+                        run, ended = _run_from(line, stream)
+                        if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
+                            _, run = outbox.record(None, run, anyio.current_time())
                         await write(run)
                 except Exception:  # any failed write: the client has gone
                     pass
@@ -336,7 +324,7 @@ class AcpApp:
                     outbox.release(session_id, stream)
 
                 tasks.start_soon(until_gone)
-                await _events(stream, send, lambda line, now: outbox.record(session_id, line, now))
+                await _events(stream, send, lambda lines, now: outbox.record(session_id, lines, now))
                 tasks.cancel_scope.cancel()
         finally:
             outbox.release(session_id, stream)
@@ -380,13 +368,27 @@ def _event(chunk: list[bytes], cursor: str | None, line: bytes) -> None:
     chunk += (b"data: ", line, b"\n\n")
 
 
+def _run_from(line: bytes, stream: MemoryObjectReceiveStream[bytes]) -> tuple[list[bytes], bool]:
+    """``line`` and what else already waits in ``stream`` (up to ``RUN_LIMIT``), to be written at once: one
+    wake-up and one write a run. Whether the stream has ended after them."""
+    run = [line]
+    while len(run) < RUN_LIMIT:
+        try:
+            run.append(stream.receive_nowait())
+        except anyio.WouldBlock:
+            break
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            return run, True
+    return run, False
+
+
 async def _events(
     stream: MemoryObjectReceiveStream[bytes],
     send: Send,
-    record: Callable[[bytes, float], tuple[str | None, bytes]],
+    record: Callable[[list[bytes], float], tuple[list[str] | None, list[bytes]]],
 ) -> None:
-    """Each message as one server-sent event (``record`` keeps it for a resume and names its cursor), and a
-    comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream is closed or a write
+    """Each message as one server-sent event (``record`` keeps a run for a resume and names their cursors), and
+    a comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream is closed or a write
     fails (the client has gone: what was written is kept for a resume all the same)."""
     lock = anyio.Lock()
     written = anyio.current_time()
@@ -408,18 +410,12 @@ async def _events(
                 line = await stream.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 break
+            run, ended = _run_from(line, stream)
+            cursors, run = record(run, anyio.current_time())  # one reading of the clock for the run
             chunk: list[bytes] = []
-            now = anyio.current_time()  # one reading for the write
-            _event(chunk, *record(line, now))
-            while True:  # what else is already waiting goes in the same write
-                try:
-                    line = stream.receive_nowait()
-                except anyio.WouldBlock:
-                    break
-                except (anyio.EndOfStream, anyio.ClosedResourceError):
-                    ended = True
-                    break
-                _event(chunk, *record(line, now))
+            marks: Sequence[str | None] = cursors if cursors is not None else [None] * len(run)
+            for cursor, line in zip(marks, run, strict=True):
+                _event(chunk, cursor, line)
             async with lock:
                 try:
                     await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})

@@ -137,21 +137,21 @@ class Outbox:
         if current is not None:
             self.release(target, current[1])
 
-    def record(self, target: str | None, line: bytes, now: float) -> tuple[str | None, bytes]:
-        """``line`` is being written to ``target``'s stream at ``now`` (``anyio.current_time``, read once for a
-        run of messages): kept for a resume. Its cursor, and the line as written: with the cursor in its
-        envelope's ``_meta`` when the client asked for that."""
+    def record(self, target: str | None, lines: list[bytes], now: float) -> tuple[list[str] | None, list[bytes]]:
+        """``lines`` are being written to ``target``'s stream at ``now`` (``anyio.current_time``, read once for
+        the run): kept for a resume. Their cursors (``None``: nothing is kept), and the lines as written: with
+        its cursor in each envelope's ``_meta`` when the client asked for that."""
         if self.replay_limits is None:
-            return None, line
+            return None, lines
         replay = self._replays.get(target)
         if replay is None:
             replay = self._replays[target] = Replay(f"{self._epoch}{len(self._replays)}", self.replay_limits)
         if not self.cursor_meta:
-            return replay.record(line, now), line
-        cursor = replay.next_cursor()
-        written = with_cursor(line, cursor)
-        replay.record(written, now)
-        return cursor, written
+            return replay.record_run(lines, now), lines
+        cursors = replay.next_cursors(len(lines))
+        written = [with_cursor(line, cursor) for line, cursor in zip(lines, cursors, strict=True)]
+        replay.record_run(written, now)
+        return cursors, written
 
     def missed(self, target: str | None, cursor: str | None) -> list[tuple[str, bytes]] | None:
         """What ``target``'s stream wrote after ``cursor`` (``None``: from its first message, if all of it is

@@ -15,6 +15,8 @@ argument.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, Final
 
 import msgspec
@@ -79,15 +81,26 @@ class Replay:
 
     def record(self, line: bytes, now: float) -> str:
         """Keep ``line``, about to be written to the stream: its cursor."""
-        self._last += 1
-        self._kept.append((self._last, line, now))
-        self._bytes += len(line)
+        return self.record_run((line,), now)[0]
+
+    def record_run(self, lines: Sequence[bytes], now: float) -> list[str]:
+        """Keep ``lines``, about to be written to the stream in this order: their cursors."""
+        cursors = self.next_cursors(len(lines))
+        first = self._last + 1
+        self._last += len(lines)
+        self._kept.extend(zip(range(first, self._last + 1), lines, repeat(now)))
+        self._bytes += sum(map(len, lines))
         self._trim(now)
-        return self.cursor(self._last)
+        return cursors
 
     def next_cursor(self) -> str:
         """The cursor the next ``record`` gives."""
         return self.cursor(self._last + 1)
+
+    def next_cursors(self, count: int) -> list[str]:
+        """The cursors the next ``count`` messages recorded get."""
+        prefix = self.epoch + SEPARATOR
+        return [prefix + str(sequence) for sequence in range(self._last + 1, self._last + 1 + count)]
 
     def cursor(self, sequence: int) -> str:
         return f"{self.epoch}{SEPARATOR}{sequence}"
