@@ -1,6 +1,6 @@
 """``serve``'s own WebSocket server and its front door, in-process: over socket pairs, no process started.
 
-The frames it writes are read back by ``wsclient.FrameReader`` and by wsproto (another parser than
+The frames it writes are read back by ``frames.FrameReader`` and by wsproto (another parser than
 the one that wrote them); the client side of every exchange here is wsproto's. Through a real
 ``serve``, its WebSockets are every WebSocket test of ``test_serve.py``, ``test_replay.py`` and
 ``test_attach_remote.py`` (behind TLS hypercorn's, in ``test_tls_on_a_public_listener...``).
@@ -31,9 +31,9 @@ from wsproto.events import (
     TextMessage,
 )
 
+from acp_proxy.remote.frames import FrameReader, text_frames
 from acp_proxy.remote.front import is_websocket_upgrade, peek_head, prepare
-from acp_proxy.remote.wsclient import FrameReader
-from acp_proxy.remote.wsserver import LINES, serve_websocket, text_frames
+from acp_proxy.remote.wsserver import LINES, serve_websocket
 
 UPGRADE = (
     b"GET /acp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"

@@ -1,10 +1,8 @@
 """A WebSocket client for ``/acp``: wsproto over an anyio stream (TCP, TLS or a unix socket).
 
 Small on purpose: ``acp-proxy connect`` starts with every gateway session, so it loads no
-HTTP client library, only wsproto (and h11, which wsproto uses for the handshake). What the
-server sends is read by ``FrameReader``, a few lines for the frames a server may send (never
-masked, no extension negotiated): wsproto's general parser costs about 20 µs a frame, which a
-streaming turn pays for every update; wsproto still writes the client's frames (masked).
+HTTP client library, only wsproto (and h11, which wsproto uses for the handshake). Data frames,
+both ways, are ``frames.py``'s; wsproto does the handshake and the control frames.
 """
 
 from __future__ import annotations
@@ -31,6 +29,8 @@ from wsproto.events import (
     TextMessage,
 )
 from wsproto.utilities import LocalProtocolError
+
+from acp_proxy.remote.frames import TEXT, FrameReader, ProtocolError, client_frame
 
 PATH: Final = "/acp"
 
@@ -84,85 +84,6 @@ class Closed(Exception):
         self.code = code
         self.reason = reason
         super().__init__(f"closed ({code}): {reason}" if code is not None else f"closed: {reason}")
-
-
-TEXT, BINARY, CONTINUATION, CLOSE, PING, PONG = 0x1, 0x2, 0x0, 0x8, 0x9, 0xA
-
-
-class ProtocolError(Exception):
-    """What the server sent is not a WebSocket a client may accept (RFC 6455): the close code is 1002."""
-
-
-class FrameReader:
-    """Server frames from bytes as they arrive: text messages (fragments joined), pings, the close. No I/O."""
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self._fragments: list[bytes] = []
-        self._message: int | None = None
-        """The opcode of the message whose fragments are being joined (``None``: none under way)."""
-        self.texts: deque[str] = deque()
-        self.pings: list[bytes] = []
-        self.closed: tuple[int | None, str] | None = None
-
-    def feed(self, data: bytes) -> None:
-        """Parse ``data`` after what came before: complete messages go to ``texts``, pings to ``pings``, the
-        server's close to ``closed``; ``ProtocolError`` for what no server may send."""
-        buffer = self._buffer
-        buffer += data
-        at, end = 0, len(buffer)
-        while end - at >= 2 and self.closed is None:
-            first, second = buffer[at], buffer[at + 1]
-            if first & 0x70 or second & 0x80:
-                raise ProtocolError("a reserved bit, or a masked frame from the server")
-            length, head = second & 0x7F, 2
-            if length == 126:
-                if end - at < 4:
-                    break
-                length, head = int.from_bytes(buffer[at + 2 : at + 4], "big"), 4
-            elif length == 127:
-                if end - at < 10:
-                    break
-                length, head = int.from_bytes(buffer[at + 2 : at + 10], "big"), 10
-            if end - at < head + length:
-                break
-            payload = bytes(buffer[at + head : at + head + length])
-            at += head + length
-            self._frame(bool(first & 0x80), first & 0x0F, payload)
-        del buffer[:at]
-
-    def _frame(self, fin: bool, opcode: int, payload: bytes) -> None:
-        if opcode >= CLOSE:
-            if not fin or len(payload) > 125:
-                raise ProtocolError("a fragmented or long control frame")
-            if opcode == PING:
-                self.pings.append(payload)
-            elif opcode == CLOSE:
-                code = int.from_bytes(payload[:2], "big") if len(payload) >= 2 else None
-                self.closed = (code, payload[2:].decode("utf-8", "replace"))
-            elif opcode != PONG:
-                raise ProtocolError(f"unknown control opcode {opcode}")
-            return
-        if opcode == CONTINUATION:
-            if self._message is None:
-                raise ProtocolError("a continuation frame with no message under way")
-        elif opcode in (TEXT, BINARY):
-            if self._message is not None:
-                raise ProtocolError("a new message before the last one ended")
-            self._message = opcode
-        else:
-            raise ProtocolError(f"unknown opcode {opcode}")
-        if self._message == TEXT:
-            self._fragments.append(payload)
-        if fin:
-            if self._message == TEXT:  # binary messages are ignored (ACP is text frames)
-                joined = self._fragments[0] if len(self._fragments) == 1 else b"".join(self._fragments)
-                try:
-                    self.texts.append(joined.decode())
-                except UnicodeDecodeError:
-                    raise ProtocolError("a text message that is not UTF-8") from None
-            self._fragments.clear()
-            self._message = None
 
 
 def _after_handshake(ws: WSConnection) -> bytes | None:
@@ -257,11 +178,9 @@ class WebSocket:
         return found
 
     async def send_text(self, text: str) -> None:
-        from wsproto.events import Message
-
         async with self._sending:
             try:
-                await self._stream.send(self._ws.send(Message(data=text)))
+                await self._stream.send(client_frame(TEXT, text.encode()))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, LocalProtocolError) as exc:
                 raise Closed(None, f"link broken: {exc}") from None
 
@@ -287,7 +206,7 @@ class WebSocket:
             try:
                 reader.feed(data)
             except ProtocolError as exc:
-                reader.closed = (1002, str(exc))
+                reader.closed = (exc.code, str(exc))
             for payload in reader.pings:
                 await self._handle(Ping(payload=payload))
             reader.pings.clear()

@@ -5,9 +5,8 @@ HTTP/2, and WebSockets behind TLS): a streaming turn sends one frame for each up
 hypercorn makes each of them an ASGI event through wsproto's frame writer and a socket write of
 its own, about 13 µs of ``serve``'s CPU a message and a syscall a frame for the client too. Here
 the application may send a run of messages at once (the ``acp.websocket.lines`` extension): their
-frames are built in one pass and written in one block. wsproto still does the handshake, reads the
-client's (masked, possibly fragmented) frames and writes the control frames; the server's data
-frames are the few bytes RFC 6455 asks for (never masked, no extension negotiated).
+frames are built in one pass and written in one block. wsproto does the handshake; the frames,
+both ways, are ``frames.py``'s (binary messages from the client are dropped: ACP is text frames).
 
 The application sees plain ASGI (``websocket.connect``, ``.receive``, ``.disconnect``; ``.accept``,
 ``.send``, ``.close`` and the ``websocket.http.response`` refusal), so ``AcpApp`` is the same code
@@ -17,26 +16,28 @@ on both servers.
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
 from typing import Any, Final
 
 import anyio
 import anyio.abc
 from wsproto import ConnectionType, WSConnection
-from wsproto.connection import ConnectionState
-from wsproto.events import (
-    AcceptConnection,
-    BytesMessage,
-    CloseConnection,
-    Ping,
-    RejectConnection,
-    RejectData,
-    Request,
-    TextMessage,
+from wsproto.events import AcceptConnection, RejectConnection, RejectData, Request
+from wsproto.utilities import RemoteProtocolError
+
+from acp_proxy.remote.frames import (
+    BINARY,
+    CLOSE,
+    NO_STATUS,
+    PING,
+    PONG,
+    FrameReader,
+    ProtocolError,
+    close_frame,
+    frame,
+    text_frames,
 )
-from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 log = logging.getLogger("acp_proxy.serve")
 
@@ -49,42 +50,11 @@ HANDSHAKE_TIMEOUT: Final = 10.0
 CLOSE_TIMEOUT: Final = 1.0
 """How long a closed socket waits for the client's close frame before it is cut."""
 
-GOING_AWAY: Final = 1001
-TOO_BIG: Final = 1009
 INTERNAL_ERROR: Final = 1011
 ABNORMAL: Final = 1006
 
 Message = MutableMapping[str, Any]
 App = Callable[[Message, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]], Awaitable[None]]
-
-_SHORT_HEADS: Final = tuple(bytes((0x81, n)) for n in range(126))
-
-
-def text_frames(lines: Iterable[bytes]) -> bytes:
-    """One unmasked, final text frame for each line (its trailing newline left out), as one block."""
-    parts: list[bytes | memoryview] = []
-    for line in lines:
-        payload = memoryview(line)[:-1] if line.endswith(b"\n") else line
-        size = len(payload)
-        if size < 126:
-            parts.append(_SHORT_HEADS[size])
-        elif size < 65536:
-            parts.append(b"\x81\x7e" + size.to_bytes(2, "big"))
-        else:
-            parts.append(b"\x81\x7f" + size.to_bytes(8, "big"))
-        parts.append(payload)
-    return b"".join(parts)
-
-
-def binary_frame(payload: bytes) -> bytes:
-    size = len(payload)
-    if size < 126:
-        head = bytes((0x82, size))
-    elif size < 65536:
-        head = b"\x82\x7e" + size.to_bytes(2, "big")
-    else:
-        head = b"\x82\x7f" + size.to_bytes(8, "big")
-    return head + payload
 
 
 class Gone(OSError):
@@ -92,32 +62,36 @@ class Gone(OSError):
 
 
 class ServerSocket:
-    """One accepted WebSocket as ASGI's ``receive`` and ``send``. Reads happen in ``receive`` (the application
-    always waits in it), writes under one lock; pings go out every ``ping_interval`` once accepted."""
+    """One WebSocket as ASGI's ``receive`` and ``send``. Reads happen in ``receive`` (the application always
+    waits in it), writes under one lock; a ping goes out every ``ping_interval`` once accepted.
+
+    After the handshake the frames are ``frames.py``'s both ways; the close handshake is kept here: ``closing``
+    once this end sent its close, ``close_code`` once the socket is closed (by either side or a broken link).
+    """
 
     def __init__(self, stream: anyio.abc.ByteStream, ws: WSConnection, max_message: int) -> None:
         self._stream = stream
         self._ws = ws
-        self._max_message = max_message
+        """wsproto's handshake, for the upgrade's answer."""
+        self._reader = FrameReader(masked=True, max_message=max_message)
         self._lock = anyio.Lock(fast_acquire=True)
-        self._inbox: deque[Message] = deque()
-        self._parts: list[str | bytes | bytearray] = []
-        self._size = 0
         self._connected = False
         self.accepted = False
         self.answered = False
         """Accepted, or refused with an HTTP response: the handshake is over."""
+        self.closing = False
         self.close_code: int | None = None
-        """Set once the socket is closed, by either side or a broken link: what ``websocket.disconnect`` says."""
+        """What ``websocket.disconnect`` says, once the socket is closed."""
         self._refusal: tuple[int, list[tuple[bytes, bytes]]] | None = None
 
     async def receive(self) -> Message:
         if not self._connected:
             self._connected = True
             return {"type": "websocket.connect"}
+        reader = self._reader
         while True:
-            if self._inbox:
-                return self._inbox.popleft()
+            if reader.texts:
+                return {"type": "websocket.receive", "text": reader.texts.popleft()}
             if self.close_code is not None or not self.accepted:
                 return {"type": "websocket.disconnect", "code": self.close_code or ABNORMAL}
             try:
@@ -126,34 +100,19 @@ class ServerSocket:
                 self.close_code = ABNORMAL
                 continue
             try:
-                self._ws.receive_data(data)
-                for event in self._ws.events():
-                    await self._event(event)
-            except RemoteProtocolError:
-                await self._close(1002, "protocol error")
-
-    async def _event(self, event: object) -> None:
-        if isinstance(event, TextMessage | BytesMessage):
-            self._parts.append(event.data)
-            self._size += len(event.data)
-            if self._size > self._max_message:
-                self._parts.clear()
-                await self._close(TOO_BIG, f"message over {self._max_message} bytes")
-                return
-            if event.message_finished:
-                if isinstance(event, TextMessage):
-                    self._inbox.append({"type": "websocket.receive", "text": "".join(self._parts)})  # type: ignore[arg-type]
-                else:
-                    self._inbox.append({"type": "websocket.receive", "bytes": b"".join(self._parts)})  # type: ignore[arg-type]
-                self._parts.clear()
-                self._size = 0
-        elif isinstance(event, Ping):
-            await self._write(self._ws.send(event.response()), quiet=True)
-        elif isinstance(event, CloseConnection):
-            if self._ws.state is ConnectionState.REMOTE_CLOSING:
-                await self._write(self._ws.send(event.response()), quiet=True)
-            if self.close_code is None:
-                self.close_code = event.code
+                reader.feed(data)
+            except ProtocolError as exc:
+                await self._close(exc.code, str(exc))
+                self.close_code = exc.code
+            for payload in reader.pings:
+                await self._write(frame(PONG, payload), quiet=True)
+            reader.pings.clear()
+            if reader.closed is not None and self.close_code is None:
+                code = reader.closed[0]
+                if not self.closing:  # the client's close, answered with its code (RFC 6455 5.5.1)
+                    await self._write(close_frame(code) if code is not None else frame(CLOSE, b""), quiet=True)
+                self.closing = True
+                self.close_code = code if code is not None else NO_STATUS
 
     async def send(self, message: Message) -> None:
         kind = message["type"]
@@ -161,10 +120,7 @@ class ServerSocket:
             await self._data(text_frames(message["lines"]))
         elif kind == "websocket.send":
             text = message.get("text")
-            if text is not None:
-                await self._data(text_frames((text.encode(),)))
-            else:
-                await self._data(binary_frame(bytes(message["bytes"])))
+            await self._data(text_frames((text.encode(),)) if text is not None else frame(BINARY, message["bytes"]))
         elif kind == "websocket.accept":
             if self.answered:
                 raise RuntimeError("websocket.accept after the handshake was answered")
@@ -190,7 +146,7 @@ class ServerSocket:
             raise RuntimeError(f"unexpected ASGI message {kind!r} on a WebSocket")
 
     async def _data(self, frames: bytes) -> None:
-        if self.close_code is not None or self._ws.state is not ConnectionState.OPEN:
+        if self.closing or self.close_code is not None:
             raise Gone("the WebSocket is closed")
         await self._write(frames)
 
@@ -204,11 +160,10 @@ class ServerSocket:
         await self._write(data, quiet=True)
 
     async def _close(self, code: int, reason: str) -> None:
-        if self._ws.state is ConnectionState.OPEN:
-            with suppress(LocalProtocolError):
-                await self._write(self._ws.send(CloseConnection(code=code, reason=reason)), quiet=True)
-        if self.close_code is None:
-            self.close_code = code
+        """This end's close frame (once); the socket is closed when the client's comes back (or it is cut)."""
+        if not self.closing and self.close_code is None:
+            self.closing = True
+            await self._write(close_frame(code, reason), quiet=True)
 
     async def _write(self, data: bytes, *, quiet: bool = False) -> None:
         try:
@@ -225,8 +180,8 @@ class ServerSocket:
         is found by the write that fails."""
         while self.close_code is None:
             await anyio.sleep(interval)
-            if self.accepted and self._ws.state is ConnectionState.OPEN:
-                await self._write(self._ws.send(Ping(payload=b"")), quiet=True)
+            if self.accepted and not self.closing and self.close_code is None:
+                await self._write(frame(PING, b""), quiet=True)
 
     async def finish(self, *, failed: bool = False) -> None:
         """After the application returned (or ``failed``): refuse a handshake it never answered, close an open
@@ -234,21 +189,10 @@ class ServerSocket:
         if not self.answered:
             await self._refuse(500, [], b"")
             return
-        if self._ws.state is ConnectionState.OPEN:
-            await self._close(INTERNAL_ERROR if failed else 1000, "")
-        if self._ws.state is ConnectionState.LOCAL_CLOSING:
-            with anyio.move_on_after(CLOSE_TIMEOUT):
-                while self._ws.state is ConnectionState.LOCAL_CLOSING:
-                    try:
-                        data = await self._stream.receive()
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        return
-                    try:
-                        self._ws.receive_data(data)
-                        for _ in self._ws.events():
-                            pass
-                    except RemoteProtocolError:
-                        return
+        await self._close(INTERNAL_ERROR if failed else 1000, "")
+        with anyio.move_on_after(CLOSE_TIMEOUT):
+            while self.close_code is None:
+                await self.receive()
 
 
 async def handshake(stream: anyio.abc.ByteStream) -> tuple[WSConnection, Request] | None:

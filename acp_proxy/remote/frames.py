@@ -1,0 +1,167 @@
+"""WebSocket frames (RFC 6455) as ACP uses them: text messages, pings, the close. No I/O.
+
+Both ends of ``/acp`` read and write their data frames here rather than through wsproto (which
+still does the handshakes): its general parser and writer cost about 20 µs a frame, which a
+streaming turn pays for every update. No extension is ever negotiated, so a frame is a header and
+its payload: a client's frames are masked, a server's never are. Binary messages are read and
+dropped (ACP is text frames).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable
+from typing import Final
+
+TEXT, BINARY, CONTINUATION, CLOSE, PING, PONG = 0x1, 0x2, 0x0, 0x8, 0x9, 0xA
+PROTOCOL_ERROR: Final = 1002
+TOO_BIG: Final = 1009
+NO_STATUS: Final = 1005
+
+
+class ProtocolError(Exception):
+    """What the other end sent is not a WebSocket this end may accept: ``code`` is the close code to answer."""
+
+    def __init__(self, message: str, code: int = PROTOCOL_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _unmask(payload: bytes, key: bytes) -> bytes:
+    size = len(payload)
+    keys = (key * (size // 4 + 1))[:size]
+    return (int.from_bytes(payload, "little") ^ int.from_bytes(keys, "little")).to_bytes(size, "little")
+
+
+class FrameReader:
+    """The other end's frames from bytes as they arrive: complete text messages (fragments joined) go to
+    ``texts``, pings to ``pings``, its close to ``closed``; ``ProtocolError`` for what it may not send.
+
+    ``masked``: the frames are a client's (each masked; a server reads them). ``max_message``: a message
+    longer than this is refused (code 1009) as soon as its length is known, before it is buffered.
+    """
+
+    def __init__(self, *, masked: bool = False, max_message: int | None = None) -> None:
+        self._masked = masked
+        self._max_message = max_message
+        self._buffer = bytearray()
+        self._fragments: list[bytes] = []
+        self._size = 0
+        self._message: int | None = None
+        """The opcode of the message whose fragments are being joined (``None``: none under way)."""
+        self.texts: deque[str] = deque()
+        self.pings: list[bytes] = []
+        self.closed: tuple[int | None, str] | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data`` after what came before (nothing is read after a close)."""
+        buffer = self._buffer
+        buffer += data
+        at, end = 0, len(buffer)
+        masked = self._masked
+        try:
+            while end - at >= 2 and self.closed is None:
+                first, second = buffer[at], buffer[at + 1]
+                if first & 0x70:
+                    raise ProtocolError("a reserved bit set: no extension was negotiated")
+                if bool(second & 0x80) is not masked:
+                    raise ProtocolError("a masked frame from a server" if not masked else "an unmasked client frame")
+                length, head = second & 0x7F, 2
+                if length == 126:
+                    if end - at < 4:
+                        break
+                    length, head = int.from_bytes(buffer[at + 2 : at + 4], "big"), 4
+                elif length == 127:
+                    if end - at < 10:
+                        break
+                    length, head = int.from_bytes(buffer[at + 2 : at + 10], "big"), 10
+                limit = self._max_message
+                if limit is not None and self._size + length > limit:
+                    raise ProtocolError(f"a message over {limit} bytes", TOO_BIG)
+                key = b""
+                if masked:
+                    if end - at < head + 4:
+                        break
+                    key = bytes(buffer[at + head : at + head + 4])
+                    head += 4
+                if end - at < head + length:
+                    break
+                payload = bytes(buffer[at + head : at + head + length])
+                at += head + length
+                self._frame(bool(first & 0x80), first & 0x0F, _unmask(payload, key) if masked else payload)
+        finally:
+            del buffer[:at]
+
+    def _frame(self, fin: bool, opcode: int, payload: bytes) -> None:
+        if opcode >= CLOSE:
+            if not fin or len(payload) > 125:
+                raise ProtocolError("a fragmented or long control frame")
+            if opcode == PING:
+                self.pings.append(payload)
+            elif opcode == CLOSE:
+                code = int.from_bytes(payload[:2], "big") if len(payload) >= 2 else None
+                self.closed = (code, payload[2:].decode("utf-8", "replace"))
+            elif opcode != PONG:
+                raise ProtocolError(f"unknown control opcode {opcode}")
+            return
+        if opcode == CONTINUATION:
+            if self._message is None:
+                raise ProtocolError("a continuation frame with no message under way")
+        elif opcode in (TEXT, BINARY):
+            if self._message is not None:
+                raise ProtocolError("a new message before the last one ended")
+            self._message = opcode
+        else:
+            raise ProtocolError(f"unknown opcode {opcode}")
+        if self._message == TEXT:
+            self._fragments.append(payload)
+            self._size += len(payload)
+        if fin:
+            if self._message == TEXT:  # binary messages are dropped (ACP is text frames)
+                joined = self._fragments[0] if len(self._fragments) == 1 else b"".join(self._fragments)
+                try:
+                    self.texts.append(joined.decode())
+                except UnicodeDecodeError:
+                    raise ProtocolError("a text message that is not UTF-8") from None
+            self._fragments.clear()
+            self._size = 0
+            self._message = None
+
+
+def _header(first: int, size: int, mask_bit: int = 0) -> bytes:
+    if size < 126:
+        return bytes((first, mask_bit | size))
+    if size < 65536:
+        return bytes((first, mask_bit | 126)) + size.to_bytes(2, "big")
+    return bytes((first, mask_bit | 127)) + size.to_bytes(8, "big")
+
+
+_SHORT_TEXT_HEADS: Final = tuple(_header(0x80 | TEXT, n) for n in range(126))
+
+
+def text_frames(lines: Iterable[bytes]) -> bytes:
+    """A server's frames: one final text frame for each line (its trailing newline left out), as one block."""
+    parts: list[bytes | memoryview] = []
+    for line in lines:
+        payload = memoryview(line)[:-1] if line.endswith(b"\n") else line
+        size = len(payload)
+        parts.append(_SHORT_TEXT_HEADS[size] if size < 126 else _header(0x80 | TEXT, size))
+        parts.append(payload)
+    return b"".join(parts)
+
+
+def frame(opcode: int, payload: bytes) -> bytes:
+    """A server's final frame of ``opcode`` (a binary message, a ping, a pong)."""
+    return _header(0x80 | opcode, len(payload)) + payload
+
+
+def close_frame(code: int, reason: str = "") -> bytes:
+    """A close frame (a server's) with ``code`` and ``reason`` (cut to fit a control frame)."""
+    return frame(CLOSE, code.to_bytes(2, "big") + reason.encode()[:123])
+
+
+def client_frame(opcode: int, payload: bytes, key: bytes | None = None) -> bytes:
+    """A client's final frame: masked with ``key`` (four random bytes unless given)."""
+    key = os.urandom(4) if key is None else key
+    return _header(0x80 | opcode, len(payload), 0x80) + key + _unmask(payload, key)
