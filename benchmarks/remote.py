@@ -407,10 +407,10 @@ class Ws(Channel):
 
     async def fill(self) -> None:
         try:
-            text = await self.ws.receive_text()
+            texts = await self.ws.receive_texts()
         except Closed as exc:
             raise Disconnected(f"{self.label}: the WebSocket was {exc}") from None
-        self.ready.append(msgspec.json.decode(text))
+        self.ready.extend(map(msgspec.json.decode, texts))
 
     async def aclose(self) -> None:
         await self.ws.aclose()

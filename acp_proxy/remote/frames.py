@@ -10,6 +10,7 @@ dropped (ACP is text frames).
 from __future__ import annotations
 
 import os
+import struct
 from collections import deque
 from collections.abc import Iterable
 from typing import Final
@@ -28,7 +29,7 @@ class ProtocolError(Exception):
         self.code = code
 
 
-def _unmask(payload: bytes, key: bytes) -> bytes:
+def _unmask(payload: bytes | bytearray, key: bytes | bytearray) -> bytes:
     size = len(payload)
     keys = (key * (size // 4 + 1))[:size]
     return (int.from_bytes(payload, "little") ^ int.from_bytes(keys, "little")).to_bytes(size, "little")
@@ -57,9 +58,11 @@ class FrameReader:
     def feed(self, data: bytes) -> None:
         """Parse ``data`` after what came before (nothing is read after a close)."""
         buffer = self._buffer
-        buffer += data
+        buffer += data  # amortized: a frame that comes a byte at a time is not copied again for each
         at, end = 0, len(buffer)
         masked = self._masked
+        limit = self._max_message
+        texts = self.texts
         try:
             while end - at >= 2 and self.closed is None:
                 first, second = buffer[at], buffer[at + 1]
@@ -67,29 +70,35 @@ class FrameReader:
                     raise ProtocolError("a reserved bit set: no extension was negotiated")
                 if bool(second & 0x80) is not masked:
                     raise ProtocolError("a masked frame from a server" if not masked else "an unmasked client frame")
-                length, head = second & 0x7F, 2
+                length, head = second & 0x7F, at + 2
                 if length == 126:
                     if end - at < 4:
                         break
-                    length, head = int.from_bytes(buffer[at + 2 : at + 4], "big"), 4
+                    length, head = int.from_bytes(buffer[head : head + 2], "big"), head + 2
                 elif length == 127:
                     if end - at < 10:
                         break
-                    length, head = int.from_bytes(buffer[at + 2 : at + 10], "big"), 10
-                limit = self._max_message
+                    length, head = int.from_bytes(buffer[head : head + 8], "big"), head + 8
                 if limit is not None and self._size + length > limit:
                     raise ProtocolError(f"a message over {limit} bytes", TOO_BIG)
-                key = b""
                 if masked:
-                    if end - at < head + 4:
+                    if end - head < 4:
                         break
-                    key = bytes(buffer[at + head : at + head + 4])
-                    head += 4
-                if end - at < head + length:
+                    key, head = buffer[head : head + 4], head + 4
+                stop = head + length
+                if stop > end:
                     break
-                payload = bytes(buffer[at + head : at + head + length])
-                at += head + length
-                self._frame(bool(first & 0x80), first & 0x0F, _unmask(payload, key) if masked else payload)
+                payload: bytes | bytearray = buffer[head:stop]  # the one copy of it
+                at = stop
+                if masked:
+                    payload = _unmask(payload, key)
+                if first == 0x80 | TEXT and self._message is None:  # a whole message in one frame: nearly all
+                    try:
+                        texts.append(payload.decode())
+                    except UnicodeDecodeError:
+                        raise ProtocolError("a text message that is not UTF-8") from None
+                else:
+                    self._frame(bool(first & 0x80), first & 0x0F, bytes(payload))
         finally:
             del buffer[:at]
 
@@ -129,12 +138,16 @@ class FrameReader:
             self._message = None
 
 
+_MEDIUM: Final = struct.Struct("!BBH")
+_LONG: Final = struct.Struct("!BBQ")
+
+
 def _header(first: int, size: int, mask_bit: int = 0) -> bytes:
     if size < 126:
         return bytes((first, mask_bit | size))
     if size < 65536:
-        return bytes((first, mask_bit | 126)) + size.to_bytes(2, "big")
-    return bytes((first, mask_bit | 127)) + size.to_bytes(8, "big")
+        return _MEDIUM.pack(first, mask_bit | 126, size)
+    return _LONG.pack(first, mask_bit | 127, size)
 
 
 _SHORT_TEXT_HEADS: Final = tuple(_header(0x80 | TEXT, n) for n in range(126))
@@ -143,11 +156,13 @@ _SHORT_TEXT_HEADS: Final = tuple(_header(0x80 | TEXT, n) for n in range(126))
 def text_frames(lines: Iterable[bytes]) -> bytes:
     """A server's frames: one final text frame for each line (its trailing newline left out), as one block."""
     parts: list[bytes | memoryview] = []
+    add = parts.append
+    short, medium = _SHORT_TEXT_HEADS, _MEDIUM.pack
     for line in lines:
-        payload = memoryview(line)[:-1] if line.endswith(b"\n") else line
+        payload = memoryview(line)[:-1] if line[-1:] == b"\n" else line
         size = len(payload)
-        parts.append(_SHORT_TEXT_HEADS[size] if size < 126 else _header(0x80 | TEXT, size))
-        parts.append(payload)
+        add(short[size] if size < 126 else medium(0x81, 126, size) if size < 65536 else _header(0x81, size))
+        add(payload)
     return b"".join(parts)
 
 

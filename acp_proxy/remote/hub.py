@@ -346,8 +346,7 @@ class Connection:
                     break
                 if self.transport == "websocket" and self._plain_notifications(batch):
                     for line in batch.lines:  # the streaming path: one stream, nothing to route or note
-                        if line.strip():
-                            await self.outbox.put(None, line)
+                        await self.outbox.put(None, line)  # (an object a line: no blank one among them)
                     continue
                 targets = None if self.transport == "websocket" else self._notification_targets(batch)
                 if targets is not None:  # streamable HTTP's streaming path: each to its session's stream

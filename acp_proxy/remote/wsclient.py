@@ -186,11 +186,22 @@ class WebSocket:
 
     async def receive_text(self) -> str:
         """The next text message; ``Closed`` once the socket is (after the messages that came before)."""
+        ready = await self._wait_ready()
+        return ready.popleft()
+
+    async def receive_texts(self) -> list[str]:
+        """Every text message that has come (at least one, waiting for it); ``Closed`` as ``receive_text``."""
+        ready = await self._wait_ready()
+        texts = list(ready)
+        ready.clear()
+        return texts
+
+    async def _wait_ready(self) -> deque[str]:
         reader = self._reader
         while True:
             ready = reader.texts if reader is not None else self._ready
             if ready:
-                return ready.popleft()
+                return ready
             if self.closed is not None:
                 raise self.closed
             try:
