@@ -114,7 +114,9 @@ TYPE_CHECKING = False  # typing costs a start 4 ms more
 if TYPE_CHECKING:
     from typing import Any
 
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(3600)"]
+SLEEP = "/bin/sleep" if os.path.exists("/bin/sleep") else "/usr/bin/sleep"
+SLEEPER = [SLEEP, "3600"]
+"""A process that only waits, for the trees the fake spawns (a program of a few KB: no interpreter to start)."""
 TEST_MARKER = "ACP_PROXY_TEST_MARKER"
 """The suite's own marker (``tests.support.MARKER_VARIABLE``): how it finds what a test left running."""
 
@@ -632,12 +634,10 @@ class FakeAdapter:
 
     def spawn_tree(self) -> None:
         # The child starts a grandchild and reports its pid on stdout; both sleep.
-        code = (
-            f"import subprocess, sys, time;g = subprocess.Popen({SLEEPER!r});print(g.pid, flush=True); time.sleep(3600)"
-        )
         import subprocess
 
-        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        code = f"{SLEEP} 3600 & echo $!; exec {SLEEP} 3600"
+        child = subprocess.Popen(["/bin/sh", "-c", code], stdout=subprocess.PIPE)
         assert child.stdout is not None
         grandchild = int(child.stdout.readline())
         self.children += [child.pid, grandchild]

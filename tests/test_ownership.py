@@ -78,9 +78,7 @@ class Decoys:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self, extra_env: dict[str, str] | None = None) -> int:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import time; time.sleep(600)"], env={**self.env, **(extra_env or {})}
-        )
+        proc = subprocess.Popen(["sleep", "600"], env={**self.env, **(extra_env or {})})
         self.procs.append(proc)
         return proc.pid
 

@@ -32,11 +32,20 @@ import tomllib  # noqa: F401  (a proxy given a config file reads it with this, a
 import traceback
 
 # What every proxy imports before it serves (the relay, the sessions, the pool, the backend anyio.run
-# loads): imported here once, inherited by every child.
+# loads), and what the other commands forked from here import on top: ``serve`` (its server, hypercorn on
+# either loop), ``connect``, the operator's commands (their reports, psutil). Imported here once, inherited
+# by every child (a stdio proxy's child leaves the others unused: the tests that hold a proxy to what it
+# imports exec it, ``Gateway.launch``).
 import anyio._backends._asyncio
 import anyio._backends._trio  # noqa: F401
+import hypercorn.asyncio
+import hypercorn.trio  # noqa: F401
 
 import acp_proxy.main
+import acp_proxy.operator.commands
+import acp_proxy.operator.doctor
+import acp_proxy.remote.bridge
+import acp_proxy.remote.server
 import acp_proxy.serve
 from tests.kit.forked import exit_status
 
