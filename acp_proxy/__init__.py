@@ -1,3 +1,3 @@
 """acp-proxy: a sidecar between ACP gateways and the coding-agent adapters they launch."""
 
-__version__ = "0.13.2"
+__version__ = "0.14.0"

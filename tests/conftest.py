@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import time
 import uuid
@@ -102,3 +103,9 @@ def proc_env(tmp_path: Path) -> Iterator[dict[str, str]]:
         for path in kept:
             cgroups.clear(path, 2.0)
         pytest.fail(f"cgroups of the test's install outlived it (removed now): {[str(p) for p in kept]}")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection made (every test item, its module, its parameters) lives as long as the worker: the
+    garbage collector's full passes during the run leave it out (``gc.freeze``), 4-5 % of a tier's CPU."""
+    gc.freeze()
