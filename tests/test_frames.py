@@ -13,7 +13,17 @@ import random
 import pytest
 from wsproto.frame_protocol import CloseReason, FrameProtocol, Opcode
 
-from acp_proxy.remote.frames import CLOSE, PING, TEXT, FrameReader, ProtocolError, client_frame, close_frame, frame
+from acp_proxy.remote.frames import (
+    CLOSE,
+    PING,
+    TEXT,
+    FrameReader,
+    ProtocolError,
+    client_frame,
+    close_frame,
+    frame,
+    may_send,
+)
 
 
 def _server() -> FrameProtocol:
@@ -125,3 +135,22 @@ def test_the_frames_a_server_writes_are_what_wsproto_reads() -> None:
     bare = _client()
     bare.receive_bytes(frame(CLOSE, b""))
     assert [event.payload for event in bare.received_frames()] == [(1005, "")]
+
+
+def test_a_close_carries_only_codes_it_may_and_a_reason_cut_on_a_character() -> None:
+    assert [code for code in (999, 1000, 1004, 1005, 1006, 1011, 1015, 2999, 3000, 4999, 5000) if may_send(code)] == [
+        1000,
+        1011,
+        3000,
+        4999,
+    ]
+    client = _client()
+    client.receive_bytes(close_frame(1008, "é" * 100))  # 200 bytes of reason: cut to 122, not inside an "é"
+    (closing,) = client.received_frames()
+    assert closing.payload == (1008, "é" * 61)
+
+
+def test_text_that_is_not_utf8_is_refused_with_1007() -> None:
+    with pytest.raises(ProtocolError, match="UTF-8") as refused:
+        FrameReader(masked=True).feed(client_frame(TEXT, b"\xff\xfe"))
+    assert refused.value.code == 1007

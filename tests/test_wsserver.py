@@ -61,7 +61,10 @@ def test_which_connections_are_websocket_upgrades(head: bytes, expected: bool) -
     assert is_websocket_upgrade(head) is expected
 
 
-payloads = st.text(max_size=300).map(str.encode) | st.sampled_from([b"x" * n for n in (125, 126, 127, 65535, 65536)])
+payloads = st.text(max_size=300).map(str.encode).filter(lambda line: not line.endswith(b"\n")) | st.sampled_from(
+    [b"x" * n for n in (125, 126, 127, 65535, 65536)]
+)
+"""A message's bytes: a line's own newline, when it has one, is not part of it."""
 
 
 @given(st.lists(st.tuples(payloads, st.booleans()), max_size=20))
@@ -310,3 +313,25 @@ def test_accepted_tcp_connections_send_small_writes_at_once() -> None:
         prepare(accepted)
         assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
         assert accepted.getblocking() is False
+
+
+@pytest.mark.anyio
+async def test_a_text_sent_alone_is_sent_as_it_is_and_a_close_code_no_frame_may_carry_is_not_echoed() -> None:
+    async def send_one(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.send", "text": "ends with a newline\n"})
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+
+    async with served(send_one) as (client, _):
+        assert isinstance(await client.handshake(), AcceptConnection)
+        message = await client.next()
+        assert isinstance(message, TextMessage)
+        assert message.data == "ends with a newline\n", "only a run of JSON lines loses its newlines"
+        await client.stream.send(bytes([0x88, 0x82, 0, 0, 0, 0]) + (1006).to_bytes(2, "big"))  # a close saying 1006
+        reply = await client.next()
+        while isinstance(reply, Ping):
+            reply = await client.next()
+        assert isinstance(reply, CloseConnection)
+        assert reply.code == 1005, "answered with an empty close, not 1006"

@@ -17,6 +17,7 @@ from typing import Final
 
 TEXT, BINARY, CONTINUATION, CLOSE, PING, PONG = 0x1, 0x2, 0x0, 0x8, 0x9, 0xA
 PROTOCOL_ERROR: Final = 1002
+NOT_UTF8: Final = 1007
 TOO_BIG: Final = 1009
 NO_STATUS: Final = 1005
 
@@ -96,7 +97,7 @@ class FrameReader:
                     try:
                         texts.append(payload.decode())
                     except UnicodeDecodeError:
-                        raise ProtocolError("a text message that is not UTF-8") from None
+                        raise ProtocolError("a text message that is not UTF-8", NOT_UTF8) from None
                 else:
                     self._frame(bool(first & 0x80), first & 0x0F, bytes(payload))
         finally:
@@ -132,7 +133,7 @@ class FrameReader:
                 try:
                     self.texts.append(joined.decode())
                 except UnicodeDecodeError:
-                    raise ProtocolError("a text message that is not UTF-8") from None
+                    raise ProtocolError("a text message that is not UTF-8", NOT_UTF8) from None
             self._fragments.clear()
             self._size = 0
             self._message = None
@@ -171,9 +172,16 @@ def frame(opcode: int, payload: bytes) -> bytes:
     return _header(0x80 | opcode, len(payload)) + payload
 
 
+def may_send(code: int) -> bool:
+    """Whether a close frame may carry ``code`` (RFC 6455 7.4: 1005, 1006 and 1015 only say what happened)."""
+    return (1000 <= code <= 1014 and code not in (1004, 1005, 1006)) or 3000 <= code <= 4999
+
+
 def close_frame(code: int, reason: str = "") -> bytes:
-    """A close frame (a server's) with ``code`` and ``reason`` (cut to fit a control frame)."""
-    return frame(CLOSE, code.to_bytes(2, "big") + reason.encode()[:123])
+    """A close frame (a server's) with ``code`` and ``reason``, cut to fit a control frame on a character's
+    boundary (a close whose reason is not UTF-8 is a protocol error to the other end)."""
+    cut = reason.encode()[:123].decode("utf-8", "ignore").encode()
+    return frame(CLOSE, code.to_bytes(2, "big") + cut)
 
 
 def client_frame(opcode: int, payload: bytes, key: bytes | None = None) -> bytes:

@@ -32,10 +32,12 @@ from acp_proxy.remote.frames import (
     NO_STATUS,
     PING,
     PONG,
+    TEXT,
     FrameReader,
     ProtocolError,
     close_frame,
     frame,
+    may_send,
     text_frames,
 )
 
@@ -110,7 +112,8 @@ class ServerSocket:
             if reader.closed is not None and self.close_code is None:
                 code = reader.closed[0]
                 if not self.closing:  # the client's close, answered with its code (RFC 6455 5.5.1)
-                    await self._write(close_frame(code) if code is not None else frame(CLOSE, b""), quiet=True)
+                    answer = close_frame(code) if code is not None and may_send(code) else frame(CLOSE, b"")
+                    await self._write(answer, quiet=True)
                 self.closing = True
                 self.close_code = code if code is not None else NO_STATUS
 
@@ -120,7 +123,7 @@ class ServerSocket:
             await self._data(text_frames(message["lines"]))
         elif kind == "websocket.send":
             text = message.get("text")
-            await self._data(text_frames((text.encode(),)) if text is not None else frame(BINARY, message["bytes"]))
+            await self._data(frame(TEXT, text.encode()) if text is not None else frame(BINARY, message["bytes"]))
         elif kind == "websocket.accept":
             if self.answered:
                 raise RuntimeError("websocket.accept after the handshake was answered")
