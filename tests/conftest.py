@@ -107,5 +107,10 @@ def proc_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection made (every test item, its module, its parameters) lives as long as the worker: the
-    garbage collector's full passes during the run leave it out (``gc.freeze``), 4-5 % of a tier's CPU."""
+    garbage collector's full passes during the run leave it out (``gc.freeze``), 4-5 % of a tier's CPU.
+
+    hypothesis is imported first: as it is, trio registers its random generator with it, which checks that
+    something holds the generator, and a frozen holder is out of its sight."""
+    import hypothesis  # noqa: F401
+
     gc.freeze()
