@@ -8,7 +8,9 @@ the one that wrote them); the client side of every exchange here is wsproto's. T
 
 from __future__ import annotations
 
+import logging
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -335,3 +337,24 @@ async def test_a_text_sent_alone_is_sent_as_it_is_and_a_close_code_no_frame_may_
             reply = await client.next()
         assert isinstance(reply, CloseConnection)
         assert reply.code == 1005, "answered with an empty close, not 1006"
+
+
+@pytest.mark.anyio
+async def test_a_client_that_resets_before_its_upgrade_is_served_is_let_go_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from hypercorn.config import Config
+
+    from acp_proxy.remote.front import FrontDoor
+
+    door = FrontDoor(echo, Config(), max_message=100, ping_interval=1)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname()[:2])
+        accepted, _ = listener.accept()
+        client.sendall(UPGRADE)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # with a reset, not a FIN
+        await anyio.sleep(0.05)
+        await door.connection(accepted)
+    assert accepted.fileno() == -1, "closed"
+    assert not [record for record in caplog.records if record.levelno >= logging.WARNING]

@@ -152,9 +152,14 @@ class FrontDoor:
 
     async def _websocket(self, conn: socket.socket) -> None:
         tcp = conn.family in (socket.AF_INET, socket.AF_INET6)
-        client = _address(conn.getpeername()) if tcp else None
-        server = _address(conn.getsockname()) if tcp else None
-        stream = await anyio.abc.SocketStream.from_socket(conn)
+        try:
+            client = _address(conn.getpeername()) if tcp else None
+            server = _address(conn.getsockname()) if tcp else None
+            stream = await anyio.abc.SocketStream.from_socket(conn)
+        except (OSError, ValueError) as exc:  # the client reset the connection before it was served: nothing to do
+            log.debug("a WebSocket client left before its upgrade was read: %s", exc)
+            conn.close()
+            return
         await serve_websocket(
             stream,
             self.app,
