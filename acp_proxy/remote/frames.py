@@ -30,7 +30,8 @@ class ProtocolError(Exception):
         self.code = code
 
 
-def _unmask(payload: bytes | bytearray, key: bytes | bytearray) -> bytes:
+def _apply_mask(payload: bytes | bytearray, key: bytes | bytearray) -> bytes:
+    """``payload`` masked with ``key``, or unmasked: RFC 6455's XOR with the key repeated is its own inverse."""
     size = len(payload)
     keys = (key * (size // 4 + 1))[:size]
     return (int.from_bytes(payload, "little") ^ int.from_bytes(keys, "little")).to_bytes(size, "little")
@@ -92,7 +93,7 @@ class FrameReader:
                 payload: bytes | bytearray = buffer[head:stop]  # the one copy of it
                 at = stop
                 if masked:
-                    payload = _unmask(payload, key)
+                    payload = _apply_mask(payload, key)
                 if first == 0x80 | TEXT and self._message is None:  # a whole message in one frame: nearly all
                     try:
                         texts.append(payload.decode())
@@ -187,4 +188,4 @@ def close_frame(code: int, reason: str = "") -> bytes:
 def client_frame(opcode: int, payload: bytes, key: bytes | None = None) -> bytes:
     """A client's final frame: masked with ``key`` (four random bytes unless given)."""
     key = os.urandom(4) if key is None else key
-    return _header(0x80 | opcode, len(payload), 0x80) + key + _unmask(payload, key)
+    return _header(0x80 | opcode, len(payload), 0x80) + key + _apply_mask(payload, key)

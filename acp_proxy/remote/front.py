@@ -79,30 +79,33 @@ class HttpConnections:
     def __init__(self, app: App, config: Any) -> None:
         from hypercorn.app_wrappers import ASGIWrapper
 
-        self.trio = sniffio.current_async_library() == "trio"
-        if self.trio:
+        if sniffio.current_async_library() == "trio":
             from hypercorn.trio.worker_context import WorkerContext
+
+            self.serve = self._serve_on_trio
         else:
             from hypercorn.asyncio.worker_context import WorkerContext  # type: ignore[assignment]
+
+            self.serve = self._serve_on_asyncio
         self.app = ASGIWrapper(app)  # type: ignore[arg-type]
         self.config = config
         self.context = WorkerContext(None)
 
-    async def serve(self, conn: socket.socket) -> None:
-        if self.trio:
-            import trio
-            from hypercorn.trio.tcp_server import TCPServer
+    async def _serve_on_trio(self, conn: socket.socket) -> None:
+        import trio
+        from hypercorn.trio.tcp_server import TCPServer
 
-            stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
-            await TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]
-        else:
-            import asyncio
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(conn))
+        await TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]
 
-            from hypercorn.asyncio.tcp_server import TCPServer as AsyncioServer
+    async def _serve_on_asyncio(self, conn: socket.socket) -> None:
+        import asyncio
 
-            reader, writer = await asyncio.open_connection(sock=conn)
-            loop = asyncio.get_running_loop()
-            await AsyncioServer(self.app, loop, self.config, self.context, {}, reader, writer)  # type: ignore[arg-type]
+        from hypercorn.asyncio.tcp_server import TCPServer
+
+        reader, writer = await asyncio.open_connection(sock=conn)
+        loop = asyncio.get_running_loop()
+        await TCPServer(self.app, loop, self.config, self.context, {}, reader, writer)  # type: ignore[arg-type]
 
     async def wind_down(self) -> None:
         """Connections close once idle, and a kept-alive one takes no new request."""

@@ -99,8 +99,7 @@ class Replay:
 
     def next_cursors(self, count: int) -> list[str]:
         """The cursors the next ``count`` messages recorded get."""
-        prefix = self.epoch + SEPARATOR
-        return [prefix + str(sequence) for sequence in range(self._last + 1, self._last + 1 + count)]
+        return [self.cursor(sequence) for sequence in range(self._last + 1, self._last + 1 + count)]
 
     def cursor(self, sequence: int) -> str:
         return f"{self.epoch}{SEPARATOR}{sequence}"
