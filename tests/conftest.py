@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from acp_proxy.ownership import cgroups
+from tests.kit import forked as forking
 from tests.kit import markers
 from tests.support import MARKER_VARIABLE, install_cgroups, marked_processes
 
@@ -62,6 +63,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # items, the last len % workers shares one more: the larger deals go last, so that the cuts fall between.
     workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
     items[:] = [item for deal in reversed(range(workers)) for item in ranked[deal::workers]]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        forking.share()  # pytest-xdist's controller: its workers share one fork server
 
 
 def starts_processes(item: pytest.Item) -> bool:

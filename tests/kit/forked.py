@@ -3,9 +3,10 @@
 ``spawn`` gives a ``ForkedProcess``, which a ``Gateway`` drives as it drives an ``anyio`` process:
 its ``pid``, its ``stdin`` and ``stdout`` pipes, ``wait`` for its exit status, ``aclose``. ``run``
 is ``subprocess.run`` of ``python -m acp_proxy ARGS`` (an operator's command, a proxy given its
-input at once), forked the same way. The server is started on first use, one per process of the
-tests, and ends with it (EOF on its stdin). ``ACP_PROXY_TEST_FORK=0`` turns it off: every proxy is
-exec'd, as a gateway starts one.
+input at once), forked the same way. pytest-xdist's controller starts one server that all its workers
+share (``share``: one interpreter's imports, not one per worker); a process of the tests without one
+starts its own on first use. A server ends with the process that started it (EOF on its stdin).
+``ACP_PROXY_TEST_FORK=0`` turns it off: every proxy is exec'd, as a gateway starts one.
 """
 
 from __future__ import annotations
@@ -50,22 +51,30 @@ def can_fork(argv: Sequence[str], env: Mapping[str, str] | None) -> bool:
     return ENABLED and list(argv[1:3]) == ["-m", "acp_proxy"] and argv[0] == sys.executable and same_imports
 
 
+SHARED = "ACP_PROXY_TEST_FORK_SERVER"
+"""The socket of a fork server that the process which started this one shares with it (``share``)."""
+
+SHARED_START = 60.0
+"""Seconds a test process waits for a shared fork server to listen (it imports while the workers collect)."""
+
+
 class _Server:
     _running: _Server | None = None
     _starting = threading.Lock()
 
-    def __init__(self) -> None:
+    def __init__(self, *, wait: bool = True) -> None:
         self.directory = tempfile.mkdtemp(prefix="acp-proxy-zygote-")
         self.path = os.path.join(self.directory, "socket")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tests.kit.zygote", self.path],
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.PIPE if wait else subprocess.DEVNULL,
             cwd=ROOT,
         )
-        assert self.process.stdout is not None
-        if self.process.stdout.readline() != b"ready\n":
-            raise RuntimeError(f"the fork server did not start (exit status {self.process.wait()})")
+        if wait:
+            assert self.process.stdout is not None
+            if self.process.stdout.readline() != b"ready\n":
+                raise RuntimeError(f"the fork server did not start (exit status {self.process.wait()})")
         atexit.register(self.close)
 
     @classmethod
@@ -76,12 +85,43 @@ class _Server:
             return cls._running
 
     def close(self) -> None:
-        assert self.process.stdin is not None
+        if self.process.stdin is None or self.process.stdin.closed:
+            return
         self.process.stdin.close()
         self.process.wait(timeout=10)
         with contextlib.suppress(OSError):
             os.unlink(self.path)
             os.rmdir(self.directory)
+
+
+def share() -> None:
+    """Start a fork server for the processes this one starts from now on (pytest-xdist's workers): one
+    interpreter importing the proxy for all of them rather than one each. It is not waited for: it imports
+    while they start, and they wait for its socket (``SHARED_START``). It ends with this process."""
+    if ENABLED and SHARED not in os.environ:
+        os.environ[SHARED] = _Server(wait=False).path
+
+
+def _server_path() -> str:
+    return os.environ.get(SHARED) or _Server.get().path
+
+
+def _connected(path: str) -> socket.socket:
+    """A connection to the fork server at ``path``; a shared one still importing is waited for."""
+    deadline = time.monotonic() + SHARED_START
+    while True:
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            connection.connect(path)
+            return connection
+        except (FileNotFoundError, ConnectionRefusedError):
+            connection.close()
+            if path != os.environ.get(SHARED) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+        except BaseException:
+            connection.close()
+            raise
 
 
 class ForkedProcess:
@@ -145,9 +185,8 @@ def _ask_for_child(
 ) -> socket.socket:
     """Ask this process's fork server for ``python -m acp_proxy ARGS`` with ``fds`` as its stdin, stdout and
     stderr (``session``: in a session of its own); the connection its pid and exit status come back on."""
-    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection = _connected(_server_path())
     try:
-        connection.connect(_Server.get().path)
         request = {"args": list(args), "env": dict(env), "cwd": None if cwd is None else str(cwd), "session": session}
         socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], fds)
     except BaseException:
