@@ -110,7 +110,8 @@ class WsClient:
                 yield client
             finally:
                 tasks.cancel_scope.cancel()
-                await ws.aclose()
+                with anyio.CancelScope(shield=True):  # unshielded, the cancellation would replace (and the task
+                    await ws.aclose()  # group then swallow) whatever the test's body raised
 
     async def _receive(self) -> None:
         try:

@@ -143,7 +143,7 @@ async def test_a_resume_refused_the_grace_run_out_and_a_clients_own_end(
         async with WsClient.open(served.target(token)) as client:
             await client.call("initialize", RESUMABLE)
             session = (await client.call("session/new", NEW))["result"]["sessionId"]
-            done = await client.call("session/prompt", prompt(session, "remember mango"))
+            done = await client.call("session/prompt", prompt(session, "stream 3"))
             cursor = done["_meta"]["acp/cursor"]
             connection_id = client.ws.connection_id
         await until_attached(tmp_path, connection_id, False)
@@ -163,7 +163,8 @@ async def test_a_resume_refused_the_grace_run_out_and_a_clients_own_end(
             await client.call("initialize", RESUMABLE)
             loaded = await client.call("session/load", {"sessionId": session, **NEW})
             assert "result" in loaded, loaded
-            assert any("mango" in json.dumps(m) for m in client.updates(session)), "restored with its history"
+            replayed = [m["params"]["update"]["content"]["text"] for m in client.updates(session)]
+            assert replayed == ["chunk 0 ", "chunk 1 ", "chunk 2 "], "restored with its history"
             await client.send({"method": "stream/close"})
             connection_id = client.ws.connection_id
             with pytest.raises(AssertionError, match="socket closed"):
