@@ -19,7 +19,17 @@ if TYPE_CHECKING:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.main(argv, serve=run_proxy)
+    return cli.main(argv, serve=run_proxy, preload=preload_proxy)
+
+
+def preload_proxy(async_backend: str) -> None:
+    """Import what ``run_proxy`` runs on ``async_backend``: for a process that forks proxies (``serve``'s
+    launcher), so that its children start with it imported."""
+    import importlib
+
+    import acp_proxy.serve  # noqa: F401
+
+    importlib.import_module(f"anyio._backends._{async_backend}")  # what anyio.run loads for it
 
 
 def run_proxy(config: Config, owner: Owner, backend: str | None, warm: WarmStart | None, async_backend: str) -> int:

@@ -186,6 +186,15 @@ def rss_mb(pid: int) -> float | None:
         return None
 
 
+def pss_mb(pid: int) -> float | None:
+    """Its proportional set size: its own pages, and its share of those it shares (a forked proxy shares
+    most of its launcher's), so that the sizes of processes add up."""
+    try:
+        return psutil.Process(pid).memory_full_info().pss / 2**20
+    except (psutil.Error, AttributeError):
+        return None
+
+
 def encode(request_id: int, method: str, params: object) -> bytes:
     return msgspec.json.encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
 
@@ -215,9 +224,22 @@ class Served:
         return self.process.pid
 
     def proxies(self) -> list[psutil.Process]:
-        """Its connections' proxies: its children."""
+        """Its connections' proxies: its launcher's children (the launcher is the child that runs ``serve``'s
+        own command line, forked from it), and any it exec'd itself."""
         try:
-            return psutil.Process(self.pid).children()
+            serve = psutil.Process(self.pid)
+            found: list[psutil.Process] = []
+            for child in serve.children():
+                found += child.children() if child.cmdline() == serve.cmdline() else [child]
+            return found
+        except psutil.Error:
+            return []
+
+    def launchers(self) -> list[psutil.Process]:
+        """Its launcher, if it has one."""
+        try:
+            serve = psutil.Process(self.pid)
+            return [child for child in serve.children() if child.cmdline() == serve.cmdline()]
         except psutil.Error:
             return []
 
@@ -693,10 +715,16 @@ async def idle_run(served: Served, token: str, count: int) -> Row:
     }
 
 
+def served_pss(served: Served) -> float | None:
+    """``serve``'s PSS with its launcher's."""
+    sizes = [pss_mb(pid) for pid in (served.pid, *(launcher.pid for launcher in served.launchers()))]
+    return None if None in sizes else sum(size for size in sizes if size is not None)
+
+
 async def sessions_run(served: Served, token: str, connections: int, sessions: int) -> Row:
     """``sessions`` sessions over ``connections`` initialized WebSockets, held open while memory is read."""
     await anyio.sleep(SETTLE)
-    at_rest = rss_mb(served.pid)
+    at_rest = served_pss(served)
     async with contextlib.AsyncExitStack() as stack:
         channels: list[Channel] = []
         for _ in range(connections):
@@ -706,8 +734,8 @@ async def sessions_run(served: Served, token: str, connections: int, sessions: i
             channels.append(channel)
         await open_sessions(channels, sessions)
         await anyio.sleep(SETTLE)
-        serve_mb = rss_mb(served.pid)
-        proxies = [rss_mb(p.pid) for p in served.proxies()]
+        serve_mb = served_pss(served)
+        proxies = [pss_mb(p.pid) for p in served.proxies()]
     if at_rest is None or serve_mb is None or None in proxies or len(proxies) != connections:
         raise BenchError(f"serve's memory could not be read ({len(proxies)} proxies of {connections})")
     sizes = [p for p in proxies if p is not None]
@@ -741,7 +769,7 @@ async def direct_sessions_run(bench: Bench, row: Row) -> None:
             channels.append(channel)
         await open_sessions(channels, row["sessions"])
         await anyio.sleep(SETTLE)
-        sizes = [rss_mb(channel.pid) for channel in channels if channel.pid is not None]
+        sizes = [pss_mb(channel.pid) for channel in channels if channel.pid is not None]
     if None in sizes or len(sizes) != row["connections"]:
         raise BenchError("the stdio proxies' memory could not be read")
     known = [size for size in sizes if size is not None]
@@ -1051,7 +1079,8 @@ def render(report: Report) -> list[str]:
     if "sessions_row" in results:
         row = results["sessions_row"]
         out += [
-            f"Sessions: {row['sessions']} live sessions over {row['connections']} initialized WebSockets: serve "
+            f"Sessions: {row['sessions']} live sessions over {row['connections']} initialized WebSockets, "
+            f"proportional set sizes: serve and its launcher "
             f"{row['serve_mb']:.1f} MB (at rest {row['serve_rest_mb']:.1f}) + its {row['connections']} proxies "
             f"{row['proxies_mb']:.1f} MB (median {row['proxy_median_mb']:.1f}) = {row['total_mb']:.1f} MB, against "
             f"{row['direct_proxies_mb']:.1f} MB for {row['connections']} stdio proxies serving the same sessions "

@@ -617,8 +617,15 @@ def _token_view(token: object) -> dict[str, object]:
     }
 
 
-def _serve_network(args: argparse.Namespace, options: list[str], command: list[str]) -> int:
-    """``serve --listen/--socket``: each connection gets a stdio proxy with the options given here."""
+def _serve_network(
+    args: argparse.Namespace,
+    options: list[str],
+    command: list[str],
+    run: Callable[[Sequence[str]], int],
+    preload: Callable[[str], None] | None,
+) -> int:
+    """``serve --listen/--socket``: each connection gets a stdio proxy with the options given here, ``run``
+    in a child of the launcher (``remote/launcher.py``) once ``preload`` has imported it there."""
     level = getattr(args, "log_level", None) or _choice_from_env("ACP_PROXY_LOG_LEVEL", LOG_LEVELS, "info")
     log_format = getattr(args, "log_format", None) or _choice_from_env("ACP_PROXY_LOG_FORMAT", LOG_FORMATS, "text")
     async_backend = getattr(args, "async_backend", None) or _choice_from_env(
@@ -632,6 +639,7 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
         raise UsageError(f"--backend: {exc.args[0]}") from None
     from acp_proxy.remote import server
     from acp_proxy.remote.hub import Limits
+    from acp_proxy.remote.launcher import Launcher
     from acp_proxy.remote.replay import ReplayLimits
 
     try:
@@ -654,9 +662,10 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
 
     ensure_private_dir(state)
     shutdown = config.shutdown
+    proxy_args = server.proxy_args(_proxy_options(options), command, async_backend)
     serve_options = server.ServeOptions(
         state_dir=state,
-        proxy_argv=server.proxy_argv(_proxy_options(options), command, async_backend),
+        proxy_argv=[sys.executable, "-m", "acp_proxy", *proxy_args],
         listen=listen,
         unix_socket=Path(args.socket).absolute() if args.socket else None,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
@@ -675,14 +684,20 @@ def _serve_network(args: argparse.Namespace, options: list[str], command: list[s
         proxy_exit_grace=shutdown.stdin_grace + shutdown.close_timeout + 2 * shutdown.term_grace + 5,
         default_backend=default,
     )
+    launcher = None
+    if preload is not None and Launcher.available():
+        launcher = Launcher.start(run, proxy_args, lambda: preload(async_backend))  # before any thread or socket
     logs.configure(level, log_format)
     gc.enable()
     import anyio
 
     try:
-        return anyio.run(server.serve_network, serve_options, backend=async_backend)
+        return anyio.run(server.serve_network, serve_options, launcher, backend=async_backend)
     except OSError as exc:
         raise UsageError(f"cannot listen: {exc.strerror or exc}") from None
+    finally:
+        if launcher is not None:
+            launcher.close()
 
 
 def _proxy_options(options: list[str]) -> list[str]:
@@ -881,8 +896,9 @@ def _fail(message: str) -> NoReturn:
     sys.exit(EXIT_USAGE)
 
 
-def main(argv: Sequence[str] | None, serve: Serve) -> int:
-    """Run one command line; ``serve`` runs the proxy itself (the composition root, handed in from above)."""
+def main(argv: Sequence[str] | None, serve: Serve, preload: Callable[[str], None] | None = None) -> int:
+    """Run one command line; ``serve`` runs the proxy itself (the composition root, handed in from above),
+    ``preload`` imports what it runs on an event loop (for ``serve --listen``'s launcher)."""
     options, command = split_command(sys.argv[1:] if argv is None else argv)
     args = parse_options(options)
     if args.command not in (None, "serve"):
@@ -907,7 +923,7 @@ def main(argv: Sequence[str] | None, serve: Serve) -> int:
         if args.command == "connect":
             return _connect(args)
         if args.command == "serve" and (args.listen or args.socket):
-            return _serve_network(args, options, command)
+            return _serve_network(args, options, command, lambda argv: main(argv, serve, preload), preload)
         return _serve(args, command, serve)
     except (ConfigError, UsageError) as exc:
         _fail(str(exc))

@@ -143,6 +143,18 @@ def kill_child_group(pid: int) -> bool:
     return True
 
 
+def signal_pidfd(pidfd: int, sig: signal.Signals) -> bool:
+    """Send ``sig`` to the process ``pidfd`` refers to (a pidfd names one process, never a reused pid).
+
+    For ``serve``'s connection proxies that its launcher forked: ours to stop, not our children.
+    Whether it was sent (not if the process has ended, or the descriptor is closed)."""
+    try:
+        signal.pidfd_send_signal(pidfd, sig)
+    except (ProcessLookupError, PermissionError, OSError):
+        return False
+    return True
+
+
 def signal_child(pid: int, sig: signal.Signals) -> bool:
     """Send ``sig`` to ``pid``, a child of ours not yet reaped (so its pid names no other process).
 

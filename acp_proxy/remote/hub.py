@@ -28,7 +28,7 @@ import anyio.abc
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from acp_proxy.ownership.verify import signal_child
+from acp_proxy.ownership.verify import signal_child, signal_pidfd
 from acp_proxy.protocol import jsonrpc
 from acp_proxy.protocol.acp import notification_sessions, proxy_meta, session_of
 from acp_proxy.protocol.errors import ProxyError
@@ -37,11 +37,15 @@ from acp_proxy.protocol.methods import Method
 from acp_proxy.relay.attached import CLIENT_ENV
 from acp_proxy.relay.claims import LOCAL, PRINCIPAL_ENV
 from acp_proxy.remote.access import Gate, gate, sees_session, visible_sessions
+from acp_proxy.remote.launcher import LaunchedProxy, Launcher, LauncherGone
 from acp_proxy.remote.outbox import Outbox
 from acp_proxy.remote.replay import RESUMABLE_META, TURN_STATE_META, ReplayLimits, TurnStates
 from acp_proxy.remote.tokens import Principal, RemoteStore
 
 log = logging.getLogger("acp_proxy.serve")
+
+ProxyProcess = anyio.abc.Process | LaunchedProxy
+"""A connection's proxy: forked by the launcher, or exec'd where there is none."""
 
 HANDOVER_TIMEOUT: Final = 30.0
 """How long a message for a session waits for the proxy of a connection that ended to let it go."""
@@ -151,7 +155,7 @@ class Connection:
         self.ended: Ended | None = None
         self.closed = anyio.Event()
         self._pending: dict[tuple[type, object], Pending] = {}
-        self._process: anyio.abc.Process | None = None
+        self._process: ProxyProcess | None = None
         self._started: anyio.Event | None = None
         self._writing = anyio.Lock()
         self._nothing_in_flight = anyio.Event()
@@ -303,7 +307,7 @@ class Connection:
 
     # --- the proxy process -------------------------------------------------------------------
 
-    async def _proxy(self) -> anyio.abc.Process | None:
+    async def _proxy(self) -> ProxyProcess | None:
         """The connection's proxy, started with the first message that needs it."""
         if self.ended is not None:
             return None
@@ -316,16 +320,11 @@ class Connection:
     async def _run_proxy(self) -> None:
         assert self._started is not None
         try:
-            process = await anyio.open_process(
-                self.hub.proxy_argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=None,
-                env={
-                    **os.environ,
+            process = await self.hub.start_proxy(
+                {
                     CLIENT_ENV: f"{self.principal.label} over {self.transport} from {self.peer}",
                     PRINCIPAL_ENV: self.principal.label if self.principal.key.startswith("token:") else LOCAL,
-                },
+                }
             )
         except OSError as exc:
             log.error("connection %s: could not start its proxy: %s", self.id, exc)
@@ -359,6 +358,7 @@ class Connection:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._reap(process)
+                await process.aclose()  # its pipes (an exec'd one's also close with its transport)
                 if self.ended is None:
                     self.end(Ended.PROXY_EXITED)
                 self.hub.released(self)
@@ -375,17 +375,17 @@ class Connection:
         """Whether every line of ``batch`` is a notification (decoded with one call)."""
         return bool(batch.block) and jsonrpc.notification_methods(batch.block, batch.count) is not None
 
-    async def _reap(self, process: anyio.abc.Process) -> None:
+    async def _reap(self, process: ProxyProcess) -> None:
         """Wait for the proxy to shut down by itself (stdin closed); a proxy that will not is stopped."""
         with anyio.move_on_after(self.hub.proxy_exit_grace):
             await process.wait()
             return
         log.warning("connection %s: proxy pid %d did not exit in time: terminated", self.id, process.pid)
-        signal_child(process.pid, signal.SIGTERM)  # it suspends its sessions and exits, as on SIGTERM from anyone
+        _signal(process, signal.SIGTERM)  # it suspends its sessions and exits, as on SIGTERM from anyone
         with anyio.move_on_after(5):
             await process.wait()
             return
-        signal_child(process.pid, signal.SIGKILL)  # its trees are reaped by the install's next proxy
+        _signal(process, signal.SIGKILL)  # its trees are reaped by the install's next proxy
         await process.wait()
 
     def _no_client_to_ask(self, msg: Message) -> None:
@@ -518,9 +518,11 @@ class Hub:
         default_backend: str | None,
         proxy_exit_grace: float,
         initialize_timeout: float = 120.0,
+        launcher: Launcher | None = None,
     ) -> None:
         self.store = store
         self.proxy_argv = list(proxy_argv)
+        self.launcher = launcher
         self.limits = limits
         self.default_backend = default_backend
         self.proxy_exit_grace = proxy_exit_grace
@@ -556,6 +558,18 @@ class Hub:
                     tasks.cancel_scope.cancel()
         finally:
             self.all_released.set()
+
+    async def start_proxy(self, env: dict[str, str]) -> ProxyProcess:
+        """A connection's proxy with ``env`` added to this process's environment: forked by the launcher, or
+        exec'd (``proxy_argv``) when there is none or it has gone."""
+        if self.launcher is not None and not self.launcher.gone:
+            try:
+                return await self.launcher.launch(env)
+            except LauncherGone as exc:
+                log.warning("%s: each connection's proxy is exec'd from now on", exc)
+        return await anyio.open_process(
+            self.proxy_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, env={**os.environ, **env}
+        )
 
     def stop(self) -> None:
         """End every connection, wait for their proxies to exit, and return from ``run``."""
@@ -695,3 +709,12 @@ class ResumeFailed(msgspec.Struct, frozen=True):
 
     reason: str
     message: str
+
+
+def _signal(process: ProxyProcess, sig: signal.Signals) -> None:
+    """Signal a connection's proxy not yet reaped: through its pidfd where forked, by pid where exec'd (not
+    ``Popen.send_signal``, which polls first and could reap the child behind the event loop's back)."""
+    if isinstance(process, LaunchedProxy):
+        signal_pidfd(process.pidfd, sig)
+    else:
+        signal_child(process.pid, sig)

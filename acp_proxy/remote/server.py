@@ -15,7 +15,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
@@ -28,6 +27,7 @@ import sniffio
 from acp_proxy.remote.app import AcpApp
 from acp_proxy.remote.front import FrontDoor, serve_front
 from acp_proxy.remote.hub import Hub, Limits
+from acp_proxy.remote.launcher import Launcher
 from acp_proxy.remote.status import StatusFile
 from acp_proxy.remote.tokens import RemoteStore
 
@@ -93,7 +93,8 @@ def unix_socket(path: Path) -> socket.socket:
     return sock
 
 
-async def serve_network(options: ServeOptions) -> int:
+async def serve_network(options: ServeOptions, launcher: Launcher | None = None) -> int:
+    """Serve until a signal; each connection's proxy forked by ``launcher``, or exec'd without one."""
     from hypercorn.config import Config as HttpConfig
 
     store = RemoteStore(options.state_dir)
@@ -103,6 +104,7 @@ async def serve_network(options: ServeOptions) -> int:
         options.limits,
         default_backend=options.default_backend,
         proxy_exit_grace=options.proxy_exit_grace,
+        launcher=launcher,
     )
     sockets = [tcp_socket(host, port) for host, port in options.listen]
     if options.unix_socket is not None:
@@ -212,7 +214,8 @@ def _address(sock: socket.socket, options: ServeOptions) -> str:
     return f"{scheme}://{shown}:{port}/acp"
 
 
-def proxy_argv(options: Sequence[str], command: Sequence[str], async_backend: str) -> list[str]:
-    """The stdio proxy each connection runs: this interpreter, these options, this backend command."""
-    argv = [sys.executable, "-m", "acp_proxy", "--async-backend", async_backend, *options]
-    return [*argv, "--", *command] if command else argv
+def proxy_args(options: Sequence[str], command: Sequence[str], async_backend: str) -> list[str]:
+    """The command line of the stdio proxy each connection runs (after ``python -m acp_proxy``): these
+    options, this backend command."""
+    args = ["--async-backend", async_backend, *options]
+    return [*args, "--", *command] if command else args
