@@ -6,11 +6,16 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from acp_proxy.config import Config
 from acp_proxy.ownership import instances
+from acp_proxy.protocol import jsonrpc
+from acp_proxy.sessions.catalog import SessionCatalog
 from acp_proxy.sessions.registry import (
+    LIST_PAGE_SIZE,
     Ownership,
     SessionRecord,
     SessionRegistry,
@@ -223,3 +228,60 @@ def test_schema_4_keeps_sessions_and_turns_the_old_closed_ones_into_tombstones(t
     assert (kept.state, kept.mcp_servers, kept.title) == (SessionState.SUSPENDED, '[{"name": "m"}]', None)
     assert (gone.state, gone.mcp_servers) == (SessionState.DELETED, "[]")
     assert [r.session_id for r in registry.page()] == ["kept"]
+
+
+class _Answers:
+    """The gateway side of a ``SessionCatalog``: the answers it was given, by request id."""
+
+    def __init__(self) -> None:
+        self.answers: dict[object, object] = {}
+
+    async def send(self, data: bytes) -> None:
+        raise AssertionError("session/list answers; it sends nothing else")
+
+    async def answer(self, request_id: object, result: object) -> None:
+        self.answers[request_id] = result
+
+    async def fail(self, request_id: object, error: object) -> None:
+        self.answers[request_id] = error
+
+    async def reply(self, request_id: object, data: bytes) -> None:
+        raise AssertionError("session/list answers with a result")
+
+
+@pytest.mark.anyio
+async def test_session_list_pages_through_every_row_in_order_reading_a_page_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a requester a page is read with its cursor in SQL (the page and one more row), not every row:
+    120 sessions come back in three pages, each once, in the order they were made."""
+    registry = SessionRegistry(StateDB(tmp_path), "instance-1")
+    made = [f"s{i:03d}" for i in range(120)]
+    for session_id in made:
+        registry.create(record(session_id))
+    registry.db.settle()
+    limits: list[int | None] = []
+    page = registry.page
+
+    def counted_page(**options: Any) -> list[SessionRecord]:
+        limits.append(options.get("limit"))
+        return page(**options)
+
+    monkeypatch.setattr(registry, "page", counted_page)
+    gateway = _Answers()
+    catalog = SessionCatalog(Config(backends={}), registry, None, gateway)  # type: ignore[arg-type]  # no process: no pool
+    seen: list[str] = []
+    cursor: str | None = None
+    for request_id in range(1, 10):
+        params = {} if cursor is None else {"cursor": cursor}
+        decoded = jsonrpc.decode_line(jsonrpc.request(request_id, "session/list", params))
+        assert isinstance(decoded, tuple)
+        await catalog.list_sessions(decoded[0])
+        result = gateway.answers[request_id]
+        assert isinstance(result, dict)
+        seen += [s["sessionId"] for s in result["sessions"]]
+        cursor = result.get("nextCursor")
+        if cursor is None:
+            break
+    assert seen == made
+    assert limits == [LIST_PAGE_SIZE + 1] * 3

@@ -51,12 +51,14 @@ class SessionCatalog:
             return
         cwd = params.get("cwd") if isinstance(params.get("cwd"), str) else None
         await self.registry.caught_up()  # the list shows what this proxy has just written
-        records = self.registry.page(cwd=cwd, limit=None)
-        if requester is not None:
+        if requester is None:  # the page and one more row (is there a next page?), not every row
+            records = self.registry.page(cwd=cwd, cursor=after, limit=LIST_PAGE_SIZE + 1)
+        else:  # who may see a session follows its lineage, which only the whole set shows
+            records = self.registry.page(cwd=cwd, limit=None)
             visible = {row.session_id for row in visible_rows([visibility_row(r) for r in records], requester)}
             records = [r for r in records if r.session_id in visible]
-        if after is not None:
-            records = [r for r in records if (r.created_at, r.session_id) > (after.created_at, after.session_id)]
+            if after is not None:
+                records = [r for r in records if (r.created_at, r.session_id) > (after.created_at, after.session_id)]
         page = await self._with_adapter_titles(records[:LIST_PAGE_SIZE])
         result: dict[str, Any] = {"sessions": [session_info(r) for r in page]}
         if len(records) > len(page):
