@@ -24,7 +24,7 @@ every timed prompt is checked to have been served by a fresh, restored process.
    state dir is given 990 suspended rows (``SessionRegistry.create`` then
    ``mark_suspended``, with MCP servers, ownership metadata and a setting each);
    a proxy with ``max_live = 10`` gets ``initialize``, 10 ``session/new`` and one
-   ``session/list`` (which reads every open row); then ``VmRSS`` and ``VmHWM`` of
+   ``session/list`` (it reads a page of rows and one more); then ``VmRSS`` and ``VmHWM`` of
    the proxy process are read from ``/proc/PID/status``. The baseline is the
    same proxy with 0 sessions (``initialize`` and ``session/list`` only); a third
    case, 10 live sessions and nothing else registered, separates what the live
@@ -590,8 +590,8 @@ def render(report: Report) -> list[str]:
             f"## Sessions: proxy memory with {RSS_SESSIONS:,} registered sessions, {RSS_LIVE} live "
             f"(`max_live = {RSS_LIVE}`), {results['rss_runs']} run(s) each, the highest reported",
             "",
-            f"After `initialize`, a `session/new` per live session and one `session/list` (it reads every "
-            f"open row; it answers the first {LIST_PAGE_SIZE}). RSS of the proxy process alone (its "
+            f"After `initialize`, a `session/new` per live session and one `session/list` (it answers the "
+            f"first {LIST_PAGE_SIZE}, reading them and one more row). RSS of the proxy process alone (its "
             "adapters are not counted), from `/proc/PID/status`; added: against the same proxy with "
             "0 sessions.",
             "",
