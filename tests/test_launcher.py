@@ -3,15 +3,18 @@ has imported it; exec'd once the launcher has gone; nothing of either left once 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+from acp_proxy.remote.launcher import LaunchedProxy, Launcher, LauncherGone
 from tests.kit.markers import alive, start_ticks
 from tests.remote_kit import WsClient, make_token, run_cli, serve
 from tests.support import TEST_INITIALIZE, write_config
@@ -95,3 +98,124 @@ async def test_serve_ends_its_launcher_and_every_proxy_it_forked(proc_env: dict[
                 await served.process.wait()
     assert served.process.returncode == 0
     assert [pid for pid, ticks in watched if alive(pid, ticks)] == []
+
+
+# --- serve's end of the channel, against a launcher played by the test (no fork) -------------------
+
+
+class PlayedLauncher:
+    """The launcher's end of a ``Launcher``'s channel, played in-process: it takes requests and says what the
+    test tells it to."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        self.launcher = Launcher(os.getpid(), ours)
+        self.channel = theirs
+
+    def take(self) -> tuple[dict[str, Any], list[int]]:
+        """The next request and its descriptors (the child's stdin, its stdout, the report socket)."""
+        request, fds, _, _ = socket.recv_fds(self.channel, 1 << 20, 3)
+        return json.loads(request), fds
+
+
+async def taken(played: PlayedLauncher) -> tuple[dict[str, Any], list[int]]:
+    await anyio.wait_readable(played.channel)
+    return played.take()
+
+
+@pytest.mark.anyio
+async def test_a_launch_hands_over_the_pipes_and_the_environment_and_reads_the_exit_status() -> None:
+    played = PlayedLauncher()
+    async with anyio.create_task_group() as tasks:
+        launched: list[LaunchedProxy] = []
+
+        async def launch() -> None:
+            launched.append(await played.launcher.launch({"ACP_PROXY_CLIENT": "laptop"}))
+
+        tasks.start_soon(launch)
+        request, (stdin, stdout, report) = await taken(played)
+        assert request == {"env": {"ACP_PROXY_CLIENT": "laptop"}}
+        os.write(report, f"pid {os.getpid()}\n".encode())
+    [proxy] = launched
+    assert proxy.pid == os.getpid()
+    await proxy.stdin.send(b"to the proxy\n")
+    assert os.read(stdin, 100) == b"to the proxy\n"
+    os.write(stdout, b"from the proxy\n")
+    assert await proxy.stdout.receive() == b"from the proxy\n"
+    os.write(report, b"exit 3\n")
+    assert await proxy.wait() == 3
+    assert proxy.pidfd == -1, "the status read, the pidfd is let go"
+    assert os.read(report, 10) == b"", "and the launcher may reap it: hung up"
+    await proxy.aclose()
+    assert os.read(stdin, 10) == b"", "its stdin closed"
+    for fd in (stdin, stdout, report):
+        os.close(fd)
+
+
+@pytest.mark.anyio
+async def test_a_launcher_that_hangs_up_is_gone_and_a_proxy_it_forked_is_waited_for_through_its_pidfd(
+    proc_env: dict[str, str],
+) -> None:
+    played = PlayedLauncher()
+    sleeper = await anyio.open_process(["/bin/sleep", "0.3"], env=proc_env)  # the proxy the launcher forked
+    try:
+        async with anyio.create_task_group() as tasks:
+            launched: list[LaunchedProxy] = []
+
+            async def launch() -> None:
+                launched.append(await played.launcher.launch({}))
+
+            tasks.start_soon(launch)
+            _, (stdin, stdout, report) = await taken(played)
+            os.write(report, f"pid {sleeper.pid}\n".encode())
+        os.close(report)  # the launcher dies before the proxy has ended: no exit line will come
+        with anyio.fail_after(10):
+            assert await launched[0].wait() == -1, "ended, its status gone to whoever reaped it"
+        assert await sleeper.wait() == 0, "it had ended, of itself"
+        await launched[0].aclose()
+        for fd in (stdin, stdout):
+            os.close(fd)
+
+        async def hang_up() -> None:  # the next launch: the launcher goes before it forks
+            _, fds = await taken(played)
+            for fd in fds:
+                os.close(fd)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(hang_up)
+            with pytest.raises(LauncherGone):
+                await played.launcher.launch({})
+        assert played.launcher.gone
+        with pytest.raises(LauncherGone, match="has gone"):  # and every launch after it, at once
+            await played.launcher.launch({})
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            sleeper.kill()
+        await sleeper.wait()
+
+
+@pytest.mark.anyio
+async def test_a_launch_waits_for_room_in_a_full_channel_and_one_cancelled_lets_its_pipes_go() -> None:
+    played = PlayedLauncher()
+    filler = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:  # what a burst of connections would leave unread in the channel
+            played.launcher._channel.send(b"x" * 4096)
+            filler += 1
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(played.launcher.launch, {"N": "1"})
+        await anyio.sleep(0.1)
+        for _ in range(filler):  # the launcher reads: the waiting launch goes out
+            await anyio.wait_readable(played.channel)
+            played.channel.recv(1 << 16)
+        request, (stdin, stdout, report) = await taken(played)
+        assert request == {"env": {"N": "1"}}
+        tasks.cancel_scope.cancel()  # the connection ends before the launcher says it forked
+    assert not played.launcher.gone
+    for fd in (stdin, report):
+        os.set_blocking(fd, False)  # EOF now, or a failure (not a wait)
+    assert os.read(stdin, 10) == b"", "a proxy forked for it meanwhile would read EOF and exit"
+    assert os.read(report, 10) == b"", "and the launcher reap it"
+    for fd in (stdin, stdout, report):
+        os.close(fd)

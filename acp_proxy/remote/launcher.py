@@ -157,16 +157,17 @@ class Launcher:
         stdin_read, stdin_write = os.pipe()
         stdout_read, stdout_write = os.pipe()
         report, their_report = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        request = json.dumps({"env": dict(env)}).encode()
         try:
-            try:
-                socket.send_fds(
-                    self._channel,
-                    [json.dumps({"env": dict(env)}).encode()],
-                    [stdin_read, stdout_write, their_report.fileno()],
-                )
-            except OSError as exc:  # gone (EPIPE, ECONNREFUSED), or so stuck its channel is full
-                self.gone = True
-                raise LauncherGone(f"the launcher has gone ({exc.strerror or exc})") from None
+            while True:
+                try:
+                    socket.send_fds(self._channel, [request], [stdin_read, stdout_write, their_report.fileno()])
+                    break
+                except BlockingIOError:  # a burst of connections has filled its channel: it is reading
+                    await anyio.wait_writable(self._channel)
+                except OSError as exc:  # gone (EPIPE, ECONNREFUSED)
+                    self.gone = True
+                    raise LauncherGone(f"the launcher has gone ({exc.strerror or exc})") from None
         except BaseException:
             for fd in (stdin_write, stdout_read):
                 os.close(fd)
@@ -180,7 +181,14 @@ class Launcher:
         proxy = LaunchedProxy(
             -1, -1, report, FdSendStream(stdin_write, owned=True), FdReceiveStream(stdout_read, owned=True)
         )
-        line = await _line(proxy)
+        try:
+            line = await _line(proxy)
+        except BaseException:  # cancelled: a child forked meanwhile gets EOF, exits, and is reaped by the launcher
+            with anyio.CancelScope(shield=True):
+                await proxy.stdin.aclose()
+                await proxy.stdout.aclose()
+            report.close()
+            raise
         if not line.startswith(b"pid "):
             await proxy.stdin.aclose()
             await proxy.stdout.aclose()
