@@ -243,8 +243,8 @@ class RemoteRun:
         if problem:
             raise CheckFailed(f"acpx exec: {problem} (exit {rc}; see {self.log})")
         self.exec = (rc, messages)
-        # The bridge has left: its connection's proxy must end too, and only serve remain.
-        extra = self.others(lambda m: self.serve is not None and m.pid == self.serve.pid, wait=30)
+        # The bridge has left: its connection's proxy must end too, and only serve (and its launcher) remain.
+        extra = self.others(self.serving, wait=30)
         if extra:
             self.problems.append(f"{self.mode}: 30s after acpx exec still running: {'; '.join(extra)}")
 
@@ -330,7 +330,7 @@ class RemoteRun:
     def audit(self, agent: list[str], env: dict[str, str]) -> None:
         """The queue owner stopped, then a fresh gateway (on the same agent command) loads the session."""
         stop_queue_owners(self.marker)
-        extra = self.others(lambda m: self.serve is not None and m.pid == self.serve.pid, wait=30)
+        extra = self.others(self.serving, wait=30)
         if extra:
             self.problems.append(f"{self.mode}: 30s after the queue owner's SIGTERM still running: {'; '.join(extra)}")
         gateway, _ = self.peers.session_gateway(agent, env, self.audit_log)
@@ -345,6 +345,21 @@ class RemoteRun:
             end(gateway)
         if not in_order(list(WORDS), self.replay):
             self.problems.append(f"{self.mode}: session/load of {self.session_id} replayed {self.replay}")
+
+    def serving(self, found: markers.Marked) -> bool:
+        """Whether ``found`` is the running serve or its launcher (its child on its command line, which forks
+        each connection's proxy: ``acp_proxy/remote/launcher.py``)."""
+        if self.serve is None:
+            return False
+        if found.pid == self.serve.pid:
+            return True
+        try:
+            with open(f"/proc/{found.pid}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        serve = markers.find(MARKER_VAR, self.marker).get(self.serve.pid)
+        return parent == self.serve.pid and serve is not None and found.argv == serve.argv
 
     def others(self, allowed: Callable[[markers.Marked], bool], wait: float) -> list[str]:
         """The run's processes, but those ``allowed``, still running after up to ``wait`` seconds."""
