@@ -33,12 +33,12 @@ import anyio
 import sniffio
 
 from acp_proxy.ownership import cgroups
+from acp_proxy.remote.launcher import exit_status
 from acp_proxy.sessions.registry import SessionRegistry
 from acp_proxy.state import DB_NAME, StateDB
 from acp_proxy.state.connection import StateError
 from tests.conformance import Conversation
 from tests.kit import forked, gateway, markers
-from tests.kit.forked import exit_status
 
 TESTS = Path(__file__).parent
 FAKE_ADAPTER = TESTS / "fake_adapter.py"

@@ -38,7 +38,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Final, NoReturn
+from typing import Final, NoReturn, TextIO
 
 import anyio
 
@@ -228,40 +228,72 @@ def _serve_requests(channel: socket.socket, run: Run, argv: list[str], preload: 
         os._exit(code)
 
 
+class Children:
+    """A fork server's children not yet reaped, each with the socket its requester reads ``pid N`` and then
+    ``exit N`` (negative: killed by that signal) on. A child that has ended is told, not reaped: it stays a
+    zombie until its requester hangs up, so that its pid names no other process while the requester may still
+    signal it. Used by the launcher and by the test suite's fork server (``tests/kit/zygote.py``)."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self._selector = selector
+        self._children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, its requester's socket)
+
+    def add(self, pid: int, report: socket.socket) -> None:
+        """Tell the requester ``pid`` and watch for its end."""
+        with contextlib.suppress(OSError):  # the requester has gone: the child is told and reaped all the same
+            report.sendall(f"pid {pid}\n".encode())
+        pidfd = os.pidfd_open(pid)
+        self._children[pidfd] = (pid, report)
+        self._selector.register(pidfd, selectors.EVENT_READ, (self, "ended", pidfd))
+
+    def handle(self, key: selectors.SelectorKey) -> bool:
+        """Act on ``key`` if it is one of this table's (a child ended, a requester hung up); whether it was."""
+        if not (isinstance(key.data, tuple) and key.data[0] is self):
+            return False
+        _, what, pidfd = key.data
+        pid, report = self._children[pidfd]
+        if what == "ended":
+            self._selector.unregister(pidfd)
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            assert ended is not None
+            killed = ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+            with contextlib.suppress(OSError):
+                report.sendall(f"exit {-ended.si_status if killed else ended.si_status}\n".encode())
+            self._selector.register(report, selectors.EVENT_READ, (self, "hung up", pidfd))
+        else:  # the requester hung up (or wrote): reap
+            del self._children[pidfd]
+            self._selector.unregister(report)
+            report.close()
+            os.close(pidfd)
+            os.waitpid(pid, 0)
+        return True
+
+
+def exit_status(exit_: SystemExit, stderr: TextIO) -> int:
+    """The status the interpreter exits with for ``exit_``, printing its message as it would."""
+    if exit_.code is None or isinstance(exit_.code, int):
+        return exit_.code or 0
+    print(exit_.code, file=stderr)
+    return 1
+
+
 def _loop(channel: socket.socket, run: Run, argv: list[str]) -> None:
     selector = selectors.DefaultSelector()
     selector.register(channel, selectors.EVENT_READ, "request")
-    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, its report socket)
+    children = Children(selector)
     while True:
         for key, _ in selector.select():
-            if key.data == "request":
-                try:
-                    request, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST, 3)
-                except ConnectionResetError:
-                    request, fds = b"", []
-                if not request and not fds:
-                    return  # serve has closed its end
-                child = _fork(request, fds, run, argv)
-                if child is not None:
-                    pidfd = os.pidfd_open(child[0])
-                    children[pidfd] = child
-                    selector.register(pidfd, selectors.EVENT_READ, "ended")
-            elif key.data == "ended":
-                # Told, not reaped: until serve has read its status and hung up, the child stays a zombie.
-                pid, report = children[key.fd]
-                selector.unregister(key.fd)
-                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-                assert ended is not None
-                killed = ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-                with contextlib.suppress(OSError):  # serve has gone; the child is reaped all the same
-                    report.sendall(f"exit {-ended.si_status if killed else ended.si_status}\n".encode())
-                selector.register(report, selectors.EVENT_READ, key.fd)
-            else:  # serve hung up (or wrote): reap
-                pid, report = children.pop(key.data)
-                selector.unregister(report)
-                report.close()
-                os.close(key.data)
-                os.waitpid(pid, 0)
+            if children.handle(key):
+                continue
+            try:
+                request, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST, 3)
+            except ConnectionResetError:
+                request, fds = b"", []
+            if not request and not fds:
+                return  # serve has closed its end
+            child = _fork(request, fds, run, argv)
+            if child is not None:
+                children.add(*child)
 
 
 def _fork(request: bytes, fds: list[int], run: Run, argv: list[str]) -> tuple[int, socket.socket] | None:
@@ -282,8 +314,6 @@ def _fork(request: bytes, fds: list[int], run: Run, argv: list[str]) -> tuple[in
         _become_the_proxy(fds, env, run, argv)
     os.close(fds[0])
     os.close(fds[1])
-    with contextlib.suppress(OSError):
-        report.sendall(f"pid {pid}\n".encode())
     return pid, report
 
 
@@ -300,9 +330,7 @@ def _become_the_proxy(fds: list[int], env: dict[str, str], run: Run, argv: list[
         try:
             code = run(argv)
         except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
-            if not isinstance(exit_.code, int | None):
-                print(exit_.code, file=sys.stderr)
+            code = exit_status(exit_, sys.stderr)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, TextIO
+from typing import IO
 
 import anyio
 
@@ -34,14 +34,6 @@ from acp_proxy.stdio import FdReceiveStream, FdSendStream
 ROOT = Path(__file__).resolve().parent.parent.parent
 ENABLED = os.environ.get("ACP_PROXY_TEST_FORK", "1") != "0" and hasattr(os, "pidfd_open") and hasattr(os, "waitid")
 """The server watches its children through pidfds (Linux 5.3 and later); elsewhere every proxy is exec'd."""
-
-
-def exit_status(exit_: SystemExit, stderr: TextIO) -> int:
-    """The status the interpreter exits with for ``exit_``, printing its message as it would."""
-    if exit_.code is None or isinstance(exit_.code, int):
-        return exit_.code or 0
-    print(exit_.code, file=stderr)
-    return 1
 
 
 def can_fork(argv: Sequence[str], env: Mapping[str, str] | None) -> bool:

@@ -21,7 +21,6 @@ The server exits at EOF on its own stdin, when the test worker that started it g
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -47,7 +46,7 @@ import acp_proxy.operator.doctor
 import acp_proxy.remote.bridge
 import acp_proxy.remote.server
 import acp_proxy.serve
-from tests.kit.forked import exit_status
+from acp_proxy.remote.launcher import Children, exit_status
 
 MAX_REQUEST = 1 << 20
 """Bytes a request may hold (an environment and arguments)."""
@@ -60,11 +59,13 @@ def serve(path: str) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "lifeline")
-    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the requester's connection)
+    children = Children(selector)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     while True:
         for key, _ in selector.select():
+            if children.handle(key):
+                continue
             if key.data == "lifeline":
                 if not os.read(sys.stdin.fileno(), 4096):
                     return
@@ -72,26 +73,7 @@ def serve(path: str) -> None:
                 connection, _ = listener.accept()
                 child = _fork(connection)
                 if child is not None:
-                    pidfd = os.pidfd_open(child)
-                    children[pidfd] = (child, connection)
-                    selector.register(pidfd, selectors.EVENT_READ, "ended")
-            elif key.data == "ended":
-                # Told, not reaped: until the requester has read its status and hung up, the child stays a
-                # zombie, so its pid is still its own for whatever signal the requester sends meanwhile.
-                pid, connection = children[key.fd]
-                selector.unregister(key.fd)
-                ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-                assert ended is not None
-                killed = ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-                with contextlib.suppress(OSError):  # the requester has gone; the child is reaped all the same
-                    connection.sendall(f"exit {-ended.si_status if killed else ended.si_status}\n".encode())
-                selector.register(connection, selectors.EVENT_READ, key.fd)
-            else:  # the requester hung up (or wrote): reap
-                pid, connection = children.pop(key.data)
-                selector.unregister(connection)
-                connection.close()
-                os.close(key.data)
-                os.waitpid(pid, 0)
+                    children.add(child, connection)
 
 
 def _fork(connection: socket.socket) -> int | None:
@@ -109,7 +91,6 @@ def _fork(connection: socket.socket) -> int | None:
         _become_the_proxy(asked, fds)
     for fd in fds:
         os.close(fd)
-    connection.sendall(f"pid {pid}\n".encode())
     return pid
 
 
