@@ -224,19 +224,16 @@ class Served:
         return self.process.pid
 
     def proxies(self) -> list[psutil.Process]:
-        """Its connections' proxies: its launcher's children (the launcher is the child that runs ``serve``'s
-        own command line, forked from it), and any it exec'd itself."""
+        """Its connections' proxies: its launcher's children, and any it exec'd itself."""
         try:
-            serve = psutil.Process(self.pid)
-            found: list[psutil.Process] = []
-            for child in serve.children():
-                found += child.children() if child.cmdline() == serve.cmdline() else [child]
-            return found
+            launchers = self.launchers()
+            execd = [child for child in psutil.Process(self.pid).children() if child not in launchers]
+            return [proxy for launcher in launchers for proxy in launcher.children()] + execd
         except psutil.Error:
             return []
 
     def launchers(self) -> list[psutil.Process]:
-        """Its launcher, if it has one."""
+        """Its launcher, if it has one: the child that runs ``serve``'s own command line, forked from it."""
         try:
             serve = psutil.Process(self.pid)
             return [child for child in serve.children() if child.cmdline() == serve.cmdline()]

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
+from acp_proxy.ownership.proctable import default_table
 from acp_proxy.remote.launcher import LaunchedProxy, Launcher, LauncherGone
 from tests.kit.markers import alive, start_ticks
 from tests.remote_kit import WsClient, make_token, run_cli, serve
@@ -23,8 +24,9 @@ NEW = {"cwd": "/tmp", "mcpServers": []}
 
 
 def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
+    info = default_table().info(pid)
+    assert info is not None, f"pid {pid} is not running"
+    return info.ppid
 
 
 def proxies(env: dict[str, str]) -> list[tuple[str, int]]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from acp_proxy.ownership.proctable import default_table
 from tests.kit import markers
 
 from .acpx_checks import expect_initialized, expect_turn
@@ -353,13 +354,9 @@ class RemoteRun:
             return False
         if found.pid == self.serve.pid:
             return True
-        try:
-            with open(f"/proc/{found.pid}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
+        info = default_table().info(found.pid)
         serve = markers.find(MARKER_VAR, self.marker).get(self.serve.pid)
-        return parent == self.serve.pid and serve is not None and found.argv == serve.argv
+        return info is not None and info.ppid == self.serve.pid and serve is not None and found.argv == serve.argv
 
     def others(self, allowed: Callable[[markers.Marked], bool], wait: float) -> list[str]:
         """The run's processes, but those ``allowed``, still running after up to ``wait`` seconds."""
