@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -78,6 +78,7 @@ from benchmarks.common import (
     proc_status_kb,
     script_argv,
 )
+from benchmarks.h2client import H2Client, H2Error
 from benchmarks.harness import (
     CLOSE_GRACE,
     IO_TIMEOUT,
@@ -125,10 +126,12 @@ PROBE_REQUESTS: Final = 1_100
 STDIO: Final = "stdio"
 WS: Final = "ws"
 HTTP: Final = "http"
+HTTPX: Final = "httpx"
 LABELS: Final = {
     STDIO: "stdio through the proxy",
     WS: "WebSocket (serve)",
     HTTP: "streamable HTTP/2 (serve)",
+    HTTPX: "streamable HTTP/2 (serve), httpx client",
 }
 
 Message = dict[str, Any]
@@ -436,28 +439,60 @@ class Ws(Channel):
 
 
 class Http(Channel):
-    """Streamable HTTP over HTTP/2 (httpx): POSTs answered 202, messages on the connection's and the session's
-    event streams, read by tasks of their own into one queue."""
+    """Streamable HTTP over HTTP/2 (``h2client``): POSTs answered 202, messages on the connection's and the
+    session's event streams, read by tasks of their own into one queue."""
 
     label = LABELS[HTTP]
 
     def __init__(self, url: str, token: str, tasks: anyio.abc.TaskGroup) -> None:
         super().__init__()
         self.url = url
+        self.token = token
         self.tasks = tasks
-        self.client = httpx.AsyncClient(
-            http1=False, http2=True, headers={"authorization": f"Bearer {token}"}, timeout=IO_TIMEOUT
-        )
         self.connection_id = ""
         self.inbox, self.outlet = anyio.create_memory_object_stream[list[Message]](math.inf)
+        self.client: H2Client | None = None
+
+    async def post(self, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        """A POST's status, headers and body."""
+        if self.client is None:
+            self.client = await H2Client.connect(self.url, self.tasks)
+        response = await self.client.request("POST", self.fields(headers), body)
+        answer = await response.read()
+        return response.status, {k.decode(): v.decode() for k, v in response.headers.items()}, answer
+
+    async def events(self, headers: dict[str, str], task_status: anyio.abc.TaskStatus[None]) -> AsyncIterator[bytes]:
+        """An event stream's raw chunks (``task_status`` told once it is open); ``Disconnected`` when it fails."""
+        assert self.client is not None
+        try:
+            response = await self.client.request("GET", self.fields(headers))
+            if response.status != 200:
+                raise BenchError(f"{self.label}: event stream answered {response.status}")
+            task_status.started()
+            async for chunk in response.chunks():
+                yield chunk
+        except H2Error as exc:
+            raise Disconnected(str(exc)) from None
+
+    async def delete(self, headers: dict[str, str]) -> None:
+        if self.client is not None:
+            if headers:  # its answer is not waited for: the reading task may have ended with the benchmark's
+                with contextlib.suppress(H2Error, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    await self.client.request("DELETE", self.fields(headers), wait=False)
+            await self.client.aclose()
+
+    def fields(self, headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+        return [(b"authorization", b"Bearer " + self.token.encode())] + [
+            (name.encode(), value.encode()) for name, value in headers.items()
+        ]
 
     async def initialize(self) -> None:
         """``initialize``'s answer is the POST's body; it names the connection, whose stream is opened then."""
         body = encode(next(self.ids), "initialize", INITIALIZE_PARAMS)
-        response = await self.client.post(self.url, content=body, headers={"content-type": "application/json"})
-        if response.status_code != 200 or response.http_version != "HTTP/2" or "result" not in response.json():
-            raise BenchError(f"{self.label}: initialize: {response.status_code} {response.http_version}")
-        self.connection_id = response.headers["acp-connection-id"]
+        status, headers, answer = await self.post(body, {"content-type": "application/json"})
+        if status != 200 or "result" not in msgspec.json.decode(answer):
+            raise BenchError(f"{self.label}: initialize: {status} {answer[:200]!r}")
+        self.connection_id = headers["acp-connection-id"]
         await self.open_stream(None)
 
     async def new_session(self) -> str:
@@ -478,30 +513,25 @@ class Http(Channel):
         headers = {**self.headers(session_id), "accept": "text/event-stream"}
         why = "serve ended it"
         try:
-            async with self.client.stream("GET", self.url, headers=headers, timeout=None) as response:
-                if response.status_code != 200:
-                    raise BenchError(f"{self.label}: event stream answered {response.status_code}")
-                task_status.started()
-                pending = b""
-                async for chunk in response.aiter_raw():
-                    pending += chunk
-                    cut = pending.rfind(b"\n")
-                    if cut < 0:
-                        continue
-                    lines, pending = pending[:cut], pending[cut + 1 :]
-                    decode = msgspec.json.decode
-                    messages = [decode(line[6:]) for line in lines.split(b"\n") if line.startswith(b"data: ")]
-                    if messages:
-                        self.inbox.send_nowait(messages)  # a chunk's messages at once, as a socket's reader does
-        except httpx.HTTPError as exc:  # the HTTP/2 connection under it was closed
-            why = repr(exc)
+            pending = b""
+            async for chunk in self.events(headers, task_status):
+                pending += chunk
+                cut = pending.rfind(b"\n")
+                if cut < 0:
+                    continue
+                lines, pending = pending[:cut], pending[cut + 1 :]
+                decode = msgspec.json.decode
+                messages = [decode(line[6:]) for line in lines.split(b"\n") if line.startswith(b"data: ")]
+                if messages:
+                    self.inbox.send_nowait(messages)  # a chunk's messages at once, as a socket's reader does
+        except Disconnected as exc:  # the HTTP/2 connection under it was closed
+            why = str(exc)
         self.inbox.send_nowait([{ENDED: why}])  # the turn waiting for its messages fails, saying why
 
     async def send(self, data: bytes, session_id: str | None) -> None:
-        headers = {**self.headers(session_id), "content-type": "application/json"}
-        response = await self.client.post(self.url, content=data, headers=headers)
-        if response.status_code != 202:
-            raise BenchError(f"{self.label}: POST answered {response.status_code}: {response.text[:200]}")
+        status, _, answer = await self.post(data, {**self.headers(session_id), "content-type": "application/json"})
+        if status != 202:
+            raise BenchError(f"{self.label}: POST answered {status}: {answer[:200]!r}")
 
     async def fill(self) -> None:
         self.ready.extend(await self.outlet.receive())
@@ -513,10 +543,43 @@ class Http(Channel):
                 raise Disconnected(f"{self.label}: an event stream ended: {msg[ENDED]}")
 
     async def aclose(self) -> None:
-        if self.connection_id:
+        await self.delete(self.headers(None) if self.connection_id else {})
+
+
+class Httpx(Http):
+    """The same streamable HTTP client over httpx's HTTP/2 (httpcore over h2): a common Python client, and the
+    cost of its generality on the client's side."""
+
+    label = LABELS[HTTPX]
+
+    def __init__(self, url: str, token: str, tasks: anyio.abc.TaskGroup) -> None:
+        super().__init__(url, token, tasks)
+        self.httpx = httpx.AsyncClient(
+            http1=False, http2=True, headers={"authorization": f"Bearer {token}"}, timeout=IO_TIMEOUT
+        )
+
+    async def post(self, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+        response = await self.httpx.post(self.url, content=body, headers=headers)
+        if response.http_version != "HTTP/2":
+            raise BenchError(f"{self.label}: answered over {response.http_version}")
+        return response.status_code, dict(response.headers), response.content
+
+    async def events(self, headers: dict[str, str], task_status: anyio.abc.TaskStatus[None]) -> AsyncIterator[bytes]:
+        try:
+            async with self.httpx.stream("GET", self.url, headers=headers, timeout=None) as response:
+                if response.status_code != 200:
+                    raise BenchError(f"{self.label}: event stream answered {response.status_code}")
+                task_status.started()
+                async for chunk in response.aiter_raw():
+                    yield chunk
+        except httpx.HTTPError as exc:
+            raise Disconnected(repr(exc)) from None
+
+    async def delete(self, headers: dict[str, str]) -> None:
+        if headers:
             with contextlib.suppress(httpx.HTTPError):
-                await self.client.delete(self.url, headers=self.headers(None))
-        await self.client.aclose()
+                await self.httpx.delete(self.url, headers=headers)
+        await self.httpx.aclose()
 
 
 def new_child(served: Served, before: set[int]) -> int | None:
@@ -538,6 +601,8 @@ async def transports_run(served: Served, bench: Bench) -> dict[str, Any]:
         stack.push_async_callback(channels[WS].aclose)
         channels[HTTP] = Http(served.url, bench.token, tasks)
         stack.push_async_callback(channels[HTTP].aclose)
+        channels[HTTPX] = Httpx(served.url, bench.token, tasks)
+        stack.push_async_callback(channels[HTTPX].aclose)
         sessions = {}
         for key, channel in channels.items():
             before = {p.pid for p in served.proxies()}

@@ -225,6 +225,7 @@ NOT_FOR_A_PROXY = (
     "wsproto",
     "h11",
     "h2",
+    "hpack",
     "rich",
     "prometheus_client",
     "acp_proxy.remote",

@@ -1,8 +1,9 @@
 """``serve``'s accept loop (plain TCP and the unix socket): each connection goes to the server that speaks it.
 
 A connection's first bytes are looked at without being read (``MSG_PEEK``): a WebSocket upgrade
-goes to ``wsserver`` (which writes a run of frames in one block), anything else (HTTP/1.1, HTTP/2
-by prior knowledge) to hypercorn's server for one connection, the one its own accept loop runs.
+goes to ``wsserver`` (which writes a run of frames in one block), HTTP/2 by prior knowledge to
+``h2server`` (a POST, its 202 and a run of events in one block), anything else (HTTP/1.1) to
+hypercorn's server for one connection, the one its own accept loop runs.
 Behind TLS the bytes are not readable here, so ``serve --tls-cert`` leaves every connection to
 hypercorn, WebSockets included (``server.py``).
 
@@ -15,13 +16,15 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import anyio
 import anyio.abc
 import sniffio
 
+from acp_proxy.remote.h2server import Http2Server, serve_http2
+from acp_proxy.remote.http2 import PREFACE
 from acp_proxy.remote.wsserver import App, serve_websocket
 
 log = logging.getLogger("acp_proxy.serve")
@@ -45,6 +48,11 @@ def is_websocket_upgrade(head: bytes) -> bool:
         if sep and name.strip().lower() == b"upgrade":
             return any(token.strip().lower() == b"websocket" for token in value.split(b","))
     return False
+
+
+def is_http2(head: bytes) -> bool:
+    """The start of HTTP/2's connection preface (a client that knows the server speaks HTTP/2)."""
+    return head.startswith(PREFACE[:16])
 
 
 def prepare(conn: socket.socket) -> None:
@@ -118,8 +126,10 @@ class FrontDoor:
     def __init__(self, app: App, http_config: Any, *, max_message: int, ping_interval: float) -> None:
         self.app = app
         self.http = HttpConnections(app, http_config)
+        self.idle_timeout = float(http_config.keep_alive_timeout)
         self.max_message = max_message
         self.ping_interval = ping_interval
+        self.http2: set[Http2Server] = set()
 
     async def accept(self, sock: socket.socket, connections: anyio.abc.TaskGroup) -> None:
         sock.setblocking(False)
@@ -147,22 +157,39 @@ class FrontDoor:
                 return
             if is_websocket_upgrade(head):
                 await self._websocket(conn)
+            elif is_http2(head):
+                await self._http2(conn)
             else:
                 await self.http.serve(conn)
         except Exception:  # one connection's fault is its own: the others, and the accept loop, go on
             log.exception("a connection failed")
             conn.close()
 
-    async def _websocket(self, conn: socket.socket) -> None:
-        tcp = conn.family in (socket.AF_INET, socket.AF_INET6)
-        try:
-            client = _address(conn.getpeername()) if tcp else None
-            server = _address(conn.getsockname()) if tcp else None
-            stream = await anyio.abc.SocketStream.from_socket(conn)
-        except (OSError, ValueError) as exc:  # the client reset the connection before it was served: nothing to do
-            log.debug("a WebSocket client left before its upgrade was read: %s", exc)
-            conn.close()
+    async def _http2(self, conn: socket.socket) -> None:
+        opened = await _stream_of(conn)
+        if opened is None:
             return
+        stream, client, server = opened
+
+        def register(connection: Http2Server) -> Callable[[], None]:
+            self.http2.add(connection)
+            return lambda: self.http2.discard(connection)
+
+        await serve_http2(
+            stream, self.app, client=client, server=server, idle_timeout=self.idle_timeout, register=register
+        )
+
+    async def wind_down(self) -> None:
+        """No new request on a kept-alive connection; each closes once what it serves is done."""
+        await self.http.wind_down()
+        for connection in list(self.http2):
+            await connection.wind_down()
+
+    async def _websocket(self, conn: socket.socket) -> None:
+        opened = await _stream_of(conn)
+        if opened is None:
+            return
+        stream, client, server = opened
         await serve_websocket(
             stream,
             self.app,
@@ -171,6 +198,22 @@ class FrontDoor:
             max_message=self.max_message,
             ping_interval=self.ping_interval,
         )
+
+
+async def _stream_of(
+    conn: socket.socket,
+) -> tuple[anyio.abc.SocketStream, tuple[str, int] | None, tuple[str, int] | None] | None:
+    """The connection as a stream, with the client's and this end's addresses (``None`` on a unix socket);
+    ``None`` (and closed) for a client that reset it before it was served."""
+    tcp = conn.family in (socket.AF_INET, socket.AF_INET6)
+    try:
+        client = _address(conn.getpeername()) if tcp else None
+        server = _address(conn.getsockname()) if tcp else None
+        return await anyio.abc.SocketStream.from_socket(conn), client, server
+    except (OSError, ValueError) as exc:
+        log.debug("a client left before it was served: %s", exc)
+        conn.close()
+        return None
 
 
 def _address(address: Sequence[Any]) -> tuple[str, int]:
@@ -186,5 +229,5 @@ async def serve_front(door: FrontDoor, sockets: Sequence[socket.socket], stop: a
                 accepting.start_soon(door.accept, sock, connections)
             await stop.wait()
             accepting.cancel_scope.cancel()
-        await door.http.wind_down()
+        await door.wind_down()
         connections.cancel_scope.deadline = anyio.current_time() + grace
