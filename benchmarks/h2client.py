@@ -12,7 +12,7 @@ client must. What the server breaks ends the connection with ``H2Error``; nothin
 from __future__ import annotations
 
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -45,6 +45,10 @@ class Response:
         self.head = anyio.Event()
         self.parts, self.outlet = anyio.create_memory_object_stream[bytes](float("inf"))
         self.error: str | None = None
+        self.ended = False
+        self.done = anyio.Event()
+        self.on_data: Callable[[bytes], None] | None = None
+        """Given each part of the body as it is read (in the reading task), instead of ``chunks``."""
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's parts until it ends; ``H2Error`` if the stream or the connection breaks first."""
@@ -57,6 +61,8 @@ class Response:
             raise H2Error(self.error)
 
     async def read(self) -> bytes:
+        if self.ended and self.outlet.statistics().current_buffer_used == 0:
+            return b""  # a response whose headers ended it: nothing to wait for
         return b"".join([part async for part in self.chunks()])
 
 
@@ -67,8 +73,10 @@ class H2Client:
         self.stream = stream
         self.authority = authority
         self.path = path
-        self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
+        self.blocks: dict[tuple[str, tuple[tuple[bytes, bytes], ...]], bytes] = {}
+        """Each request's header block, made once: literals never indexed, so no encoder state to keep (what
+        a client that indexes them would send is smaller, not cheaper for the server to read)."""
         self.responses: dict[int, Response] = {}
         self.next_id = 1
         self.send_window = 65_535
@@ -101,17 +109,28 @@ class H2Client:
         out += payload
 
     async def request(
-        self, method: str, headers: list[tuple[bytes, bytes]], body: bytes = b"", *, wait: bool = True
+        self,
+        method: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes = b"",
+        *,
+        wait: bool = True,
+        on_data: Callable[[bytes], None] | None = None,
     ) -> Response:
-        """Send a request with its whole body; its response once its headers came (``wait``), or at once."""
+        """Send a request with its whole body; its response once its headers came (``wait``), or at once.
+        ``on_data``: its body's parts go there as they are read (``Response.done`` once it ends)."""
         if self.ended is not None and wait:
             raise H2Error(self.ended)
         stream_id, self.next_id = self.next_id, self.next_id + 2
         response = self.responses[stream_id] = Response(self, stream_id)
+        response.on_data = on_data
         self.windows[stream_id] = self.initial
         self.unacked[stream_id] = 0
-        fields = [(b":method", method.encode()), (b":scheme", b"http"), (b":authority", self.authority)]
-        block = self.encoder.encode([*fields, (b":path", self.path), *headers])
+        key = (method, tuple(headers))
+        block = self.blocks.get(key)
+        if block is None:
+            fields = [(b":method", method.encode()), (b":scheme", b"http"), (b":authority", self.authority)]
+            block = self.blocks[key] = literal_block([*fields, (b":path", self.path), *headers])
         out = bytearray()
         self.frame(out, HEADERS, END_HEADERS | (0 if body else END_STREAM), stream_id, block)
         view = memoryview(body)
@@ -180,6 +199,7 @@ class H2Client:
             for response in self.responses.values():
                 response.error = why
                 response.head.set()
+                response.done.set()
                 response.parts.close()
 
     def on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes, out: bytearray) -> None:
@@ -188,7 +208,10 @@ class H2Client:
                 payload = payload[1 : len(payload) - payload[0]]
             response = self.responses.get(stream_id)
             if response is not None:
-                if payload:
+                if payload and response.on_data is not None:
+                    response.on_data(payload)
+                    self.credit(stream_id, len(payload))
+                elif payload:
                     response.parts.send_nowait(payload)
                 if flags & END_STREAM:
                     self.finish(stream_id)
@@ -244,8 +267,30 @@ class H2Client:
         self.windows.pop(stream_id, None)
         self.unacked.pop(stream_id, None)
         if response is not None:
+            response.ended = True
             response.head.set()
+            response.done.set()
             response.parts.close()
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+def literal_block(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An HPACK header block of literals without indexing, not Huffman-coded (RFC 7541 6.2.2)."""
+    block = bytearray()
+    for name, value in headers:
+        block.append(0x00)
+        for text in (name, value):
+            size = len(text)
+            if size < 0x7F:
+                block.append(size)
+            else:
+                block.append(0x7F)
+                size -= 0x7F
+                while size >= 0x80:
+                    block.append(size & 0x7F | 0x80)
+                    size >>= 7
+                block.append(size)
+            block += text
+    return bytes(block)

@@ -57,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -461,18 +461,19 @@ class Http(Channel):
         answer = await response.read()
         return response.status, {k.decode(): v.decode() for k, v in response.headers.items()}, answer
 
-    async def events(self, headers: dict[str, str], task_status: anyio.abc.TaskStatus[None]) -> AsyncIterator[bytes]:
-        """An event stream's raw chunks (``task_status`` told once it is open); ``Disconnected`` when it fails."""
+    async def stream_events(
+        self, headers: dict[str, str], on_data: Callable[[bytes], None], task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Read an event stream, its chunks given to ``on_data`` as they come (``task_status`` told once it is
+        open), until it ends; ``Disconnected`` when it fails."""
         assert self.client is not None
-        try:
-            response = await self.client.request("GET", self.fields(headers))
-            if response.status != 200:
-                raise BenchError(f"{self.label}: event stream answered {response.status}")
-            task_status.started()
-            async for chunk in response.chunks():
-                yield chunk
-        except H2Error as exc:
-            raise Disconnected(str(exc)) from None
+        response = await self.client.request("GET", self.fields(headers), on_data=on_data)
+        if response.status != 200:
+            raise BenchError(f"{self.label}: event stream answered {response.status}: {response.error}")
+        task_status.started()
+        await response.done.wait()
+        if response.error is not None:
+            raise Disconnected(response.error)
 
     async def delete(self, headers: dict[str, str]) -> None:
         if self.client is not None:
@@ -512,18 +513,22 @@ class Http(Channel):
     async def read_stream(self, session_id: str | None, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         headers = {**self.headers(session_id), "accept": "text/event-stream"}
         why = "serve ended it"
+        pending = b""
+        decode = msgspec.json.decode
+
+        def take(chunk: bytes) -> None:
+            nonlocal pending
+            pending += chunk
+            cut = pending.rfind(b"\n")
+            if cut < 0:
+                return
+            lines, pending = pending[:cut], pending[cut + 1 :]
+            messages = [decode(line[6:]) for line in lines.split(b"\n") if line.startswith(b"data: ")]
+            if messages:
+                self.inbox.send_nowait(messages)  # a chunk's messages at once, as a socket's reader does
+
         try:
-            pending = b""
-            async for chunk in self.events(headers, task_status):
-                pending += chunk
-                cut = pending.rfind(b"\n")
-                if cut < 0:
-                    continue
-                lines, pending = pending[:cut], pending[cut + 1 :]
-                decode = msgspec.json.decode
-                messages = [decode(line[6:]) for line in lines.split(b"\n") if line.startswith(b"data: ")]
-                if messages:
-                    self.inbox.send_nowait(messages)  # a chunk's messages at once, as a socket's reader does
+            await self.stream_events(headers, take, task_status)
         except Disconnected as exc:  # the HTTP/2 connection under it was closed
             why = str(exc)
         self.inbox.send_nowait([{ENDED: why}])  # the turn waiting for its messages fails, saying why
@@ -564,14 +569,16 @@ class Httpx(Http):
             raise BenchError(f"{self.label}: answered over {response.http_version}")
         return response.status_code, dict(response.headers), response.content
 
-    async def events(self, headers: dict[str, str], task_status: anyio.abc.TaskStatus[None]) -> AsyncIterator[bytes]:
+    async def stream_events(
+        self, headers: dict[str, str], on_data: Callable[[bytes], None], task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
         try:
             async with self.httpx.stream("GET", self.url, headers=headers, timeout=None) as response:
                 if response.status_code != 200:
                     raise BenchError(f"{self.label}: event stream answered {response.status_code}")
                 task_status.started()
                 async for chunk in response.aiter_raw():
-                    yield chunk
+                    on_data(chunk)
         except httpx.HTTPError as exc:
             raise Disconnected(repr(exc)) from None
 
