@@ -312,3 +312,28 @@ async def test_wind_down_serves_what_is_open_then_closes() -> None:
 def test_which_connections_are_http2(head: bytes, http2: bool) -> None:
     assert is_http2(head) is http2
     assert not is_websocket_upgrade(head)
+
+
+@pytest.mark.anyio
+async def test_a_body_larger_than_the_servers_window_is_credited_as_it_is_read() -> None:
+    """3 MiB against a 1 MiB window (the connection's and the stream's): the client sends what the window
+    allows, and more as the application reads it."""
+    big = bytes(range(256)) * (3 * 4096)
+
+    async with served(echo) as (client, _):
+        stream_id = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(stream_id, POST)
+        view = memoryview(big)
+        with anyio.fail_after(10):
+            while view:
+                room = min(client.h2.local_flow_control_window(stream_id), client.h2.max_outbound_frame_size)
+                if room == 0:
+                    await client.flush()
+                    seen = len(client.events)
+                    await client.until(lambda events, seen=seen: len(events) > seen)  # the server's WINDOW_UPDATE
+                    continue
+                client.h2.send_data(stream_id, view[:room].tobytes(), end_stream=len(view) <= room)
+                view = view[room:]
+            await client.flush()
+        await client.until(client.ended(stream_id))
+        assert client.body(stream_id) == b"POST " + big

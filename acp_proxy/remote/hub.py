@@ -21,6 +21,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any, Final
 
 import anyio
@@ -344,13 +345,12 @@ class Connection:
                 except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                     break
                 if self.transport == "websocket" and self._plain_notifications(batch):
-                    for line in batch.lines:  # the streaming path: one stream, nothing to route or note
-                        await self.outbox.put(None, line)  # (an object a line: no blank one among them)
+                    # The streaming path: one stream, nothing to route or note (an object a line: no blank one).
+                    await self.outbox.put_all(zip(repeat(None), batch.lines))
                     continue
                 targets = None if self.transport == "websocket" else self._notification_targets(batch)
                 if targets is not None:  # streamable HTTP's streaming path: each to its session's stream
-                    for line, target in zip(batch.lines, targets, strict=True):
-                        await self.outbox.put(target, line)
+                    await self.outbox.put_all(zip(targets, batch.lines, strict=True))
                     continue
                 for line in batch.lines:
                     if line.strip():

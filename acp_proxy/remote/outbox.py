@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -90,6 +90,21 @@ class Outbox:
             if not self._on_stalled():
                 return  # the connection ends: the line goes with it
             deadline = math.inf  # its client's socket was let go: route again, and wait afresh
+
+    async def put_all(self, items: Iterable[tuple[str | None, bytes]]) -> None:
+        """``put`` each of ``items`` (target, line), in order: a run of a proxy's output handed over as one, each
+        line with room on its stream taken at once, the rest waiting as ``put`` waits."""
+        streams, had_stream = self._streams, self._had_stream
+        for target, line in items:
+            if not self.closed:
+                pair = streams.get(target) if target in streams or target in had_stream else streams.get(None)
+                if pair is not None:
+                    try:
+                        pair[0].send_nowait(line)
+                        continue
+                    except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        pass  # full, or replaced: ``put`` routes it again, and waits
+            await self.put(target, line)
 
     def _deadline(self, deadline: float) -> float:
         """``put``'s deadline: ``stall_timeout`` from its first wait."""

@@ -11,6 +11,7 @@ from typing import Protocol
 from . import (
     acpx_checks,
     attach_checks,
+    curl_checks,
     install_checks,
     install_session_checks,
     matrix,
@@ -69,6 +70,7 @@ CHECKS: tuple[Check, ...] = (
     *each_adapter("remote-acpx", remote_checks.remote_acpx_adapter, POOL_ADAPTERS),
     Check("remote-sdk-python", sdk_remote_checks.remote_sdk_python),
     Check("remote-sdk-typescript", sdk_remote_checks.remote_sdk_typescript),
+    Check("remote-curl-http2", curl_checks.remote_curl_http2),
     Check("attach-echo", attach_checks.attach_echo),
     *each_adapter("attach", attach_checks.attach_adapter, POOL_ADAPTERS),
     Check("retention-acpx-echo", install_session_checks.retention_acpx),

@@ -70,8 +70,8 @@ def python_312() -> str | None:
     """A Python 3.12 or later, for fast-agent's venv (fast-agent-acp requires one): on PATH, else pyenv's."""
     for name in ("python3.14", "python3.13", "python3.12"):
         found = shutil.which(name)
-        if found:
-            return found
+        if found and subprocess.run([found, "-c", ""], capture_output=True, timeout=30).returncode == 0:
+            return found  # (a pyenv shim is on PATH for every version pyenv has, and fails for one not selected)
     pyenv = sorted(Path.home().glob(".pyenv/versions/3.1[2-9]*/bin/python"))
     return str(pyenv[-1]) if pyenv else None
 
