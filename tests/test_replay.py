@@ -60,17 +60,24 @@ def test_retention_in_messages_bytes_and_age(limits: dict[str, Any], times: list
     assert replay.after(cursors[4], now=now) == []
 
 
-@given(st.lists(st.integers(min_value=0, max_value=6), max_size=12), st.integers(min_value=1, max_value=20))
-def test_a_run_recorded_at_once_is_kept_as_its_messages_one_by_one(runs: list[int], kept: int) -> None:
-    """A writer records a run of messages with one call: the same cursors, the same retention, the same replay."""
-    by_run, one_by_one = _replay(messages=kept), _replay(messages=kept)
-    lines = iter(b"m%d" % i for i in range(1000))
-    for size in runs:
-        run = [next(lines) for _ in range(size)]
+@given(
+    st.lists(st.lists(st.integers(min_value=1, max_value=9), max_size=6), max_size=12),
+    st.integers(min_value=1, max_value=20),
+    st.integers(min_value=1, max_value=60),
+)
+def test_a_run_recorded_at_once_is_kept_as_its_messages_one_by_one(
+    runs: list[list[int]], kept: int, kept_bytes: int
+) -> None:
+    """A writer records a run of messages with one call: the same cursors, the same retention (in messages and
+    in bytes), the same replay."""
+    by_run, one_by_one = _replay(messages=kept, bytes=kept_bytes), _replay(messages=kept, bytes=kept_bytes)
+    numbers = iter(range(1000))
+    for sizes in runs:
+        run = [b"m%d" % next(numbers) + b"." * size for size in sizes]
         assert by_run.record_run(run, now=0.0) == [one_by_one.record(line, now=0.0) for line in run]
     first = by_run.cursor(0)
     assert by_run.after(first, now=0.0) == one_by_one.after(first, now=0.0)
-    for sequence in range(sum(runs) + 1):
+    for sequence in range(sum(map(len, runs)) + 1):
         cursor = by_run.cursor(sequence)
         assert by_run.after(cursor, now=0.0) == one_by_one.after(cursor, now=0.0)
 
@@ -215,3 +222,16 @@ async def test_a_client_that_vanished_does_not_hold_its_session_from_its_success
                             reading.cancel_scope.cancel()
                 (moved,) = [m for _, m in seen if m.get("id") == 7]
                 assert moved["error"]["data"]["reason"] == "session_moved", moved
+
+
+@pytest.mark.anyio
+async def test_the_events_a_stream_writes_carry_the_cursors_a_resume_gets() -> None:
+    outbox = Outbox(10, 1.0, lambda: None, ReplayLimits())
+    events = outbox.record_events("s", [b'{"a":1}', b'{"b":2}', b'{"c":3}'], anyio.current_time())
+    blocks = [block.split(b"\n") for block in events.split(b"\n\n") if block]
+    ids = [block[0].removeprefix(b"id: ").decode() for block in blocks]
+    assert [block[1] for block in blocks] == [b'data: {"a":1}', b'data: {"b":2}', b'data: {"c":3}']
+    assert outbox.missed("s", ids[0]) == [(ids[1], b'{"b":2}'), (ids[2], b'{"c":3}')]
+    assert outbox.missed("s", ids[2]) == []
+    plain = Outbox(10, 1.0, lambda: None, None)
+    assert plain.record_events("s", [b"{}"], 0.0) == b"data: {}\n\n", "a stream that keeps nothing names no cursor"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from contextlib import suppress
 from typing import Any, Final
 
@@ -324,7 +324,7 @@ class AcpApp:
                     outbox.release(session_id, stream)
 
                 tasks.start_soon(until_gone)
-                await _events(stream, send, lambda lines, now: outbox.record(session_id, lines, now))
+                await _events(stream, send, lambda lines, now: outbox.record_events(session_id, lines, now))
                 tasks.cancel_scope.cancel()
         finally:
             outbox.release(session_id, stream)
@@ -385,11 +385,11 @@ def _run_from(line: bytes, stream: MemoryObjectReceiveStream[bytes]) -> tuple[li
 async def _events(
     stream: MemoryObjectReceiveStream[bytes],
     send: Send,
-    record: Callable[[list[bytes], float], tuple[list[str] | None, list[bytes]]],
+    record: Callable[[list[bytes], float], bytes],
 ) -> None:
-    """Each message as one server-sent event (``record`` keeps a run for a resume and names their cursors), and
-    a comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream is closed or a write
-    fails (the client has gone: what was written is kept for a resume all the same)."""
+    """Each message as one server-sent event (``record`` keeps a run for a resume and makes its events, each
+    with its cursor), and a comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream
+    is closed or a write fails (the client has gone: what was written is kept for a resume all the same)."""
     lock = anyio.Lock()
     written = anyio.current_time()
 
@@ -411,14 +411,10 @@ async def _events(
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 break
             run, ended = _run_from(line, stream)
-            cursors, run = record(run, anyio.current_time())  # one reading of the clock for the run
-            chunk: list[bytes] = []
-            marks: Sequence[str | None] = cursors if cursors is not None else [None] * len(run)
-            for cursor, line in zip(marks, run, strict=True):
-                _event(chunk, cursor, line)
+            events = record(run, anyio.current_time())  # one reading of the clock for the run
             async with lock:
                 try:
-                    await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
+                    await send({"type": "http.response.body", "body": events, "more_body": True})
                 except Exception:  # any failed write: the client has gone
                     break
                 written = anyio.current_time()

@@ -175,7 +175,9 @@ class Http2Connection:
         self._settled = False
         """The client's first SETTINGS came (it must follow the preface)."""
         self._buffer = bytearray()
-        self._out = bytearray()
+        self._out: list[bytes | bytearray | memoryview] = []
+        """Frames queued, as parts: a DATA frame's payload is a view of what the application sent, copied once,
+        when ``data_to_send`` joins them."""
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = max_header_list
         self._block: tuple[int, int, bytearray] | None = None
@@ -548,7 +550,7 @@ class Http2Connection:
         return bool(self._out)
 
     def data_to_send(self) -> bytes:
-        out = bytes(self._out)
+        out = b"".join(self._out)
         self._out.clear()
         return out
 
@@ -566,8 +568,7 @@ class Http2Connection:
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes | bytearray | memoryview) -> None:
         length = len(payload)
-        self._out += _HEAD.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id)
-        self._out += payload
+        self._out += (_HEAD.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id), payload)
 
 
 def malformed(headers: list[tuple[bytes, bytes]]) -> str | None:

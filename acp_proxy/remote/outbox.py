@@ -158,15 +158,30 @@ class Outbox:
         its cursor in each envelope's ``_meta`` when the client asked for that."""
         if self.replay_limits is None:
             return None, lines
-        replay = self._replays.get(target)
-        if replay is None:
-            replay = self._replays[target] = Replay(f"{self._epoch}{len(self._replays)}", self.replay_limits)
+        replay = self._replay(target)
         if not self.cursor_meta:
             return replay.record_run(lines, now), lines
         cursors = replay.next_cursors(len(lines))
         written = [with_cursor(line, cursor) for line, cursor in zip(lines, cursors, strict=True)]
         replay.record_run(written, now)
         return cursors, written
+
+    def record_events(self, target: str | None, lines: list[bytes], now: float) -> bytes:
+        """``lines`` as the server-sent events of ``target``'s stream, written at ``now``: each with its cursor as
+        its ``id:`` when the stream keeps what it writes (``record``), ready to write at once."""
+        if self.replay_limits is None:
+            return b"".join([b"data: %b\n\n" % line for line in lines])
+        replay = self._replay(target)
+        first = replay.record_lines(lines, now)
+        prefix = replay.prefix.encode()
+        return b"".join([b"id: %b%d\ndata: %b\n\n" % (prefix, first + n, line) for n, line in enumerate(lines)])
+
+    def _replay(self, target: str | None) -> Replay:
+        assert self.replay_limits is not None
+        replay = self._replays.get(target)
+        if replay is None:
+            replay = self._replays[target] = Replay(f"{self._epoch}{len(self._replays)}", self.replay_limits)
+        return replay
 
     def missed(self, target: str | None, cursor: str | None) -> list[tuple[str, bytes]] | None:
         """What ``target``'s stream wrote after ``cursor`` (``None``: from its first message, if all of it is

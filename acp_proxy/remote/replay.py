@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any, Final
 
 import msgspec
@@ -68,13 +67,18 @@ SEPARATOR: Final = "-"
 
 
 class Replay:
-    """The recent messages of one stream of a connection, by cursor."""
+    """The recent messages of one stream of a connection, by cursor: kept as the runs they were written in
+    (a writer records a run at once), trimmed a message at a time from the oldest."""
 
     def __init__(self, epoch: str, limits: ReplayLimits) -> None:
         self.epoch = epoch
         """Distinguishes this stream's cursors from another's (of another connection, or target)."""
         self.limits = limits
-        self._kept: deque[tuple[int, bytes, float]] = deque()
+        self.prefix = f"{epoch}{SEPARATOR}"
+        """What every cursor of this stream starts with; its sequence number follows."""
+        self._runs: deque[tuple[int, list[bytes], float, int]] = deque()
+        """Each run kept: the sequence number of its first message, its messages, when, its size in bytes."""
+        self._count = 0
         self._bytes = 0
         self._last = 0
         """The sequence number of the latest cursor issued (0: none yet)."""
@@ -85,13 +89,21 @@ class Replay:
 
     def record_run(self, lines: Sequence[bytes], now: float) -> list[str]:
         """Keep ``lines``, about to be written to the stream in this order: their cursors."""
-        cursors = self.next_cursors(len(lines))
+        first = self.record_lines(lines, now)
+        prefix = self.prefix
+        return [prefix + str(sequence) for sequence in range(first, first + len(lines))]
+
+    def record_lines(self, lines: Sequence[bytes], now: float) -> int:
+        """``record_run`` without making the cursors: the sequence number of the first (``cursor`` makes it)."""
         first = self._last + 1
-        self._last += len(lines)
-        self._kept.extend(zip(range(first, self._last + 1), lines, repeat(now)))
-        self._bytes += sum(map(len, lines))
-        self._trim(now)
-        return cursors
+        if lines:
+            size = sum(map(len, lines))
+            self._runs.append((first, list(lines), now, size))
+            self._last += len(lines)
+            self._count += len(lines)
+            self._bytes += size
+            self._trim(now)
+        return first
 
     def next_cursor(self) -> str:
         """The cursor the next ``record`` gives."""
@@ -99,10 +111,11 @@ class Replay:
 
     def next_cursors(self, count: int) -> list[str]:
         """The cursors the next ``count`` messages recorded get."""
-        return [self.cursor(sequence) for sequence in range(self._last + 1, self._last + 1 + count)]
+        prefix = self._last + 1
+        return [self.cursor(sequence) for sequence in range(prefix, prefix + count)]
 
     def cursor(self, sequence: int) -> str:
-        return f"{self.epoch}{SEPARATOR}{sequence}"
+        return f"{self.prefix}{sequence}"
 
     def after(self, cursor: str, now: float) -> list[tuple[str, bytes]] | None:
         """What came after ``cursor``, oldest first; ``None`` when this stream cannot say (see the module)."""
@@ -113,17 +126,39 @@ class Replay:
         sequence = int(number)
         if sequence > self._last:
             return None  # never issued
-        first = self._kept[0][0] if self._kept else self._last + 1
+        first = self._runs[0][0] if self._runs else self._last + 1
         if sequence < first - 1:
             return None  # what came right after it is no longer kept
-        return [(self.cursor(n), line) for n, line, _ in self._kept if n > sequence]
+        missed = []
+        for start, lines, _, _ in self._runs:
+            skip = max(sequence + 1 - start, 0)
+            missed += [(self.cursor(start + index), lines[index]) for index in range(skip, len(lines))]
+        return missed
 
     def _trim(self, now: float) -> None:
-        limits = self.limits
-        kept = self._kept
-        while kept and (len(kept) > limits.messages or self._bytes > limits.bytes or now - kept[0][2] > limits.seconds):
-            _, line, _ = kept.popleft()
-            self._bytes -= len(line)
+        """Drop the oldest messages while more are kept than the limits allow (a run of them at a time where
+        the whole run must go)."""
+        limits, runs = self.limits, self._runs
+        while runs:
+            start, lines, when, size = runs[0]
+            excess = self._count - limits.messages
+            over_bytes = self._bytes > limits.bytes and self._bytes - size >= limits.bytes
+            if now - when > limits.seconds or excess >= len(lines) or over_bytes:
+                runs.popleft()  # every message of it goes (a run shares its time)
+                self._count -= len(lines)
+                self._bytes -= size
+                continue
+            if excess <= 0 and self._bytes <= limits.bytes:
+                return
+            drop = max(excess, 0)
+            dropped = sum(map(len, lines[:drop]))
+            while self._bytes - dropped > limits.bytes:
+                dropped += len(lines[drop])
+                drop += 1
+            runs[0] = (start + drop, lines[drop:], when, size - dropped)
+            self._count -= drop
+            self._bytes -= dropped
+            return
 
 
 class TurnStates:
