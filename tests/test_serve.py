@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import trio.testing
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, Request, TextMessage
 
@@ -163,6 +164,34 @@ async def test_a_slow_reader_is_waited_for_and_one_that_takes_nothing_is_let_go(
     with anyio.fail_after(5):
         await outbox.put(None, b"more")  # nobody takes anything: given up on after the stall timeout
     assert stalled == [True]
+
+
+@pytest.mark.parametrize(
+    "anyio_backend", [("trio", {"clock": trio.testing.MockClock(autojump_threshold=0)})], ids=["trio-mock-clock"]
+)
+@pytest.mark.anyio
+async def test_a_client_reading_slowly_is_not_taken_for_one_that_stopped_reading(anyio_backend: object) -> None:
+    """A put waits past the stall timeout while its stream's writer still gets runs through (a phone reading
+    a long replay over a slow link); once nothing has gone through for the stall timeout, it is a stall."""
+    stalled: list[float] = []
+    outbox = Outbox(1, 1.0, lambda: stalled.append(anyio.current_time()))
+    stream = outbox.open(None)
+    await outbox.put(None, b"0")  # the stream is full
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(outbox.put, None, b"1")  # waits
+        for _ in range(5):  # 2.5 s, a run through every 0.5 s
+            await anyio.sleep(0.5)
+            outbox.wrote(None)
+        assert stalled == []
+        assert stream.receive_nowait() == b"0"
+    assert stream.receive_nowait() == b"1"
+    await outbox.put(None, b"2")
+    waited_from = anyio.current_time()
+    await outbox.put(None, b"3")  # nothing goes through any more
+    assert stalled == [waited_from + 1.0]
+    assert stream.receive_nowait() == b"2"  # each line once: the one given up on is not there either
+    with pytest.raises(anyio.WouldBlock):
+        stream.receive_nowait()
 
 
 # --- real processes ----------------------------------------------------------------------------

@@ -178,8 +178,9 @@ class AcpApp:
 
             async def send_frames() -> None:
                 try:
-                    if opening:
-                        await write(opening)
+                    for at in range(0, len(opening), RUN_LIMIT):  # a replay a run at a time: a slow reader
+                        await write(opening[at : at + RUN_LIMIT])  # is seen to read (``Outbox.wrote``)
+                        outbox.wrote(None)
                     ended = False
                     while not ended:
                         try:
@@ -190,6 +191,7 @@ class AcpApp:
                         if outbox.cursor_meta:  # a client that can resume: kept for it, written or not
                             _, run = outbox.record(None, run, anyio.current_time())
                         await write(run)
+                        outbox.wrote(None)
                 except Exception:  # any failed write: the client has gone
                     pass
                 finally:
@@ -305,14 +307,17 @@ class AcpApp:
         stream = outbox.open(session_id)  # what comes from now on follows what was missed
         outbox.readers[session_id] = reader_done = anyio.Event()
         headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-store")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        # A first line at once: the status and headers go out with it (not held for the first event),
-        # so a client that waits for them before it sends its next request is not kept waiting.
-        opening = [b": open\n\n"]
-        for cursor, line in missed:
-            _event(opening, cursor, line)
-        await send({"type": "http.response.body", "body": b"".join(opening), "more_body": True})
-        try:
+        try:  # from here its stream is let go however this ends: a client gone mid-replay included
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            # A first line at once: the status and headers go out with it (not held for the first event),
+            # so a client that waits for them before it sends its next request is not kept waiting.
+            await send({"type": "http.response.body", "body": b": open\n\n", "more_body": True})
+            for at in range(0, len(missed), RUN_LIMIT):  # a replay a run at a time, as the live stream
+                chunk: list[bytes] = []
+                for cursor, line in missed[at : at + RUN_LIMIT]:
+                    _event(chunk, cursor, line)
+                await send({"type": "http.response.body", "body": b"".join(chunk), "more_body": True})
+                outbox.wrote(session_id)
             async with anyio.create_task_group() as tasks:
 
                 async def until_gone() -> None:
@@ -324,7 +329,12 @@ class AcpApp:
                     outbox.release(session_id, stream)
 
                 tasks.start_soon(until_gone)
-                await _events(stream, send, lambda lines, now: outbox.record_events(session_id, lines, now))
+                await _events(
+                    stream,
+                    send,
+                    lambda lines, now: outbox.record_events(session_id, lines, now),
+                    lambda: outbox.wrote(session_id),
+                )
                 tasks.cancel_scope.cancel()
         finally:
             outbox.release(session_id, stream)
@@ -386,6 +396,7 @@ async def _events(
     stream: MemoryObjectReceiveStream[bytes],
     send: Send,
     record: Callable[[list[bytes], float], bytes],
+    wrote: Callable[[], None],
 ) -> None:
     """Each message as one server-sent event (``record`` keeps a run for a resume and makes its events, each
     with its cursor), and a comment line when nothing was written for ``STREAM_KEEPALIVE``; until the stream
@@ -418,6 +429,7 @@ async def _events(
                 except Exception:  # any failed write: the client has gone
                     break
                 written = anyio.current_time()
+                wrote()
         tasks.cancel_scope.cancel()
 
 

@@ -3,6 +3,7 @@ client that resumes a stream (``remote.replay``)."""
 
 from __future__ import annotations
 
+import enum
 import math
 import secrets
 from collections import deque
@@ -14,6 +15,12 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from acp_proxy.remote.replay import Replay, ReplayLimits, with_cursor
 
 
+class _Waited(enum.Enum):
+    SENT = "sent"
+    ROUTE_AGAIN = "route again"
+    GIVEN_UP = "given up"
+
+
 class Outbox:
     """Server->client messages of one connection, each to its stream, bounded.
 
@@ -23,8 +30,9 @@ class Outbox:
     stream's until it is opened again, resumed or not). When ``max_pending``
     messages wait, the proxy's output waits too (and so, through its pipe, does the agent): a
     client that reads slower than the agent writes slows it down. A client that takes nothing for
-    ``stall_timeout`` while messages wait is not reading: the connection is told (``on_stalled``), and
-    ends, or lets the client's socket go and waits for a resume (``patient``).
+    ``stall_timeout`` while messages wait (its writer got nothing through to it) is not reading: the
+    connection is told (``on_stalled``), and ends, or lets the client's socket go and waits for a
+    resume (``patient``).
     """
 
     def __init__(
@@ -48,6 +56,8 @@ class Outbox:
         self._had_stream: set[str | None] = set()
         """Targets that had a stream of their own: while it is gone (dropped, to be resumed), their messages
         wait for it rather than go to the connection's stream."""
+        self._wrote: dict[str | None, float] = {}
+        """When each target's writer last got a run through to its client (``wrote``)."""
         self.readers: dict[str | None, anyio.Event] = {}
         """Set when the reader of ``target``'s latest stream has ended (everything it took is recorded)."""
         self.cursor_meta = False
@@ -80,16 +90,43 @@ class Outbox:
                     pass
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     continue  # that stream was replaced or its reader left: route again
-                try:
-                    deadline = self._deadline(deadline)
-                    with anyio.move_on_at(deadline):
-                        await pair[0].send(line)
-                        return
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    continue
+                waited = await self._send_when_room(pair[0], line, target if own else None)
+                if waited is not _Waited.ROUTE_AGAIN:
+                    return  # sent, or the connection gave its client up (the line goes with it)
+                deadline = math.inf  # the stream closed (replaced, or its client's socket let go): wait afresh
+                continue
             if not self._on_stalled():
                 return  # the connection ends: the line goes with it
             deadline = math.inf  # its client's socket was let go: route again, and wait afresh
+
+    async def _send_when_room(self, stream: MemoryObjectSendStream[bytes], line: bytes, key: str | None) -> _Waited:
+        """Send ``line`` once ``stream`` has room. The send is never cancelled for a deadline (one cancelled as
+        its line was being taken would leave the line sent and the caller sending it again): a watch beside it
+        tells the connection of a stall, once its writer has got nothing through for ``stall_timeout``."""
+        outcome = _Waited.SENT
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            nonlocal outcome
+            deadline = anyio.current_time() + self.stall_timeout
+            while True:
+                await anyio.sleep_until(deadline)
+                wrote = self._wrote.get(key, -math.inf) + self.stall_timeout
+                if wrote <= anyio.current_time():
+                    break
+                deadline = wrote  # its writer got a run through meanwhile: a client reading slowly
+            if not self._on_stalled():  # the connection ends
+                outcome = _Waited.GIVEN_UP
+                scope.cancel()
+            # else its client's socket is let go: the stream closes and the send fails (route again)
+
+        async with anyio.create_task_group() as waiting:
+            waiting.start_soon(watch, waiting.cancel_scope)
+            try:
+                await stream.send(line)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                outcome = _Waited.ROUTE_AGAIN
+            waiting.cancel_scope.cancel()
+        return outcome
 
     async def put_all(self, items: Iterable[tuple[str | None, bytes]]) -> None:
         """``put`` each of ``items`` (target, line), in order: a run of a proxy's output handed over as one, each
@@ -105,6 +142,12 @@ class Outbox:
                     except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                         pass  # full, or replaced: ``put`` routes it again, and waits
             await self.put(target, line)
+
+    def wrote(self, target: str | None) -> None:
+        """``target``'s writer got a run to its client: a client reading slowly (a large replay, a slow link)
+        is not one that stopped reading, so no ``put`` waiting for that stream is a stall before
+        ``stall_timeout`` has passed since."""
+        self._wrote[target] = anyio.current_time()
 
     def _deadline(self, deadline: float) -> float:
         """``put``'s deadline: ``stall_timeout`` from its first wait."""
