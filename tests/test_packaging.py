@@ -130,6 +130,7 @@ def test_the_wheel_metadata_is_complete_and_its_version_is_the_packages(wheel: P
         "rich",
         "hypercorn",
         "wsproto",
+        "hpack",
     }
 
 
