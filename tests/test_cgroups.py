@@ -14,6 +14,7 @@ v1 side here), and systemd delegation (tests run as root, not in a delegated uni
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from acp_proxy.ownership.supervised import SupervisedProcess, WrapperFailed, own
 from acp_proxy.pool.budget import measure_adapters
 from acp_proxy.state import StateDB
 from tests.support import GONE_WITHIN, MARKER_VARIABLE, Gateway, fake_command, marked_processes, pid_alive, survivors
+from wrappers import adapter_wrapper_core
 
 HERE = cgroups.detect("auto")
 needs_cgroups = pytest.mark.skipif(
@@ -646,3 +648,46 @@ def test_a_process_that_joins_as_its_cgroup_is_removed_is_killed_and_the_cgroup_
 def test_instance_cgroup_names_carry_install_and_instance() -> None:
     assert cgroups.instance_name("0f1e", "9a61") == "acp-proxy.0f1e.9a61"
     assert InstanceCgroup("/cg/acp-proxy.0f1e.9a61").tree("4f1c") == Path("/cg/acp-proxy.0f1e.9a61/4f1c")
+
+
+# --- the wrapper's own removal of its cgroups, in-process (directories stand in for cgroups) ---------------
+
+
+class _BusyFor:
+    """``os.rmdir`` that fails ``EBUSY`` for a directory its first ``times`` tries, as the kernel does while it
+    lets a cgroup's last processes go."""
+
+    def __init__(self, times: int) -> None:
+        self.times = times
+        self.tries: list[str] = []
+        self.rmdir = os.rmdir
+
+    def __call__(self, path: str) -> None:
+        self.tries.append(path)
+        if self.tries.count(path) <= self.times:
+            raise OSError(errno.EBUSY, "Device or resource busy", path)
+        self.rmdir(path)
+
+
+@pytest.mark.parametrize(
+    ("other_tree", "busy", "left"),
+    [
+        (False, 0, []),  # the last tree: its cgroup and the instance's go
+        (True, 0, ["instance", "instance/other"]),  # another tree lives: the instance's stays for it
+        (False, 3, []),  # busy a moment after the move out: tried again
+        (False, 10_000, ["instance", "instance/tree"]),  # busy past the patience: left to the reaper
+    ],
+)
+def test_a_wrapper_removes_its_trees_cgroup_and_the_instances_when_it_was_the_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other_tree: bool, busy: int, left: list[str]
+) -> None:
+    instance = tmp_path / "instance"
+    (instance / "tree").mkdir(parents=True)
+    if other_tree:
+        (instance / "other").mkdir()
+    rmdir = _BusyFor(busy)
+    monkeypatch.setattr(adapter_wrapper_core.os, "rmdir", rmdir)
+    monkeypatch.setattr(adapter_wrapper_core, "move_to_cgroup", lambda directory: None)
+    monkeypatch.setattr(adapter_wrapper_core, "EMPTY_PATIENCE", 0.3)
+    adapter_wrapper_core.leave_cgroup(str(instance / "tree"))
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == left

@@ -43,6 +43,7 @@ link is read instead).
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import sys
@@ -63,6 +64,8 @@ POLL_INTERVAL = 0.02
 LIFELINE_WAIT = 0.1
 """A tree that ended with nothing said on the lifeline: how long to wait for its EOF (a SIGKILLed
 acp-proxy's descriptors close one at a time: the adapter's stdin may reach EOF first)."""
+EMPTY_PATIENCE = 2.0
+"""How long a cgroup whose processes have gone may stay busy before its removal is left to the reaper."""
 FATAL_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -314,16 +317,41 @@ def join_cgroup(directory: str) -> str | None:
 
 def leave_cgroup(directory: str) -> None:
     """Once the tree is gone, acp-proxy gone too: back to the cgroup acp-proxy started us in, and
-    remove the tree's. Then the instance's cgroup too, which succeeds only if this was its last
-    tree. Whatever is left is removed by whoever reaps the dead proxy.
+    remove the tree's. Then the instance's cgroup too, if this was its last tree. Whatever is left
+    is removed by whoever reaps the dead proxy.
     """
     instance = os.path.dirname(directory)
     try:
         move_to_cgroup(os.path.dirname(instance))
-        os.rmdir(directory)
-        os.rmdir(instance)
     except OSError:
-        pass
+        return
+    if remove_when_empty(directory) and not _has_cgroups_under(instance):
+        remove_when_empty(instance)  # another tree's wrapper, last to end, may remove it first
+
+
+def remove_when_empty(directory: str) -> bool:
+    """Remove a cgroup once the kernel has let the last of its processes go, which lags their exit (and
+    this process's move out of it) by milliseconds, by more on a loaded machine: ``EBUSY`` meanwhile,
+    tried again until ``EMPTY_PATIENCE``. Whether it is gone."""
+    deadline = time.monotonic() + EMPTY_PATIENCE
+    while True:
+        try:
+            os.rmdir(directory)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                return False
+        time.sleep(POLL_INTERVAL)
+
+
+def _has_cgroups_under(directory: str) -> bool:
+    try:
+        with os.scandir(directory) as entries:
+            return any(entry.is_dir(follow_symlinks=False) for entry in entries)
+    except OSError:
+        return False
 
 
 def spawn_adapter(argv: list[str], keep_closed: list[int]) -> tuple[int, str | None]:
