@@ -337,3 +337,32 @@ async def test_a_body_larger_than_the_servers_window_is_credited_as_it_is_read()
             await client.flush()
         await client.until(client.ended(stream_id))
         assert client.body(stream_id) == b"POST " + big
+
+
+@pytest.mark.anyio
+async def test_a_body_read_once_the_connection_is_quiet_is_credited_all_the_same() -> None:
+    """The whole window sent, and read by the application only once the server has nothing else to read or
+    write: the credit goes out with the read, or the client would wait for it forever."""
+
+    async def late(scope: Scope, receive: Receive, send: Send) -> None:
+        await anyio.sleep(0.3)  # the server has read the window's worth and waits for more
+        await echo(scope, receive, send)
+
+    body = b"w" * (2**20 + 100_000)
+    async with served(late) as (client, _):
+        stream_id = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(stream_id, POST)
+        view = memoryview(body)
+        with anyio.fail_after(10):
+            while view:
+                room = min(client.h2.local_flow_control_window(stream_id), client.h2.max_outbound_frame_size)
+                if room == 0:
+                    await client.flush()
+                    seen = len(client.events)
+                    await client.until(lambda events, seen=seen: len(events) > seen)
+                    continue
+                client.h2.send_data(stream_id, view[:room].tobytes(), end_stream=len(view) <= room)
+                view = view[room:]
+            await client.flush()
+        await client.until(client.ended(stream_id))
+        assert client.body(stream_id) == b"POST " + body

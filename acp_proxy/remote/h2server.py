@@ -67,6 +67,9 @@ class Exchange:
                 more = not self.body_ended
                 self.told_end = not more
                 self.server.taken(self.stream_id, len(data))
+                if self.server.conn.pending:  # its credit, now: the client may be waiting for it to send more
+                    with suppress(Gone):
+                        await self.server.flush()
                 return {"type": "http.request", "body": data, "more_body": more}
             if self.gone or self.finished:
                 return {"type": "http.disconnect"}
@@ -233,7 +236,7 @@ class Http2Server:
         }
 
     def taken(self, stream_id: int, size: int) -> None:
-        self.conn.taken(stream_id, size)  # the credit goes out with the next write
+        self.conn.taken(stream_id, size)
 
     async def answer(self, exchange: Exchange, body: bytes, more: bool) -> None:
         """Send ``body`` on the exchange's stream (its headers first, with the first part), as the client's
