@@ -3,10 +3,11 @@
 The benchmark's client is a peer whose own cost should not be the figure: over WebSocket it is the
 project's own client (``acp_proxy.remote.wsclient``), over stdio a pipe. httpx's HTTP/2 (httpcore
 over h2) spends about 1.8 ms of the client's CPU on a short turn, more than the turn takes over
-stdio, so the benchmark speaks HTTP/2 through this instead: HPACK by the ``hpack`` library (h2's
-own), frames by hand, one task reading the connection. Requests and their bodies are sent whole;
-a response's body is read as it comes, and credited back (WINDOW_UPDATE) as it is read, as any
-client must. What the server breaks ends the connection with ``H2Error``; nothing is retried.
+stdio, so the benchmark speaks HTTP/2 through this instead: frames by hand with ``serve``'s own
+constants and literal header fields (``acp_proxy.remote.http2``), responses' headers decoded by
+``hpack``, one task reading the connection. Requests and their bodies are sent whole; a response's
+body is read as it comes, and credited back (WINDOW_UPDATE) as it is read, as any client must.
+What the server breaks ends the connection with ``H2Error``; nothing is retried.
 """
 
 from __future__ import annotations
@@ -20,14 +21,30 @@ import anyio
 import anyio.abc
 import hpack
 
-PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
-INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 4, 5
+from acp_proxy.remote.http2 import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    FRAME_HEAD,
+    GOAWAY,
+    HEADERS,
+    INITIAL_WINDOW_SIZE,
+    MAX_FRAME_SIZE,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    literal_fields,
+)
+
 WINDOW: Final = 1 << 20
 """The receive window of each stream and of the connection; credited back a quarter at a time."""
 FRAME: Final = 16_384
-_HEAD: Final = struct.Struct(">BHBBL")
 
 
 class H2Error(Exception):
@@ -105,7 +122,7 @@ class H2Client:
 
     @staticmethod
     def frame(out: bytearray, kind: int, flags: int, stream_id: int, payload: bytes | memoryview) -> None:
-        out += _HEAD.pack(len(payload) >> 16, len(payload) & 0xFFFF, kind, flags, stream_id)
+        out += FRAME_HEAD.pack(len(payload) >> 16, len(payload) & 0xFFFF, kind, flags, stream_id)
         out += payload
 
     async def request(
@@ -130,7 +147,9 @@ class H2Client:
         block = self.blocks.get(key)
         if block is None:
             fields = [(b":method", method.encode()), (b":scheme", b"http"), (b":authority", self.authority)]
-            block = self.blocks[key] = literal_block([*fields, (b":path", self.path), *headers])
+            block = bytearray()
+            literal_fields(block, [*fields, (b":path", self.path), *headers])
+            self.blocks[key] = block = bytes(block)
         out = bytearray()
         self.frame(out, HEADERS, END_HEADERS | (0 if body else END_STREAM), stream_id, block)
         view = memoryview(body)
@@ -182,7 +201,7 @@ class H2Client:
                     break
                 at, out = 0, bytearray()
                 while len(buffer) - at >= 9:
-                    high, low, kind, flags, stream_id = _HEAD.unpack_from(buffer, at)
+                    high, low, kind, flags, stream_id = FRAME_HEAD.unpack_from(buffer, at)
                     length = high << 16 | low
                     if len(buffer) - at - 9 < length:
                         break
@@ -219,7 +238,7 @@ class H2Client:
             if kind == HEADERS:
                 if flags & PADDED:
                     payload = payload[1 : len(payload) - payload[0]]
-                if flags & PRIORITY:
+                if flags & PRIORITY_FLAG:
                     payload = payload[5:]
                 self.block = (stream_id, flags, bytearray())
             if self.block is None:
@@ -274,23 +293,3 @@ class H2Client:
 
     async def aclose(self) -> None:
         await self.stream.aclose()
-
-
-def literal_block(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """An HPACK header block of literals without indexing, not Huffman-coded (RFC 7541 6.2.2)."""
-    block = bytearray()
-    for name, value in headers:
-        block.append(0x00)
-        for text in (name, value):
-            size = len(text)
-            if size < 0x7F:
-                block.append(size)
-            else:
-                block.append(0x7F)
-                size -= 0x7F
-                while size >= 0x80:
-                    block.append(size & 0x7F | 0x80)
-                    size >>= 7
-                block.append(size)
-            block += text
-    return bytes(block)

@@ -66,7 +66,7 @@ class Exchange:
                 self.body.clear()
                 more = not self.body_ended
                 self.told_end = not more
-                self.server.taken(self.stream_id, len(data))
+                self.server.conn.taken(self.stream_id, len(data))
                 if self.server.conn.pending:  # its credit, now: the client may be waiting for it to send more
                     with suppress(Gone):
                         await self.server.flush()
@@ -234,9 +234,6 @@ class Http2Server:
             "server": self.server,
             "extensions": {},
         }
-
-    def taken(self, stream_id: int, size: int) -> None:
-        self.conn.taken(stream_id, size)
 
     async def answer(self, exchange: Exchange, body: bytes, more: bool) -> None:
         """Send ``body`` on the exchange's stream (its headers first, with the first part), as the client's

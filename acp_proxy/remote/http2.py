@@ -41,7 +41,7 @@ DEFAULT_FRAME_SIZE: Final = 16_384
 LARGEST_FRAME_SIZE: Final = 2**24 - 1
 LARGEST_WINDOW: Final = 2**31 - 1
 
-_HEAD: Final = struct.Struct(">BHBBL")
+FRAME_HEAD: Final = struct.Struct(">BHBBL")
 """A frame's 9-byte header: its length (24 bits, as a byte and a short), type, flags and stream id."""
 
 REQUEST_PSEUDO: Final = frozenset({b":method", b":scheme", b":authority", b":path"})
@@ -217,7 +217,7 @@ class Http2Connection:
                 at = len(PREFACE)
             end = len(buffer)
             while end - at >= 9:
-                high, low, kind, flags, stream_id = _HEAD.unpack_from(buffer, at)
+                high, low, kind, flags, stream_id = FRAME_HEAD.unpack_from(buffer, at)
                 length = high << 16 | low
                 if length > self.max_frame:
                     message = f"a frame of {length} bytes (at most {self.max_frame})"
@@ -484,13 +484,8 @@ class Http2Connection:
         else:
             block.append(0x08)  # a literal not indexed, with the name of static entry 8 (":status")
             _string(block, b"%d" % status)
-        for name, value in headers:
-            name = name.lower()
-            if name in CONNECTION_SPECIFIC:
-                continue
-            block.append(0x00)  # a literal not indexed, with a literal name: no table state on either side
-            _string(block, name)
-            _string(block, value)
+        lowered = ((name.lower(), value) for name, value in headers)
+        literal_fields(block, [(name, value) for name, value in lowered if name not in CONNECTION_SPECIFIC])
         flags = END_STREAM if end else 0
         size = self._peer_frame
         if len(block) <= size:
@@ -568,7 +563,7 @@ class Http2Connection:
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes | bytearray | memoryview) -> None:
         length = len(payload)
-        self._out += (_HEAD.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id), payload)
+        self._out += (FRAME_HEAD.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id), payload)
 
 
 def malformed(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -599,6 +594,15 @@ def _unpad(flags: int, payload: bytes) -> bytes:
     if not payload or payload[0] >= len(payload):
         raise _ConnectionError(Code.PROTOCOL_ERROR, "padding as long as the frame")
     return payload[1 : len(payload) - payload[0]]
+
+
+def literal_fields(block: bytearray, fields: Iterable[tuple[bytes, bytes]]) -> None:
+    """Add ``fields`` to an HPACK header block as literals not indexed, with literal names (RFC 7541 6.2.2):
+    no table state on either side."""
+    for name, value in fields:
+        block.append(0x00)
+        _string(block, name)
+        _string(block, value)
 
 
 def _string(block: bytearray, text: bytes) -> None:

@@ -71,8 +71,8 @@ class Outbox:
         connection is told its client is not reading; while ``patient``, for as long as it takes)."""
         deadline = math.inf  # set at the first wait: a line with room to go (nearly every one) reads no clock
         while not self.closed:
-            own = target in self._streams or target in self._had_stream
-            pair = self._streams.get(target) if own else self._streams.get(None)
+            key = self._key(target)
+            pair = self._streams.get(key)
             if pair is None:
                 if len(self._backlog) < self.max_pending:
                     self._backlog.append((target, line))
@@ -90,7 +90,7 @@ class Outbox:
                     pass
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     continue  # that stream was replaced or its reader left: route again
-                waited = await self._send_when_room(pair[0], line, target if own else None)
+                waited = await self._send_when_room(pair[0], line, key)
                 if waited is not _Waited.ROUTE_AGAIN:
                     return  # sent, or the connection gave its client up (the line goes with it)
                 deadline = math.inf  # the stream closed (replaced, or its client's socket let go): wait afresh
@@ -131,10 +131,9 @@ class Outbox:
     async def put_all(self, items: Iterable[tuple[str | None, bytes]]) -> None:
         """``put`` each of ``items`` (target, line), in order: a run of a proxy's output handed over as one, each
         line with room on its stream taken at once, the rest waiting as ``put`` waits."""
-        streams, had_stream = self._streams, self._had_stream
         for target, line in items:
             if not self.closed:
-                pair = streams.get(target) if target in streams or target in had_stream else streams.get(None)
+                pair = self._streams.get(self._key(target))
                 if pair is not None:
                     try:
                         pair[0].send_nowait(line)
@@ -142,6 +141,10 @@ class Outbox:
                     except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                         pass  # full, or replaced: ``put`` routes it again, and waits
             await self.put(target, line)
+
+    def _key(self, target: str | None) -> str | None:
+        """The stream ``target``'s messages go to: its own, or (a session that never had one) the connection's."""
+        return target if target in self._streams or target in self._had_stream else None
 
     def wrote(self, target: str | None) -> None:
         """``target``'s writer got a run to its client: a client reading slowly (a large replay, a slow link)

@@ -89,9 +89,9 @@ class Replay:
 
     def record_run(self, lines: Sequence[bytes], now: float) -> list[str]:
         """Keep ``lines``, about to be written to the stream in this order: their cursors."""
-        first = self.record_lines(lines, now)
-        prefix = self.prefix
-        return [prefix + str(sequence) for sequence in range(first, first + len(lines))]
+        cursors = self.next_cursors(len(lines))
+        self.record_lines(lines, now)
+        return cursors
 
     def record_lines(self, lines: Sequence[bytes], now: float) -> int:
         """``record_run`` without making the cursors: the sequence number of the first (``cursor`` makes it)."""
@@ -111,8 +111,8 @@ class Replay:
 
     def next_cursors(self, count: int) -> list[str]:
         """The cursors the next ``count`` messages recorded get."""
-        prefix = self._last + 1
-        return [self.cursor(sequence) for sequence in range(prefix, prefix + count)]
+        first = self._last + 1
+        return [self.cursor(sequence) for sequence in range(first, first + count)]
 
     def cursor(self, sequence: int) -> str:
         return f"{self.prefix}{sequence}"
