@@ -14,7 +14,9 @@ every message decoded with msgspec, the same work on each transport), ``connect`
 
 * *short turns*: ``session/prompt`` answered by ``SHORT_UPDATES`` ``session/update``s and
   ``end_turn``, p50/p95/p99 over ``--remote-turns`` turns per transport after ``WARM_UP`` untimed,
-  the transports taking turns in blocks of ``BLOCK``;
+  the transports taking turns in blocks of ``BLOCK``, with the CPU a turn cost each process on its way
+  (the proxy, ``serve``, the client): on a machine whose cores the stdio turn already keeps busy,
+  what a transport adds in CPU it adds in time;
 * *streaming*: one turn streaming ``--remote-updates`` updates of 180 B, updates/s (median of
   ``--repeat`` runs, at least ``MIN_STREAM_RUNS``, interleaved, ``PAUSE`` apart), with the CPU
   each process spent on it (the stdio proxy or the connection's proxy, ``serve``, the client).
@@ -618,6 +620,7 @@ async def transports_run(served: Served, bench: Bench) -> dict[str, Any]:
                 channel.pid = new_child(served, before)
             sessions[key] = await channel.new_session()
         turns: dict[str, list[float]] = {key: [] for key in channels}
+        cpu: dict[str, list[Cpu]] = {key: [] for key in channels}
         streams: dict[str, list[Row]] = {key: [] for key in channels}
         errors: list[str] = []
 
@@ -630,13 +633,14 @@ async def transports_run(served: Served, bench: Bench) -> dict[str, Any]:
             except FAILURES as exc:
                 errors.append(f"{NAME} {what} over {channels[key].label}: {exc!r}"[:600])
                 progress(f"  FAILED {errors[-1]}")
-                del turns[key], streams[key]
+                del turns[key], streams[key], cpu[key]
 
         async def short_turns(count: int, kept: bool, key: str, channel: Channel) -> None:
-            for _ in range(count):
-                sample = await channel.turn(sessions[key], SHORT_UPDATES) * 1e6
-                if kept:
-                    turns[key].append(sample)
+            before = cpu_now(served, channel)
+            samples = [await channel.turn(sessions[key], SHORT_UPDATES) * 1e6 for _ in range(count)]
+            if kept:
+                turns[key] += samples
+                cpu[key].append(cpu_spent(before, cpu_now(served, channel)))
 
         for key in channels:
             await on(key, "warm-up", functools.partial(short_turns, WARM_UP, False, key))
@@ -658,17 +662,40 @@ async def transports_run(served: Served, bench: Bench) -> dict[str, Any]:
             for key in channels:
                 await on(key, "streaming", functools.partial(stream, key))
         tasks.cancel_scope.cancel()  # the HTTP event streams; then the exit stack closes the channels
-    return {"turns": turns, "streams": streams, "errors": errors}
+    return {"turns": turns, "cpu": cpu, "streams": streams, "errors": errors}
+
+
+Cpu = tuple[float | None, float | None, float | None]
+"""CPU seconds of the proxy (the stdio one, or the connection's), ``serve`` (``None`` over stdio) and the client."""
+
+
+def cpu_now(served: Served, channel: Channel) -> Cpu:
+    proxy, serve = channel.pid, None if isinstance(channel, Stdio) else served.pid
+    return cpu_seconds(proxy) if proxy else None, cpu_seconds(serve) if serve else None, time.process_time()
+
+
+def cpu_spent(before: Cpu, after: Cpu) -> Cpu:
+    proxy, serve, client = (None if b is None or a is None else a - b for b, a in zip(before, after, strict=True))
+    return proxy, serve, client
 
 
 async def stream_once(served: Served, channel: Channel, session_id: str, updates: int) -> Row:
     """One streaming turn, with the CPU the client and the processes in the middle spent on it."""
-    proxy, serve = channel.pid, None if isinstance(channel, Stdio) else served.pid
-    before = cpu_seconds(proxy) if proxy else None, cpu_seconds(serve) if serve else None, time.process_time()
+    before = cpu_now(served, channel)
     seconds = await channel.turn(session_id, updates)
-    after = cpu_seconds(proxy) if proxy else None, cpu_seconds(serve) if serve else None, time.process_time()
-    spent = [None if b is None or a is None else a - b for b, a in zip(before, after, strict=True)]
+    spent = cpu_spent(before, cpu_now(served, channel))
     return {"seconds": seconds, "proxy_cpu_s": spent[0], "serve_cpu_s": spent[1], "client_cpu_s": spent[2]}
+
+
+def cpu_per_turn(blocks: list[Cpu], turns: int) -> Row:
+    """The CPU each process spent a short turn, in microseconds, over the kept blocks (``None`` where a process
+    was not there, or left during the run)."""
+    row: Row = {}
+    for index, name in enumerate(("proxy", "serve", "client")):
+        spent = [block[index] for block in blocks]
+        known = [seconds for seconds in spent if seconds is not None]
+        row[f"{name}_cpu_us"] = sum(known) / turns * 1e6 if known and len(known) == len(spent) else None
+    return row
 
 
 async def defaults_run(served: Served, bench: Bench) -> list[Row]:
@@ -719,7 +746,12 @@ async def requests_probe(served: Served, bench: Bench) -> Row:
 
 def transport_rows(measured: dict[str, Any], updates: int) -> tuple[list[Row], list[Row]]:
     turn_rows = [
-        {"transport": key, "turns": len(samples), **figures("us", samples, "p50", "p95", "p99", "mean")}
+        {
+            "transport": key,
+            "turns": len(samples),
+            **figures("us", samples, "p50", "p95", "p99", "mean"),
+            **cpu_per_turn(measured["cpu"][key], len(samples)),
+        }
         for key, samples in measured["turns"].items()
     ]
     stream_rows = []
@@ -1054,6 +1086,9 @@ TURN_COLUMNS = (
     *figure_cols("us", "p50", "p95", "p99", "mean", digits=0),
     col("x stdio p50", "vs_stdio_p50", 2, "x", when=remote_only),
     col("x stdio p95", "vs_stdio_p95", 2, "x", when=remote_only),
+    col("proxy CPU us", "proxy_cpu_us", 0),
+    col("serve CPU us", "serve_cpu_us", 0, when=remote_only),
+    col("client CPU us", "client_cpu_us", 0),
 )
 STREAM_COLUMNS = (
     Column("transport", transport),
@@ -1101,7 +1136,9 @@ def render(report: Report) -> list[str]:
     if "turns_by" in results:
         out += [
             f"Short turns: session/prompt answered by {results['short_updates']} updates and end_turn, "
-            f"{results['turns']:,} per transport after {WARM_UP} untimed, in interleaved blocks of {BLOCK}.",
+            f"{results['turns']:,} per transport after {WARM_UP} untimed, in interleaved blocks of {BLOCK}; "
+            "CPU a turn: the proxy (the stdio one, or the connection's), serve and the client, from each process's "
+            "CPU clock over the timed turns.",
             "",
             *render_table(TURN_COLUMNS, results["turns_by"]),
             f"Streaming: one turn of {results['updates']:,} updates of 180 B, median of {results['repeat']} run(s), "
