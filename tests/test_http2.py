@@ -23,6 +23,8 @@ from acp_proxy.remote.http2 import (
     PADDED,
     PING,
     PREFACE,
+    REPEATED_BLOCK_SIZE,
+    REPEATED_BLOCKS,
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
@@ -34,6 +36,7 @@ from acp_proxy.remote.http2 import (
     Request,
     Reset,
     StreamGone,
+    literal_fields,
     malformed,
 )
 
@@ -335,6 +338,83 @@ def test_streams_over_the_limit_are_refused_and_their_headers_still_decoded() ->
     assert server.receive(frame(HEADERS, END_HEADERS | END_STREAM, 9, encoder.encode(new))) == [
         Request(9, new, ended=True)
     ]
+
+
+BY_HAND = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/"), (b":authority", b"x")]
+
+
+def _request_block(tail: bytes) -> bytes:
+    """``BY_HAND``'s header block: static entries 3, 6 and 4, an :authority literal that leaves the table as it
+    was; then ``tail``."""
+    return b"\x83\x86\x84\x01\x01x" + tail
+
+
+def test_a_header_block_a_client_repeats_is_decoded_once_while_the_table_stays_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server, _ = opened()
+    decoded: list[bytes] = []
+    decode = server._decoder.decode
+    monkeypatch.setattr(server._decoder, "decode", lambda block, raw: decoded.append(block) or decode(block, raw))
+    indexed = hpack.Encoder()  # as h2, httpx and curl send: the first request indexes, the next refer to it
+    headers = [*POST, (b"content-type", b"application/json"), (b"acp-session-id", b"s" * 36)]
+    blocks = [indexed.encode(headers) for _ in range(3)]
+    literal = _request_block(b"\x00\x06x-mine\x05again")  # literal names and values, never indexed
+    for index, block in enumerate([*blocks, literal, literal, blocks[2]]):
+        stream_id = 1 + 2 * index
+        events = server.receive(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
+        want = headers if block is not literal else [*BY_HAND, (b"x-mine", b"again")]
+        assert events == [Request(stream_id, want, ended=True)]
+        server.respond(stream_id, 202, [], end=True)
+    assert decoded == [blocks[0], blocks[1], literal]  # the first one inserted into the table: decoded again
+
+
+def test_a_kept_header_block_is_decoded_afresh_once_the_table_changes() -> None:
+    """Each step a block and the last field it must decode to; references to the dynamic table come after
+    every kind of change to it: an entry added, one added in the place of another, the size changed."""
+    server, _ = opened()
+    refer, refer_second = _request_block(b"\xbe"), _request_block(b"\xbf")  # dynamic entries 62 and 63
+    sized = {n: b"\x3f" + bytes([n - 31]) + _request_block(b"") for n in (40, 100)}  # a size update first
+    steps = [
+        (_request_block(b"\x40\x03x-a\x03one"), (b"x-a", b"one")),  # added (incremental indexing): 62
+        (refer, (b"x-a", b"one")),
+        (refer, (b"x-a", b"one")),
+        (_request_block(b"\x40\x03x-a\x03two"), (b"x-a", b"two")),  # 62 now; (x-a, one) is 63
+        (refer, (b"x-a", b"two")),
+        (sized[40], (b":authority", b"x")),  # room for one entry of 38 bytes: (x-a, one) goes
+        (refer, (b"x-a", b"two")),
+        (_request_block(b"\x40\x03x-a\x05three"), (b"x-a", b"three")),  # in the one place: as many entries
+        (refer, (b"x-a", b"three")),
+        (sized[100], (b":authority", b"x")),  # nothing goes
+        (sized[40], (b":authority", b"x")),
+        (sized[100], (b":authority", b"x")),  # the same block again, whose size must count again
+        (_request_block(b"\x40\x03x-b\x011"), (b"x-b", b"1")),  # 76 bytes in 100: (x-a, three) stays, 63
+        (refer_second, (b"x-a", b"three")),
+    ]
+    for index, (block, last) in enumerate(steps):
+        [request] = server.receive(frame(HEADERS, END_HEADERS | END_STREAM, 1 + 2 * index, block))
+        assert isinstance(request, Request)
+        assert request.headers[-1] == last, index
+    emptied = b"\x20" + _request_block(b"")  # a size update to 0 empties the table
+    assert isinstance(server.receive(frame(HEADERS, END_HEADERS | END_STREAM, 101, emptied))[0], Request)
+    events = server.receive(frame(HEADERS, END_HEADERS | END_STREAM, 103, refer))
+    assert events[-1] == Closing(Code.COMPRESSION_ERROR, events[-1].message, by_client=False)
+
+
+def test_header_blocks_kept_are_bounded_the_oldest_let_go() -> None:
+    server, _ = opened()
+    blocks = [_request_block(b"\x00\x04x-id\x04%04d" % n) for n in range(REPEATED_BLOCKS + 5)]
+    for index, block in enumerate(blocks):
+        assert len(server.receive(frame(HEADERS, END_HEADERS | END_STREAM, 1 + 2 * index, block))) == 1
+        server.respond(1 + 2 * index, 202, [], end=True)
+    assert list(server._decoded) == blocks[-REPEATED_BLOCKS:]
+    tail = bytearray()
+    literal_fields(tail, [(b"x-id", b"v" * REPEATED_BLOCK_SIZE)])
+    large = _request_block(bytes(tail))
+    stream_id = 1 + 2 * len(blocks)
+    events = server.receive(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, large))
+    assert events == [Request(stream_id, [*BY_HAND, (b"x-id", b"v" * REPEATED_BLOCK_SIZE)], ended=True)]
+    assert large not in server._decoded
 
 
 def test_after_goaway_open_streams_are_served_and_new_ones_refused() -> None:

@@ -4,9 +4,9 @@ Bytes from the client go in (``receive``), events come out; what the server answ
 frames (``respond``, ``send``, ``reset``, ``goaway``) and taken by ``data_to_send``. ``h2server.py``
 runs the application over it. ``serve`` used hypercorn's HTTP/2 (h2's state machine): about 1.7 ms
 of ``serve``'s CPU for a short turn, a POST and its 202 and a run of events, most of it in the
-generality of h2's frame and stream objects. Here a request costs its HPACK decoding (the ``hpack``
-library, h2's own) and a few slices, and an answer's headers are literals never indexed, written
-without any encoder state.
+generality of h2's frame and stream objects. Here a request costs a few slices and its HPACK
+decoding (the ``hpack`` library, h2's own), once for headers a client repeats, and an answer's
+headers are literals never indexed, written without any encoder state.
 
 What a streamable HTTP server needs and no more: cleartext with prior knowledge (h2c; behind TLS
 hypercorn serves), no server push, priorities read and ignored, no extended CONNECT. Flow control
@@ -49,6 +49,10 @@ CONNECTION_SPECIFIC: Final = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 )
 STATIC_STATUS: Final = {200: 8, 204: 9, 206: 10, 304: 11, 400: 12, 404: 13, 500: 14}
+REPEATED_BLOCKS: Final = 16
+REPEATED_BLOCK_SIZE: Final = 2048
+"""Header blocks kept decoded (``Http2Connection._decode``), the oldest let go first, and the largest kept: a
+client's requests' headers, a few kinds of request each (at most 64 KiB a connection)."""
 """The statuses HPACK's static table holds whole (RFC 7541 appendix A): one byte each."""
 
 
@@ -180,6 +184,9 @@ class Http2Connection:
         when ``data_to_send`` joins them."""
         self._decoder = hpack.Decoder()
         self._decoder.max_header_list_size = max_header_list
+        self._decoded: dict[bytes, tuple[tuple[bytes, bytes], ...]] = {}
+        """Header blocks decoded since HPACK's table last changed, whose decoding left it as it was: by their
+        bytes, what they decode to (``_decode``)."""
         self._block: tuple[int, int, bytearray] | None = None
         """A header block whose CONTINUATION frames are still to come: its stream, its HEADERS' flags, its bytes."""
         self._peer_window = DEFAULT_WINDOW
@@ -330,7 +337,7 @@ class Http2Connection:
     def _header_block(self, stream_id: int, flags: int, block: bytes, events: list[Event]) -> None:
         """A whole header block: decoded whatever becomes of its stream, since HPACK's table is the connection's."""
         try:
-            headers = self._decoder.decode(block, raw=True)
+            headers = self._decode(block)
         except hpack.OversizedHeaderListError as exc:
             raise _ConnectionError(Code.ENHANCE_YOUR_CALM, f"a header list too large: {exc}") from None
         except hpack.HPACKError as exc:
@@ -356,7 +363,7 @@ class Http2Connection:
         if len(self.streams) >= self.max_streams:
             self._frame(RST_STREAM, 0, stream_id, struct.pack(">L", Code.REFUSED_STREAM))
             return
-        fields = [(bytes(name), bytes(value)) for name, value in headers]
+        fields = list(headers)
         problem = malformed(fields)
         if problem is not None:
             self._frame(RST_STREAM, 0, stream_id, struct.pack(">L", Code.PROTOCOL_ERROR))
@@ -366,6 +373,27 @@ class Http2Connection:
         if ended:
             stream.receiving = False
         events.append(Request(stream_id, fields, ended))
+
+    def _decode(self, block: bytes) -> tuple[tuple[bytes, bytes], ...]:
+        """What a header block decodes to. A client repeats its requests' headers block for block (literals, or
+        references to what its first request indexed), and decoding one was most of a short request's cost:
+        a block whose decoding left HPACK's table as it was decodes the same way until the table changes, so
+        it is kept until then. The table changes only by an insertion (a new first entry, held here so that
+        no other can take its identity) or a size update (its size, or its length)."""
+        known = self._decoded.get(block)
+        if known is not None:
+            return known
+        table = self._decoder.header_table
+        entries = table.dynamic_entries
+        size, length, first = table.maxsize, len(entries), entries[0] if entries else None
+        headers = tuple((bytes(name), bytes(value)) for name, value in self._decoder.decode(block, raw=True))
+        if table.maxsize != size or len(entries) != length or (entries[0] if entries else None) is not first:
+            self._decoded.clear()  # what was kept was decoded with the table as it was
+        elif len(block) <= REPEATED_BLOCK_SIZE:
+            if len(self._decoded) >= REPEATED_BLOCKS:
+                del self._decoded[next(iter(self._decoded))]
+            self._decoded[block] = headers
+        return headers
 
     def _settings(self, flags: int, stream_id: int, payload: bytes, events: list[Event]) -> None:
         if stream_id != 0:
