@@ -82,6 +82,24 @@ def test_what_no_server_may_send_is_refused(frame: bytes, why: str) -> None:
         FrameReader().feed(frame)
 
 
+@pytest.mark.parametrize(
+    ("after", "why"),
+    [
+        (bytes([0x81, 0x82, 1, 2, 3, 4, 0, 0]), "masked"),
+        (bytes([0xC1, 0x00]), "reserved"),
+        (bytes([0x81, 0x02]) + b"\xff\xfe", "UTF-8"),
+        (bytes([0x81, 0x7E, 0x00, 0x65]) + b"x" * 101, "over 100 bytes"),
+    ],
+)
+def test_a_run_of_whole_texts_is_read_up_to_the_frame_that_is_refused(after: bytes, why: str) -> None:
+    server = _server()
+    run = b"".join(server.send_data(text, fin=True) for text in ["{}", "y" * 100, "é" * 50])
+    reader = FrameReader(max_message=100)
+    with pytest.raises(ProtocolError, match=why):
+        reader.feed(run + after + server.send_data("never", fin=True))
+    assert list(reader.texts) == ["{}", "y" * 100, "é" * 50]
+
+
 def test_a_new_message_inside_a_fragmented_one_is_refused() -> None:
     reader = FrameReader()
     reader.feed(bytes([Opcode.TEXT.value, 0x01]) + b"a")

@@ -66,6 +66,8 @@ class FrameReader:
         limit = self._max_message
         texts = self.texts
         try:
+            if not masked and self._message is None and self.closed is None:
+                at = self._server_texts(buffer, end)
             while end - at >= 2 and self.closed is None:
                 first, second = buffer[at], buffer[at + 1]
                 if first & 0x70:
@@ -103,6 +105,30 @@ class FrameReader:
                     self._frame(bool(first & 0x80), first & 0x0F, bytes(payload))
         finally:
             del buffer[:at]
+
+    def _server_texts(self, buffer: bytearray, end: int) -> int:
+        """The run of whole text messages a server sends, each in one frame, up to ``end``: decoded straight
+        from ``buffer`` into ``texts``. Where the first other frame starts (``feed`` reads it and the rest,
+        and names what is wrong with one)."""
+        at, limit, add = 0, self._max_message, self.texts.append
+        with memoryview(buffer) as view:
+            while end - at >= 2 and buffer[at] == 0x81:  # FIN and text: a whole message
+                length = buffer[at + 1]
+                if length < 126:
+                    head = at + 2
+                elif length == 126 and end - at >= 4:
+                    length, head = buffer[at + 2] << 8 | buffer[at + 3], at + 4
+                else:
+                    break  # a masked frame, a length of 64 bits, or a head not all here
+                stop = head + length
+                if stop > end or (limit is not None and length > limit):
+                    break
+                try:
+                    add(str(view[head:stop], "utf-8"))
+                except UnicodeDecodeError:
+                    break
+                at = stop
+        return at
 
     def _frame(self, fin: bool, opcode: int, payload: bytes) -> None:
         if opcode >= CLOSE:
