@@ -49,11 +49,11 @@ CONNECTION_SPECIFIC: Final = frozenset(
     {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
 )
 STATIC_STATUS: Final = {200: 8, 204: 9, 206: 10, 304: 11, 400: 12, 404: 13, 500: 14}
+"""The statuses HPACK's static table holds whole (RFC 7541 appendix A): one byte each."""
 REPEATED_BLOCKS: Final = 16
 REPEATED_BLOCK_SIZE: Final = 2048
 """Header blocks kept decoded (``Http2Connection._decode``), the oldest let go first, and the largest kept: a
 client's requests' headers, a few kinds of request each (at most 64 KiB a connection)."""
-"""The statuses HPACK's static table holds whole (RFC 7541 appendix A): one byte each."""
 
 
 class Code(IntEnum):
