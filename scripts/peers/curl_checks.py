@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .harness import Peers
-from .remote_checks import Serve
+from .remote_checks import serving_echo
 from .report import CheckFailed
 
 TIMEOUT = 30.0
@@ -73,30 +73,9 @@ def remote_curl_http2(peers: Peers, name: str) -> str:
     version = subprocess.run(["curl", "--version"], capture_output=True, text=True, timeout=10).stdout
     if "nghttp2" not in version:
         raise CheckFailed("this curl has no HTTP/2 (nghttp2)")
-    base = peers.work / "remote" / name
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
-    env, marker = peers.runs.env(name, HOME=str(base), ACP_PROXY_STATE_DIR=str(base / "state"))
-    log, serve_log = peers.fresh_logs(name, "curl.stderr", "serve.stderr")
-    done = subprocess.run(
-        [*peers.proxy, "token", "create", "curl"], env=env, capture_output=True, text=True, timeout=60
-    )
-    token = done.stdout.strip()
-    if done.returncode != 0 or not token:
-        raise CheckFailed(f"acp-proxy token create exited {done.returncode}: {done.stderr[-300:]}")
-    serve = Serve(peers, ["--", *peers.echo_agent(), "--store", str(base / "store")], env, serve_log)
-    try:
-        port = serve.start(0)
-        found = exchange(Curl(f"http://127.0.0.1:{port}/acp", token, log))
-        seconds, status = serve.stop()
-        if status != 0:
-            raise CheckFailed(f"serve exited {status} after SIGTERM (see {serve_log})")
-    finally:
-        serve.kill()
-    left = peers.runs.leftovers(marker, 10.0)
-    if left:
-        raise CheckFailed(f"processes left running (killed now): {left}")
-    return f"{found}; serve stopped by SIGTERM in {seconds:.1f}s, nothing left running ({version.split()[1]})"
+    with serving_echo(peers, name) as served:
+        found = exchange(Curl(served.url, served.token, served.client_log))
+    return f"{found}; serve stopped by SIGTERM in {served.seconds:.1f}s, nothing left running ({version.split()[1]})"
 
 
 def exchange(curl: Curl) -> str:

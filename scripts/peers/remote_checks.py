@@ -26,6 +26,7 @@ WORKDIR/logs/<check>-<mode>-agent.stderr; ``serve``'s goes to <check>-remote-ser
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,7 +35,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,11 +222,7 @@ class RemoteRun:
 
     def create_token(self) -> str:
         env = {k: v for k, v in self.env.items() if k != "ACP_PROXY_TOKEN"}
-        rc, out = run_command([*self.peers.proxy, "token", "create", "check-peers"], env, self.log, 30, self.peers.ws)
-        token = out.strip()
-        if rc != 0 or not token or len(token.split()) != 1:
-            raise CheckFailed(f"acp-proxy token create exited {rc} printing {out!r} (see {self.log})")
-        return token
+        return create_token(self.peers, "check-peers", env, self.log)
 
     def acpx(self, agent: list[str], env: dict[str, str], *args: str) -> tuple[int, list[Any]]:
         rc, out = self.peers.acpx(agent, *args, env=env, log=self.log, timeout=PROMPT_TIMEOUT + 60)
@@ -392,6 +389,51 @@ def bridge_error(message: Any) -> str | None:
 
 def describe(found: dict[int, markers.Marked]) -> str:
     return "; ".join(str(m) for m in found.values()) or "nothing"
+
+
+def create_token(peers: Peers, name: str, env: dict[str, str], log: Path) -> str:
+    """The secret of ``acp-proxy token create NAME`` in ``env``'s state dir (its stderr to ``log``)."""
+    rc, out = run_command([*peers.proxy, "token", "create", name], env, log, 30, peers.ws)
+    token = out.strip()
+    if rc != 0 or not token or len(token.split()) != 1:
+        raise CheckFailed(f"acp-proxy token create exited {rc} printing {out!r} (see {log})")
+    return token
+
+
+@dataclass
+class EchoServed:
+    """A ``serve`` of the echo agent (``serving_echo``), for a client to reach."""
+
+    url: str
+    token: str
+    env: dict[str, str]
+    client_log: Path
+    serve_log: Path
+    seconds: float = 0.0
+    """How long it took to exit on SIGTERM (once the block has ended)."""
+
+
+@contextlib.contextmanager
+def serving_echo(peers: Peers, name: str) -> Iterator[EchoServed]:
+    """``serve`` in front of the echo agent (its history on disk, so another process of it loads a session), in
+    a scratch state dir of ``name``'s with a token, until the block ends: then stopped by SIGTERM, which it
+    must exit 0 on, and nothing of the run may be left running."""
+    base = peers.work / "remote" / name
+    shutil.rmtree(base, ignore_errors=True)
+    (base / "home").mkdir(parents=True)
+    env, marker = peers.runs.env(name, HOME=str(base / "home"), ACP_PROXY_STATE_DIR=str(base / "state"))
+    serve_log, client_log = peers.fresh_logs(name, "serve.stderr", "client.stderr")
+    token = create_token(peers, name, env, client_log)
+    serve = Serve(peers, ["--", *peers.echo_agent(), "--store", str(base / "store")], env, serve_log)
+    try:
+        served = EchoServed(f"http://127.0.0.1:{serve.start(0)}/acp", token, env, client_log, serve_log)
+        yield served
+        served.seconds, status = serve.stop()
+        if status != 0:
+            raise CheckFailed(f"serve exited {status} after SIGTERM (see {serve_log})")
+    finally:
+        serve.kill()
+    peers.check_leftovers(name, "proxy", marker, wait=10.0)
 
 
 class Serve:

@@ -13,12 +13,11 @@ nothing of the run may be left.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from .harness import Peers, run_command
-from .remote_checks import Serve
+from .remote_checks import serving_echo
 from .report import CheckFailed
 
 PROGRAMS = Path(__file__).parent
@@ -44,40 +43,23 @@ def remote_sdk_typescript(peers: Peers, name: str) -> str:
 
 
 def remote_sdk(peers: Peers, name: str, client: list[str], client_env: dict[str, str]) -> str:
-    base = peers.work / "remote" / name
-    shutil.rmtree(base, ignore_errors=True)
-    (base / "home").mkdir(parents=True)
-    env, marker = peers.runs.env(name, HOME=str(base / "home"), ACP_PROXY_STATE_DIR=str(base / "state"))
-    serve_log, client_log = peers.fresh_logs(name, "serve.stderr", "client.stderr")
-    rc, out = run_command([*peers.proxy, "token", "create", name], env, client_log, 30, peers.ws)
-    token = out.strip()
-    if rc != 0 or len(token.split()) != 1:
-        raise CheckFailed(f"acp-proxy token create exited {rc} printing {out!r}")
-    serve = Serve(peers, ["--", *peers.echo_agent(), "--store", str(base / "store")], env, serve_log)
     seen: dict[str, dict[str, Any]] = {}
-    try:
-        url = f"http://127.0.0.1:{serve.start(0)}/acp"
+    with serving_echo(peers, name) as served:
         for transport in TRANSPORTS:
-            argv = [*client, url, token, transport, str(peers.ws)]
-            rc, out = run_command(argv, {**env, **client_env}, client_log, 180, peers.ws)
+            argv = [*client, served.url, served.token, transport, str(peers.ws)]
+            rc, out = run_command(argv, {**served.env, **client_env}, served.client_log, 180, peers.ws)
             lines = out.strip().splitlines()
             if rc != 0 or not lines:
-                raise CheckFailed(f"the {transport} client exited {rc}: {out.strip()[-300:]} (see {client_log})")
+                raise CheckFailed(f"the {transport} client exited {rc}: {out.strip()[-300:]} (see {served.client_log})")
             seen[transport] = summary = json.loads(lines[-1])
             problem = judge(summary)
             if problem:
-                raise CheckFailed(f"over {transport}: {problem} (see {client_log}, {serve_log})")
-        seconds, status = serve.stop()
-        if status != 0:
-            raise CheckFailed(f"serve exited {status} after SIGTERM (see {serve_log})")
-    finally:
-        serve.kill()
-    peers.check_leftovers(name, "proxy", marker, wait=10.0)
+                raise CheckFailed(f"over {transport}: {problem} (see {served.client_log}, {served.serve_log})")
     loads = ", ".join(f"{t}: {seen[t]['unknownLoad']}" for t in TRANSPORTS)
     return (
         f"over WebSocket and streamable HTTP: initialize, new, two turns, a new connection, the load of an unknown "
         f"id failed alone ({loads}), the load replayed both prompts, a third turn remembered both; serve stopped "
-        f"in {seconds:.1f}s, nothing left running"
+        f"in {served.seconds:.1f}s, nothing left running"
     )
 
 
