@@ -125,16 +125,20 @@ class StreamGone(Exception):
     """``respond`` or ``send`` on a stream that is closed or was reset: its client no longer wants it."""
 
 
-class _ConnectionError(Exception):
+class _ProtocolError(Exception):
+    """What the client broke, and the code that tells it so."""
+
     def __init__(self, code: Code, message: str) -> None:
         super().__init__(message)
         self.code = code
 
 
-class _StreamError(Exception):
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class _ConnectionError(_ProtocolError):
+    """The connection must go (GOAWAY)."""
+
+
+class _StreamError(_ProtocolError):
+    """Only its stream goes (RST_STREAM)."""
 
 
 class _Stream:
@@ -459,12 +463,14 @@ class Http2Connection:
             raise _ConnectionError(Code.FRAME_SIZE_ERROR, "RST_STREAM of other than 4 bytes")
         if stream_id > self.highest:
             raise _ConnectionError(Code.PROTOCOL_ERROR, "RST_STREAM on a stream never opened")
-        stream = self.streams.pop(stream_id, None)
-        if stream is not None and stream.delivered:
-            events.append(Reset(stream_id, int.from_bytes(payload, "big")))
+        self._drop(stream_id, int.from_bytes(payload, "big"), events)
 
     def _reset_for_error(self, stream_id: int, code: Code, events: list[Event]) -> None:
         self._frame(RST_STREAM, 0, stream_id, struct.pack(">L", code))
+        self._drop(stream_id, code, events)
+
+    def _drop(self, stream_id: int, code: int, events: list[Event]) -> None:
+        """The stream is reset: gone here, and its application told if it was given the request."""
         stream = self.streams.pop(stream_id, None)
         if stream is not None and stream.delivered:
             events.append(Reset(stream_id, code))

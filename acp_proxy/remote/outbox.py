@@ -209,7 +209,7 @@ class Outbox:
             return replay.record_run(lines, now), lines
         cursors = replay.next_cursors(len(lines))
         written = [with_cursor(line, cursor) for line, cursor in zip(lines, cursors, strict=True)]
-        replay.record_run(written, now)
+        replay.record_lines(written, now)
         return cursors, written
 
     def record_events(self, target: str | None, lines: list[bytes], now: float) -> bytes:
